@@ -1,0 +1,536 @@
+"""The daemon: an asyncio (uvloop) server of sessions, shared-memory slots and step writes.
+
+One session per client connection (one trainer rank). Slots are memfds the daemon
+creates, pre-faults and hands to the client with SCM_RIGHTS; they are anonymous, so
+only the two processes holding the descriptor can see them, and the kernel frees them
+when both are gone — a crashed trainer or daemon leaks no shared memory.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import math
+import mmap
+import os
+import signal
+import socket
+import stat
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import __version__, protocol
+from .commit import CommitError, CommitTracker, PendingStep, write_index
+from .format import (DTYPE_ITEMSIZE, FormatError, INDEX_NAME, step_dir, validate_shape)
+from .protocol import ProtocolError
+from .writer import TensorLayout, WriteSettings, remove_rank_files, write_shard
+
+log = logging.getLogger("ckptd")
+
+MAX_SLOTS = 8
+
+
+def default_threads() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def default_slot_memory_limit() -> int:
+    """Half of physical memory: slots are pinned-size host buffers, never swap fodder."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+@dataclass
+class DaemonConfig:
+    root: str
+    socket_path: str
+    socket_mode: int = 0o660
+    threads: int = field(default_factory=default_threads)
+    write: WriteSettings = field(default_factory=WriteSettings)
+    step_timeout: float = 600.0
+    slot_memory_limit: int = field(default_factory=default_slot_memory_limit)
+    allowed_uids: frozenset[int] | None = None   # None: any peer that can open the socket
+    allowed_gids: frozenset[int] | None = None
+    drain_grace: float = 60.0
+
+
+@dataclass(eq=False)
+class Slot:
+    index: int
+    size: int
+    view: memoryview
+    mm: mmap.mmap
+    busy: bool = False
+
+    def close(self) -> None:
+        self.view.release()
+        self.mm.close()
+
+
+@dataclass(eq=False)
+class Session:
+    sock: socket.socket
+    pid: int
+    uid: int
+    gid: int
+    job: str | None = None
+    rank: int = -1
+    world_size: int = 0
+    slots: list[Slot] = field(default_factory=list)
+    send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    closed: bool = False
+    saves: int = 0
+
+    def describe(self) -> str:
+        return f"job={self.job} rank={self.rank} pid={self.pid} uid={self.uid}"
+
+
+class RequestError(Exception):
+    """A well-formed request that cannot be served; the connection stays open."""
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)
+
+
+def describe_error(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.errno is not None:
+        return f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror}" + (f" ({e.filename})" if e.filename else "")
+    return f"{type(e).__name__}: {e}"
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.root = os.path.abspath(config.root)
+        self.tracker = CommitTracker(config.step_timeout)
+        self.sessions: set[Session] = set()
+        self.slot_bytes_in_use = 0
+        self.codec_pool = ThreadPoolExecutor(config.threads, thread_name_prefix="ckptd-codec")
+        self.io_pool = ThreadPoolExecutor(max(4, config.threads), thread_name_prefix="ckptd-io")
+        self.writes: set[asyncio.Task] = set()
+        self.draining = False
+        self.stats = {"saves_started": 0, "saves_durable": 0, "saves_failed": 0, "steps_committed": 0,
+                      "steps_failed": 0, "bytes_raw": 0, "bytes_stored": 0}
+        self._server_sock: socket.socket | None = None
+        self._stopped: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- lifecycle -------------------------------------------------------
+
+    def bind(self) -> socket.socket:
+        """Bind the listening socket with a restrictive mode (replacing a stale socket file)."""
+        path = self.config.socket_path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        if os.path.exists(path):
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                raise RuntimeError(f"{path} exists and is not a socket; refusing to replace it")
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(path)
+                raise RuntimeError(f"another daemon is already serving {path}")
+            except (ConnectionRefusedError, FileNotFoundError):
+                os.unlink(path)
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o777 & ~self.config.socket_mode)
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old)
+        os.chmod(path, self.config.socket_mode)
+        sock.listen(1024)
+        return sock
+
+    async def serve(self, listen_sock: socket.socket | None = None) -> None:
+        """Serve until stop(); then drain in-flight writes for up to ``drain_grace`` seconds."""
+        self._loop = asyncio.get_running_loop()
+        self._stopped = asyncio.Event()
+        os.makedirs(self.root, exist_ok=True)
+        sock = listen_sock or self.bind()
+        sock.setblocking(False)
+        self._server_sock = sock
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._loop.add_signal_handler(sig, self.stop)
+            except (RuntimeError, ValueError):
+                pass
+        log.info("serving", extra={"ctx": {"socket": self.config.socket_path, "root": self.root,
+                                          "threads": self.config.threads, "codec": self.config.write.codec}})
+        accept = asyncio.ensure_future(self._accept_loop(sock))
+        sweeper = asyncio.ensure_future(self._sweep_loop())
+        await self._stopped.wait()
+        accept.cancel()
+        sweeper.cancel()
+        await self.drain()
+        for s in list(self.sessions):
+            self._close_session(s)
+        sock.close()
+        if listen_sock is None:
+            try:
+                os.unlink(self.config.socket_path)
+            except FileNotFoundError:
+                pass
+        self.codec_pool.shutdown(wait=False, cancel_futures=True)
+        self.io_pool.shutdown(wait=False, cancel_futures=True)
+
+    def stop(self) -> None:
+        self.draining = True
+        if self._stopped is not None:
+            self._stopped.set()
+
+    async def drain(self) -> None:
+        if self.writes:
+            log.info("draining", extra={"ctx": {"in_flight": len(self.writes)}})
+            _, pending = await asyncio.wait(set(self.writes), timeout=self.config.drain_grace)
+            for task in pending:
+                task.cancel()
+            if pending:
+                log.warning("drain timed out", extra={"ctx": {"unfinished": len(pending)}})
+        # Steps still open (waiting for ranks that never came) stay uncommitted.
+        for ps in list(self.tracker.steps.values()):
+            if not ps.committing:
+                await self._fail_step(ps, "daemon shut down before every rank was durable")
+
+    async def _accept_loop(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(sock)
+            conn.setblocking(False)
+            asyncio.ensure_future(self._serve_connection(conn))
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            for ps in self.tracker.expired(time.monotonic()):
+                await self._fail_step(ps, f"timed out after {self.config.step_timeout:g}s waiting for ranks "
+                                          f"{self.tracker.ranks_missing(ps)} to be durable")
+
+    # ---- connections -------------------------------------------------------
+
+    async def _serve_connection(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        pid, uid, gid = peer_credentials(sock)
+        session = Session(sock, pid, uid, gid)
+        if not self._peer_allowed(uid, gid):
+            log.warning("refused peer", extra={"ctx": {"pid": pid, "uid": uid, "gid": gid}})
+            await self._send(session, {"op": "error", "req": 0, "reason":
+                                       f"uid {uid} / gid {gid} is not allowed to use this ckptd daemon"})
+            sock.close()
+            return
+        self.sessions.add(session)
+        try:
+            while True:
+                try:
+                    msg = await protocol.read_frame_async(loop, sock)
+                    if msg is None:
+                        break
+                    protocol.check_request(msg)
+                except ProtocolError as e:
+                    log.warning("protocol error", extra={"ctx": {"peer": session.describe(), "error": str(e)}})
+                    await self._send(session, {"op": "error", "req": 0, "reason": f"protocol error: {e}",
+                                               "fatal": True})
+                    break
+                await self._dispatch(session, msg)
+        except (ConnectionError, OSError) as e:
+            log.info("connection lost", extra={"ctx": {"peer": session.describe(), "error": str(e)}})
+        finally:
+            await self._session_lost(session)
+
+    def _peer_allowed(self, uid: int, gid: int) -> bool:
+        c = self.config
+        if c.allowed_uids is None and c.allowed_gids is None:
+            return True
+        if uid == 0 or uid == os.getuid():
+            return True
+        return (c.allowed_uids is not None and uid in c.allowed_uids) or \
+               (c.allowed_gids is not None and gid in c.allowed_gids)
+
+    async def _send(self, session: Session, msg: dict[str, Any], fds: list[int] = ()) -> None:
+        if session.closed:
+            return
+        try:
+            async with session.send_lock:
+                await protocol.send_frame_async(asyncio.get_running_loop(), session.sock, msg, fds)
+        except OSError:
+            session.closed = True
+
+    def _event(self, session: Session, msg: dict[str, Any]) -> None:
+        asyncio.ensure_future(self._send(session, msg))
+
+    async def _dispatch(self, session: Session, msg: dict[str, Any]) -> None:
+        op, req = msg["op"], msg["req"]
+        handler = getattr(self, f"_op_{op}")
+        try:
+            reply, fds = await handler(session, msg)
+        except (RequestError, CommitError, FormatError, ValueError) as e:
+            await self._send(session, {"op": "error", "req": req, "reason": str(e)})
+            return
+        await self._send(session, {"op": "ok", "req": req, **reply}, fds)
+        for fd in fds:
+            os.close(fd)
+
+    # ---- requests ----------------------------------------------------------
+
+    async def _op_info(self, session: Session, msg: dict[str, Any]) -> tuple[dict, list]:
+        return {"root": self.root, "version": __version__, "pid": os.getpid()}, []
+
+    async def _op_status(self, session: Session, msg: dict[str, Any]) -> tuple[dict, list]:
+        sessions = [{"job": s.job, "rank": s.rank, "world_size": s.world_size, "pid": s.pid, "uid": s.uid,
+                     "slots": len(s.slots), "busy_slots": sum(sl.busy for sl in s.slots), "saves": s.saves}
+                    for s in self.sessions if s.job is not None]
+        steps = [{"job": ps.job, "step": ps.step, "world_size": ps.world_size, "mode": ps.mode,
+                  "writing": sorted(ps.writing), "durable": sorted(ps.durable),
+                  "age_s": round(time.monotonic() - ps.started, 3)} for ps in self.tracker.steps.values()]
+        return {"root": self.root, "version": __version__, "pid": os.getpid(), "sessions": sessions,
+                "steps": steps, "stats": dict(self.stats), "slot_bytes_in_use": self.slot_bytes_in_use,
+                "slot_memory_limit": self.config.slot_memory_limit}, []
+
+    async def _op_hello(self, session: Session, msg: dict[str, Any]) -> tuple[dict, list]:
+        if session.job is not None:
+            raise RequestError("hello sent twice on one connection")
+        job = protocol.validate_job(msg["job"])
+        rank, world_size = msg["rank"], msg["world_size"]
+        if not (0 < world_size <= 1 << 20 and 0 <= rank < world_size):
+            raise RequestError(f"bad rank {rank} / world size {world_size}")
+        session.job, session.rank, session.world_size = job, rank, world_size
+        fds = self._make_slots(session, msg["slot_bytes"], msg["num_slots"])
+        log.info("session", extra={"ctx": {"peer": session.describe(), "slots": len(fds),
+                                          "slot_bytes": msg["slot_bytes"]}})
+        return {"root": self.root, "version": __version__, "pid": os.getpid(),
+                "slots": [s.size for s in session.slots]}, fds
+
+    async def _op_resize(self, session: Session, msg: dict[str, Any]) -> tuple[dict, list]:
+        self._require_session(session)
+        if any(s.busy for s in session.slots):
+            raise RequestError("cannot resize slots while a save still holds one")
+        self._release_slots(session)
+        fds = self._make_slots(session, msg["slot_bytes"], msg.get("num_slots", 2))
+        return {"slots": [s.size for s in session.slots]}, fds
+
+    def _make_slots(self, session: Session, slot_bytes: int, num_slots: int) -> list[int]:
+        if slot_bytes == 0:
+            return []
+        if not (0 < slot_bytes and type(num_slots) is int and 1 <= num_slots <= MAX_SLOTS):
+            raise RequestError(f"bad slot request: {num_slots} slots of {slot_bytes} bytes (1-{MAX_SLOTS} slots)")
+        page = mmap.PAGESIZE
+        size = -(-slot_bytes // page) * page
+        total = size * num_slots
+        if self.slot_bytes_in_use + total > self.config.slot_memory_limit:
+            raise RequestError(
+                f"slot memory limit: {num_slots} x {size} bytes requested, {self.slot_bytes_in_use} of "
+                f"{self.config.slot_memory_limit} bytes already in use (raise slot_memory_limit)")
+        fds: list[int] = []
+        try:
+            for i in range(num_slots):
+                fd = os.memfd_create(f"ckptd-{session.job}-r{session.rank}-s{i}", os.MFD_CLOEXEC)
+                fds.append(fd)
+                os.ftruncate(fd, size)
+                # Allocate the pages now: first touch of fresh shared memory is ~15x slower
+                # than a warm copy, and it must not land on the trainer's first save.
+                os.posix_fallocate(fd, 0, size)
+                mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+                session.slots.append(Slot(i, size, memoryview(mm), mm))
+        except OSError as e:
+            for fd in fds:
+                os.close(fd)
+            self._release_slots(session)
+            raise RequestError(f"cannot allocate shared-memory slots: {describe_error(e)}") from None
+        self.slot_bytes_in_use += total
+        return fds
+
+    def _release_slots(self, session: Session) -> None:
+        for s in session.slots:
+            self.slot_bytes_in_use -= s.size
+            if not s.busy:
+                s.close()
+        session.slots = []
+
+    def _require_session(self, session: Session) -> None:
+        if session.job is None:
+            raise RequestError("send hello first")
+
+    def _parse_layout(self, tensors: list[Any], slot: Slot) -> list[TensorLayout]:
+        out, names = [], set()
+        for t in tensors:
+            if not (isinstance(t, list) and len(t) == 5):
+                raise RequestError("each tensor must be [name, dtype, shape, offset, nbytes]")
+            name, dtype, shape, offset, nbytes = t
+            protocol.validate_tensor_name(name)
+            if name in names:
+                raise RequestError(f"duplicate tensor name {name!r}")
+            names.add(name)
+            try:
+                validate_shape(dtype, shape)
+            except FormatError as e:
+                raise RequestError(f"tensor {name!r}: {e}") from None
+            if type(offset) is not int or type(nbytes) is not int or offset < 0 \
+                    or nbytes != math.prod(shape) * DTYPE_ITEMSIZE[dtype] or offset + nbytes > slot.size:
+                raise RequestError(f"tensor {name!r}: offset/size outside the slot or inconsistent with its shape")
+            out.append(TensorLayout(name, dtype, shape, offset, nbytes))
+        return out
+
+    async def _op_save(self, session: Session, msg: dict[str, Any]) -> tuple[dict, list]:
+        self._require_session(session)
+        if self.draining:
+            raise RequestError("daemon is shutting down; no new saves")
+        step, slot_index, mode = msg["step"], msg["slot"], msg["commit"]
+        if mode not in protocol.COMMIT_MODES:
+            raise RequestError(f"commit mode must be one of {protocol.COMMIT_MODES}")
+        if not 0 <= slot_index < len(session.slots):
+            raise RequestError(f"no slot {slot_index}")
+        slot = session.slots[slot_index]
+        if slot.busy:
+            raise RequestError(f"slot {slot_index} is still being written")
+        layout = self._parse_layout(msg["tensors"], slot)
+        path = step_dir(self.root, session.job, step)
+        if os.path.exists(os.path.join(path, INDEX_NAME)):
+            raise RequestError(f"step {step} of job {session.job!r} is already committed")
+        ps = self.tracker.begin(session.job, step, session.rank, session.world_size, mode, path, session)
+        slot.busy = True
+        session.saves += 1
+        self.stats["saves_started"] += 1
+        task = asyncio.ensure_future(self._write(session, slot, ps, layout, msg["tree"]))
+        self.writes.add(task)
+        task.add_done_callback(self.writes.discard)
+        return {"step": step}, []
+
+    async def _op_commit(self, session: Session, msg: dict[str, Any]) -> tuple[dict, list]:
+        self._require_session(session)
+        step = msg["step"]
+        ps = self.tracker.get(session.job, step)
+        if session.rank != 0 or ps is None or ps.mode != "relay":
+            raise RequestError(f"no relayed step {step} awaiting commit from rank 0 here")
+        if 0 not in ps.durable or ps.committing:
+            raise RequestError(f"step {step}: rank 0 is not durable yet or the step is already committing")
+        try:
+            digests = {int(r): d for r, d in msg["digests"].items() if isinstance(d, str)}
+        except ValueError:
+            raise RequestError("digests must map rank numbers to strings") from None
+        ps.committing = True
+        await self._commit(ps, digests)
+        return {"step": step}, []
+
+    async def _op_abort(self, session: Session, msg: dict[str, Any]) -> tuple[dict, list]:
+        self._require_session(session)
+        ps = self.tracker.get(session.job, msg["step"])
+        if ps is not None and not ps.committing:
+            await self._fail_step(ps, f"aborted by rank {session.rank}: {msg['reason'][:500]}")
+        return {"step": msg["step"]}, []
+
+    # ---- writes and commits ------------------------------------------------
+
+    async def _write(self, session: Session, slot: Slot, ps: PendingStep, layout: list[TensorLayout],
+                     tree: Any) -> None:
+        loop = asyncio.get_running_loop()
+        rank = session.rank
+
+        def slot_released() -> None:
+            loop.call_soon_threadsafe(self._slot_released, session, slot)
+
+        cfg = self.config
+        log.info("writing", extra={"ctx": {"job": ps.job, "step": ps.step, "rank": rank,
+                                          "bytes": sum(t.nbytes for t in layout)}})
+        try:
+            result = await loop.run_in_executor(
+                self.io_pool, write_shard, ps.step_path, ps.job, ps.step, rank, ps.world_size, slot.view,
+                layout, tree, cfg.write, self.codec_pool, 2 * cfg.threads + 2, slot_released)
+        except Exception as e:
+            self.stats["saves_failed"] += 1
+            reason = f"rank {rank} shard write failed: {describe_error(e)}"
+            log.error("write failed", extra={"ctx": {"job": ps.job, "step": ps.step, "rank": rank, "error": reason}})
+            await self._fail_step(ps, reason)
+            return
+        self.stats["saves_durable"] += 1
+        self.stats["bytes_raw"] += result.manifest.raw_bytes
+        self.stats["bytes_stored"] += result.manifest.stored_bytes
+        if self.tracker.get(ps.job, ps.step) is not ps:
+            # The step failed (another rank, a timeout) while this shard was written.
+            await loop.run_in_executor(self.io_pool, self._remove_uncommitted, ps.step_path, [rank])
+            return
+        commit_now = self.tracker.mark_durable(ps, rank, result.digest)
+        await self._send(session, {"op": "durable", "step": ps.step, "rank": rank, "digest": result.digest,
+                                   "raw_bytes": result.manifest.raw_bytes,
+                                   "stored_bytes": result.manifest.stored_bytes,
+                                   "write_s": round(result.seconds, 6)})
+        if ps.mode == "relay" and rank != 0:
+            ps.waiters.pop(rank, None)     # rank 0's client gathers the rest through the store
+            if not ps.writing and 0 not in ps.waiters:
+                self.tracker.finish(ps)
+        elif commit_now:
+            await self._commit(ps, ps.durable)
+
+    def _slot_released(self, session: Session, slot: Slot) -> None:
+        slot.busy = False
+        if slot not in session.slots:     # resized or session gone while writing
+            slot.close()
+            return
+        self._event(session, {"op": "slot_free", "slot": slot.index})
+
+    async def _commit(self, ps: PendingStep, digests: dict[int, str]) -> None:
+        loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
+        try:
+            await loop.run_in_executor(self.io_pool, write_index, ps.step_path, ps.job, ps.step,
+                                       ps.world_size, dict(digests))
+        except (CommitError, FormatError, OSError) as e:
+            reason = f"commit of step {ps.step} failed: {describe_error(e) if isinstance(e, OSError) else e}"
+            await self._fail_step(ps, reason)
+            if ps.mode == "relay":
+                raise RequestError(reason) from None
+            return
+        self.tracker.finish(ps)
+        self.stats["steps_committed"] += 1
+        log.info("committed", extra={"ctx": {"job": ps.job, "step": ps.step, "world_size": ps.world_size,
+                                            "commit_s": round(time.monotonic() - t0, 6),
+                                            "since_first_save_s": round(time.monotonic() - ps.started, 6)}})
+        for rank, s in ps.waiters.items():
+            self._event(s, {"op": "committed", "step": ps.step})
+
+    async def _fail_step(self, ps: PendingStep, reason: str) -> None:
+        if self.tracker.get(ps.job, ps.step) is not ps:
+            return
+        self.tracker.finish(ps)
+        self.stats["steps_failed"] += 1
+        log.warning("step abandoned", extra={"ctx": {"job": ps.job, "step": ps.step, "reason": reason}})
+        for rank, s in ps.waiters.items():
+            self._event(s, {"op": "failed", "step": ps.step, "reason": reason})
+        # Ranks still writing remove their own files when they finish and find the step gone.
+        await asyncio.get_running_loop().run_in_executor(
+            self.io_pool, self._remove_uncommitted, ps.step_path, sorted(ps.durable))
+
+    @staticmethod
+    def _remove_uncommitted(step_path: str, ranks: list[int]) -> None:
+        if os.path.exists(os.path.join(step_path, INDEX_NAME)):
+            return
+        for rank in ranks:
+            remove_rank_files(step_path, rank)
+        try:
+            os.rmdir(step_path)
+        except OSError:
+            pass
+
+    async def _session_lost(self, session: Session) -> None:
+        self._close_session(session)
+        for ps, rank in self.tracker.steps_of(session):
+            if rank in ps.writing or (ps.mode == "relay" and rank == 0):
+                await self._fail_step(ps, f"rank {rank} disconnected before step {ps.step} committed")
+            else:
+                ps.waiters.pop(rank, None)
+
+    def _close_session(self, session: Session) -> None:
+        if session in self.sessions:
+            self.sessions.discard(session)
+            self._release_slots(session)
+        session.closed = True
+        try:
+            session.sock.close()
+        except OSError:
+            pass

@@ -1,0 +1,103 @@
+"""File-system primitives, kept in one place: durable writes, atomic replace, bounded reads.
+
+Everything that must survive a crash goes through here so the ordering rules
+(data fsync → manifest rename → index rename → directory fsync) live in one file.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+FILE_MODE = 0o640
+DIR_MODE = 0o750
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_dirs(path: str) -> None:
+    """Create a directory chain and fsync each new parent so the entries are durable."""
+    missing = []
+    p = os.path.abspath(path)
+    while not os.path.isdir(p):
+        missing.append(p)
+        p = os.path.dirname(p)
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, DIR_MODE)
+        except FileExistsError:
+            pass
+        fsync_dir(os.path.dirname(d))
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """Write ``path`` so a crash leaves either the old file or the whole new one, durably."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
+    try:
+        write_all(fd, [data])
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        _unlink_quietly(tmp)
+        raise
+    os.close(fd)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def open_for_write(path: str) -> int:
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
+
+
+def write_all(fd: int, parts: Iterable[object]) -> int:
+    """Write every buffer in order (os.writev may write less than asked); return bytes written."""
+    total = 0
+    for part in parts:
+        view = memoryview(part).cast("B")
+        while view:
+            n = os.write(fd, view)
+            total += n
+            view = view[n:]
+    return total
+
+
+def read_limited(path: str, limit: int) -> bytes:
+    """Read a whole small file (manifest, index) refusing anything over ``limit`` bytes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise ValueError(f"{path}: {size} bytes exceeds the {limit}-byte limit for this file")
+        return read_at(fd, 0, size)
+    finally:
+        os.close(fd)
+
+
+def read_at(fd: int, offset: int, length: int) -> bytes:
+    """Exactly ``length`` bytes at ``offset``; a short file is an error, not a short read."""
+    chunks = []
+    got = 0
+    while got < length:
+        data = os.pread(fd, length - got, offset + got)
+        if not data:
+            raise EOFError(f"file ends at {offset + got}, expected {length - got} more bytes")
+        chunks.append(data)
+        got += len(data)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -1,0 +1,118 @@
+"""The compress + write pipeline for one rank's shard.
+
+Runs on an I/O thread; chunks are encoded on a shared compression pool in a bounded
+window and written in order, so memory held beyond the slot is a few chunks. The slot
+is released as soon as every chunk is encoded (before fsync), so the trainer can reuse
+it while the daemon finishes the durable part.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from . import storage
+from .codec import DEFAULT_CHUNK_BYTES, choose_codec, chunk_ranges, encode_chunk
+from .format import (Manifest, TensorEntry, digest_bytes, encode_json, rank_data_name,
+                     rank_manifest_name)
+
+
+@dataclass
+class TensorLayout:
+    """Where one tensor sits in a slot (validated by the daemon before use)."""
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class WriteSettings:
+    codec: str = "bplane"
+    level: int = 1
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    # Test setting (documented in README): sleep this long before writing each chunk,
+    # so a test can kill the daemon while a step is being written.
+    debug_write_delay: float = 0.0
+
+
+@dataclass
+class ShardResult:
+    manifest: Manifest
+    digest: str
+    seconds: float
+
+
+def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
+                slot: memoryview, tensors: list[TensorLayout], tree: Any,
+                settings: WriteSettings, pool: Executor, window: int,
+                on_slot_released: Callable[[], None]) -> ShardResult:
+    """Encode and write one rank's data file and manifest durably; on error remove both."""
+    t0 = time.monotonic()
+    storage.make_dirs(step_path)
+    data_path = os.path.join(step_path, rank_data_name(rank))
+    manifest_path = os.path.join(step_path, rank_manifest_name(rank))
+    released = False
+    fd = storage.open_for_write(data_path)
+    try:
+        entries: list[TensorEntry] = []
+        pending: collections.deque = collections.deque()
+        pos = 0
+
+        def drain_one() -> None:
+            nonlocal pos
+            entry, fut = pending.popleft()
+            parts, meta = fut.result()
+            if settings.debug_write_delay:
+                time.sleep(settings.debug_write_delay)
+            pos += storage.write_all(fd, parts)
+            entry.chunks.append(meta)
+
+        for t in tensors:
+            codec = choose_codec(t.dtype, settings.codec)
+            entry = TensorEntry(t.name, t.dtype, t.shape, -1, [])
+            entries.append(entry)
+            for start, length in chunk_ranges(t.nbytes, settings.chunk_bytes):
+                view = slot[t.offset + start: t.offset + start + length]
+                pending.append((entry, pool.submit(encode_chunk, view, t.dtype, codec, settings.level)))
+                while len(pending) > window:
+                    drain_one()
+        # Offsets are known only once earlier chunks are written; entries drain in order.
+        while pending:
+            drain_one()
+        on_slot_released()
+        released = True
+        offset = 0
+        for entry in entries:
+            entry.offset = offset
+            offset += entry.stored_bytes
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        manifest = Manifest(job, step, rank, world_size, entries, tree,
+                            sum(e.nbytes for e in entries), offset)
+        data = encode_json(manifest.to_json())
+        storage.atomic_write(manifest_path, data)
+        return ShardResult(manifest, digest_bytes(data), time.monotonic() - t0)
+    except BaseException:
+        for fut in (f for _, f in pending):
+            fut.cancel()
+        if fd >= 0:
+            os.close(fd)
+        remove_rank_files(step_path, rank)
+        if not released:
+            on_slot_released()
+        raise
+
+
+def remove_rank_files(step_path: str, rank: int) -> None:
+    """Drop one rank's files of an uncommitted step (never called once index.json exists)."""
+    for name in (rank_data_name(rank), rank_manifest_name(rank)):
+        try:
+            os.unlink(os.path.join(step_path, name))
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,110 @@
+"""One connection to the node's daemon: hello, requests, and a reader thread for events."""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from ckptd import protocol
+
+from .errors import CheckpointError
+
+log = logging.getLogger("ckptd_client")
+
+
+class DaemonConnection:
+    """Requests are answered in order by ``req``; everything else is an event for ``on_event``."""
+
+    def __init__(self, socket_path: str, on_event: Callable[[dict[str, Any]], None],
+                 timeout: float = 60.0) -> None:
+        self.socket_path = socket_path
+        self.timeout = timeout
+        self._on_event = on_event
+        try:
+            self._sock = protocol.connect(socket_path)
+        except ConnectionError as e:
+            raise CheckpointError(str(e)) from None
+        self._rx = protocol.FrameReceiver(self._sock)
+        self._send_lock = threading.Lock()
+        self._req_ids = itertools.count(1)
+        self._pending: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self.lost: str | None = None
+        self._reader = threading.Thread(target=self._read_loop, name="ckptd-client-rx", daemon=True)
+        self._reader.start()
+
+    def request(self, msg: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """Send a request and wait for its reply; an error reply raises CheckpointError."""
+        req = next(self._req_ids)
+        fut: Future = Future()
+        with self._lock:
+            if self.lost:
+                raise CheckpointError(f"connection to ckptd at {self.socket_path} lost: {self.lost}")
+            self._pending[req] = fut
+        try:
+            with self._send_lock:
+                protocol.send_frame(self._sock, {**msg, "req": req})
+        except OSError as e:
+            self._mark_lost(f"send failed: {e}")
+        try:
+            reply = fut.result(timeout if timeout is not None else self.timeout)
+        except TimeoutError:
+            raise CheckpointError(f"ckptd at {self.socket_path} did not answer {msg['op']} in time") from None
+        finally:
+            with self._lock:
+                self._pending.pop(req, None)
+        if reply.get("op") != "ok":
+            raise CheckpointError(f"ckptd refused {msg['op']}: {reply.get('reason', 'no reason given')}")
+        return reply
+
+    def _read_loop(self) -> None:
+        reason = "daemon closed the connection"
+        try:
+            while True:
+                msg = self._rx.read()
+                if msg is None:
+                    break
+                op = msg["op"]
+                if op in ("ok", "error"):
+                    if "slots" in msg and op == "ok":
+                        msg["_fds"] = self._rx.take_fds(len(msg["slots"]))
+                    fut = self._pending.get(msg.get("req", -1))
+                    if fut is not None:
+                        fut.set_result(msg)
+                    elif op == "error":
+                        reason = f"daemon error: {msg.get('reason')}"
+                        if msg.get("fatal"):
+                            break
+                    continue
+                try:
+                    self._on_event(msg)
+                except Exception:  # an event handler bug must not kill the reader
+                    log.exception("ckptd event handler failed for %s", op)
+        except (OSError, protocol.ProtocolError) as e:
+            reason = f"{type(e).__name__}: {e}"
+        self._mark_lost(reason)
+
+    def _mark_lost(self, reason: str) -> None:
+        with self._lock:
+            if self.lost:
+                return
+            self.lost = reason
+            pending = list(self._pending.values())
+        for fut in pending:
+            if not fut.done():
+                fut.set_result({"op": "error", "reason": f"connection lost: {reason}"})
+        for fd in self._rx.fds:
+            os.close(fd)
+        self._rx.fds.clear()
+        self._on_event({"op": "lost", "reason": reason})
+
+    def close(self) -> None:
+        try:
+            self._sock.shutdown(2)
+        except OSError:
+            pass
+        self._reader.join(timeout=5)
+        self._sock.close()

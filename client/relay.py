@@ -1,0 +1,119 @@
+"""Cross-daemon commit through the job's c10d store (ranks spread over several nodes).
+
+Each rank publishes ``ok:<manifest digest>`` or ``fail:<reason>`` under
+``ckptd/<job>/<save seq>/r<rank>`` once its daemon reports it durable (or failed).
+Rank 0 gathers all of them, asks its daemon to COMMIT with the digests (or to ABORT),
+and publishes ``committed`` or ``failed:<reason>`` under ``.../result`` for the others.
+Keys are per save sequence number, so re-saving a step never reads stale keys.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+POLL_S = 0.01
+
+
+@dataclass
+class RelayedSave:
+    seq: int
+    step: int
+    deadline: float
+    resolve: Callable[[str | None], None]      # None: committed; str: failure reason
+    own_published: bool = False
+
+
+class StoreRelay:
+    def __init__(self, store: Any, job: str, rank: int, world_size: int, timeout: float,
+                 commit: Callable[[int, dict[int, str]], None], abort: Callable[[int, str], None]) -> None:
+        self.store, self.job, self.rank, self.world_size = store, job, rank, world_size
+        self.timeout = timeout
+        self._commit, self._abort = commit, abort
+        self._saves: dict[int, RelayedSave] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="ckptd-client-relay", daemon=True)
+        self._thread.start()
+
+    def _key(self, seq: int, what: str) -> str:
+        return f"ckptd/{self.job}/{seq}/{what}"
+
+    def track(self, seq: int, step: int, resolve: Callable[[str | None], None]) -> None:
+        with self._lock:
+            self._saves[seq] = RelayedSave(seq, step, time.monotonic() + self.timeout, resolve)
+
+    def publish(self, seq: int, outcome: str) -> None:
+        """``outcome`` is ``ok:<digest>`` or ``fail:<reason>`` for this rank."""
+        self.store.set(self._key(seq, f"r{self.rank}"), outcome)
+        with self._lock:
+            if seq in self._saves:
+                self._saves[seq].own_published = True
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wake.wait(POLL_S)
+            self._wake.clear()
+            with self._lock:
+                saves = sorted(self._saves.values(), key=lambda s: s.seq)
+            for s in saves:
+                try:
+                    outcome = self._leader_step(s) if self.rank == 0 else self._follower_step(s)
+                except Exception as e:  # store gone (job ending) or commit refused
+                    outcome = f"{type(e).__name__}: {e}"
+                if outcome is False:
+                    if time.monotonic() > s.deadline:
+                        outcome = f"timed out after {self.timeout:g}s waiting for the other ranks' commit"
+                        if self.rank == 0:
+                            self._finish(s, f"failed:{outcome}")
+                    else:
+                        continue
+                with self._lock:
+                    self._saves.pop(s.seq, None)
+                s.resolve(outcome)
+
+    def _leader_step(self, s: RelayedSave) -> str | None | bool:
+        if not s.own_published:
+            return False
+        keys = [self._key(s.seq, f"r{r}") for r in range(self.world_size)]
+        if not self.store.check(keys):
+            return False
+        values = [self.store.get(k).decode() for k in keys]
+        failures = [f"rank {r}: {v[5:]}" for r, v in enumerate(values) if not v.startswith("ok:")]
+        if failures:
+            reason = "; ".join(failures)
+            try:
+                self._abort(s.step, reason)
+            finally:
+                self._finish(s, f"failed:{reason}")
+            return reason
+        try:
+            self._commit(s.step, {r: v[3:] for r, v in enumerate(values)})
+        except Exception as e:
+            self._finish(s, f"failed:{e}")
+            raise
+        self._finish(s, "committed")
+        return None
+
+    def _finish(self, s: RelayedSave, result: str) -> None:
+        self.store.set(self._key(s.seq, "result"), result)
+        for r in range(self.world_size):
+            try:
+                self.store.delete_key(self._key(s.seq, f"r{r}"))
+            except Exception:
+                pass
+
+    def _follower_step(self, s: RelayedSave) -> str | None | bool:
+        key = self._key(s.seq, "result")
+        if not self.store.check([key]):
+            return False
+        result = self.store.get(key).decode()
+        return None if result == "committed" else result.removeprefix("failed:")
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=5)

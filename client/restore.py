@@ -1,0 +1,52 @@
+"""Reading this rank's shard of a committed step straight from storage (no daemon needed)."""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ckptd.codec import ChecksumError
+from ckptd.format import FormatError, StepReader, decode_tree
+
+from .errors import CheckpointError
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Writable bytes of a contiguous CPU tensor (any dtype, 0-d and empty included)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def load_shard(step_path: str, rank: int, world_size: int, threads: int) -> Any:
+    """Decode this rank's tensors (in parallel) and rebuild its state tree; checksums are verified."""
+    try:
+        reader = StepReader(step_path)
+        if reader.world_size != world_size:
+            raise CheckpointError(f"{step_path} was saved by {reader.world_size} ranks; this job has {world_size} "
+                                  "(resharding is not supported yet)")
+        manifest = reader.manifest(rank)
+    except (FormatError, OSError) as e:
+        raise CheckpointError(f"cannot restore from {step_path}: {e}") from None
+    data_path = reader.data_path(rank)
+    tensors: dict[str, torch.Tensor] = {}
+    fd = os.open(data_path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        jobs = []
+        for entry in manifest.tensors:
+            t = torch.empty(entry.shape, dtype=_DTYPES[entry.dtype])
+            tensors[entry.name] = t
+            jobs.append((entry, tensor_bytes(t)))
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            for fut in [pool.submit(reader.read_tensor_into, fd, e, out) for e, out in jobs]:
+                fut.result()
+    except ChecksumError as e:
+        raise CheckpointError(f"corrupt checkpoint: {e}") from None
+    finally:
+        os.close(fd)
+    try:
+        return decode_tree(manifest.tree, tensors.__getitem__)
+    except (FormatError, KeyError) as e:
+        raise CheckpointError(f"{step_path}: bad state tree in rank {rank} manifest: {e}") from None
