@@ -35,6 +35,7 @@ REQUEST_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
              "commit": str},
     "commit": {"step": int, "digests": dict},
     "abort": {"step": int, "reason": str},
+    "report": {"step": int, "stall_s": (int, float), "fence_s": (int, float)},
     "info": {},
     "status": {},
 }

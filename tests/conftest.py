@@ -1,0 +1,96 @@
+"""Shared fixtures: real daemons as subprocesses on real unix sockets in a temp dir."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class DaemonProc:
+    root: Path
+    socket: Path
+    proc: subprocess.Popen
+    log: Path
+    args: list[str] = field(default_factory=list)
+
+    def kill(self, sig: int = signal.SIGKILL) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=60)
+
+    def log_text(self) -> str:
+        return self.log.read_text() if self.log.exists() else ""
+
+
+def wait_for_socket(path: Path, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon exited with {proc.returncode} before listening")
+        if path.exists():
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(str(path))
+                return
+            except OSError:
+                pass
+            finally:
+                s.close()
+        time.sleep(0.05)
+    raise TimeoutError(f"daemon did not listen on {path} within {timeout}s")
+
+
+def start_daemon(root: Path, sock: Path, *extra: str, log: Path | None = None,
+                 env: dict[str, str] | None = None) -> DaemonProc:
+    log = log or sock.with_suffix(".log")
+    args = [sys.executable, "-m", "ckptd", "serve", "--root", str(root), "--socket", str(sock),
+            "--log-format", "plain", *extra]
+    with open(log, "ab") as f:
+        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    try:
+        wait_for_socket(sock, proc)
+    except Exception:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"daemon failed to start:\n{log.read_text()}")
+    return DaemonProc(root, sock, proc, log, args)
+
+
+@pytest.fixture
+def tmp(tmp_path: Path) -> Path:
+    # Unix socket paths must stay under ~108 bytes; pytest's tmp_path can be long.
+    short = Path(f"/tmp/ckt-{os.getpid()}-{time.monotonic_ns() % 10**9}")
+    short.mkdir()
+    yield short
+    subprocess.run(["rm", "-rf", str(short)], check=False)
+
+
+@pytest.fixture
+def daemon_factory(tmp: Path):
+    procs: list[DaemonProc] = []
+
+    def make(*extra: str, name: str = "d", root: Path | None = None, env: dict[str, str] | None = None) -> DaemonProc:
+        d = start_daemon(root or tmp / "root", tmp / f"{name}.sock", *extra, env=env)
+        procs.append(d)
+        return d
+
+    yield make
+    for d in procs:
+        if d.proc.poll() is None:
+            d.proc.kill()
+            d.proc.wait()
+
+
+@pytest.fixture
+def daemon(daemon_factory) -> DaemonProc:
+    return daemon_factory()
