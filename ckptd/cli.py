@@ -98,7 +98,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for r in rows:
         print(f"{r['job'][:20]:20s} {r['step']:>10d} {r['state']:12s} {_size(r['bytes_on_disk']):>11s} "
               f"{_size(r['raw_bytes']) if r['raw_bytes'] is not None else '-':>11s} "
-              f"{r['ratio'] if r['ratio'] else '-':>6} {_age(r['age_s']):>7s}")
+              f"{format(r['ratio'], '.3f') if r['ratio'] else '-':>6} {_age(r['age_s']):>7s}")
     return 0
 
 
