@@ -267,8 +267,10 @@ class Daemon:
 
     async def _dispatch(self, session: Session, msg: dict[str, Any]) -> None:
         op, req = msg["op"], msg["req"]
-        handler = getattr(self, f"_op_{op}")
+        handler = getattr(self, f"_op_{op}", None)
         try:
+            if handler is None:
+                raise RequestError(f"op {op!r} is not served by this daemon")
             reply, fds = await handler(session, msg)
         except (RequestError, CommitError, FormatError, ValueError) as e:
             await self._send(session, {"op": "error", "req": req, "reason": str(e)})
