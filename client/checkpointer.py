@@ -5,6 +5,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from .connection import DaemonConnection
 from .errors import CheckpointError
 from .relay import StoreRelay
 from .restore import load_shard
-from .slots import ClientSlot, copy_into_slot, plan_layout
+from .slots import ClientSlot, SlotCopy, plan_layout
 from .state import apply_state, flatten_state
 
 log = logging.getLogger("ckptd_client")
@@ -36,6 +37,7 @@ class SaveHandle:
         self.raw_bytes = 0
         self.stored_bytes = 0
         self.slot: int | None = None
+        self.skipped = False        # when_busy="skip" found no free slot: nothing was saved
         self._done = threading.Event()
         self._error: str | None = None
 
@@ -52,7 +54,7 @@ class SaveHandle:
 
     @property
     def committed(self) -> bool:
-        return self._done.is_set() and self._error is None
+        return self._done.is_set() and self._error is None and not self.skipped
 
     @property
     def error(self) -> str | None:
@@ -65,7 +67,8 @@ class SaveHandle:
             raise CheckpointError(f"step {self.step} failed: {self._error}")
 
     def __repr__(self) -> str:
-        state = "committed" if self.committed else ("failed" if self.done() else "pending")
+        state = "skipped" if self.skipped else "committed" if self.committed else \
+            ("failed" if self.done() else "pending")
         return f"<SaveHandle step={self.step} {state} stall={self.stall_s * 1e3:.1f}ms>"
 
 
@@ -95,7 +98,7 @@ class Checkpointer:
     def __init__(self, job: str, socket: str | None = None, root: str | None = None, *,
                  rank: int | None = None, world_size: int | None = None, store: Any = None,
                  num_slots: int = 2, commit: str = "auto", commit_timeout: float = 600.0,
-                 restore_threads: int | None = None) -> None:
+                 restore_threads: int | None = None, overlap: bool = False, when_busy: str = "block") -> None:
         self.job = protocol.validate_job(job)
         self.socket_path = socket or protocol.default_socket_path()
         self.root = os.path.abspath(root) if root else None
@@ -122,6 +125,11 @@ class Checkpointer:
         self._restores = 0
         self._relay: StoreRelay | None = None
         self._closed = False
+        self.overlap = overlap
+        self.when_busy = when_busy
+        self._inflight: tuple[SaveHandle, SlotCopy] | None = None
+        self._copy_pool: ThreadPoolExecutor | None = None
+        self._hooks: dict[int, Any] = {}
 
     # ---- connection and slots ----------------------------------------------
 
@@ -173,11 +181,13 @@ class Checkpointer:
             while len(self._free) < len(self._slots) and self._conn is not None and not self._conn.lost:
                 self._cond.wait(0.1)
 
-    def _acquire_slot(self) -> int:
+    def _acquire_slot(self, block: bool = True) -> int | None:
         with self._cond:
             while not self._free:
                 if self._conn is None or self._conn.lost:
                     raise CheckpointError(f"connection to ckptd at {self.socket_path} lost")
+                if not block:
+                    return None
                 self._cond.wait(0.1)
             return self._free.pop()
 
@@ -222,40 +232,113 @@ class Checkpointer:
 
     # ---- public API --------------------------------------------------------
 
-    def save(self, step: int, state: dict[str, Any]) -> SaveHandle:
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Connect and allocate slots sized for ``state`` now, so the first save pays no set-up."""
+        _, nbytes = plan_layout(flatten_state(state).tensors)
+        self._ensure_slots(nbytes)
+
+    def save(self, step: int, state: dict[str, Any], *, overlap: bool | None = None,
+             when_busy: str | None = None) -> SaveHandle:
         """Snapshot ``state`` into a shared-memory slot and hand it to the daemon.
 
-        Returns once ``state`` may be mutated again; the write and commit go on in the daemon.
+        Blocking copy (``overlap=False``): returns once ``state`` may be mutated again.
+        Overlapped (``overlap=True``): returns at once; module parameters and optimizer state
+        are copied in the background while forward/backward run, and ``fence()`` — called
+        automatically by a step pre-hook on every optimizer found in ``state`` — waits for the
+        copy before the first mutation. ``when_busy``: with every slot still being written,
+        ``block`` waits for one, ``skip`` returns a handle with ``skipped=True`` at once.
         """
         if self._closed:
             raise CheckpointError("checkpointer is closed")
+        overlap = self.overlap if overlap is None else overlap
+        when_busy = when_busy or self.when_busy
+        if when_busy not in ("block", "skip"):
+            raise ValueError(f"when_busy must be 'block' or 'skip', got {when_busy!r}")
         step_dir_name(step)  # validates the step number
+        self.fence()
         t0 = time.perf_counter()
-        tree, tensors = flatten_state(state)
-        layout, nbytes = plan_layout(tensors)
+        flat = flatten_state(state)
+        layout, nbytes = plan_layout(flat.tensors)
         if step in self._handles:
             raise CheckpointError(f"step {step} is already being saved")
         conn = self._ensure_slots(nbytes)
-        slot = self._acquire_slot()
         self._seq += 1
         handle = SaveHandle(step, self._seq)
+        slot = self._acquire_slot(block=when_busy == "block")
+        if slot is None:
+            handle.skipped = True
+            handle.stall_s = time.perf_counter() - t0
+            handle._resolve(None)
+            return handle
         handle.slot = slot
+        msg = {"op": "save", "step": step, "slot": slot, "tensors": layout, "tree": flat.tree,
+               "commit": self.commit_mode}
+        self._handles[step] = handle
+        if self.commit_mode == "relay":
+            self._ensure_relay().track(handle.seq, step, lambda err, h=handle: self._finish(h, err))
         try:
-            copy_into_slot(self._slots[slot], layout, tensors)
-            self._handles[step] = handle
-            if self.commit_mode == "relay":
-                self._ensure_relay().track(handle.seq, step, lambda err, h=handle: self._finish(h, err))
-            conn.request({"op": "save", "step": step, "slot": slot, "tensors": layout, "tree": tree,
-                          "commit": self.commit_mode})
+            copy = SlotCopy(self._slots[slot], layout, flat.tensors,
+                            flat.deferrable if overlap else frozenset(), self._copier() if overlap else None)
         except BaseException as e:
-            with self._cond:
-                self._free.add(slot)
-            self._handles.pop(step, None)
-            if self._relay is not None:
-                self._relay.publish(handle.seq, f"fail:rank {self.rank} could not hand off: {e}")
+            self._hand_off_failed(handle, e)
             raise
+        if copy.pending:
+            self._hook_optimizers(flat.optimizers)
+            self._inflight = (handle, copy)
+            self._copier().submit(self._hand_off, conn, handle, msg, copy)
+        else:
+            self._hand_off(conn, handle, msg, None)
+            if handle.error and not handle.committed:
+                raise CheckpointError(f"step {step}: {handle.error}")
         handle.stall_s = time.perf_counter() - t0
+        if self._inflight is None:
+            self._report(handle)
         return handle
+
+    def fence(self) -> None:
+        """Wait until the state may be mutated (only an overlapped save's copy can be pending)."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return
+        handle, copy = inflight
+        t0 = time.perf_counter()
+        copy.fence()
+        handle.fence_s += time.perf_counter() - t0
+        self._report(handle)
+
+    def _copier(self) -> ThreadPoolExecutor:
+        if self._copy_pool is None:
+            self._copy_pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-client-copy")
+        return self._copy_pool
+
+    def _hook_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        for opt in optimizers:
+            if id(opt) not in self._hooks:
+                self._hooks[id(opt)] = opt.register_step_pre_hook(lambda *_: self.fence())
+
+    def _hand_off(self, conn: DaemonConnection, handle: SaveHandle, msg: dict[str, Any],
+                  copy: SlotCopy | None) -> None:
+        """Send the layout once every byte is in the slot (on the copy thread when overlapped)."""
+        try:
+            if copy is not None:
+                copy.wait_host()
+            conn.request(msg)
+        except BaseException as e:
+            self._hand_off_failed(handle, e)
+
+    def _hand_off_failed(self, handle: SaveHandle, e: BaseException) -> None:
+        with self._cond:
+            self._free.add(handle.slot)
+            self._cond.notify_all()
+        if self._relay is not None:
+            self._relay.publish(handle.seq, f"fail:rank {self.rank} could not hand off: {e}")
+        self._finish(handle, f"hand-off to the daemon failed: {e}")
+
+    def _report(self, handle: SaveHandle) -> None:
+        """Tell the daemon what this save cost the trainer (for its metrics); never blocks."""
+        if self._conn is not None and not self._conn.lost:
+            self._conn.notify({"op": "report", "step": handle.step, "stall_s": handle.stall_s,
+                               "fence_s": handle.fence_s})
 
     def _ensure_relay(self) -> StoreRelay:
         if self._relay is None:
@@ -290,6 +373,7 @@ class Checkpointer:
 
     def restore(self, state: dict[str, Any], step: int | None = None) -> int | None:
         """Load the latest committed step (or ``step``) into ``state`` in place; None if there is none."""
+        self.fence()
         if step is None:
             step = self._agree(self.latest_step())
             if step is None:
@@ -316,6 +400,10 @@ class Checkpointer:
         """Wait for saves in flight (their failures are logged, not raised), then disconnect."""
         if self._closed:
             return
+        self.fence()
+        for hook in self._hooks.values():
+            hook.remove()
+        self._hooks.clear()
         try:
             self.wait(timeout)
         except CheckpointError as e:
@@ -323,6 +411,8 @@ class Checkpointer:
         self._closed = True
         if self._relay is not None:
             self._relay.close()
+        if self._copy_pool is not None:
+            self._copy_pool.shutdown(wait=True)
         self._drop_connection()
 
     def __enter__(self) -> "Checkpointer":

@@ -60,6 +60,14 @@ class DaemonConnection:
             raise CheckpointError(f"ckptd refused {msg['op']}: {reply.get('reason', 'no reason given')}")
         return reply
 
+    def notify(self, msg: dict[str, Any]) -> None:
+        """Send a request whose reply nobody waits for (reports); failures are ignored."""
+        try:
+            with self._send_lock:
+                protocol.send_frame(self._sock, {**msg, "req": next(self._req_ids)})
+        except OSError:
+            pass
+
     def _read_loop(self) -> None:
         reason = "daemon closed the connection"
         try:

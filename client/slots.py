@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from concurrent.futures import Executor, Future
 from typing import Any
 
 import torch
@@ -57,16 +58,70 @@ class ClientSlot:
             pass  # a view is still alive somewhere; the mapping goes with it
 
 
-def copy_into_slot(slot: ClientSlot, layout: list[list[Any]], tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """Copy every tensor into its place; GPU tensors go as non_blocking D2H, then one sync."""
-    any_cuda = False
-    with torch.no_grad():
-        for (name, dtype, shape, offset, nbytes), (_, t) in zip(layout, tensors):
-            dst = slot.view(offset, nbytes, t.dtype, shape)
-            if t.is_cuda:
-                any_cuda = True
-                dst.copy_(t.detach(), non_blocking=slot.pinned)
-            else:
-                dst.copy_(t.detach())
-    if any_cuda:
-        torch.cuda.synchronize()
+def _copy(slot: ClientSlot, entry: list[Any], t: torch.Tensor, non_blocking: bool) -> None:
+    _name, _dtype, shape, offset, nbytes = entry
+    slot.view(offset, nbytes, t.dtype, shape).copy_(t.detach(), non_blocking=non_blocking)
+
+
+class SlotCopy:
+    """A snapshot into a slot: some tensors copied now, the deferrable rest in the background.
+
+    Background copies of CPU tensors run on a copy thread (``copy_`` releases the GIL); CUDA
+    tensors go as non_blocking D2H copies on a side stream that first waits for the compute
+    stream, with an event recorded after them. ``fence()`` is what the trainer waits on before
+    it mutates the state; ``wait_host()`` is what the hand-off to the daemon waits on.
+    """
+
+    def __init__(self, slot: ClientSlot, layout: list[list[Any]], tensors: list[tuple[str, torch.Tensor]],
+                 deferred: frozenset[int] = frozenset(), pool: Executor | None = None) -> None:
+        self._future: Future | None = None
+        self._event = None
+        now = [i for i in range(len(tensors)) if i not in deferred or pool is None]
+        later_cpu = [i for i in range(len(tensors)) if i in deferred and pool is not None
+                     and not tensors[i][1].is_cuda]
+        later_gpu = [i for i in range(len(tensors)) if i in deferred and pool is not None
+                     and tensors[i][1].is_cuda]
+        with torch.no_grad():
+            any_cuda = False
+            for i in now:
+                t = tensors[i][1]
+                any_cuda |= t.is_cuda
+                _copy(slot, layout[i], t, non_blocking=t.is_cuda and slot.pinned)
+            if later_gpu:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for i in later_gpu:
+                        t = tensors[i][1]
+                        _copy(slot, layout[i], t, non_blocking=slot.pinned)
+                        t.record_stream(side)
+                    self._event = torch.cuda.Event()
+                    self._event.record(side)
+            if any_cuda:
+                torch.cuda.current_stream().synchronize()
+        if later_cpu:
+            def run() -> None:
+                with torch.no_grad():
+                    for i in later_cpu:
+                        _copy(slot, layout[i], tensors[i][1], non_blocking=False)
+            self._future = pool.submit(run)
+
+    @property
+    def pending(self) -> bool:
+        return (self._future is not None and not self._future.done()) or \
+            (self._event is not None and not self._event.query())
+
+    def fence(self) -> None:
+        """Return once the state may be mutated. On CUDA the compute stream waits on the copy
+        event (no host stall); CPU copies are waited for on the host."""
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+        if self._future is not None:
+            self._future.result()
+
+    def wait_host(self) -> None:
+        """Return once every byte is in the slot (the daemon may read it)."""
+        if self._event is not None:
+            self._event.synchronize()
+        if self._future is not None:
+            self._future.result()

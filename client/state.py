@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -21,12 +21,24 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def flatten_state(state: dict[str, Any]) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
+class FlatState(NamedTuple):
+    tree: Any
+    tensors: list[tuple[str, torch.Tensor]]
+    # Indices of tensors that only an optimizer step mutates (module parameters, optimizer
+    # state): an overlapped save may copy them while forward/backward run. Everything else
+    # (buffers such as BatchNorm statistics, plain tensors) is copied before save() returns.
+    deferrable: frozenset[int]
+    optimizers: list[torch.optim.Optimizer]
+
+
+def flatten_state(state: dict[str, Any]) -> FlatState:
     """The JSON tree of ``state`` and its tensors by key path. Fails before any I/O on a bad value."""
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict of names to values, got {type(state).__name__}")
     tensors: list[tuple[str, torch.Tensor]] = []
     names: set[str] = set()
+    stable_ptrs: set[int] = set()
+    optimizers: list[torch.optim.Optimizer] = []
 
     def on_tensor(path: str, t: torch.Tensor) -> str:
         if t.is_sparse or t.is_quantized or t.is_meta or t.layout != torch.strided:
@@ -42,6 +54,12 @@ def flatten_state(state: dict[str, Any]) -> tuple[Any, list[tuple[str, torch.Ten
 
     def on_other(path: str, obj: Any) -> Any:
         if is_stateful(obj):
+            if isinstance(obj, torch.nn.Module):
+                stable_ptrs.update(p.data_ptr() for p in obj.parameters() if p.numel())
+            elif isinstance(obj, torch.optim.Optimizer):
+                optimizers.append(obj)
+                stable_ptrs.update(v.data_ptr() for st in obj.state.values() for v in st.values()
+                                   if isinstance(v, torch.Tensor) and v.numel())
             return obj.state_dict()
         if isinstance(obj, np.ndarray):
             return torch.from_numpy(np.ascontiguousarray(obj))
@@ -51,7 +69,8 @@ def flatten_state(state: dict[str, Any]) -> tuple[Any, list[tuple[str, torch.Ten
                         "a tensor, a JSON-able value, nor an object with state_dict()/load_state_dict()")
 
     tree = encode_tree(state, on_tensor, on_other, lambda o: isinstance(o, torch.Tensor))
-    return tree, tensors
+    deferrable = frozenset(i for i, (_, t) in enumerate(tensors) if t.numel() and t.data_ptr() in stable_ptrs)
+    return FlatState(tree, tensors, deferrable, optimizers)
 
 
 def apply_state(target: Any, loaded: Any, path: str = "") -> Any:

@@ -1,0 +1,103 @@
+"""Overlapped snapshots never capture a value the next optimizer step mutates; busy-slot policies."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import ckptd_client
+
+
+def make_training(width: int = 256):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.BatchNorm1d(width),
+                                torch.nn.Linear(width, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x = torch.randn(16, width)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+    step()  # optimizer state exists
+    return model, opt, step
+
+
+def snapshot(model, opt) -> dict[str, torch.Tensor]:
+    out = {f"m/{k}": v.clone() for k, v in model.state_dict().items()}
+    for pid, st in opt.state_dict()["state"].items():
+        out.update({f"o/{pid}/{k}": v.clone() for k, v in st.items()})
+    return out
+
+
+def restored(ck, model_like, opt_like) -> dict[str, torch.Tensor]:
+    ck.restore({"model": model_like, "optim": opt_like})
+    return snapshot(model_like, opt_like)
+
+
+def test_overlapped_save_fenced_by_optimizer_hook(daemon):
+    model, opt, step = make_training()
+    ck = ckptd_client.Checkpointer("overlap", socket=str(daemon.socket))
+    ck.prepare({"model": model, "optim": opt})
+    # Hold the copy thread so the background copy is certainly still pending when step() runs;
+    # only the optimizer pre-hook's fence can then keep step() from mutating what is copied.
+    gate = threading.Event()
+    ck._copier().submit(gate.wait)
+    before = snapshot(model, opt)
+    handle = ck.save(1, {"model": model, "optim": opt}, overlap=True)
+    assert not handle.done()
+    threading.Timer(0.3, gate.set).start()
+    step()                                    # fences, then mutates
+    after = snapshot(model, opt)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    handle.wait(60)
+    assert handle.fence_s > 0
+
+    model2, opt2, _ = make_training()
+    got = restored(ck, model2, opt2)
+    for k in before:
+        assert torch.equal(got[k], before[k]), f"{k} captured a value mutated after save()"
+    ck.close()
+
+
+def test_overlapped_loop_matches_blocking(daemon):
+    """A plain loop with overlap=True saves exactly what a blocking save of the same states saves."""
+    model, opt, step = make_training()
+    ck = ckptd_client.Checkpointer("loop", socket=str(daemon.socket), overlap=True)
+    expected = {}
+    handles = []
+    for i in range(1, 6):
+        expected[i] = snapshot(model, opt)
+        handles.append(ck.save(i, {"model": model, "optim": opt}))
+        step()
+    for h in handles:
+        h.wait(60)
+        assert h.committed
+    for i in range(1, 6):
+        model2, opt2, _ = make_training()
+        ck.restore({"model": model2, "optim": opt2}, step=i)
+        got = snapshot(model2, opt2)
+        for k in expected[i]:
+            assert torch.equal(got[k], expected[i][k]), f"step {i}: {k}"
+    ck.close()
+
+
+def test_busy_policies(daemon_factory):
+    d = daemon_factory("--debug-write-delay", "0.5")
+    state = {"w": torch.randn(1000)}
+    ck = ckptd_client.Checkpointer("busy", socket=str(d.socket), num_slots=1, when_busy="skip")
+    first = ck.save(1, state)
+    skipped = ck.save(2, state)              # the only slot is still being written
+    assert skipped.skipped and skipped.done() and not skipped.committed
+    skipped.wait(1)                          # a skip is not an error
+    first.wait(60)
+    blocked = ck.save(3, state, when_busy="block")   # waits for the slot instead
+    assert not blocked.skipped
+    blocked.wait(60)
+    assert blocked.committed
+    assert not (d.root / "busy" / "step-000000000002").exists()
+    with pytest.raises(ValueError, match="when_busy"):
+        ck.save(4, state, when_busy="drop")
+    ck.close()
