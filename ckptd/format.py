@@ -149,6 +149,14 @@ class TensorEntry:
     def stored_bytes(self) -> int:
         return sum(c.stored_len for c in self.chunks)
 
+    def chunk_spans(self) -> Iterator[tuple[int, int, ChunkMeta]]:
+        """(file offset, raw offset within the tensor, meta) of each chunk, in order."""
+        file_pos, raw_pos = self.offset, 0
+        for meta in self.chunks:
+            yield file_pos, raw_pos, meta
+            file_pos += meta.stored_len
+            raw_pos += meta.raw_len
+
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": self.dtype, "shape": self.shape, "offset": self.offset,
                 "chunks": [c.to_json() for c in self.chunks]}
@@ -324,20 +332,23 @@ class StepReader:
 
     def iter_chunks(self, fd: int, entry: TensorEntry) -> Iterator[tuple[int, ChunkMeta, bytes]]:
         """(raw offset within tensor, meta, stored bytes) for each chunk of one tensor."""
-        pos, raw_pos = entry.offset, 0
-        for meta in entry.chunks:
-            yield raw_pos, meta, storage.read_at(fd, pos, meta.stored_len)
-            pos += meta.stored_len
-            raw_pos += meta.raw_len
+        for file_pos, raw_pos, meta in entry.chunk_spans():
+            yield raw_pos, meta, storage.read_at(fd, file_pos, meta.stored_len)
+
+    def read_chunk_into(self, fd: int, entry: TensorEntry, file_pos: int, raw_pos: int, meta: ChunkMeta,
+                        out: memoryview) -> None:
+        """Read, verify and decode one chunk of ``entry`` into its place in ``out`` (the whole tensor);
+        chunks are independent, so callers may run these in parallel."""
+        try:
+            stored = storage.read_at(fd, file_pos, meta.stored_len)
+            decode_chunk(stored, meta, entry.dtype, memoryview(out).cast("B")[raw_pos: raw_pos + meta.raw_len])
+        except (ChecksumError, EOFError) as e:
+            raise ChecksumError(f"tensor {entry.name!r} in {self._data_file_of(fd)}: {e}") from None
 
     def read_tensor_into(self, fd: int, entry: TensorEntry, out: memoryview) -> None:
         """Decode one tensor into ``out``; raises ChecksumError naming the tensor and file."""
-        out = memoryview(out).cast("B")
-        try:
-            for raw_pos, meta, stored in self.iter_chunks(fd, entry):
-                decode_chunk(stored, meta, entry.dtype, out[raw_pos: raw_pos + meta.raw_len])
-        except (ChecksumError, EOFError) as e:
-            raise ChecksumError(f"tensor {entry.name!r} in {self._data_file_of(fd)}: {e}") from None
+        for file_pos, raw_pos, meta in entry.chunk_spans():
+            self.read_chunk_into(fd, entry, file_pos, raw_pos, meta, out)
 
     def _data_file_of(self, fd: int) -> str:
         try:

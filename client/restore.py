@@ -34,13 +34,15 @@ def load_shard(step_path: str, rank: int, world_size: int, threads: int) -> Any:
     tensors: dict[str, torch.Tensor] = {}
     fd = os.open(data_path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        jobs = []
-        for entry in manifest.tensors:
-            t = torch.empty(entry.shape, dtype=_DTYPES[entry.dtype])
-            tensors[entry.name] = t
-            jobs.append((entry, tensor_bytes(t)))
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            for fut in [pool.submit(reader.read_tensor_into, fd, e, out) for e, out in jobs]:
+        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptd-restore") as pool:
+            futures = []
+            for entry in manifest.tensors:
+                t = torch.empty(entry.shape, dtype=_DTYPES[entry.dtype])
+                tensors[entry.name] = t
+                out = tensor_bytes(t)
+                futures += [pool.submit(reader.read_chunk_into, fd, entry, file_pos, raw_pos, meta, out)
+                            for file_pos, raw_pos, meta in entry.chunk_spans()]
+            for fut in futures:
                 fut.result()
     except ChecksumError as e:
         raise CheckpointError(f"corrupt checkpoint: {e}") from None
