@@ -1,18 +1,20 @@
-"""Command line: ``ckptd serve | ls | verify | status``."""
+"""Command line: ``ckptd serve | ls | verify | status | gc``."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
+import logging
 import os
 import sys
 import time
 
-from . import __version__, logs, protocol
+from . import __version__, logs, protocol, systemd
 from .codec import CODECS, DEFAULT_CHUNK_BYTES
+from .config import DEFAULT_CONFIG_PATH, LOG_FORMATS, LOG_LEVELS, ConfigError, load_settings
 from .format import StepReader, FormatError, list_steps, verify_step, validate_job
-from .server import Daemon, DaemonConfig, default_threads
-from .writer import WriteSettings
+from .protocol import DEFAULT_SOCKET
+from .retention import RetentionPolicy, collect_root
+from .server import Daemon, describe_error
 
 
 def _size(n: float) -> str:
@@ -30,23 +32,113 @@ def _age(seconds: float) -> str:
     return f"{seconds:.0f}s"
 
 
+# serve flag → config key; a flag the user did not give is None and does not override.
+_SERVE_FLAGS = {
+    "root": "root", "socket": "socket", "socket_mode": "socket_mode", "socket_group": "socket_group",
+    "allow_user": "allowed_users", "allow_group": "allowed_groups", "threads": "threads", "codec": "codec",
+    "level": "level", "step_timeout": "step_timeout", "drain_grace": "drain_grace",
+    "slot_memory_limit": "slot_memory_limit", "keep_last": "retention.keep_last",
+    "keep_every": "retention.keep_every", "abandoned_after": "retention.abandoned_after",
+    "metrics_address": "metrics.address", "log_format": "log_format", "log_level": "log_level",
+}
+
+
+def _cli_overrides(args: argparse.Namespace, flags: dict[str, str]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for attr, key in flags.items():
+        value = getattr(args, attr, None)
+        if value is not None:
+            out[key] = value
+    if getattr(args, "chunk_mib", None) is not None:
+        out["chunk_size"] = args.chunk_mib * 1024 * 1024
+    if getattr(args, "slot_memory_limit_mib", None):
+        out["slot_memory_limit"] = args.slot_memory_limit_mib * 1024 * 1024
+    return out
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    logs.setup(args.log_format, args.log_level)
-    config = DaemonConfig(
-        root=args.root, socket_path=args.socket, threads=args.threads,
-        write=WriteSettings(codec=args.codec, level=args.level, chunk_bytes=args.chunk_mib * 1024 * 1024,
-                            debug_write_delay=args.debug_write_delay),
-        step_timeout=args.step_timeout)
-    if args.slot_memory_limit_mib:
-        config.slot_memory_limit = args.slot_memory_limit_mib * 1024 * 1024
+    try:
+        settings = load_settings(args.config, cli=_cli_overrides(args, _SERVE_FLAGS))
+    except ConfigError as e:
+        print(f"ckptd serve: {e}", file=sys.stderr)
+        return 2
+    if args.check_config:
+        print(settings.render())
+        return 0
+    logs.setup(settings["log_format"], settings["log_level"])
+    for w in settings.warnings:
+        logging.getLogger("ckptd").warning(w)
+    config = settings.to_daemon_config(debug_write_delay=args.debug_write_delay)
+    try:
+        listen_sock = systemd.listen_socket()
+    except systemd.ActivationError as e:
+        print(f"ckptd serve: {e}", file=sys.stderr)
+        return 1
     daemon = Daemon(config)
     try:
         import uvloop
-        uvloop.run(daemon.serve())
-    except RuntimeError as e:
-        print(f"ckptd serve: {e}", file=sys.stderr)
+        uvloop.run(daemon.serve(listen_sock))
+    except (RuntimeError, OSError) as e:
+        print(f"ckptd serve: {describe_error(e) if isinstance(e, OSError) else e}", file=sys.stderr)
         return 1
+    log = logging.getLogger("ckptd")
+    if daemon.unfinished:
+        # Writer threads of unfinished saves cannot be interrupted and must not be waited for:
+        # their steps stay uncommitted (no index.json) and are collected as abandoned later.
+        log.error("exiting with saves left uncommitted", extra={"ctx": {"unfinished": daemon.unfinished}})
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    log.info("stopped", extra={"ctx": {"steps_committed": daemon.stats["steps_committed"]}})
     return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    try:
+        settings = load_settings(args.config, cli=_cli_overrides(args, _GC_FLAGS), require_root=False)
+    except ConfigError as e:
+        print(f"ckptd gc: {e}", file=sys.stderr)
+        return 2
+    root = args.root or settings["root"]
+    if not root:
+        print("ckptd gc: give ROOT (or root in the config file)", file=sys.stderr)
+        return 2
+    policy = RetentionPolicy(settings["retention.keep_last"], settings["retention.keep_every"],
+                             settings["retention.abandoned_after"])
+    try:
+        for job in args.job or []:
+            validate_job(job)
+        result = collect_root(root, policy, dry_run=args.dry_run, jobs=args.job or None)
+    except (OSError, ValueError) as e:
+        print(f"ckptd gc: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"dry_run": args.dry_run,
+                          "actions": [{"job": a.job, "step": a.step, "path": a.path, "kind": a.kind,
+                                       "removed": a.done, "error": a.error} for a in result.actions],
+                          "kept": [{"job": j, "step": st, "why": why} for j, st, why in result.kept],
+                          "skipped": result.skipped}, indent=1))
+    else:
+        verb = "would remove" if args.dry_run else "removed"
+        for a in result.actions:
+            if a.error:
+                print(f"FAILED {a.describe()}: {a.error}")
+            elif a.done or args.dry_run:
+                print(f"{verb} {a.describe()}")
+        if args.verbose:
+            for job, step, why in result.kept:
+                print(f"kept {job} step {step}: {why}")
+        for sk in result.skipped:
+            print(f"skipped {sk}")
+        n = len(result.actions) if args.dry_run else len(result.removed)
+        print(f"{n} step(s) {verb}, {len(result.kept)} kept"
+              + (f", {len(result.errors)} failed" if result.errors else ""))
+    return 1 if result.errors else 0
+
+
+_GC_FLAGS = {"keep_last": "retention.keep_last", "keep_every": "retention.keep_every",
+             "abandoned_after": "retention.abandoned_after"}
 
 
 def _dir_bytes(path: str) -> int:
@@ -116,21 +208,37 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     try:
         st = protocol.request_once(args.socket, {"op": "status"})
-    except (ConnectionError, RuntimeError, protocol.ProtocolError) as e:
+    except (ConnectionError, RuntimeError, protocol.ProtocolError, OSError) as e:
         print(f"ckptd status: {e}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(st, indent=1))
         return 0
-    print(f"daemon pid {st['pid']} version {st['version']} root {st['root']}")
+    print(f"daemon pid {st['pid']} version {st['version']} root {st['root']}"
+          + (" (draining)" if st.get("draining") else ""))
+    if st.get("socket"):
+        print(f"socket {st['socket']}" + (f"  metrics http://{st['metrics']}/metrics" if st.get("metrics") else ""))
     print(f"slot memory {_size(st['slot_bytes_in_use'])} of {_size(st['slot_memory_limit'])}")
     print("stats " + " ".join(f"{k}={v}" for k, v in st["stats"].items()))
-    for s in st["sessions"]:
-        print(f"  session job={s['job']} rank={s['rank']}/{s['world_size']} pid={s['pid']} "
-              f"slots={s['busy_slots']}/{s['slots']} busy saves={s['saves']}")
+    sessions = sorted(st["sessions"], key=lambda s: (s["job"], s["rank"]))
+    print(f"connected ranks: {len(sessions)}")
+    for s in sessions:
+        rep = s.get("last_report")
+        stall = f" last stall {rep['stall_s'] * 1e3:.1f}ms (step {rep['step']})" if rep else ""
+        print(f"  job={s['job']} rank={s['rank']}/{s['world_size']} pid={s['pid']} "
+              f"slots busy={s['busy_slots']}/{s['slots']} saves={s['saves']}{stall}")
+    saves = st.get("saves", [])
+    print(f"saves in flight: {len(saves)}")
+    for w in sorted(saves, key=lambda w: (w["job"], w["step"], w["rank"])):
+        print(f"  job={w['job']} step={w['step']} rank={w['rank']} written {_size(w['written_bytes'])} "
+              f"(compressed) of {_size(w['raw_bytes'])} raw, {w['elapsed_s']:.1f}s")
     for p in st["steps"]:
-        print(f"  in flight job={p['job']} step={p['step']} writing={p['writing']} durable={p['durable']} "
-              f"of {p['world_size']} age={p['age_s']}s")
+        print(f"  step job={p['job']} step={p['step']} ({p['mode']} commit) writing={p['writing']} "
+              f"durable={p['durable']} of {p['world_size']} ranks, age {p['age_s']:.1f}s")
+    last = st.get("last_committed", {})
+    print("last committed step per job:" + ("" if last else " none"))
+    for job, info in sorted(last.items()):
+        print(f"  {job}: {info['step'] if info['step'] is not None else '-'}")
     return 0
 
 
@@ -139,22 +247,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"ckptd {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="run the daemon", description="Run the per-node checkpoint daemon.")
-    s.add_argument("--root", required=True, help="directory checkpoints are written under")
-    s.add_argument("--socket", default=protocol.default_socket_path(),
-                   help="unix socket to listen on (default: $CKPTD_SOCKET or %(default)s)")
-    s.add_argument("--threads", type=int, default=default_threads(), help="compression threads (default: %(default)s)")
-    s.add_argument("--codec", choices=CODECS, default="bplane", help="chunk codec (default: %(default)s)")
-    s.add_argument("--level", type=int, default=1, help="zstd level (default: %(default)s)")
-    s.add_argument("--chunk-mib", type=int, default=DEFAULT_CHUNK_BYTES >> 20, help="chunk size in MiB")
-    s.add_argument("--step-timeout", type=float, default=600.0,
-                   help="seconds a step may wait for all its ranks before it is abandoned (default: %(default)s)")
-    s.add_argument("--slot-memory-limit-mib", type=int, default=0,
-                   help="total shared-memory slot budget (default: half of RAM)")
+    s = sub.add_parser("serve", help="run the daemon", description=(
+        "Run the per-node checkpoint daemon. Settings come from the config file "
+        f"({DEFAULT_CONFIG_PATH} unless --config), then CKPTD_* environment variables, then these flags. "
+        "Under systemd it takes the socket passed by socket activation and reports with sd_notify."))
+    s.add_argument("--config", help=f"TOML config file (default: $CKPTD_CONFIG or {DEFAULT_CONFIG_PATH} if present)")
+    s.add_argument("--check-config", action="store_true", help="print the effective settings and exit")
+    s.add_argument("--root", help="directory checkpoints are written under")
+    s.add_argument("--socket", help=f"unix socket to listen on when not socket-activated (default: {DEFAULT_SOCKET})")
+    s.add_argument("--socket-mode", help="socket permission bits, octal (default: 0660)")
+    s.add_argument("--socket-group", help="group owning the socket")
+    s.add_argument("--allow-user", action="append", help="user (name or uid) allowed to connect; repeatable")
+    s.add_argument("--allow-group", action="append", help="group whose members may connect; repeatable")
+    s.add_argument("--threads", type=int, help="compression threads (default: CPUs available)")
+    s.add_argument("--codec", choices=CODECS, help="chunk codec (default: bplane)")
+    s.add_argument("--level", type=int, help="zstd level (default: 1)")
+    s.add_argument("--chunk-mib", type=int, help=f"chunk size in MiB (default: {DEFAULT_CHUNK_BYTES >> 20})")
+    s.add_argument("--step-timeout", help="how long a step may wait for all its ranks (default: 600s)")
+    s.add_argument("--drain-grace", help="on SIGTERM, how long in-flight saves get to commit (default: 60s)")
+    s.add_argument("--slot-memory-limit", help="total shared-memory slot budget, e.g. 64GiB (default: half of RAM)")
+    s.add_argument("--slot-memory-limit-mib", type=int, help=argparse.SUPPRESS)
+    s.add_argument("--keep-last", help="retention: keep the newest N committed steps per job (0: all)")
+    s.add_argument("--keep-every", help="retention: also keep steps divisible by K (0: off)")
+    s.add_argument("--abandoned-after", help="retention: remove uncommitted step dirs untouched this long")
+    s.add_argument("--metrics-address", help="serve Prometheus metrics on HOST:PORT or PORT (loopback); off by default")
     s.add_argument("--debug-write-delay", type=float, default=0.0,
                    help="TEST ONLY: sleep this many seconds before writing each chunk")
-    s.add_argument("--log-format", choices=("json", "plain"), default="json")
-    s.add_argument("--log-level", default="info")
+    s.add_argument("--log-format", choices=LOG_FORMATS, help="json (default) or plain")
+    s.add_argument("--log-level", choices=LOG_LEVELS, help="default: info")
     s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("ls", help="list steps", description="List steps, committed or not, with sizes and ratios.")
@@ -169,10 +289,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_verify)
 
-    s = sub.add_parser("status", help="ask a running daemon", description="Sessions, saves in flight, stats.")
-    s.add_argument("--socket", default=protocol.default_socket_path())
+    s = sub.add_parser("status", help="ask a running daemon",
+                       description="Connected jobs and ranks, saves in flight with progress, last committed "
+                                   "step per job, counters.")
+    s.add_argument("--socket", default=protocol.default_socket_path(),
+                   help="daemon socket (default: $CKPTD_SOCKET or %(default)s)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_status)
+
+    s = sub.add_parser("gc", help="apply retention by hand", description=(
+        "Apply the retention rules to every job under ROOT (or --job): keep the newest keep_last committed "
+        "steps and every keep_every-th, never the newest committed; remove uncommitted step directories "
+        "untouched for abandoned_after. Settings come from the config file like serve's, then these flags."))
+    s.add_argument("root", nargs="?", help="checkpoint root (default: root from the config)")
+    s.add_argument("--job", action="append", help="only this job; repeatable")
+    s.add_argument("--dry-run", "-n", action="store_true", help="print what would be removed, remove nothing")
+    s.add_argument("--config", help=f"TOML config file (default: $CKPTD_CONFIG or {DEFAULT_CONFIG_PATH} if present)")
+    s.add_argument("--keep-last", help="keep the newest N committed steps per job (0: all)")
+    s.add_argument("--keep-every", help="also keep steps divisible by K (0: off)")
+    s.add_argument("--abandoned-after", help="remove uncommitted step dirs untouched this long (e.g. 6h)")
+    s.add_argument("-v", "--verbose", action="store_true", help="also list what is kept and why")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_gc)
     return p
 
 

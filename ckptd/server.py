@@ -22,9 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import __version__, protocol
+from . import __version__, protocol, retention, systemd
 from .commit import CommitError, CommitTracker, PendingStep, write_index
-from .format import (DTYPE_ITEMSIZE, FormatError, INDEX_NAME, step_dir, validate_shape)
+from .format import (DTYPE_ITEMSIZE, FormatError, INDEX_NAME, job_dir, latest_committed, rank_data_name,
+                     step_dir, validate_shape)
+from .metrics import DaemonMetrics
 from .protocol import ProtocolError
 from .writer import TensorLayout, WriteSettings, remove_rank_files, write_shard
 
@@ -57,6 +59,9 @@ class DaemonConfig:
     allowed_uids: frozenset[int] | None = None   # None: any peer that can open the socket
     allowed_gids: frozenset[int] | None = None
     drain_grace: float = 60.0
+    socket_group: int | None = None              # chgrp of a socket the daemon binds itself
+    retention: retention.RetentionPolicy = field(default_factory=retention.RetentionPolicy)
+    metrics_address: tuple[str, int] | None = None  # (host, port) of /metrics; None: off
 
 
 @dataclass(eq=False)
@@ -85,6 +90,7 @@ class Session:
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     closed: bool = False
     saves: int = 0
+    last_report: dict[str, Any] | None = None     # the client's latest report {step, stall_s, fence_s}
 
     def describe(self) -> str:
         return f"job={self.job} rank={self.rank} pid={self.pid} uid={self.uid}"
@@ -97,6 +103,18 @@ class RequestError(Exception):
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return struct.unpack("3i", creds)
+
+
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)   # Linux >= 4.13
+
+
+def peer_groups(sock: socket.socket) -> tuple[int, ...]:
+    """Supplementary groups of the peer at connect time (SO_PEERGROUPS); () when unavailable."""
+    try:
+        data = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 1024)
+    except OSError:
+        return ()
+    return struct.unpack(f"{len(data) // 4}I", data[: len(data) // 4 * 4])
 
 
 def describe_error(e: BaseException) -> str:
@@ -121,6 +139,14 @@ class Daemon:
         self._server_sock: socket.socket | None = None
         self._stopped: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.metrics = DaemonMetrics(self)
+        self.notifier = systemd.Notifier()
+        self.socket_path = config.socket_path         # the one served (socket activation may pass another)
+        self.last_committed: dict[str, dict[str, Any]] = {}   # job → {"step", "unix"} committed here
+        self.shard_writes: dict[tuple[str, int, int], dict[str, Any]] = {}  # (job, step, rank) → progress
+        self.unfinished: list[str] = []               # saves a drain could not finish
+        self._events: set[asyncio.Future] = set()
+        self._gc_tasks: dict[str, asyncio.Task] = {}
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -146,6 +172,13 @@ class Daemon:
         finally:
             os.umask(old)
         os.chmod(path, self.config.socket_mode)
+        if self.config.socket_group is not None:
+            try:
+                os.chown(path, -1, self.config.socket_group)
+            except OSError as e:
+                sock.close()
+                os.unlink(path)
+                raise RuntimeError(f"cannot give {path} to group {self.config.socket_group}: {e.strerror}") from None
         sock.listen(1024)
         return sock
 
@@ -154,7 +187,15 @@ class Daemon:
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
         os.makedirs(self.root, exist_ok=True)
+        if self.config.metrics_address is not None:
+            host, port = self.metrics.serve(self.config.metrics_address)
+            log.info("metrics", extra={"ctx": {"address": f"{host}:{port}", "path": "/metrics"}})
         sock = listen_sock or self.bind()
+        if listen_sock is not None:
+            self.socket_path = systemd.socket_path(listen_sock)
+            if self.socket_path != self.config.socket_path:
+                log.warning("serving the socket systemd passed, not the configured one",
+                            extra={"ctx": {"socket": self.socket_path, "configured": self.config.socket_path}})
         sock.setblocking(False)
         self._server_sock = sock
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -162,17 +203,31 @@ class Daemon:
                 self._loop.add_signal_handler(sig, self.stop)
             except (RuntimeError, ValueError):
                 pass
-        log.info("serving", extra={"ctx": {"socket": self.config.socket_path, "root": self.root,
-                                          "threads": self.config.threads, "codec": self.config.write.codec}})
+        log.info("serving", extra={"ctx": {"socket": self.socket_path, "root": self.root,
+                                          "threads": self.config.threads, "codec": self.config.write.codec,
+                                          "socket_activated": listen_sock is not None,
+                                          "pid": os.getpid()}})
         accept = asyncio.ensure_future(self._accept_loop(sock))
         sweeper = asyncio.ensure_future(self._sweep_loop())
+        notifier = asyncio.ensure_future(self._notify_loop())
+        self.notifier.ready(self.status_line())
         await self._stopped.wait()
         accept.cancel()
         sweeper.cancel()
+        self.notifier.stopping(f"draining {len(self.writes)} saves in flight",
+                               extend_s=self.config.drain_grace + 30)
         await self.drain()
+        # Let committed/failed events scheduled by the drain reach their clients.
+        if self._events:
+            await asyncio.wait(set(self._events), timeout=5)
+        notifier.cancel()
+        for task in list(self._gc_tasks.values()):
+            task.cancel()
         for s in list(self.sessions):
             self._close_session(s)
         sock.close()
+        self.metrics.close()
+        self.notifier.close()
         if listen_sock is None:
             try:
                 os.unlink(self.config.socket_path)
@@ -187,13 +242,33 @@ class Daemon:
             self._stopped.set()
 
     async def drain(self) -> None:
+        """After stop(): in-flight saves get ``drain_grace`` seconds to become durable and commit.
+
+        New saves are refused meanwhile. A relayed step whose rank 0 is durable here also gets
+        the grace for its COMMIT to arrive. Whatever is not done by then is reported (log,
+        ``failed`` events, ``self.unfinished``) and left uncommitted.
+        """
+        deadline = time.monotonic() + self.config.drain_grace
         if self.writes:
-            log.info("draining", extra={"ctx": {"in_flight": len(self.writes)}})
+            log.info("draining", extra={"ctx": {"in_flight": len(self.writes),
+                                               "grace_s": self.config.drain_grace}})
             _, pending = await asyncio.wait(set(self.writes), timeout=self.config.drain_grace)
-            for task in pending:
-                task.cancel()
             if pending:
-                log.warning("drain timed out", extra={"ctx": {"unfinished": len(pending)}})
+                self.unfinished = [f"job={w['job']} step={w['step']} rank={w['rank']}"
+                                   for w in self.shard_writes.values()]
+                for task in pending:
+                    task.cancel()
+                # The writer threads of unfinished saves cannot be interrupted; cleanup gets fresh
+                # threads, and the process exits without waiting for them (cli.cmd_serve).
+                self.io_pool.shutdown(wait=False, cancel_futures=True)
+                self.io_pool = ThreadPoolExecutor(2, thread_name_prefix="ckptd-cleanup")
+                log.error("drain timed out; these saves are left uncommitted",
+                          extra={"ctx": {"grace_s": self.config.drain_grace, "unfinished": self.unfinished}})
+        def awaiting_commit() -> bool:
+            return any(ps.committing or (ps.mode == "relay" and 0 in ps.durable and 0 in ps.waiters)
+                       for ps in self.tracker.steps.values())
+        while not self.unfinished and awaiting_commit() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         # Steps still open (waiting for ranks that never came) stay uncommitted.
         for ps in list(self.tracker.steps.values()):
             if not ps.committing:
@@ -205,6 +280,25 @@ class Daemon:
             conn, _ = await loop.sock_accept(sock)
             conn.setblocking(False)
             asyncio.ensure_future(self._serve_connection(conn))
+
+    def status_line(self) -> str:
+        sessions = sum(1 for s in self.sessions if s.job is not None)
+        last = ", ".join(f"{j}@{v['step']}" for j, v in sorted(self.last_committed.items())[:4])
+        return (f"{'draining; ' if self.draining else ''}{sessions} ranks connected, {len(self.writes)} saves "
+                f"in flight, {self.stats['steps_committed']} steps committed" + (f" (last {last})" if last else ""))
+
+    async def _notify_loop(self) -> None:
+        """WATCHDOG=1 every half of WATCHDOG_USEC (from the event loop: a wedged loop misses it); STATUS."""
+        interval = self.notifier.watchdog_interval
+        last_status = None
+        while True:
+            if interval:
+                self.notifier.watchdog()
+            line = self.status_line()
+            if line != last_status:
+                self.notifier.status(line)
+                last_status = line
+            await asyncio.sleep(min(interval or 5.0, 5.0))
 
     async def _sweep_loop(self) -> None:
         while True:
@@ -219,10 +313,13 @@ class Daemon:
         loop = asyncio.get_running_loop()
         pid, uid, gid = peer_credentials(sock)
         session = Session(sock, pid, uid, gid)
-        if not self._peer_allowed(uid, gid):
-            log.warning("refused peer", extra={"ctx": {"pid": pid, "uid": uid, "gid": gid}})
-            await self._send(session, {"op": "error", "req": 0, "reason":
-                                       f"uid {uid} / gid {gid} is not allowed to use this ckptd daemon"})
+        groups = peer_groups(sock)
+        if not self._peer_allowed(uid, gid, groups):
+            self.metrics.peers_refused.inc()
+            log.warning("refused peer", extra={"ctx": {"pid": pid, "uid": uid, "gid": gid, "groups": list(groups)}})
+            await self._send(session, {"op": "error", "req": 0, "fatal": True, "reason":
+                                       f"uid {uid} / gid {gid} is not allowed to use this ckptd daemon "
+                                       f"(not in its allowed_users / allowed_groups)"})
             sock.close()
             return
         self.sessions.add(session)
@@ -244,14 +341,14 @@ class Daemon:
         finally:
             await self._session_lost(session)
 
-    def _peer_allowed(self, uid: int, gid: int) -> bool:
+    def _peer_allowed(self, uid: int, gid: int, groups: tuple[int, ...] = ()) -> bool:
         c = self.config
         if c.allowed_uids is None and c.allowed_gids is None:
             return True
         if uid == 0 or uid == os.getuid():
             return True
         return (c.allowed_uids is not None and uid in c.allowed_uids) or \
-               (c.allowed_gids is not None and gid in c.allowed_gids)
+               (c.allowed_gids is not None and (gid in c.allowed_gids or not c.allowed_gids.isdisjoint(groups)))
 
     async def _send(self, session: Session, msg: dict[str, Any], fds: list[int] = ()) -> None:
         if session.closed:
@@ -263,7 +360,9 @@ class Daemon:
             session.closed = True
 
     def _event(self, session: Session, msg: dict[str, Any]) -> None:
-        asyncio.ensure_future(self._send(session, msg))
+        fut = asyncio.ensure_future(self._send(session, msg))
+        self._events.add(fut)
+        fut.add_done_callback(self._events.discard)
 
     async def _dispatch(self, session: Session, msg: dict[str, Any]) -> None:
         op, req = msg["op"], msg["req"]
@@ -286,14 +385,56 @@ class Daemon:
 
     async def _op_status(self, session: Session, msg: dict[str, Any]) -> tuple[dict, list]:
         sessions = [{"job": s.job, "rank": s.rank, "world_size": s.world_size, "pid": s.pid, "uid": s.uid,
-                     "slots": len(s.slots), "busy_slots": sum(sl.busy for sl in s.slots), "saves": s.saves}
+                     "slots": len(s.slots), "busy_slots": sum(sl.busy for sl in s.slots), "saves": s.saves,
+                     "last_report": s.last_report}
                     for s in self.sessions if s.job is not None]
         steps = [{"job": ps.job, "step": ps.step, "world_size": ps.world_size, "mode": ps.mode,
                   "writing": sorted(ps.writing), "durable": sorted(ps.durable),
                   "age_s": round(time.monotonic() - ps.started, 3)} for ps in self.tracker.steps.values()]
+        jobs = sorted({s["job"] for s in sessions} | {p["job"] for p in steps} | set(self.last_committed))
+        saves, last = await asyncio.get_running_loop().run_in_executor(
+            self.io_pool, self._progress_and_last, [dict(w) for w in self.shard_writes.values()], jobs)
         return {"root": self.root, "version": __version__, "pid": os.getpid(), "sessions": sessions,
                 "steps": steps, "stats": dict(self.stats), "slot_bytes_in_use": self.slot_bytes_in_use,
-                "slot_memory_limit": self.config.slot_memory_limit}, []
+                "slot_memory_limit": self.config.slot_memory_limit, "saves": saves, "last_committed": last,
+                "socket": self.socket_path, "draining": self.draining,
+                "metrics": (f"{self.metrics.address[0]}:{self.metrics.address[1]}"
+                            if self.metrics.address else None)}, []
+
+    def _progress_and_last(self, writes: list[dict[str, Any]], jobs: list[str]) -> tuple[list, dict]:
+        """(I/O thread) Progress of shard writes in flight, and the newest committed step of each job."""
+        now = time.monotonic()
+        saves = []
+        for w in writes:
+            try:
+                written = os.stat(w["data_path"]).st_size
+            except OSError:
+                written = 0
+            saves.append({"job": w["job"], "step": w["step"], "rank": w["rank"], "raw_bytes": w["raw_bytes"],
+                          "written_bytes": written, "elapsed_s": round(now - w["started"], 3)})
+        last: dict[str, Any] = {}
+        for job in jobs:
+            mine = self.last_committed.get(job)
+            try:
+                info = latest_committed(job_dir(self.root, job))
+            except (OSError, ValueError):
+                info = None
+            step = max([x for x in (info.step if info else None, mine["step"] if mine else None) if x is not None],
+                       default=None)
+            last[job] = {"step": step, "committed_here_unix": mine["unix"] if mine else None}
+        return saves, last
+
+    async def _op_report(self, session: Session, msg: dict[str, Any]) -> tuple[dict, list]:
+        """A client's account of one save: how long the trainer stalled (metrics and status)."""
+        self._require_session(session)
+        stall, fence = float(msg["stall_s"]), float(msg["fence_s"])
+        if not (math.isfinite(stall) and math.isfinite(fence) and 0 <= stall < 1e6 and 0 <= fence < 1e6):
+            raise RequestError("report: stall_s and fence_s must be finite, non-negative seconds")
+        session.last_report = {"step": msg["step"], "stall_s": stall, "fence_s": fence}
+        self.metrics.client_report(stall, fence)
+        log.debug("report", extra={"ctx": {"job": session.job, "rank": session.rank, "step": msg["step"],
+                                           "stall_s": stall, "fence_s": fence}})
+        return {"step": msg["step"]}, []
 
     async def _op_hello(self, session: Session, msg: dict[str, Any]) -> tuple[dict, list]:
         if session.job is not None:
@@ -402,6 +543,11 @@ class Daemon:
         task = asyncio.ensure_future(self._write(session, slot, ps, layout, msg["tree"]))
         self.writes.add(task)
         task.add_done_callback(self.writes.discard)
+        key = (session.job, step, session.rank)
+        self.shard_writes[key] = {"job": session.job, "step": step, "rank": session.rank, "started": time.monotonic(),
+                                  "raw_bytes": sum(t.nbytes for t in layout),
+                                  "data_path": os.path.join(path, rank_data_name(session.rank))}
+        task.add_done_callback(lambda _t, k=key: self.shard_writes.pop(k, None))
         return {"step": step}, []
 
     async def _op_commit(self, session: Session, msg: dict[str, Any]) -> tuple[dict, list]:
@@ -453,6 +599,7 @@ class Daemon:
         self.stats["saves_durable"] += 1
         self.stats["bytes_raw"] += result.manifest.raw_bytes
         self.stats["bytes_stored"] += result.manifest.stored_bytes
+        self.metrics.shard_durable(result.manifest.raw_bytes, result.manifest.stored_bytes, result.seconds)
         if self.tracker.get(ps.job, ps.step) is not ps:
             # The step failed (another rank, a timeout) while this shard was written.
             await loop.run_in_executor(self.io_pool, self._remove_uncommitted, ps.step_path, [rank])
@@ -490,11 +637,35 @@ class Daemon:
             return
         self.tracker.finish(ps)
         self.stats["steps_committed"] += 1
+        self.metrics.step_committed(time.monotonic() - ps.started)
+        prev = self.last_committed.get(ps.job)
+        if prev is None or ps.step >= prev["step"]:
+            self.last_committed[ps.job] = {"step": ps.step, "unix": time.time()}
+        self._schedule_gc(ps.job)
         log.info("committed", extra={"ctx": {"job": ps.job, "step": ps.step, "world_size": ps.world_size,
                                             "commit_s": round(time.monotonic() - t0, 6),
                                             "since_first_save_s": round(time.monotonic() - ps.started, 6)}})
         for rank, s in ps.waiters.items():
             self._event(s, {"op": "committed", "step": ps.step})
+
+    def _schedule_gc(self, job: str) -> None:
+        """Apply retention to ``job`` after a commit (one pass per job at a time)."""
+        if job in self._gc_tasks or self.draining:
+            return
+        task = asyncio.ensure_future(self._gc_job(job))
+        self._gc_tasks[job] = task
+        task.add_done_callback(lambda _t: self._gc_tasks.pop(job, None))
+
+    async def _gc_job(self, job: str) -> None:
+        in_flight = [ps.step for ps in self.tracker.steps.values() if ps.job == job]
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(
+                self.io_pool, lambda: retention.collect_job(self.root, job, self.config.retention,
+                                                            in_flight=in_flight))
+        except (OSError, ValueError) as e:
+            log.warning("retention failed", extra={"ctx": {"job": job, "error": describe_error(e)}})
+            return
+        self.metrics.gc_done(result)
 
     async def _fail_step(self, ps: PendingStep, reason: str) -> None:
         if self.tracker.get(ps.job, ps.step) is not ps:

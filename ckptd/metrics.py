@@ -1,0 +1,161 @@
+"""Prometheus metrics of one daemon (prometheus_client, a registry per daemon).
+
+Counters and gauges are read from the daemon's own bookkeeping at scrape time (the
+same numbers ``ckptd status`` shows), so they cannot drift from it; histograms are
+observed as shards become durable, steps commit and clients report their stall. The
+HTTP endpoint is off unless ``metrics.address`` is set; a bare port binds loopback.
+docs/operations.md lists every metric.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+from . import __version__
+
+RATIO_BUCKETS = (1.0, 1.05, 1.1, 1.2, 1.35, 1.5, 2.0, 3.0, 5.0, 10.0)
+THROUGHPUT_BUCKETS = (1e7, 5e7, 1e8, 2.5e8, 5e8, 1e9, 2e9, 4e9, 8e9, 16e9)
+WRITE_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+COMMIT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+STALL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+# Daemon.stats key → (metric name without _total, help)
+_STAT_COUNTERS = {
+    "saves_started": ("ckptd_saves_started", "Shard saves accepted (one per rank per step)."),
+    "saves_durable": ("ckptd_saves_durable", "Shard saves written and fsynced (rank manifest published)."),
+    "saves_failed": ("ckptd_saves_failed", "Shard saves whose write failed."),
+    "steps_committed": ("ckptd_steps_committed", "Steps committed (index.json published) by this daemon."),
+    "steps_failed": ("ckptd_steps_failed", "Steps abandoned uncommitted (a rank failed, timed out, shutdown)."),
+    "bytes_raw": ("ckptd_bytes_raw", "Tensor bytes received in durable shards, before compression."),
+    "bytes_stored": ("ckptd_bytes_stored", "Bytes written to data files for durable shards, after compression."),
+}
+
+
+class _DaemonCollector(Collector):
+    def __init__(self, daemon: Any) -> None:
+        self.daemon = daemon
+
+    def describe(self) -> Iterable[Any]:
+        return []          # names are fixed below; avoids collecting before the daemon is built
+
+    def collect(self) -> Iterable[Any]:
+        d = self.daemon
+        stats = dict(d.stats)
+        for key, (name, doc) in _STAT_COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=stats.get(key, 0))
+        raw, stored = stats.get("bytes_raw", 0), stats.get("bytes_stored", 0)
+        yield GaugeMetricFamily("ckptd_compression_ratio_overall",
+                                "Raw over stored bytes of every durable shard since start (0 before any).",
+                                value=raw / stored if stored else 0.0)
+        yield GaugeMetricFamily("ckptd_queue_depth", "Shard writes in flight (accepted, not yet durable or failed).",
+                                value=len(d.writes))
+        yield GaugeMetricFamily("ckptd_steps_in_flight", "Steps begun on this daemon and not yet committed or "
+                                "abandoned.", value=len(d.tracker.steps))
+        sessions = [s for s in list(d.sessions) if s.job is not None]
+        yield GaugeMetricFamily("ckptd_sessions", "Connected trainer ranks (after hello).", value=len(sessions))
+        yield GaugeMetricFamily("ckptd_slot_memory_bytes", "Shared-memory slot bytes allocated to sessions.",
+                                value=d.slot_bytes_in_use)
+        yield GaugeMetricFamily("ckptd_slot_memory_limit_bytes", "Slot memory budget (slot_memory_limit).",
+                                value=d.config.slot_memory_limit)
+        yield GaugeMetricFamily("ckptd_draining", "1 while the daemon drains after SIGTERM.", value=int(d.draining))
+        last_step = GaugeMetricFamily("ckptd_last_committed_step", "Newest step this daemon committed, per job.",
+                                      labels=["job"])
+        last_time = GaugeMetricFamily("ckptd_last_commit_timestamp_seconds",
+                                      "Unix time of the newest commit by this daemon, per job.", labels=["job"])
+        for job, info in sorted(dict(d.last_committed).items()):
+            last_step.add_metric([job], info["step"])
+            last_time.add_metric([job], info["unix"])
+        yield last_step
+        yield last_time
+        yield InfoMetricFamily("ckptd_build", "ckptd version.", value={"version": __version__})
+
+
+class DaemonMetrics:
+    """The metrics of one Daemon; ``serve()`` exposes them over HTTP."""
+
+    def __init__(self, daemon: Any) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.registry.register(_DaemonCollector(daemon))
+        self.compression_ratio = Histogram(
+            "ckptd_compression_ratio", "Raw over stored bytes per durable shard.", buckets=RATIO_BUCKETS, registry=r)
+        self.write_throughput = Histogram(
+            "ckptd_write_throughput_bytes_per_second",
+            "Raw bytes per second per durable shard (slot to fsynced file, compression included).",
+            buckets=THROUGHPUT_BUCKETS, registry=r)
+        self.write_seconds = Histogram(
+            "ckptd_shard_write_seconds", "Seconds to compress, write and fsync one shard.",
+            buckets=WRITE_SECONDS_BUCKETS, registry=r)
+        self.commit_latency = Histogram(
+            "ckptd_commit_latency_seconds", "Seconds from a step's first save request to its commit on this daemon.",
+            buckets=COMMIT_BUCKETS, registry=r)
+        self.client_stall = Histogram(
+            "ckptd_client_stall_seconds", "Time save() blocked the trainer, as each client reports per save.",
+            buckets=STALL_BUCKETS, registry=r)
+        self.client_fence = Histogram(
+            "ckptd_client_fence_seconds", "Time a copy fence blocked the trainer, as each client reports per save.",
+            buckets=STALL_BUCKETS, registry=r)
+        self.peers_refused = Counter(
+            "ckptd_peers_refused", "Connections refused by the allowed_users / allowed_groups check.", registry=r)
+        self.gc_removed = Counter(
+            "ckptd_gc_removed_steps", "Step directories removed by retention, by kind (expired, abandoned).",
+            ["kind"], registry=r)
+        self.gc_errors = Counter(
+            "ckptd_gc_errors", "Step directories retention failed to remove.", registry=r)
+        for kind in ("expired", "abandoned"):
+            self.gc_removed.labels(kind)
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self.address: tuple[str, int] | None = None
+
+    # ---- observations -----------------------------------------------------
+
+    def shard_durable(self, raw_bytes: int, stored_bytes: int, seconds: float) -> None:
+        if stored_bytes > 0:
+            self.compression_ratio.observe(raw_bytes / stored_bytes)
+        if seconds > 0:
+            self.write_throughput.observe(raw_bytes / seconds)
+        self.write_seconds.observe(max(0.0, seconds))
+
+    def step_committed(self, latency_s: float) -> None:
+        self.commit_latency.observe(max(0.0, latency_s))
+
+    def client_report(self, stall_s: float, fence_s: float) -> None:
+        self.client_stall.observe(max(0.0, float(stall_s)))
+        self.client_fence.observe(max(0.0, float(fence_s)))
+
+    def gc_done(self, result: Any) -> None:
+        for a in result.removed:
+            self.gc_removed.labels(a.kind).inc()
+        if result.errors:
+            self.gc_errors.inc(len(result.errors))
+
+    # ---- HTTP ---------------------------------------------------------------
+
+    def serve(self, address: tuple[str, int]) -> tuple[str, int]:
+        """Start the /metrics endpoint on a thread; returns the bound (host, port)."""
+        from prometheus_client import start_http_server
+        host, port = address
+        try:
+            server, thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            raise RuntimeError(f"cannot serve metrics on {host}:{port}: {e.strerror or e}") from None
+        self._server, self._thread = server, thread
+        self.address = (host, server.server_address[1])
+        return self.address
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def scrape_text(registry: CollectorRegistry) -> str:
+    from prometheus_client import generate_latest
+    return generate_latest(registry).decode()
+

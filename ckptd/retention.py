@@ -1,0 +1,229 @@
+"""Retention and garbage collection of step directories.
+
+Per job (the same rules as Orbax's ``max_to_keep`` / ``keep_period``):
+
+- committed steps: keep the newest ``keep_last`` and every step divisible by ``keep_every``;
+  delete the rest. ``keep_last = 0`` keeps every committed step. The newest committed step
+  is never deleted, whatever the settings;
+- uncommitted step directories (no index.json) are garbage once nothing has touched them
+  for ``abandoned_after`` seconds; younger ones may still be being written (by this daemon
+  or, on a shared root, another node's) and are left alone, as is any step the caller
+  names as in flight.
+
+A committed step is deleted index.json first (then a directory fsync), so a crash in the
+middle leaves an uncommitted directory — invisible to readers and removed later as
+abandoned — never a half-deleted step that still looks committed. Nothing here follows a
+symlink: symlinked job or step directories are skipped, and the entries of a step
+directory are unlinked (a link is removed, never its target). Only names that ckptd
+itself creates are removed; a step directory holding anything else is reported and kept.
+
+The daemon runs :func:`collect_job` for a job after each commit of it; ``ckptd gc``
+runs :func:`collect_root` by hand.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import stat
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from .format import INDEX_NAME, list_steps
+from .protocol import validate_job
+from .storage import fsync_dir
+
+log = logging.getLogger("ckptd")
+
+# Files ckptd writes inside a step directory: data, manifests, the index, and their tmp files.
+_OWN_FILE_RE = re.compile(r"^(?:rank-\d{5}\.(?:data|json)|index\.json)(?:\.tmp\.\d+)?$")
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    keep_last: int = 0                  # 0: keep every committed step
+    keep_every: int = 0                 # 0: off
+    abandoned_after: float = 86400.0    # seconds since the directory was last touched
+
+    def __post_init__(self) -> None:
+        if type(self.keep_last) is not int or self.keep_last < 0:
+            raise ValueError(f"keep_last must be an integer >= 0, got {self.keep_last!r}")
+        if type(self.keep_every) is not int or self.keep_every < 0:
+            raise ValueError(f"keep_every must be an integer >= 0, got {self.keep_every!r}")
+        if not self.abandoned_after >= 0:
+            raise ValueError(f"abandoned_after must be >= 0, got {self.abandoned_after!r}")
+
+
+@dataclass
+class Action:
+    job: str
+    step: int
+    path: str
+    kind: str            # "expired" (committed, past retention) or "abandoned" (never committed)
+    done: bool = False
+    error: str | None = None
+
+    def describe(self) -> str:
+        what = {"expired": "committed step past retention", "abandoned": "abandoned uncommitted step"}[self.kind]
+        return f"{self.path}: {what}"
+
+
+@dataclass
+class GcResult:
+    actions: list[Action] = field(default_factory=list)
+    kept: list[tuple[str, int, str]] = field(default_factory=list)     # (job, step, why)
+    skipped: list[str] = field(default_factory=list)                   # paths not touched, with reason
+
+    @property
+    def removed(self) -> list[Action]:
+        return [a for a in self.actions if a.done]
+
+    @property
+    def errors(self) -> list[Action]:
+        return [a for a in self.actions if a.error]
+
+
+def last_touched(path: str) -> float:
+    """Newest mtime of a step directory and its entries (a write in progress keeps it young)."""
+    newest = os.lstat(path).st_mtime
+    with os.scandir(path) as it:
+        for e in it:
+            try:
+                newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
+            except FileNotFoundError:
+                pass
+    return newest
+
+
+def plan_job(job_path: str, policy: RetentionPolicy, *, now: float | None = None,
+             in_flight: Iterable[int] = ()) -> tuple[list[Action], list[tuple[str, int, str]]]:
+    """What to delete in one job directory under ``policy``; nothing is touched."""
+    now = time.time() if now is None else now
+    job = os.path.basename(os.path.normpath(job_path))
+    protected = set(in_flight)
+    steps = list_steps(job_path)            # symlinked step directories are already left out
+    committed = [s for s in steps if s.committed]
+    actions: list[Action] = []
+    kept: list[tuple[str, int, str]] = []
+    keep: dict[int, str] = {}
+    if committed:
+        keep[committed[-1].step] = "newest committed"
+        if policy.keep_last == 0:
+            for s in committed:
+                keep.setdefault(s.step, "keep_last = 0 keeps every committed step")
+        else:
+            for s in committed[-policy.keep_last:]:
+                keep.setdefault(s.step, f"among the last {policy.keep_last}")
+        if policy.keep_every:
+            for s in committed:
+                if s.step % policy.keep_every == 0:
+                    keep.setdefault(s.step, f"multiple of keep_every = {policy.keep_every}")
+    for s in steps:
+        if s.step in protected:
+            kept.append((job, s.step, "in flight"))
+        elif s.committed:
+            if s.step in keep:
+                kept.append((job, s.step, keep[s.step]))
+            else:
+                actions.append(Action(job, s.step, s.path, "expired"))
+        else:
+            try:
+                age = now - last_touched(s.path)
+            except FileNotFoundError:
+                continue
+            if age >= policy.abandoned_after:
+                actions.append(Action(job, s.step, s.path, "abandoned"))
+            else:
+                kept.append((job, s.step, f"uncommitted, touched {age:.0f}s ago (may still be written)"))
+    return actions, kept
+
+
+def remove_step(path: str) -> None:
+    """Delete one step directory: index.json first (it stops being committed), then the rest.
+
+    Raises OSError naming what could not be removed; anything ckptd did not create stays.
+    """
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise OSError(f"{path} is not a directory (a symlink?); not removed")
+    index = os.path.join(path, INDEX_NAME)
+    try:
+        os.unlink(index)
+        fsync_dir(path)
+    except FileNotFoundError:
+        pass
+    foreign = []
+    with os.scandir(path) as it:
+        entries = list(it)
+    for e in entries:
+        if _OWN_FILE_RE.match(e.name) and not e.is_dir(follow_symlinks=False):
+            try:
+                os.unlink(e.path)
+            except FileNotFoundError:
+                pass
+        else:
+            foreign.append(e.name)
+    if foreign:
+        raise OSError(f"{path}: kept, it holds files ckptd did not write: {', '.join(sorted(foreign)[:5])}")
+    os.rmdir(path)
+    fsync_dir(os.path.dirname(path))
+
+
+def execute(actions: list[Action], dry_run: bool = False) -> None:
+    for a in actions:
+        if dry_run:
+            continue
+        try:
+            remove_step(a.path)
+            a.done = True
+        except OSError as e:
+            a.error = str(e) if not e.strerror else f"{e.strerror}: {e.filename or a.path}"
+
+
+def collect_job(root: str, job: str, policy: RetentionPolicy, *, dry_run: bool = False,
+                in_flight: Iterable[int] = (), now: float | None = None) -> GcResult:
+    """Apply ``policy`` to one job (the daemon calls this after each commit of the job)."""
+    validate_job(job)
+    job_path = os.path.join(root, job)
+    result = GcResult()
+    if os.path.islink(job_path):
+        result.skipped.append(f"{job_path}: a symlink; gc does not follow links")
+        return result
+    actions, kept = plan_job(job_path, policy, now=now, in_flight=in_flight)
+    execute(actions, dry_run)
+    result.actions, result.kept = actions, kept
+    for a in result.removed:
+        log.info("removed step", extra={"ctx": {"job": a.job, "step": a.step, "reason": a.kind}})
+    for a in result.errors:
+        log.warning("could not remove step", extra={"ctx": {"job": a.job, "step": a.step, "error": a.error}})
+    return result
+
+
+def collect_root(root: str, policy: RetentionPolicy, *, dry_run: bool = False, jobs: Iterable[str] | None = None,
+                 now: float | None = None) -> GcResult:
+    """Apply ``policy`` to every job under ``root`` (``ckptd gc``)."""
+    result = GcResult()
+    if jobs is None:
+        try:
+            names = sorted(os.listdir(root))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{root}: no such directory") from None
+        jobs = []
+        for name in names:
+            path = os.path.join(root, name)
+            try:
+                validate_job(name)
+            except ValueError:
+                result.skipped.append(f"{path}: not a job directory name")
+                continue
+            if os.path.islink(path):
+                result.skipped.append(f"{path}: a symlink; gc does not follow links")
+            elif os.path.isdir(path):
+                jobs.append(name)
+    for job in jobs:
+        r = collect_job(root, job, policy, dry_run=dry_run, now=now)
+        result.actions += r.actions
+        result.kept += r.kept
+        result.skipped += r.skipped
+    return result
