@@ -204,3 +204,40 @@ def test_many_ranks_one_daemon_local_commit(daemon, tmp):
         _, err = p.communicate(timeout=180)
         assert p.returncode == 0, err
     assert (daemon.root / "eight" / "step-000000000001" / "index.json").is_file()
+
+
+def test_restore_reads_only_its_own_shard(daemon):
+    """Two ranks (two clients in one process, local commit); rank 0 restores with rank 1's files gone."""
+    cks = [ckptd_client.Checkpointer("own", socket=str(daemon.socket), rank=r, world_size=2) for r in range(2)]
+    states = [{"w": torch.full((100,), float(r)), "r": r} for r in range(2)]
+    handles = [ck.save(1, st) for ck, st in zip(cks, states)]
+    for h in handles:
+        h.wait(60)
+    step = daemon.root / "own" / "step-000000000001"
+    for name in ("rank-00001.data", "rank-00001.json"):
+        (step / name).unlink()
+    target = {"w": torch.zeros(100), "r": -1}
+    assert cks[0].restore(target) == 1 and target["r"] == 0 and torch.equal(target["w"], states[0]["w"])
+    with pytest.raises(ckptd_client.CheckpointError, match="rank-00001.json"):
+        cks[1].restore({"w": torch.zeros(100), "r": -1})
+    for ck in cks:
+        ck.close()
+
+
+def test_several_jobs_at_once(daemon):
+    """Two jobs of two ranks each save concurrently through one daemon; each commits its own index."""
+    code = (
+        "import sys, torch, ckptd_client\n"
+        "job, r = sys.argv[1], int(sys.argv[2])\n"
+        "ck = ckptd_client.Checkpointer(job, socket=sys.argv[3], rank=r, world_size=2)\n"
+        "hs = [ck.save(s, {'w': torch.randn(200_000), 'job': job}) for s in (1, 2, 3)]\n"
+        "[h.wait(120) for h in hs]\n"
+        "ck.close()\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, job, str(r), str(daemon.socket)],
+                              stderr=subprocess.PIPE, text=True) for job in ("job-a", "job-b") for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+    for job in ("job-a", "job-b"):
+        for s in (1, 2, 3):
+            assert (daemon.root / job / f"step-{s:012d}" / "index.json").is_file()
