@@ -130,6 +130,7 @@ class Checkpointer:
         self._inflight: tuple[SaveHandle, SlotCopy] | None = None
         self._copy_pool: ThreadPoolExecutor | None = None
         self._hooks: dict[int, Any] = {}
+        self._side_streams: dict[torch.device, Any] = {}   # CUDA copy streams, one per device
 
     # ---- connection and slots ----------------------------------------------
 
@@ -278,7 +279,8 @@ class Checkpointer:
             self._ensure_relay().track(handle.seq, step, lambda err, h=handle: self._finish(h, err))
         try:
             copy = SlotCopy(self._slots[slot], layout, flat.tensors,
-                            flat.deferrable if overlap else frozenset(), self._copier() if overlap else None)
+                            flat.deferrable if overlap else frozenset(), self._copier() if overlap else None,
+                            self._side_streams)
         except BaseException as e:
             self._hand_off_failed(handle, e)
             raise

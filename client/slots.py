@@ -67,38 +67,46 @@ class SlotCopy:
     """A snapshot into a slot: some tensors copied now, the deferrable rest in the background.
 
     Background copies of CPU tensors run on a copy thread (``copy_`` releases the GIL); CUDA
-    tensors go as non_blocking D2H copies on a side stream that first waits for the compute
-    stream, with an event recorded after them. ``fence()`` is what the trainer waits on before
-    it mutates the state; ``wait_host()`` is what the hand-off to the daemon waits on.
+    tensors go as non_blocking D2H copies on a per-device side stream that first waits for
+    the compute stream, with an event recorded after them. ``fence()`` is what the trainer
+    waits on before it mutates the state; ``wait_host()`` is what the hand-off to the daemon
+    waits on.
     """
 
     def __init__(self, slot: ClientSlot, layout: list[list[Any]], tensors: list[tuple[str, torch.Tensor]],
-                 deferred: frozenset[int] = frozenset(), pool: Executor | None = None) -> None:
+                 deferred: frozenset[int] = frozenset(), pool: Executor | None = None,
+                 side_streams: dict[torch.device, Any] | None = None) -> None:
         self._future: Future | None = None
-        self._event = None
-        now = [i for i in range(len(tensors)) if i not in deferred or pool is None]
-        later_cpu = [i for i in range(len(tensors)) if i in deferred and pool is not None
-                     and not tensors[i][1].is_cuda]
-        later_gpu = [i for i in range(len(tensors)) if i in deferred and pool is not None
-                     and tensors[i][1].is_cuda]
+        self._events: list[tuple[torch.device, Any]] = []
+        if pool is None:
+            deferred = frozenset()
+        now = [i for i in range(len(tensors)) if i not in deferred]
+        later_cpu = [i for i in sorted(deferred) if not tensors[i][1].is_cuda]
+        later_gpu: dict[torch.device, list[int]] = {}
+        for i in sorted(deferred):
+            if tensors[i][1].is_cuda:
+                later_gpu.setdefault(tensors[i][1].device, []).append(i)
         with torch.no_grad():
-            any_cuda = False
+            synced: set[torch.device] = set()
             for i in now:
                 t = tensors[i][1]
-                any_cuda |= t.is_cuda
+                if t.is_cuda:
+                    synced.add(t.device)
                 _copy(slot, layout[i], t, non_blocking=t.is_cuda and slot.pinned)
-            if later_gpu:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
+            for device, idx in later_gpu.items():
+                streams = side_streams if side_streams is not None else {}
+                side = streams.setdefault(device, torch.cuda.Stream(device=device))
+                side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(side):
-                    for i in later_gpu:
+                    for i in idx:
                         t = tensors[i][1]
                         _copy(slot, layout[i], t, non_blocking=slot.pinned)
-                        t.record_stream(side)
-                    self._event = torch.cuda.Event()
-                    self._event.record(side)
-            if any_cuda:
-                torch.cuda.current_stream().synchronize()
+                        t.record_stream(side)   # the allocator must not reuse it before the copy
+                    event = torch.cuda.Event()
+                    event.record(side)
+                self._events.append((device, event))
+            for device in synced:
+                torch.cuda.current_stream(device).synchronize()
         if later_cpu:
             def run() -> None:
                 with torch.no_grad():
@@ -109,19 +117,19 @@ class SlotCopy:
     @property
     def pending(self) -> bool:
         return (self._future is not None and not self._future.done()) or \
-            (self._event is not None and not self._event.query())
+            any(not ev.query() for _, ev in self._events)
 
     def fence(self) -> None:
         """Return once the state may be mutated. On CUDA the compute stream waits on the copy
         event (no host stall); CPU copies are waited for on the host."""
-        if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
+        for device, event in self._events:
+            torch.cuda.current_stream(device).wait_event(event)
         if self._future is not None:
             self._future.result()
 
     def wait_host(self) -> None:
         """Return once every byte is in the slot (the daemon may read it)."""
-        if self._event is not None:
-            self._event.synchronize()
+        for _, event in self._events:
+            event.synchronize()
         if self._future is not None:
             self._future.result()
