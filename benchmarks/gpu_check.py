@@ -77,7 +77,6 @@ def main() -> int:
                 torch.cuda.synchronize()
                 overlapped.append(h.stall_s + h.fence_s)
                 h.wait(600)
-                got = {k: torch.empty_like(v) for k, v in before.items()}
                 probe = torch.nn.Sequential(*[torch.nn.Linear(side, side, bias=False) for _ in range(n_layers)]).to(dev)
                 ck.restore({"model": probe}, step=2 * i + 2)
                 for k, v in probe.state_dict().items():
