@@ -132,7 +132,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         for sk in result.skipped:
             print(f"skipped {sk}")
         n = len(result.actions) if args.dry_run else len(result.removed)
-        print(f"{n} step(s) {verb}, {len(result.kept)} kept"
+        print(f"{verb} {n} step(s), kept {len(result.kept)}"
               + (f", {len(result.errors)} failed" if result.errors else ""))
     return 1 if result.errors else 0
 

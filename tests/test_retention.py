@@ -1,0 +1,173 @@
+"""Retention (keep_last / keep_every / abandoned_after): the planner, `ckptd gc`, and the daemon after commits."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import ckptd_client
+from ckptd.format import step_dir_name
+from ckptd.retention import RetentionPolicy, collect_job, collect_root, plan_job, remove_step
+
+DAY = 86400.0
+
+
+def make_step(root: Path, job: str, step: int, committed: bool, age_s: float = 0.0) -> Path:
+    """A step directory with the files ckptd writes; mtimes set ``age_s`` in the past."""
+    d = root / job / step_dir_name(step)
+    d.mkdir(parents=True)
+    (d / "rank-00000.data").write_bytes(b"x" * 10)
+    (d / "rank-00000.json").write_text("{}")
+    if committed:
+        (d / "index.json").write_text("{}")
+    t = time.time() - age_s
+    for p in [*d.iterdir(), d]:
+        os.utime(p, (t, t))
+    return d
+
+
+def steps_left(root: Path, job: str) -> list[int]:
+    return sorted(int(p.name[5:]) for p in (root / job).iterdir())
+
+
+def test_keep_last_and_keep_every(tmp):
+    for s in range(1, 13):
+        make_step(tmp, "j", s * 10, committed=True)
+    r = collect_job(str(tmp), "j", RetentionPolicy(keep_last=3, keep_every=50))
+    assert steps_left(tmp, "j") == [50, 100, 110, 120]
+    assert sorted(a.step for a in r.removed) == [10, 20, 30, 40, 60, 70, 80, 90]
+    assert all(a.kind == "expired" for a in r.actions)
+
+
+def test_keep_last_zero_keeps_everything_committed(tmp):
+    for s in range(5):
+        make_step(tmp, "j", s, committed=True, age_s=10 * DAY)
+    r = collect_job(str(tmp), "j", RetentionPolicy(keep_last=0, keep_every=3))
+    assert r.actions == [] and steps_left(tmp, "j") == [0, 1, 2, 3, 4]
+
+
+def test_newest_committed_never_deleted(tmp):
+    make_step(tmp, "j", 7, committed=True)
+    make_step(tmp, "j", 8, committed=False)          # newer, uncommitted and young: kept too
+    r = collect_job(str(tmp), "j", RetentionPolicy(keep_last=1, keep_every=1000))
+    assert r.actions == [] and steps_left(tmp, "j") == [7, 8]
+    # keep_last is at least the newest even if keep_every would not keep it
+    make_step(tmp, "k", 3, committed=True)
+    make_step(tmp, "k", 4, committed=True)
+    collect_job(str(tmp), "k", RetentionPolicy(keep_last=1, keep_every=3))
+    assert steps_left(tmp, "k") == [3, 4]
+
+
+def test_abandoned_uncommitted_removed_only_when_old_and_not_in_flight(tmp):
+    make_step(tmp, "j", 1, committed=True, age_s=3 * DAY)
+    make_step(tmp, "j", 2, committed=False, age_s=2 * DAY)     # abandoned
+    make_step(tmp, "j", 3, committed=False, age_s=2 * DAY)     # old, but the daemon says in flight
+    make_step(tmp, "j", 4, committed=False, age_s=60)          # young: may still be written
+    r = collect_job(str(tmp), "j", RetentionPolicy(abandoned_after=DAY), in_flight=[3])
+    assert [(a.step, a.kind) for a in r.removed] == [(2, "abandoned")]
+    assert steps_left(tmp, "j") == [1, 3, 4]
+    kept = {step: why for _, step, why in r.kept}
+    assert kept[3] == "in flight" and "may still be written" in kept[4] and kept[1] == "newest committed"
+
+
+def test_recent_file_write_keeps_old_directory_young(tmp):
+    d = make_step(tmp, "j", 5, committed=False, age_s=2 * DAY)
+    os.utime(d / "rank-00000.data")          # a writer touched its data file just now
+    actions, _ = plan_job(str(tmp / "j"), RetentionPolicy(abandoned_after=DAY))
+    assert actions == []
+
+
+def test_dry_run_removes_nothing(tmp):
+    for s in range(4):
+        make_step(tmp, "j", s, committed=True)
+    r = collect_root(str(tmp), RetentionPolicy(keep_last=1), dry_run=True)
+    assert sorted(a.step for a in r.actions) == [0, 1, 2] and r.removed == []
+    assert steps_left(tmp, "j") == [0, 1, 2, 3]
+
+
+def test_symlinks_are_never_followed(tmp):
+    outside = tmp / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("keep me")
+    make_step(tmp / "root", "j", 1, committed=True)
+    make_step(tmp / "root", "j", 2, committed=True)
+    # a symlinked step directory and a symlinked job directory pointing outside the root
+    os.symlink(outside, tmp / "root" / "j" / step_dir_name(0))
+    os.symlink(outside, tmp / "root" / "linkjob")
+    r = collect_root(str(tmp / "root"), RetentionPolicy(keep_last=1, abandoned_after=0))
+    assert (outside / "precious").read_text() == "keep me"
+    assert [a.step for a in r.removed] == [1]
+    assert any("linkjob" in s and "symlink" in s for s in r.skipped)
+    # a symlink planted inside a step directory is unlinked, its target untouched
+    d = make_step(tmp / "root", "j", 3, committed=True)
+    make_step(tmp / "root", "j", 9, committed=True)
+    os.symlink(outside / "precious", d / "rank-00001.data")
+    remove_step(str(d))
+    assert not d.exists() and (outside / "precious").read_text() == "keep me"
+
+
+def test_foreign_files_keep_the_directory(tmp):
+    d = make_step(tmp, "j", 1, committed=True)
+    make_step(tmp, "j", 2, committed=True)
+    (d / "notes.txt").write_text("operator's notes")
+    r = collect_job(str(tmp), "j", RetentionPolicy(keep_last=1))
+    assert r.removed == [] and len(r.errors) == 1 and "notes.txt" in r.errors[0].error
+    # the index went first: the step is no longer committed, the foreign file is intact
+    assert not (d / "index.json").exists() and (d / "notes.txt").exists()
+
+
+def _gc(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckptd", "gc", *args], capture_output=True, text=True,
+                          timeout=60, env={k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")})
+
+
+def test_ckptd_gc_cli(tmp):
+    root = tmp / "root"
+    for s in range(1, 6):
+        make_step(root, "a", s, committed=True)
+    make_step(root, "a", 6, committed=False, age_s=3 * DAY)
+    make_step(root, "b", 1, committed=True)
+    r = _gc(str(root), "--keep-last", "2", "--abandoned-after", "1d", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert "would remove" in r.stdout and "would remove 4 step(s)" in r.stdout
+    assert steps_left(root, "a") == [1, 2, 3, 4, 5, 6]
+    r = _gc(str(root), "--keep-last", "2", "--abandoned-after", "1d", "--json")
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and not out["dry_run"]
+    assert sorted((a["job"], a["step"], a["kind"]) for a in out["actions"]) == [
+        ("a", 1, "expired"), ("a", 2, "expired"), ("a", 3, "expired"), ("a", 6, "abandoned")]
+    assert steps_left(root, "a") == [4, 5] and steps_left(root, "b") == [1]
+    # settings from a config file, a flag over it
+    cfg = tmp / "c.toml"
+    cfg.write_text(f'root = "{root}"\n[retention]\nkeep_last = 1\n')
+    r = _gc("--config", str(cfg), "--job", "a")
+    assert r.returncode == 0, r.stderr
+    assert steps_left(root, "a") == [5]
+    r = _gc(str(root), "--keep-last", "-3")
+    assert r.returncode == 2 and "retention.keep_last" in r.stderr
+
+
+def test_daemon_applies_retention_after_commit(daemon_factory):
+    d = daemon_factory("--keep-last", "2", "--keep-every", "3")
+    model = torch.nn.Linear(4, 4)
+    ck = ckptd_client.Checkpointer("ret", socket=str(d.socket))
+    for step in range(1, 8):
+        ck.save(step, {"model": model}).wait(60)
+    ck.close()
+    # Retention runs after each commit, asynchronously: the last pass follows step 7's commit.
+    # Poll the daemon's status until no pass is running (no timing threshold on its speed).
+    from ckptd import protocol
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        left = steps_left(d.root, "ret")
+        if left == [3, 6, 7]:
+            break
+        time.sleep(0.05)
+    assert steps_left(d.root, "ret") == [3, 6, 7]
+    st = protocol.request_once(str(d.socket), {"op": "status"})
+    assert st["last_committed"]["ret"]["step"] == 7
