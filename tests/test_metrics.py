@@ -1,0 +1,117 @@
+"""Prometheus metrics: scrape a real daemon's HTTP endpoint after real saves."""
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+import ckptd_client
+from ckptd import protocol
+
+
+def scrape(address: str) -> dict[str, float]:
+    """sample name{labels} → value."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+def wait_metric(address: str, name: str, at_least: float, timeout: float = 60) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = scrape(address)
+        if m.get(name, 0) >= at_least or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def test_metrics_off_by_default(daemon):
+    st = protocol.request_once(str(daemon.socket), {"op": "status"})
+    assert st["metrics"] is None
+
+
+def test_metrics_after_saves(daemon_factory):
+    d = daemon_factory("--metrics-address", "0", "--codec", "zstd")   # a bare port: loopback, ephemeral
+    st = protocol.request_once(str(d.socket), {"op": "status"})
+    address = st["metrics"]
+    assert address.startswith("127.0.0.1:")
+
+    before = scrape(address)
+    assert before["ckptd_saves_started_total"] == 0 and before["ckptd_queue_depth"] == 0
+    assert before["ckptd_slot_memory_limit_bytes"] > 0
+
+    ck = ckptd_client.Checkpointer("met", socket=str(d.socket))
+    state = {"w": torch.zeros(256, 256), "b": torch.arange(1000, dtype=torch.float32)}
+    for step in (1, 2):
+        ck.save(step, state).wait(60)
+    m = wait_metric(address, "ckptd_client_stall_seconds_count", 2)   # reports are fire-and-forget
+
+    assert m["ckptd_saves_started_total"] == 2
+    assert m["ckptd_saves_durable_total"] == 2 and m["ckptd_saves_failed_total"] == 0
+    assert m["ckptd_steps_committed_total"] == 2
+    raw = (256 * 256 + 1000) * 4 * 2
+    assert m["ckptd_bytes_raw_total"] == raw
+    assert 0 < m["ckptd_bytes_stored_total"] < raw          # zeros and a ramp compress
+    assert m["ckptd_compression_ratio_overall"] == pytest.approx(raw / m["ckptd_bytes_stored_total"])
+    assert m["ckptd_compression_ratio_count"] == 2
+    assert m["ckptd_write_throughput_bytes_per_second_count"] == 2
+    assert m["ckptd_shard_write_seconds_count"] == 2
+    assert m["ckptd_commit_latency_seconds_count"] == 2
+    assert m["ckptd_client_stall_seconds_count"] == 2 and m["ckptd_client_stall_seconds_sum"] > 0
+    assert m["ckptd_client_fence_seconds_count"] == 2
+    assert m['ckptd_last_committed_step{job="met"}'] == 2
+    assert m['ckptd_last_commit_timestamp_seconds{job="met"}'] > 0
+    assert m["ckptd_sessions"] == 1 and m["ckptd_slot_memory_bytes"] > 0
+    assert m["ckptd_queue_depth"] == 0 and m["ckptd_steps_in_flight"] == 0
+    assert m['ckptd_build_info{version="0.1.0"}'] == 1
+    ck.close()
+
+
+def test_report_op_recorded_in_status_and_metrics(daemon_factory):
+    d = daemon_factory("--metrics-address", "127.0.0.1:0")
+    address = protocol.request_once(str(d.socket), {"op": "status"})["metrics"]
+    s = protocol.connect(str(d.socket))
+    rx = protocol.FrameReceiver(s)
+    try:
+        protocol.send_frame(s, {"op": "report", "req": 1, "step": 1, "stall_s": 0.1, "fence_s": 0.0})
+        assert rx.read()["op"] == "error"                         # hello first
+        protocol.send_frame(s, {"op": "hello", "req": 2, "job": "rep", "rank": 0, "world_size": 1,
+                                "pid": 1, "slot_bytes": 0, "num_slots": 0})
+        assert rx.read()["op"] == "ok"
+        protocol.send_frame(s, {"op": "report", "req": 3, "step": 9, "stall_s": 0.75, "fence_s": 0.25})
+        assert rx.read() == {"op": "ok", "req": 3, "step": 9}
+        protocol.send_frame(s, {"op": "report", "req": 4, "step": 9, "stall_s": -1, "fence_s": 0})
+        bad = rx.read()
+        assert bad["op"] == "error" and "non-negative" in bad["reason"]
+        st = protocol.request_once(str(d.socket), {"op": "status"})
+        [sess] = [x for x in st["sessions"] if x["job"] == "rep"]
+        assert sess["last_report"] == {"step": 9, "stall_s": 0.75, "fence_s": 0.25}
+        m = scrape(address)
+        assert m["ckptd_client_stall_seconds_count"] == 1 and m["ckptd_client_stall_seconds_sum"] == 0.75
+        assert m['ckptd_client_stall_seconds_bucket{le="1.0"}'] == 1
+        assert m['ckptd_client_stall_seconds_bucket{le="0.5"}'] == 0
+    finally:
+        s.close()
+
+
+def test_metrics_port_in_use_fails_at_start(tmp):
+    from conftest import start_daemon
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    try:
+        with pytest.raises(RuntimeError) as e:
+            start_daemon(tmp / "root", tmp / "m.sock", "--metrics-address", f"127.0.0.1:{port}")
+        assert f"cannot serve metrics on 127.0.0.1:{port}" in str(e.value)
+    finally:
+        busy.close()
