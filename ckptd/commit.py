@@ -38,7 +38,7 @@ def write_index(step_path: str, job: str, step: int, world_size: int, digests: d
         path = os.path.join(step_path, rank_manifest_name(rank))
         try:
             data = storage.read_limited(path, MAX_MANIFEST_BYTES)
-        except OSError as e:
+        except (OSError, ValueError) as e:   # ValueError: over the size limit or not a regular file
             raise CommitError(f"rank {rank} manifest unreadable: {e}") from None
         if digest_bytes(data) != digests[rank]:
             raise CommitError(f"rank {rank} manifest {path} does not match the digest it reported durable")

@@ -10,12 +10,13 @@ import json
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from . import storage
-from .codec import ChecksumError, ChunkMeta, checksum, decode_chunk
-from .protocol import validate_job, validate_tensor_name
+from .codec import FLOAT_ITEMSIZE, ChecksumError, ChunkMeta, checksum, decode_chunk
+from .protocol import MAX_TREE_DEPTH, check_tree_depth, validate_job, validate_tensor_name
 
 FORMAT_VERSION = 1
 INDEX_NAME = "index.json"
@@ -23,7 +24,7 @@ MAX_INDEX_BYTES = 64 * 1024 * 1024
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_RANKS = 1 << 20
 
-_STEP_RE = re.compile(r"^step-(\d{12})$")
+_STEP_RE = re.compile(r"^step-([0-9]{12})\Z")   # not \d (any Unicode digit) nor $ (allows "\n")
 
 # Every torch dtype ckptd stores, by the name torch prints after "torch.", with its item size.
 DTYPE_ITEMSIZE: dict[str, int] = {
@@ -199,11 +200,42 @@ def validate_shape(dtype: Any, shape: Any) -> None:
              f"bad shape {shape!r}")
 
 
-def parse_manifest(data: bytes, *, job: str, step: int, rank: int) -> Manifest:
+def _load_json(data: bytes, what: str) -> Any:
     try:
-        obj = json.loads(data)
+        return json.loads(data)
     except ValueError as e:
-        raise FormatError(f"manifest is not JSON: {e}") from None
+        raise FormatError(f"{what} is not JSON: {e}") from None
+    except RecursionError:
+        raise FormatError(f"{what} nests too deeply to parse") from None
+
+
+def _read_small(path: str, limit: int, what: str) -> bytes:
+    """An index or manifest: a regular file (never a link, FIFO or directory) of at most ``limit`` bytes."""
+    try:
+        return storage.read_limited(path, limit)
+    except (OSError, ValueError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise FormatError(f"{path}: cannot read {what}: {reason}") from None
+
+
+def _check_chunks(entry: TensorEntry) -> None:
+    """Chunk metadata consistent with the codec and dtype, so decoding cannot trip over it."""
+    for c in entry.chunks:
+        _require(c.stored_len <= c.raw_len, f"tensor {entry.name!r}: a chunk stores more bytes than it holds")
+        if c.codec == "bplane":
+            itemsize = FLOAT_ITEMSIZE.get(entry.dtype)
+            _require(itemsize is not None and c.raw_len % itemsize == 0 and len(c.segments) == itemsize,
+                     f"tensor {entry.name!r}: bplane chunk does not fit dtype {entry.dtype}")
+            _require(all(n == c.raw_len // itemsize for n, kind in c.segments if kind == "r"),
+                     f"tensor {entry.name!r}: bplane raw plane of the wrong length")
+        else:
+            _require(len(c.segments) == 1, f"tensor {entry.name!r}: {c.codec} chunk must have one segment")
+            _require(c.codec != "none" or (c.segments[0][1] == "r" and c.stored_len == c.raw_len),
+                     f"tensor {entry.name!r}: uncompressed chunk with compressed segment or wrong length")
+
+
+def parse_manifest(data: bytes, *, job: str, step: int, rank: int) -> Manifest:
+    obj = _load_json(data, "manifest")
     _require(isinstance(obj, dict), "manifest is not an object")
     _require(obj.get("format_version") == FORMAT_VERSION,
              f"unsupported manifest format_version {obj.get('format_version')!r} (this build reads {FORMAT_VERSION})")
@@ -220,7 +252,9 @@ def parse_manifest(data: bytes, *, job: str, step: int, rank: int) -> Manifest:
         _require(isinstance(t, dict), "tensor entry is not an object")
         try:
             name = validate_tensor_name(t.get("name"))
-            chunks = [ChunkMeta.from_json(c) for c in t.get("chunks", None) or []]
+            if not isinstance(t.get("chunks"), list):
+                raise ValueError("chunks must be a list")
+            chunks = [ChunkMeta.from_json(c) for c in t["chunks"]]
         except ValueError as e:
             raise FormatError(f"tensor {t.get('name')!r}: {e}") from None
         _require(name not in seen, f"duplicate tensor {name!r}")
@@ -230,7 +264,12 @@ def parse_manifest(data: bytes, *, job: str, step: int, rank: int) -> Manifest:
         entry = TensorEntry(name, t["dtype"], t["shape"], t["offset"], chunks)
         _require(sum(c.raw_len for c in chunks) == entry.nbytes,
                  f"tensor {name!r}: chunks hold {sum(c.raw_len for c in chunks)} bytes, shape needs {entry.nbytes}")
+        _check_chunks(entry)
         tensors.append(entry)
+    try:
+        check_tree_depth(obj.get("tree"), MAX_TREE_DEPTH)
+    except ValueError as e:
+        raise FormatError(f"manifest state tree: {e}") from None
     return Manifest(job, step, rank, ws, tensors, obj.get("tree"),
                     sum(t.nbytes for t in tensors), sum(t.stored_bytes for t in tensors))
 
@@ -241,10 +280,7 @@ def make_index(job: str, step: int, world_size: int, ranks: list[dict[str, Any]]
 
 
 def parse_index(data: bytes, *, job: str, step: int) -> dict[str, Any]:
-    try:
-        obj = json.loads(data)
-    except ValueError as e:
-        raise FormatError(f"index is not JSON: {e}") from None
+    obj = _load_json(data, "index")
     _require(isinstance(obj, dict) and obj.get("kind") == "ckptd.index", "not a ckptd index")
     _require(obj.get("format_version") == FORMAT_VERSION,
              f"unsupported index format_version {obj.get('format_version')!r} (this build reads {FORMAT_VERSION})")
@@ -255,7 +291,8 @@ def parse_index(data: bytes, *, job: str, step: int) -> dict[str, Any]:
     ranks = obj.get("ranks")
     _require(isinstance(ranks, list) and len(ranks) == ws, "index must list every rank exactly once")
     for i, r in enumerate(ranks):
-        _require(isinstance(r, dict) and r.get("rank") == i and isinstance(r.get("manifest_digest"), str)
+        _require(isinstance(r, dict) and type(r.get("rank")) is int and r["rank"] == i
+                 and isinstance(r.get("manifest_digest"), str)
                  and _is_uint(r.get("raw_bytes")) and _is_uint(r.get("stored_bytes")),
                  f"bad index entry for rank {i}")
     return obj
@@ -315,20 +352,29 @@ class StepReader:
         index_path = os.path.join(self.path, INDEX_NAME)
         if not os.path.isfile(index_path):
             raise FormatError(f"{self.path}: not committed (no {INDEX_NAME})")
-        self.index = parse_index(storage.read_limited(index_path, MAX_INDEX_BYTES), job=self.job, step=self.step)
+        self.index = parse_index(_read_small(index_path, MAX_INDEX_BYTES, "the index"), job=self.job, step=self.step)
         self.world_size: int = self.index["world_size"]
 
     def manifest(self, rank: int) -> Manifest:
         if not 0 <= rank < self.world_size:
             raise FormatError(f"rank {rank} not in step {self.step} (world size {self.world_size})")
         path = os.path.join(self.path, rank_manifest_name(rank))
-        data = storage.read_limited(path, MAX_MANIFEST_BYTES)
+        data = _read_small(path, MAX_MANIFEST_BYTES, f"the rank {rank} manifest")
         if digest_bytes(data) != self.index["ranks"][rank]["manifest_digest"]:
             raise FormatError(f"{path}: manifest digest does not match index.json")
         return parse_manifest(data, job=self.job, step=self.step, rank=rank)
 
     def data_path(self, rank: int) -> str:
         return os.path.join(self.path, rank_data_name(rank))
+
+    def open_data(self, rank: int) -> int:
+        """A read-only fd of rank ``rank``'s data file: never through a link, never a FIFO or device."""
+        path = self.data_path(rank)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise FormatError(f"{path}: not a regular file")
+        return fd
 
     def iter_chunks(self, fd: int, entry: TensorEntry) -> Iterator[tuple[int, ChunkMeta, bytes]]:
         """(raw offset within tensor, meta, stored bytes) for each chunk of one tensor."""
@@ -372,20 +418,20 @@ def verify_step(step_path: str, progress: Callable[[str], None] | None = None) -
     """Check every manifest digest and every chunk checksum of a committed step (no decompression)."""
     try:
         reader = StepReader(step_path)
-    except (FormatError, OSError) as e:
+    except (ValueError, OSError) as e:     # FormatError is a ValueError
         return [Fault(os.path.join(step_path, INDEX_NAME), None, str(e))]
     faults: list[Fault] = []
     for rank in range(reader.world_size):
         mpath = os.path.join(reader.path, rank_manifest_name(rank))
         try:
             manifest = reader.manifest(rank)
-        except (FormatError, OSError) as e:
+        except (ValueError, OSError) as e:
             faults.append(Fault(mpath, None, str(e)))
             continue
         dpath = reader.data_path(rank)
         try:
-            fd = os.open(dpath, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as e:
+            fd = reader.open_data(rank)
+        except (ValueError, OSError) as e:
             faults.append(Fault(dpath, None, str(e)))
             continue
         try:

@@ -41,31 +41,54 @@ REQUEST_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
 }
 COMMIT_MODES = ("local", "relay")
 
-_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# \Z, not $: "$" also matches before a trailing newline ("job\n" would pass).
+_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 MAX_TENSOR_NAME = 1024
+# Nesting of a save's JSON state tree (the tagged encoding spends 2-3 levels per Python
+# container). Deeper trees are refused on the wire and on disk: every reader must be able
+# to parse them without running out of recursion.
+MAX_TREE_DEPTH = 256
 
 
 class ProtocolError(Exception):
     """A frame or message that breaks the protocol; the connection is closed after it."""
 
 
+def _short(value: object, limit: int = 80) -> str:
+    """repr() for error messages, cut short: the value may be 16 MiB of hostile text."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def validate_job(job: object) -> str:
     """A job name becomes a directory: letters, digits, ``._-``, no leading dot, ≤128 chars."""
     if not isinstance(job, str) or not _JOB_RE.match(job):
         raise ValueError(
-            f"invalid job name {job!r}: use 1-128 of [A-Za-z0-9._-], starting with a letter or digit")
+            f"invalid job name {_short(job)}: use 1-128 of [A-Za-z0-9._-], starting with a letter or digit")
     return job
 
 
 def validate_tensor_name(name: object) -> str:
     """Tensor names are key paths (``model/layer.0.weight``); refuse anything path-like that could escape."""
     if not isinstance(name, str) or not name or len(name) > MAX_TENSOR_NAME:
-        raise ValueError(f"invalid tensor name {name!r}: must be a non-empty string of at most {MAX_TENSOR_NAME} chars")
+        raise ValueError(f"invalid tensor name {_short(name)}: must be a non-empty string of at most "
+                         f"{MAX_TENSOR_NAME} chars")
     if "\x00" in name or "\\" in name or name.startswith("/"):
-        raise ValueError(f"invalid tensor name {name!r}: NUL, backslash or leading '/' not allowed")
+        raise ValueError(f"invalid tensor name {_short(name)}: NUL, backslash or leading '/' not allowed")
     if any(part in ("", ".", "..") for part in name.split("/")):
-        raise ValueError(f"invalid tensor name {name!r}: empty, '.' or '..' path segment")
+        raise ValueError(f"invalid tensor name {_short(name)}: empty, '.' or '..' path segment")
     return name
+
+
+def check_tree_depth(tree: Any, limit: int = MAX_TREE_DEPTH) -> None:
+    """Raise ValueError if a JSON state tree nests deeper than ``limit`` (checked without recursion)."""
+    stack = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > limit:
+                raise ValueError(f"state tree nests deeper than {limit} levels")
+            stack.extend((v, depth + 1) for v in (node.values() if isinstance(node, dict) else node))
 
 
 def encode(msg: dict[str, Any]) -> bytes:
@@ -92,6 +115,8 @@ def decode_body(body: bytes) -> dict[str, Any]:
         msg = json.loads(body)
     except (UnicodeDecodeError, ValueError) as e:
         raise ProtocolError(f"frame body is not JSON: {e}") from None
+    except RecursionError:
+        raise ProtocolError("frame body nests too deeply to parse") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
         raise ProtocolError("frame body must be a JSON object with a string 'op'")
     return msg
@@ -102,7 +127,7 @@ def check_request(msg: dict[str, Any]) -> dict[str, Any]:
     op = msg["op"]
     fields = REQUEST_FIELDS.get(op)
     if fields is None:
-        raise ProtocolError(f"unknown request op {op!r}")
+        raise ProtocolError(f"unknown request op {_short(op)}")
     if type(msg.get("req")) is not int:
         raise ProtocolError(f"{op}: missing integer 'req'")
     for name, typ in fields.items():

@@ -74,7 +74,10 @@ class Slot:
 
     def close(self) -> None:
         self.view.release()
-        self.mm.close()
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a slice is still alive in a writer thread; the mapping goes when it is collected
 
 
 @dataclass(eq=False)
@@ -94,6 +97,11 @@ class Session:
 
     def describe(self) -> str:
         return f"job={self.job} rank={self.rank} pid={self.pid} uid={self.uid}"
+
+
+def _bounded(reason: str, limit: int = 2000) -> str:
+    """Error text sent back or logged: a hostile request must not make it unbounded."""
+    return reason if len(reason) <= limit else reason[:limit] + f"... ({len(reason)} chars)"
 
 
 class RequestError(Exception):
@@ -304,8 +312,11 @@ class Daemon:
         while True:
             await asyncio.sleep(1.0)
             for ps in self.tracker.expired(time.monotonic()):
-                await self._fail_step(ps, f"timed out after {self.config.step_timeout:g}s waiting for ranks "
-                                          f"{self.tracker.ranks_missing(ps)} to be durable")
+                try:
+                    await self._fail_step(ps, f"timed out after {self.config.step_timeout:g}s waiting for ranks "
+                                              f"{self.tracker.ranks_missing(ps)} to be durable")
+                except Exception:  # one bad step must not stop every later timeout
+                    log.exception("failing a timed-out step failed", extra={"ctx": {"job": ps.job, "step": ps.step}})
 
     # ---- connections -------------------------------------------------------
 
@@ -331,9 +342,9 @@ class Daemon:
                         break
                     protocol.check_request(msg)
                 except ProtocolError as e:
-                    log.warning("protocol error", extra={"ctx": {"peer": session.describe(), "error": str(e)}})
-                    await self._send(session, {"op": "error", "req": 0, "reason": f"protocol error: {e}",
-                                               "fatal": True})
+                    reason = _bounded(f"protocol error: {e}")
+                    log.warning("protocol error", extra={"ctx": {"peer": session.describe(), "error": reason}})
+                    await self._send(session, {"op": "error", "req": 0, "reason": reason, "fatal": True})
                     break
                 await self._dispatch(session, msg)
         except (ConnectionError, OSError) as e:
@@ -372,7 +383,12 @@ class Daemon:
                 raise RequestError(f"op {op!r} is not served by this daemon")
             reply, fds = await handler(session, msg)
         except (RequestError, CommitError, FormatError, ValueError) as e:
-            await self._send(session, {"op": "error", "req": req, "reason": str(e)})
+            await self._send(session, {"op": "error", "req": req, "reason": _bounded(str(e))})
+            return
+        except Exception as e:  # a daemon bug: answer, log it loudly, keep the connection and the daemon
+            log.exception("request failed", extra={"ctx": {"peer": session.describe(), "op": op}})
+            await self._send(session, {"op": "error", "req": req,
+                                       "reason": _bounded(f"internal daemon error in {op}: {describe_error(e)}")})
             return
         await self._send(session, {"op": "ok", "req": req, **reply}, fds)
         for fd in fds:
@@ -444,7 +460,11 @@ class Daemon:
         if not (0 < world_size <= 1 << 20 and 0 <= rank < world_size):
             raise RequestError(f"bad rank {rank} / world size {world_size}")
         session.job, session.rank, session.world_size = job, rank, world_size
-        fds = self._make_slots(session, msg["slot_bytes"], msg["num_slots"])
+        try:
+            fds = self._make_slots(session, msg["slot_bytes"], msg["num_slots"])
+        except RequestError:
+            session.job, session.rank, session.world_size = None, -1, 0   # the hello did not happen
+            raise
         log.info("session", extra={"ctx": {"peer": session.describe(), "slots": len(fds),
                                           "slot_bytes": msg["slot_bytes"]}})
         return {"root": self.root, "version": __version__, "pid": os.getpid(),
@@ -484,7 +504,9 @@ class Daemon:
         except OSError as e:
             for fd in fds:
                 os.close(fd)
-            self._release_slots(session)
+            for s in session.slots:       # never counted in slot_bytes_in_use: close, do not release
+                s.close()
+            session.slots = []
             raise RequestError(f"cannot allocate shared-memory slots: {describe_error(e)}") from None
         self.slot_bytes_in_use += total
         return fds
@@ -533,9 +555,15 @@ class Daemon:
         if slot.busy:
             raise RequestError(f"slot {slot_index} is still being written")
         layout = self._parse_layout(msg["tensors"], slot)
+        protocol.check_tree_depth(msg["tree"])
         path = step_dir(self.root, session.job, step)
         if os.path.exists(os.path.join(path, INDEX_NAME)):
             raise RequestError(f"step {step} of job {session.job!r} is already committed")
+        if (session.job, step, session.rank) in self.shard_writes:
+            # An earlier save of this rank (its step abandoned, e.g. the trainer died) is still
+            # writing the same files; a second writer would interleave with it and its cleanup.
+            raise RequestError(f"rank {session.rank} of step {step} is still being written by an earlier, "
+                               f"abandoned save; retry once it has stopped")
         ps = self.tracker.begin(session.job, step, session.rank, session.world_size, mode, path, session)
         slot.busy = True
         session.saves += 1
@@ -589,9 +617,17 @@ class Daemon:
         try:
             result = await loop.run_in_executor(
                 self.io_pool, write_shard, ps.step_path, ps.job, ps.step, rank, ps.world_size, slot.view,
-                layout, tree, cfg.write, self.codec_pool, 2 * cfg.threads + 2, slot_released)
+                layout, tree, cfg.write, self.codec_pool, 2 * cfg.threads + 2, slot_released,
+                lambda: self.tracker.get(ps.job, ps.step) is not ps)
         except Exception as e:
             self.stats["saves_failed"] += 1
+            if self.tracker.get(ps.job, ps.step) is not ps:
+                # Abandoned meanwhile (WriteAbandoned, or failed anyway): the writer removed its own
+                # files; drop the step directory if that left it empty.
+                log.info("write stopped", extra={"ctx": {"job": ps.job, "step": ps.step, "rank": rank,
+                                                         "error": describe_error(e)}})
+                await loop.run_in_executor(self.io_pool, self._remove_uncommitted, ps.step_path, [])
+                return
             reason = f"rank {rank} shard write failed: {describe_error(e)}"
             log.error("write failed", extra={"ctx": {"job": ps.job, "step": ps.step, "rank": rank, "error": reason}})
             await self._fail_step(ps, reason)
@@ -629,7 +665,7 @@ class Daemon:
         try:
             await loop.run_in_executor(self.io_pool, write_index, ps.step_path, ps.job, ps.step,
                                        ps.world_size, dict(digests))
-        except (CommitError, FormatError, OSError) as e:
+        except Exception as e:    # whatever it is, the step must not stay "committing" forever
             reason = f"commit of step {ps.step} failed: {describe_error(e) if isinstance(e, OSError) else e}"
             await self._fail_step(ps, reason)
             if ps.mode == "relay":
@@ -683,12 +719,14 @@ class Daemon:
     def _remove_uncommitted(step_path: str, ranks: list[int]) -> None:
         if os.path.exists(os.path.join(step_path, INDEX_NAME)):
             return
-        for rank in ranks:
-            remove_rank_files(step_path, rank)
         try:
+            for rank in ranks:
+                remove_rank_files(step_path, rank)
             os.rmdir(step_path)
-        except OSError:
-            pass
+        except OSError as e:   # best effort (EROFS, ENOTEMPTY, ...): an uncommitted step is garbage anyway
+            if e.errno not in (errno.ENOENT, errno.ENOTEMPTY):
+                log.warning("cannot remove uncommitted files", extra={"ctx": {"path": step_path,
+                                                                              "error": describe_error(e)}})
 
     async def _session_lost(self, session: Session) -> None:
         self._close_session(session)

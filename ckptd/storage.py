@@ -6,6 +6,7 @@ Everything that must survive a crash goes through here so the ordering rules
 from __future__ import annotations
 
 import os
+import stat
 from typing import Iterable
 
 FILE_MODE = 0o640
@@ -72,10 +73,14 @@ def write_all(fd: int, parts: Iterable[object]) -> int:
 
 
 def read_limited(path: str, limit: int) -> bytes:
-    """Read a whole small file (manifest, index) refusing anything over ``limit`` bytes."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    """Read a whole small file (manifest, index) refusing anything over ``limit`` bytes, and
+    anything but a regular file (O_NONBLOCK: opening a FIFO must not hang the reader)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        size = st.st_size
         if size > limit:
             raise ValueError(f"{path}: {size} bytes exceeds the {limit}-byte limit for this file")
         return read_at(fd, 0, size)
@@ -84,7 +89,10 @@ def read_limited(path: str, limit: int) -> bytes:
 
 
 def read_at(fd: int, offset: int, length: int) -> bytes:
-    """Exactly ``length`` bytes at ``offset``; a short file is an error, not a short read."""
+    """Exactly ``length`` bytes at ``offset``; a short file is an error, not a short read
+    (checked first, so a corrupt length cannot make this allocate more than the file holds)."""
+    if length > 0 and offset + length > os.fstat(fd).st_size:
+        raise EOFError(f"file ends at {os.fstat(fd).st_size}, expected {length} bytes at {offset}")
     chunks = []
     got = 0
     while got < length:

@@ -40,6 +40,10 @@ class WriteSettings:
     debug_write_delay: float = 0.0
 
 
+class WriteAbandoned(Exception):
+    """The step was abandoned (another rank failed, a timeout, the client left) mid-write."""
+
+
 @dataclass
 class ShardResult:
     manifest: Manifest
@@ -50,17 +54,23 @@ class ShardResult:
 def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
                 slot: memoryview, tensors: list[TensorLayout], tree: Any,
                 settings: WriteSettings, pool: Executor, window: int,
-                on_slot_released: Callable[[], None]) -> ShardResult:
-    """Encode and write one rank's data file and manifest durably; on error remove both."""
+                on_slot_released: Callable[[], None],
+                abandoned: Callable[[], bool] | None = None) -> ShardResult:
+    """Encode and write one rank's data file and manifest durably; on error remove both.
+
+    ``abandoned`` (polled before each chunk is written): when it turns true, stop and raise
+    WriteAbandoned, so a dead client's step stops costing disk bandwidth."""
     t0 = time.monotonic()
-    storage.make_dirs(step_path)
     data_path = os.path.join(step_path, rank_data_name(rank))
     manifest_path = os.path.join(step_path, rank_manifest_name(rank))
     released = False
-    fd = storage.open_for_write(data_path)
+    fd = -1
+    pending: collections.deque = collections.deque()
     try:
+        # Inside the try: a failure here (EROFS, ENOSPC, EACCES) must still release the slot.
+        storage.make_dirs(step_path)
+        fd = storage.open_for_write(data_path)
         entries: list[TensorEntry] = []
-        pending: collections.deque = collections.deque()
         pos = 0
 
         def drain_one() -> None:
@@ -69,6 +79,8 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
             parts, meta = fut.result()
             if settings.debug_write_delay:
                 time.sleep(settings.debug_write_delay)
+            if abandoned is not None and abandoned():
+                raise WriteAbandoned(f"step {step} was abandoned while rank {rank} was being written")
             pos += storage.write_all(fd, parts)
             entry.chunks.append(meta)
 
@@ -84,6 +96,7 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
         # Offsets are known only once earlier chunks are written; entries drain in order.
         while pending:
             drain_one()
+        view = None  # the slot's mapping can only be closed once no slice of it is left
         on_slot_released()
         released = True
         offset = 0
@@ -101,11 +114,14 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
     except BaseException:
         for fut in (f for _, f in pending):
             fut.cancel()
-        if fd >= 0:
-            os.close(fd)
-        remove_rank_files(step_path, rank)
         if not released:
             on_slot_released()
+        if fd >= 0:
+            os.close(fd)
+        try:
+            remove_rank_files(step_path, rank)
+        except OSError:
+            pass  # e.g. EROFS: nothing could be written either; the original error says why
         raise
 
 
