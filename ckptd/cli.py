@@ -11,7 +11,7 @@ import time
 from . import __version__, logs, protocol, systemd
 from .codec import CODECS, DEFAULT_CHUNK_BYTES
 from .config import DEFAULT_CONFIG_PATH, LOG_FORMATS, LOG_LEVELS, ConfigError, load_settings
-from .format import StepReader, FormatError, list_steps, verify_step, validate_job
+from .format import StepReader, list_steps, verify_step, validate_job
 from .protocol import DEFAULT_SOCKET
 from .retention import RetentionPolicy, collect_root
 from .server import Daemon, describe_error
@@ -173,7 +173,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     index = StepReader(info.path).index
                     raw = sum(r["raw_bytes"] for r in index["ranks"])
                     stored = sum(r["stored_bytes"] for r in index["ranks"])
-                except (FormatError, OSError) as e:
+                except (ValueError, OSError) as e:      # FormatError, or a file over its size limit
                     state = f"invalid ({e})"
             on_disk = _dir_bytes(info.path)
             rows.append({"job": job, "step": info.step, "state": state, "bytes_on_disk": on_disk,
@@ -195,7 +195,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    faults = verify_step(args.step_dir, progress=None if args.quiet else (lambda m: print(m, file=sys.stderr)))
+    try:
+        faults = verify_step(args.step_dir, progress=None if args.quiet else (lambda m: print(m, file=sys.stderr)))
+    except (ValueError, OSError, EOFError) as e:     # e.g. an index or manifest over its size limit
+        faults = [str(e)]
     for f in faults:
         print(f"FAULT {f}")
     if faults:

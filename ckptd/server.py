@@ -328,7 +328,10 @@ class Daemon:
         if not self._peer_allowed(uid, gid, groups):
             self.metrics.peers_refused.inc()
             log.warning("refused peer", extra={"ctx": {"pid": pid, "uid": uid, "gid": gid, "groups": list(groups)}})
-            await self._send(session, {"op": "error", "req": 0, "fatal": True, "reason":
+            # Answer the peer's first request (so its client matches the refusal to it) rather than
+            # closing at once, which can turn into EPIPE on its send and hide the reason.
+            req = await self._first_req(loop, sock)
+            await self._send(session, {"op": "error", "req": req, "fatal": True, "reason":
                                        f"uid {uid} / gid {gid} is not allowed to use this ckptd daemon "
                                        f"(not in its allowed_users / allowed_groups)"})
             sock.close()
@@ -351,6 +354,24 @@ class Daemon:
             log.info("connection lost", extra={"ctx": {"peer": session.describe(), "error": str(e)}})
         finally:
             await self._session_lost(session)
+
+    @staticmethod
+    async def _first_req(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> int:
+        """The ``req`` of a refused peer's first (small) request, read within 5 s; else 0."""
+        async def read() -> int:
+            header = await protocol._recv_exact_async(loop, sock, protocol.HEADER.size)
+            if header is None:
+                return 0
+            length = protocol.parse_header(header)
+            if length > 64 * 1024:          # a refused peer gets no big buffer out of us
+                return 0
+            body = await protocol._recv_exact_async(loop, sock, length)
+            req = protocol.decode_body(body or b"").get("req")
+            return req if type(req) is int else 0
+        try:
+            return await asyncio.wait_for(read(), 5.0)
+        except (asyncio.TimeoutError, ProtocolError, OSError):
+            return 0
 
     def _peer_allowed(self, uid: int, gid: int, groups: tuple[int, ...] = ()) -> bool:
         c = self.config
