@@ -1,0 +1,189 @@
+"""Opt-in preemption handling: checkpoint at the next step boundary after SIGTERM, then stop.
+
+Spot instances and schedulers announce an eviction with a signal (usually SIGTERM) and
+a grace period before SIGKILL. ``PreemptionHandler`` turns that signal into a flag; the
+training loop polls it at each step boundary, where the state is consistent::
+
+    ckpt = ckptd_client.Checkpointer(job="gpt-7b")
+    with ckptd_client.PreemptionHandler(ckpt) as preempt:      # SIGTERM by default
+        for step in range(start, total_steps):
+            train_step()
+            if preempt.should_stop(step, state):
+                break             # step `step` is committed (or preempt.error says why not)
+    ckpt.close()                  # then let the process exit normally (exit code 0)
+
+``should_stop(step, state)`` costs one flag check until a signal arrives. After one, it
+saves ``state`` as ``step`` (unless that step is already committed or being saved), waits
+until every save in flight has committed (at most ``timeout`` seconds) and returns True.
+If the checkpoint fails it still returns True — the machine is going away — and logs the
+reason, which ``error`` keeps. ``saved_step`` is the step it committed.
+
+Multi-rank jobs: every rank must save the same step. With ``world_size > 1`` and a c10d
+store (the Checkpointer's), the rank that first sees the signal proposes "stop at
+``step + margin``" in the store; every rank checks the store each ``sync_every`` steps
+and stops at the agreed step, so a signal delivered to one rank, or to all ranks at
+slightly different steps, still yields one consistent checkpoint. ``margin`` (default 2)
+must exceed how many steps ranks can drift apart (collectives keep data-parallel ranks
+within one step).
+
+Signals: handlers are installed on construction (from the main thread) and the previous
+ones restored by ``close()``/``__exit__``. A second signal while the checkpoint is being
+taken is logged and otherwise ignored; once ``close()`` has run, the previous disposition
+(for SIGTERM usually "terminate") applies again.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import signal
+import threading
+import time
+from typing import Any, Iterable
+
+from .errors import CheckpointError
+
+log = logging.getLogger("ckptd_client")
+
+
+class PreemptionHandler:
+    """Checkpoint at the next step boundary after a preemption signal, then tell the loop to stop.
+
+    ``checkpointer``: the job's ``Checkpointer``. ``signals``: signals that mean "preempted"
+    (default SIGTERM). ``timeout``: seconds to wait for the commit (None: no limit; the
+    scheduler's SIGKILL is the real limit). ``sync_every``/``margin``: multi-rank agreement,
+    see the module docstring.
+    """
+
+    def __init__(self, checkpointer: Any, signals: Iterable[int] = (signal.SIGTERM,), *,
+                 timeout: float | None = None, sync_every: int = 1, margin: int = 2) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("PreemptionHandler must be created in the main thread (signal handlers live there)")
+        if sync_every < 1 or margin < 1:
+            raise ValueError("sync_every and margin must be >= 1")
+        self.ckpt = checkpointer
+        self.signals = tuple(signals)
+        if not self.signals:
+            raise ValueError("give at least one signal")
+        self.timeout = timeout
+        self.sync_every = sync_every
+        self.margin = margin
+        self.signal_received: int | None = None      # the signal number, once one arrived
+        self.saved_step: int | None = None           # the step committed on preemption
+        self.error: str | None = None                # why that checkpoint failed, if it did
+        self.stop_step: int | None = None            # multi-rank: the agreed step
+        self._handling = False
+        self._done = False
+        self._polls = 0
+        self._previous: dict[int, Any] = {}
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        world = getattr(checkpointer, "world_size", 1)
+        self._store = getattr(checkpointer, "store", None) if world > 1 else None
+        self._key = f"ckptd/{checkpointer.job}/preempt-step"
+
+    # ---- signal side --------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.signal_received is None:
+            self.signal_received = signum
+            log.warning("ckptd: received %s; will checkpoint at the next step boundary and stop",
+                        signal.Signals(signum).name)
+        elif self._handling:
+            log.warning("ckptd: %s again while the preemption checkpoint is being taken; still finishing it",
+                        signal.Signals(signum).name)
+
+    @property
+    def requested(self) -> bool:
+        """A preemption signal has arrived here (or, multi-rank, on some rank: see ``should_stop``)."""
+        return self.signal_received is not None or self.stop_step is not None
+
+    def request(self) -> None:
+        """Ask for a preemption checkpoint as if a signal had arrived (e.g. from a health check)."""
+        self._on_signal(self.signals[0], None)
+
+    # ---- training-loop side -------------------------------------------------
+
+    def should_stop(self, step: int, state: dict[str, Any]) -> bool:
+        """Call once per step boundary; True once the preemption checkpoint is done (stop training)."""
+        if self._done:
+            return True
+        if self._store is not None:
+            if not self._agreed(step):
+                return False
+            if step < self.stop_step:
+                return False
+            if step > self.stop_step:
+                log.error("ckptd: rank passed the agreed preemption step %d at step %d; saving %d instead "
+                          "(raise margin)", self.stop_step, step, step)
+        elif self.signal_received is None:
+            return False
+        self._checkpoint(step, state)
+        return True
+
+    def _agreed(self, step: int) -> bool:
+        """Multi-rank: propose a stop step if signalled here; learn the agreed one from the store."""
+        if self.stop_step is not None:
+            return True
+        store = self._store
+        if self.signal_received is not None:
+            value = store.compare_set(self._key, "", str(step + self.margin))
+            self.stop_step = int(value.decode() if isinstance(value, bytes) else value)
+            log.warning("ckptd: preemption agreed at step %d", self.stop_step)
+            return True
+        self._polls += 1
+        if self._polls % self.sync_every:
+            return False
+        if store.check([self._key]):
+            self.stop_step = int(store.get(self._key).decode())
+            log.warning("ckptd: another rank was preempted; stopping at step %d", self.stop_step)
+            return True
+        return False
+
+    def _checkpoint(self, step: int, state: dict[str, Any]) -> None:
+        self._handling = True
+        t0 = time.monotonic()
+        try:
+            handle = getattr(self.ckpt, "_handles", {}).get(step)   # the loop already saved this step?
+            if handle is None and self.ckpt.latest_step() != step:
+                handle = self._save(step, state)
+            if handle is not None:
+                handle.wait(self.timeout)
+            self.saved_step = step
+            log.warning("ckptd: preemption checkpoint of step %d committed in %.2fs", step, time.monotonic() - t0)
+        except (CheckpointError, OSError) as e:
+            self.error = str(e)
+            log.error("ckptd: preemption checkpoint of step %d failed: %s", step, e)
+        finally:
+            try:        # earlier saves still in flight get the same chance to commit
+                self.ckpt.wait(self.timeout)
+            except CheckpointError as e:
+                log.warning("ckptd: an earlier save did not commit before preemption: %s", e)
+            self._handling = False
+            self._done = True
+
+    def _save(self, step: int, state: dict[str, Any]) -> Any:
+        """Save, blocking for a free slot even if the Checkpointer is set to skip busy saves."""
+        try:
+            params = inspect.signature(self.ckpt.save).parameters
+        except (TypeError, ValueError):
+            params = {}
+        if "when_busy" in params:
+            return self.ckpt.save(step, state, when_busy="block")
+        return self.ckpt.save(step, state)
+
+    # ---- lifetime -------------------------------------------------------------
+
+    def close(self) -> None:
+        """Restore the signal handlers that were installed before this one."""
+        for sig, prev in self._previous.items():
+            try:
+                signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+            except (ValueError, OSError):
+                pass
+        self._previous = {}
+
+    def __enter__(self) -> "PreemptionHandler":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
