@@ -98,6 +98,10 @@ class Session:
     def describe(self) -> str:
         return f"job={self.job} rank={self.rank} pid={self.pid} uid={self.uid}"
 
+    def ctx(self) -> dict[str, Any]:
+        """Structured-log fields of this peer."""
+        return {"job": self.job, "rank": self.rank, "pid": self.pid, "uid": self.uid}
+
 
 def _bounded(reason: str, limit: int = 2000) -> str:
     """Error text sent back or logged: a hostile request must not make it unbounded."""
@@ -346,12 +350,12 @@ class Daemon:
                     protocol.check_request(msg)
                 except ProtocolError as e:
                     reason = _bounded(f"protocol error: {e}")
-                    log.warning("protocol error", extra={"ctx": {"peer": session.describe(), "error": reason}})
+                    log.warning("protocol error", extra={"ctx": {**session.ctx(), "error": reason}})
                     await self._send(session, {"op": "error", "req": 0, "reason": reason, "fatal": True})
                     break
                 await self._dispatch(session, msg)
         except (ConnectionError, OSError) as e:
-            log.info("connection lost", extra={"ctx": {"peer": session.describe(), "error": str(e)}})
+            log.info("connection lost", extra={"ctx": {**session.ctx(), "error": str(e)}})
         finally:
             await self._session_lost(session)
 
@@ -407,7 +411,7 @@ class Daemon:
             await self._send(session, {"op": "error", "req": req, "reason": _bounded(str(e))})
             return
         except Exception as e:  # a daemon bug: answer, log it loudly, keep the connection and the daemon
-            log.exception("request failed", extra={"ctx": {"peer": session.describe(), "op": op}})
+            log.exception("request failed", extra={"ctx": {**session.ctx(), "op": op}})
             await self._send(session, {"op": "error", "req": req,
                                        "reason": _bounded(f"internal daemon error in {op}: {describe_error(e)}")})
             return
@@ -486,7 +490,7 @@ class Daemon:
         except RequestError:
             session.job, session.rank, session.world_size = None, -1, 0   # the hello did not happen
             raise
-        log.info("session", extra={"ctx": {"peer": session.describe(), "slots": len(fds),
+        log.info("session", extra={"ctx": {**session.ctx(), "world_size": session.world_size, "slots": len(fds),
                                           "slot_bytes": msg["slot_bytes"]}})
         return {"root": self.root, "version": __version__, "pid": os.getpid(),
                 "slots": [s.size for s in session.slots]}, fds
@@ -657,6 +661,10 @@ class Daemon:
         self.stats["bytes_raw"] += result.manifest.raw_bytes
         self.stats["bytes_stored"] += result.manifest.stored_bytes
         self.metrics.shard_durable(result.manifest.raw_bytes, result.manifest.stored_bytes, result.seconds)
+        log.info("durable", extra={"ctx": {"job": ps.job, "step": ps.step, "rank": rank,
+                                          "raw_bytes": result.manifest.raw_bytes,
+                                          "stored_bytes": result.manifest.stored_bytes,
+                                          "write_s": round(result.seconds, 6)}})
         if self.tracker.get(ps.job, ps.step) is not ps:
             # The step failed (another rank, a timeout) while this shard was written.
             await loop.run_in_executor(self.io_pool, self._remove_uncommitted, ps.step_path, [rank])

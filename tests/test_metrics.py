@@ -115,3 +115,20 @@ def test_metrics_port_in_use_fails_at_start(tmp):
         assert f"cannot serve metrics on 127.0.0.1:{port}" in str(e.value)
     finally:
         busy.close()
+
+
+def test_structured_json_logs_carry_job_rank_step(daemon_factory):
+    import json
+    d = daemon_factory("--log-format", "json")          # overrides the fixture's plain format
+    ck = ckptd_client.Checkpointer("logs", socket=str(d.socket))
+    ck.save(3, {"w": torch.ones(10)}).wait(60)
+    ck.close()
+    d.kill(15)
+    records = [json.loads(line) for line in d.log_text().splitlines() if line.startswith("{")]
+    assert records and all({"ts", "level", "msg"} <= set(r) for r in records)
+    by_msg = {r["msg"]: r for r in records}
+    for msg in ("writing", "durable"):
+        assert by_msg[msg]["job"] == "logs" and by_msg[msg]["rank"] == 0 and by_msg[msg]["step"] == 3
+    assert by_msg["committed"]["job"] == "logs" and by_msg["committed"]["step"] == 3
+    assert by_msg["session"]["job"] == "logs" and by_msg["session"]["rank"] == 0
+    assert by_msg["stopped"]["steps_committed"] == 1
