@@ -132,3 +132,34 @@ def test_structured_json_logs_carry_job_rank_step(daemon_factory):
     assert by_msg["committed"]["job"] == "logs" and by_msg["committed"]["step"] == 3
     assert by_msg["session"]["job"] == "logs" and by_msg["session"]["rank"] == 0
     assert by_msg["stopped"]["steps_committed"] == 1
+
+
+def test_ckptd_status_shows_ranks_progress_and_last_committed(daemon_factory, capsys):
+    import json
+    from ckptd.cli import main
+    d = daemon_factory("--chunk-mib", "1", "--debug-write-delay", "1")
+
+    def status(*extra: str) -> str:
+        capsys.readouterr()
+        assert main(["status", "--socket", str(d.socket), *extra]) == 0
+        return capsys.readouterr().out
+
+    ck = ckptd_client.Checkpointer("st", socket=str(d.socket))
+    ck.save(1, {"w": torch.zeros(4)}).wait(60)
+    h = ck.save(2, {"w": torch.randn(1024, 1024)})        # 4 chunks x 1 s of writing
+    out = status()
+    assert not h.done()
+    assert "saves in flight: 1" in out
+    assert "job=st step=2 rank=0 written" in out and "of 4.0 MiB raw" in out
+    assert "job=st rank=0/1" in out
+    assert "last committed step per job:\n  st: 1" in out
+    h.wait(60)
+    out = status()
+    assert "saves in flight: 0" in out
+    assert "last committed step per job:\n  st: 2" in out
+    js = json.loads(status("--json"))
+    assert js["last_committed"]["st"]["step"] == 2
+    ck.close()
+    capsys.readouterr()
+    assert main(["status", "--socket", str(d.socket) + ".nope"]) == 1
+    assert "cannot reach the ckptd daemon" in capsys.readouterr().err
