@@ -370,7 +370,10 @@ class StepReader:
     def open_data(self, rank: int) -> int:
         """A read-only fd of rank ``rank``'s data file: never through a link, never a FIFO or device."""
         path = self.data_path(rank)
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:     # ELOOP: a link, refused; ENOENT: a committed step missing its data
+            raise FormatError(f"{path}: cannot open the rank {rank} data file: {e.strerror}") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise FormatError(f"{path}: not a regular file")

@@ -468,7 +468,10 @@ class Daemon:
     async def _op_report(self, session: Session, msg: dict[str, Any]) -> tuple[dict, list]:
         """A client's account of one save: how long the trainer stalled (metrics and status)."""
         self._require_session(session)
-        stall, fence = float(msg["stall_s"]), float(msg["fence_s"])
+        try:
+            stall, fence = float(msg["stall_s"]), float(msg["fence_s"])
+        except OverflowError:    # an int beyond any float (JSON ints are unbounded)
+            stall = fence = math.inf
         if not (math.isfinite(stall) and math.isfinite(fence) and 0 <= stall < 1e6 and 0 <= fence < 1e6):
             raise RequestError("report: stall_s and fence_s must be finite, non-negative seconds")
         session.last_report = {"step": msg["step"], "stall_s": stall, "fence_s": fence}
