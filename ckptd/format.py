@@ -245,6 +245,9 @@ def parse_manifest(data: bytes, *, job: str, step: int, rank: int) -> Manifest:
              f"expected {job!r}/{step}/{rank}")
     ws = obj.get("world_size")
     _require(type(ws) is int and 0 < ws <= MAX_RANKS and rank < ws, "bad world_size")
+    # Informational only (readers derive the name), but a manifest naming another file is crafted.
+    _require(obj.get("data_file") == rank_data_name(rank),
+             f"manifest data_file {str(obj.get('data_file'))[:80]!r} is not {rank_data_name(rank)!r}")
     raw_list = obj.get("tensors")
     _require(isinstance(raw_list, list), "manifest has no tensor list")
     tensors, seen = [], set()
