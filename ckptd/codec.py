@@ -4,17 +4,26 @@ Each chunk of a tensor is encoded independently so one tensor (or one chunk) can
 read without touching the rest. A chunk's stored bytes are one or more *segments*
 laid end to end; its metadata (see ``ChunkMeta``) names the codec, the raw length,
 the stored length, an xxh3-64 checksum of the stored bytes and each segment's
-length and whether it is zstd-compressed.
+length and whether it is a zstd frame (``"z"``) or raw bytes (``"r"``).
 
 Codecs:
 - ``none``: the raw bytes, one segment.
-- ``zstd``: one zstd frame.
-- ``bplane``: for float dtypes. Each element is rotated left by one bit so the sign
-  leaves the exponent and the exponent fills the top byte, then bytes are grouped by
-  position into planes (ZipNN's observation: only exponent bits compress). The top
-  plane goes through zstd with match finding tuned for it; lower planes are stored
-  raw unless a sample shows they shrink.
+- ``zstd``: one zstd frame (or the raw bytes, when they do not shrink).
+- ``bplane``: for float dtypes (``FLOAT_ITEMSIZE``). Each little-endian element of
+  ``k`` bytes is rotated left by one bit, so the sign leaves the exponent and the
+  exponent fills the top byte; then plane ``i`` (``i = 0 .. k-1``) holds byte ``i`` of
+  every rotated element, and the chunk stores plane 0 first, the top (exponent)
+  plane last: exactly ``k`` segments, each ``raw_len / k`` bytes once decoded.
+  ZipNN's observation: only exponent bits compress, and they compress well once
+  grouped. Every plane goes through zstd with match finding restricted for these
+  low-entropy, match-poor symbols (ANCHORS.md), unless a sample shows it would not
+  shrink.
 Any segment that does not shrink below ``RAW_IF_ABOVE`` of its size is stored raw.
+
+Speed: the byte planes are split and merged with whole-array shifts and narrowing or
+widening casts (contiguous, vectorized numpy loops) instead of a strided (n, k) → (k, n)
+transpose, decoding writes straight into the caller's buffer, and the temporaries are
+per-thread scratch arrays reused across chunks. The zstd frames dominate what is left.
 """
 from __future__ import annotations
 
@@ -29,11 +38,14 @@ import zstandard
 CODECS = ("none", "zstd", "bplane")
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 RAW_IF_ABOVE = 0.95
+# A segment larger than twice this is first judged on a sample of this many bytes, taken
+# in _SAMPLE_PIECES pieces spread over it, so incompressible planes cost almost nothing.
 _SAMPLE_BYTES = 64 * 1024
+_SAMPLE_PIECES = 4
 
 # dtype name (torch's, without "torch.") → item size, for dtypes whose planes are worth splitting.
 FLOAT_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
-_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_UINT = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
 
 _local = threading.local()
 
@@ -48,6 +60,7 @@ def choose_codec(dtype: str, setting: str) -> str:
 
 
 def checksum(data: Any) -> str:
+    """xxh3-64 of the stored bytes, as 16 hex digits (what ``ChunkMeta.checksum`` holds)."""
     return xxhash.xxh3_64_hexdigest(data)
 
 
@@ -64,6 +77,7 @@ class ChunkMeta:
 
     @classmethod
     def from_json(cls, obj: Any) -> "ChunkMeta":
+        """Parse a manifest's chunk entry; raises ValueError for anything malformed."""
         if not (isinstance(obj, list) and len(obj) == 5):
             raise ValueError("chunk entry must be [codec, raw_len, stored_len, checksum, segments]")
         codec, raw_len, stored_len, digest, segments = obj
@@ -80,6 +94,12 @@ class ChunkMeta:
         return cls(codec, raw_len, stored_len, digest, segments)
 
 
+class ChecksumError(Exception):
+    """Stored bytes whose checksum does not match the manifest, or that do not decode."""
+
+
+# ---- per-thread state ---------------------------------------------------------
+
 def _compressor(level: int, tuned: bool) -> zstandard.ZstdCompressor:
     """One compressor per thread and setting: zstd objects are not thread-safe."""
     cache = _local.__dict__.setdefault("compressors", {})
@@ -87,8 +107,10 @@ def _compressor(level: int, tuned: bool) -> zstandard.ZstdCompressor:
     comp = cache.get(key)
     if comp is None:
         if tuned:
-            # Exponent planes are low-entropy symbols with short repeats: restricted match
-            # finding is both faster and no worse there (ANCHORS.md).
+            # Byte planes of floats are low-entropy symbols with few real repeats: match
+            # finding restricted this way is ~2.5× faster than plain level 1 on them and
+            # compresses better (fewer useless short matches). Measured in ANCHORS.md and
+            # benchmarks/codec_bench.py.
             params = zstandard.ZstdCompressionParameters.from_level(
                 level, min_match=7, hash_log=6 + max(0, level - 1), search_log=1, window_log=17)
             comp = zstandard.ZstdCompressor(compression_params=params)
@@ -105,37 +127,109 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return d
 
 
-def _zstd_or_raw(data: Any, level: int, tuned: bool, try_sample: bool = False) -> tuple[Any, str]:
+def _scratch(name: str, dtype: np.dtype, n: int) -> np.ndarray:
+    """A per-thread array of ``n`` items, reused across chunks (no allocation, no page faults)."""
+    cache = _local.__dict__.setdefault("scratch", {})
+    key = (name, dtype)
+    buf = cache.get(key)
+    if buf is None or len(buf) < n:
+        buf = cache[key] = np.empty(max(n, 1), dtype)
+    return buf[:n]
+
+
+# ---- segments -------------------------------------------------------------------
+
+def _sample(data: memoryview) -> bytes:
+    n = len(data)
+    piece = _SAMPLE_BYTES // _SAMPLE_PIECES
+    step = (n - piece) // (_SAMPLE_PIECES - 1)
+    return b"".join(data[i * step: i * step + piece] for i in range(_SAMPLE_PIECES))
+
+
+def _zstd_or_raw(data: memoryview, level: int, tuned: bool) -> tuple[Any, str]:
+    """One segment: a zstd frame of ``data``, or ``data`` itself when that would not shrink it."""
     n = len(data)
     if n == 0:
         return b"", "r"
     comp = _compressor(level, tuned)
-    if try_sample and n > 2 * _SAMPLE_BYTES:
-        sample = comp.compress(data[:_SAMPLE_BYTES])
-        if len(sample) > RAW_IF_ABOVE * _SAMPLE_BYTES:
-            return data, "r"
+    if n > 2 * _SAMPLE_BYTES and len(comp.compress(_sample(data))) > RAW_IF_ABOVE * _SAMPLE_BYTES:
+        return data, "r"
     out = comp.compress(data)
     if len(out) > RAW_IF_ABOVE * n:
         return data, "r"
     return out, "z"
 
 
-def _to_planes(raw: memoryview, itemsize: int) -> np.ndarray:
-    words = np.frombuffer(raw, dtype=_UINT[itemsize])
-    bits = itemsize * 8
-    rotated = (words << np.array(1, words.dtype)) | (words >> np.array(bits - 1, words.dtype))
-    return np.ascontiguousarray(rotated.view(np.uint8).reshape(-1, itemsize).T)
+def _decode_segment(seg: memoryview, kind: str, size: int) -> Any:
+    """The ``size`` decoded bytes of one segment (a view of ``seg`` when it is raw)."""
+    if kind == "r":
+        if len(seg) != size:
+            raise ChecksumError(f"raw segment holds {len(seg)} bytes, expected {size}")
+        return seg
+    try:
+        data = _decompressor().decompress(seg, max_output_size=size)
+    except zstandard.ZstdError as e:
+        raise ChecksumError(f"zstd frame does not decode: {e}") from None
+    if len(data) != size:
+        raise ChecksumError(f"zstd frame decodes to {len(data)} bytes, expected {size}")
+    return data
 
 
-def _from_planes(planes: np.ndarray, itemsize: int, out: memoryview) -> None:
-    words = np.ascontiguousarray(planes.T).view(_UINT[itemsize]).reshape(-1)
-    bits = itemsize * 8
-    target = np.frombuffer(out, dtype=_UINT[itemsize])
-    np.bitwise_or(words >> np.array(1, words.dtype), words << np.array(bits - 1, words.dtype), out=target)
+# ---- byte planes ------------------------------------------------------------------
 
+def _split_planes(raw: memoryview, itemsize: int) -> np.ndarray:
+    """(itemsize, n) uint8 planes of the rotated elements; a fresh array (its rows are returned as parts)."""
+    ut = _UINT[itemsize]
+    words = np.frombuffer(raw, dtype=ut)
+    n = len(words)
+    rot = _scratch("a", ut, n)
+    tmp = _scratch("b", ut, n)
+    np.left_shift(words, ut.type(1), out=rot)
+    np.right_shift(words, ut.type(itemsize * 8 - 1), out=tmp)
+    np.bitwise_or(rot, tmp, out=rot)
+    planes = np.empty((itemsize, n), dtype=np.uint8)
+    np.copyto(planes[0], rot, casting="unsafe")          # narrowing cast keeps the low byte
+    for i in range(1, itemsize):
+        np.right_shift(rot, ut.type(8 * i), out=planes[i], casting="unsafe")
+    return planes
+
+
+def _merge_planes(planes: list[Any], itemsize: int, out: memoryview) -> None:
+    """Inverse of ``_split_planes``: interleave the planes, rotate right by one, into ``out``."""
+    ut = _UINT[itemsize]
+    rot = _interleave([np.frombuffer(p, dtype=np.uint8) for p in planes], 0)
+    target = np.frombuffer(out, dtype=ut)
+    np.right_shift(rot, ut.type(1), out=target)
+    np.left_shift(rot, ut.type(itemsize * 8 - 1), out=rot)
+    np.bitwise_or(target, rot, out=target)
+
+
+def _interleave(planes: list[np.ndarray], first: int) -> np.ndarray:
+    """Words whose byte ``i`` is ``planes[i]``, built pairwise (bytes → 2-byte → 4-byte words):
+    plain widening copies and in-place shifts run several times faster in numpy than a
+    strided transpose or a shift that widens on the fly. ``first`` keys the scratch arrays."""
+    if len(planes) == 1:
+        return planes[0]
+    half = len(planes) // 2
+    lo = _interleave(planes[:half], first)
+    hi = _interleave(planes[half:], first + half)
+    wt = _UINT[len(planes)]
+    acc = _scratch(f"acc{first}", wt, len(lo))
+    tmp = _scratch("tmp", wt, len(lo))
+    np.copyto(acc, lo)
+    np.copyto(tmp, hi)
+    np.left_shift(tmp, wt.type(8 * half), out=tmp)
+    np.bitwise_or(acc, tmp, out=acc)
+    return acc
+
+
+# ---- chunks -------------------------------------------------------------------------
 
 def encode_chunk(raw: memoryview, dtype: str, codec: str, level: int = 1) -> tuple[list[Any], ChunkMeta]:
-    """Encode one chunk; returns the stored parts (write them in order) and their metadata."""
+    """Encode one chunk; returns the stored parts (write them in order) and their metadata.
+
+    The parts may be views of ``raw`` (raw segments): write them before reusing ``raw``.
+    """
     raw = memoryview(raw).cast("B")
     n = len(raw)
     itemsize = FLOAT_ITEMSIZE.get(dtype, 1)
@@ -148,11 +242,9 @@ def encode_chunk(raw: memoryview, dtype: str, codec: str, level: int = 1) -> tup
         out, kind = _zstd_or_raw(raw, level, tuned=False)
         parts, segments = [out], [[len(out), kind]]
     elif codec == "bplane":
-        planes = _to_planes(raw, itemsize)
         parts, segments = [], []
-        for i in range(itemsize):
-            top = i == itemsize - 1
-            out, kind = _zstd_or_raw(planes[i].data, level, tuned=top, try_sample=not top)
+        for plane in _split_planes(raw, itemsize):
+            out, kind = _zstd_or_raw(plane.data, level, tuned=True)
             parts.append(out)
             segments.append([len(out), kind])
     else:
@@ -164,44 +256,36 @@ def encode_chunk(raw: memoryview, dtype: str, codec: str, level: int = 1) -> tup
     return parts, ChunkMeta(codec, n, stored, h.hexdigest(), segments)
 
 
-class ChecksumError(Exception):
-    """Stored bytes whose checksum does not match the manifest."""
-
-
 def decode_chunk(stored: Any, meta: ChunkMeta, dtype: str, out: memoryview) -> None:
-    """Verify and decode one chunk into ``out`` (exactly ``meta.raw_len`` bytes)."""
+    """Verify and decode one chunk into ``out`` (exactly ``meta.raw_len`` bytes).
+
+    Raises ChecksumError when the stored bytes do not match the checksum, do not decode,
+    or do not fit the metadata (a corrupt or crafted manifest).
+    """
     out = memoryview(out).cast("B")
     if len(out) != meta.raw_len or len(stored) != meta.stored_len:
         raise ChecksumError(f"chunk length mismatch (stored {len(stored)}, expected {meta.stored_len})")
     if checksum(stored) != meta.checksum:
         raise ChecksumError("chunk checksum mismatch")
-    stored = memoryview(stored)
+    stored = memoryview(stored).cast("B")
     if meta.codec == "bplane":
-        itemsize = FLOAT_ITEMSIZE[dtype]
+        itemsize = FLOAT_ITEMSIZE.get(dtype)
+        if itemsize is None or meta.raw_len % itemsize or len(meta.segments) != itemsize:
+            raise ChecksumError(f"a bplane chunk of {meta.raw_len} bytes in {len(meta.segments)} segments "
+                                f"does not fit dtype {dtype!r}")
         plane_len = meta.raw_len // itemsize
-        planes = np.empty((itemsize, plane_len), dtype=np.uint8)
-        pos = 0
-        for i, (length, kind) in enumerate(meta.segments):
-            _decode_segment(stored[pos: pos + length], kind, memoryview(planes[i]))
+        planes, pos = [], 0
+        for length, kind in meta.segments:
+            planes.append(_decode_segment(stored[pos: pos + length], kind, plane_len))
             pos += length
-        _from_planes(planes, itemsize, out)
+        _merge_planes(planes, itemsize, out)
         return
-    _decode_segment(stored, meta.segments[0][1] if meta.segments else "r", out)
-
-
-def _decode_segment(seg: memoryview, kind: str, out: memoryview) -> None:
-    if kind == "r":
-        if len(seg) != len(out):
-            raise ChecksumError("raw segment length mismatch")
-        out[:] = seg
-        return
-    try:
-        data = _decompressor().decompress(seg, max_output_size=len(out))
-    except zstandard.ZstdError as e:
-        raise ChecksumError(f"zstd frame does not decode: {e}") from None
-    if len(data) != len(out):
-        raise ChecksumError("decoded segment length mismatch")
-    out[:] = data
+    if len(meta.segments) != 1:
+        raise ChecksumError(f"a {meta.codec} chunk must have one segment, not {len(meta.segments)}")
+    kind = meta.segments[0][1]
+    if meta.codec == "none" and kind != "r":
+        raise ChecksumError("a 'none' chunk must be stored raw")
+    out[:] = _decode_segment(stored, kind, meta.raw_len)
 
 
 def chunk_ranges(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
