@@ -43,7 +43,7 @@ from conftest import REPO, start_daemon
 
 HANG_GUARD_S = 60.0
 SLOT_BYTES = 4096
-FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow],
                 database=None)
 
 
@@ -604,9 +604,12 @@ def exercise_readers(path: Path) -> str:
     return "ok"
 
 
-hostile_values = st.one_of(json_values, st.sampled_from(
+hostile_values = st.one_of(json_values, st.integers(0, 20), st.sampled_from(
     ["../../outside/src/step-000000000001/rank-00000.data", "/etc/passwd", "a/../../b", "x\x00",
-     -1, 2**63, 10**30, -(2**63), float("nan"), float("inf"), True, [], {}, [[]], "", "DEEP"]))
+     -1, 2**63, 10**30, -(2**63), float("nan"), float("inf"), True, [], {}, [[]], "", "DEEP",
+     # plausible values in the wrong place: dtypes, codecs, segment kinds of other tensors
+     "int32", "int16", "uint16", "float16", "bfloat16", "float32", "int64", "bool", "float8_e4m3fn",
+     "bplane", "zstd", "none", "z", "r", [[0, "r"]], [[1, "z"]]]))
 
 
 def all_paths(obj, prefix=()):
@@ -617,6 +620,17 @@ def all_paths(obj, prefix=()):
     elif isinstance(obj, list):
         for i, v in enumerate(obj[:6]):
             yield from all_paths(v, prefix + (i,))
+
+
+def pick_path(data, obj):
+    """A path into ``obj``, drawn so that every kind of place (top-level field, tensor field, chunk,
+    chunk field, segment, ...) is as likely as any other, however many of each there are."""
+    groups: dict = {}
+    for path in all_paths(obj):
+        key = (len(path),) + tuple(p for p in path if isinstance(p, str))
+        groups.setdefault(key, []).append(path)
+    key = data.draw(st.sampled_from(sorted(groups, key=repr)))
+    return data.draw(st.sampled_from(groups[key]))
 
 
 def mutate(obj, path, value, delete: bool):
@@ -637,7 +651,7 @@ def dumps_with_deep(obj) -> bytes:
     return text.replace('"DEEP"', "[" * 5000 + "]" * 5000).encode()
 
 
-DISK = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+DISK = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                       HealthCheck.function_scoped_fixture],
                 database=None)
 
@@ -649,11 +663,57 @@ def test_hostile_manifests(disk_area, genuine_step, data):
     c = Crafted(area, genuine_step)
     try:
         m = c.manifest()
-        paths = list(all_paths(m))
-        path = data.draw(st.sampled_from(paths))
-        value = data.draw(hostile_values)
-        m = mutate(m, path, value, delete=data.draw(st.booleans()))
+        for _ in range(data.draw(st.integers(1, 2))):
+            m = mutate(m, pick_path(data, m), data.draw(hostile_values), delete=data.draw(st.booleans()))
         c.write_manifest(dumps_with_deep(m))
+        exercise_readers(c.path)
+    finally:
+        c.cleanup()
+
+
+@DISK
+@given(data=st.data())
+def test_inconsistent_chunk_metadata(disk_area, genuine_step, data):
+    """Metadata that parses but contradicts itself (codec vs dtype, segment count and kinds,
+    lengths), on stored bytes whose checksums still match: decoding gets as far as it can."""
+    from ckptd.format import DTYPE_ITEMSIZE
+    area, _ = disk_area
+    c = Crafted(area, genuine_step)
+    try:
+        m = c.manifest()
+        t = data.draw(st.sampled_from([t for t in m["tensors"] if t["chunks"]]))
+        chunk = t["chunks"][0]           # [codec, raw_len, stored_len, checksum, segments]
+        for what in data.draw(st.lists(st.sampled_from(["codec", "dtype", "segments", "kinds", "lengths",
+                                                        "not-a-list", "huge"]),
+                                       min_size=1, max_size=3, unique=True)):
+            if what == "codec":
+                chunk[0] = data.draw(st.sampled_from(["none", "zstd", "bplane"]))
+            elif what == "dtype":
+                size = DTYPE_ITEMSIZE[t["dtype"]]
+                t["dtype"] = data.draw(st.sampled_from(sorted(k for k, v in DTYPE_ITEMSIZE.items() if v == size)))
+            elif what == "segments":
+                n = data.draw(st.integers(0, 9))
+                total = chunk[2]
+                cuts = sorted(data.draw(st.lists(st.integers(0, total), min_size=max(n - 1, 0), max_size=max(n - 1, 0))))
+                bounds = [0] + cuts + [total]
+                chunk[4] = [[b - a, data.draw(st.sampled_from("zr"))] for a, b in zip(bounds, bounds[1:])] if n else []
+                if not n:
+                    chunk[2] = 0
+            elif what == "huge":         # claims 2**42+ bytes: no reader may try to allocate them
+                size = DTYPE_ITEMSIZE[t["dtype"]]
+                t["shape"], t["chunks"] = [2**42], [chunk]
+                chunk[1] = chunk[2] = 2**42 * size
+                k = size if chunk[0] == "bplane" else 1
+                chunk[4] = [[chunk[1] // k, "r"]] * k
+                if chunk[0] == "zstd":
+                    chunk[0] = "none"
+            elif what == "not-a-list":
+                t["chunks"] = data.draw(st.one_of(json_scalars, st.dictionaries(st.text(max_size=3), json_scalars)))
+            elif what == "kinds":
+                chunk[4] = [[n, data.draw(st.sampled_from("zr"))] for n, _ in chunk[4]]
+            else:
+                chunk[1] = data.draw(st.integers(0, 2 * chunk[1] + 8))
+        c.write_manifest(json.dumps(m).encode())
         exercise_readers(c.path)
     finally:
         c.cleanup()
@@ -668,7 +728,7 @@ def test_hostile_index(disk_area, genuine_step, data):
         how = data.draw(st.sampled_from(["mutate", "bytes", "json"]))
         if how == "mutate":
             idx = json.loads((c.path / INDEX_NAME).read_bytes())
-            idx = mutate(idx, data.draw(st.sampled_from(list(all_paths(idx)))), data.draw(hostile_values),
+            idx = mutate(idx, pick_path(data, idx), data.draw(hostile_values),
                          delete=data.draw(st.booleans()))
             blob = dumps_with_deep(idx)
         elif how == "bytes":
