@@ -159,6 +159,7 @@ class Daemon:
         self.unfinished: list[str] = []               # saves a drain could not finish
         self._events: set[asyncio.Future] = set()
         self._gc_tasks: dict[str, asyncio.Task] = {}
+        self._gc_again: set[str] = set()
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -717,12 +718,22 @@ class Daemon:
             self._event(s, {"op": "committed", "step": ps.step})
 
     def _schedule_gc(self, job: str) -> None:
-        """Apply retention to ``job`` after a commit (one pass per job at a time)."""
-        if job in self._gc_tasks or self.draining:
+        """Apply retention to ``job`` after a commit: one pass per job at a time, and one more
+        after it when commits arrived during it (so the last commit is always followed by a pass)."""
+        if self.draining:
+            return
+        if job in self._gc_tasks:
+            self._gc_again.add(job)
             return
         task = asyncio.ensure_future(self._gc_job(job))
         self._gc_tasks[job] = task
-        task.add_done_callback(lambda _t: self._gc_tasks.pop(job, None))
+
+        def done(_t: asyncio.Future) -> None:
+            self._gc_tasks.pop(job, None)
+            if job in self._gc_again:
+                self._gc_again.discard(job)
+                self._schedule_gc(job)
+        task.add_done_callback(done)
 
     async def _gc_job(self, job: str) -> None:
         in_flight = [ps.step for ps in self.tracker.steps.values() if ps.job == job]
