@@ -24,7 +24,9 @@ store (the Checkpointer's), the rank that first sees the signal proposes "stop a
 and stops at the agreed step, so a signal delivered to one rank, or to all ranks at
 slightly different steps, still yields one consistent checkpoint. ``margin`` (default 2)
 must exceed how many steps ranks can drift apart (collectives keep data-parallel ranks
-within one step).
+within one step). Without a store, each rank acts on its own signal, so several ranks
+sharing a step need the signal at the same boundary (or call ``request()`` themselves
+after agreeing some other way); a rank that saves alone leaves a step that never commits.
 
 Signals: handlers are installed on construction (from the main thread) and the previous
 ones restored by ``close()``/``__exit__``. A second signal while the checkpoint is being
