@@ -2,16 +2,13 @@
 boundary, waits for the commit and exits 0."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pytest
 import torch
 
 import ckptd_client

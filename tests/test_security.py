@@ -7,7 +7,6 @@ import os
 import shutil
 import socket
 import stat
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 import ckptd_client
 from ckptd import protocol
 from ckptd.format import StepReader, FormatError, digest_bytes, verify_step
-from conftest import start_daemon, wait_for_socket
+from conftest import start_daemon
 
 NOBODY = 65534
 STEP = "step-000000000001"
@@ -284,7 +283,7 @@ def test_peer_not_allowed_is_refused_and_logged(daemon_factory):
     assert reply["op"] == "error", reply
     assert f"uid {NOBODY} / gid {NOBODY} is not allowed" in reply["reason"]
     assert "allowed_users / allowed_groups" in reply["reason"]
-    assert f"refused peer pid=" in d.log_text() and f"uid={NOBODY}" in d.log_text()
+    assert "refused peer pid=" in d.log_text() and f"uid={NOBODY}" in d.log_text()
 
 
 @needs_root
