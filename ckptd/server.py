@@ -636,6 +636,7 @@ class Daemon:
                      tree: Any) -> None:
         loop = asyncio.get_running_loop()
         rank = session.rank
+        key = (ps.job, ps.step, rank)
 
         def slot_released() -> None:
             loop.call_soon_threadsafe(self._slot_released, session, slot)
@@ -659,6 +660,7 @@ class Daemon:
                 return
             reason = f"rank {rank} shard write failed: {describe_error(e)}"
             log.error("write failed", extra={"ctx": {"job": ps.job, "step": ps.step, "rank": rank, "error": reason}})
+            self.shard_writes.pop(key, None)   # its files are gone: a retry told of the failure may start
             await self._fail_step(ps, reason)
             return
         self.stats["saves_durable"] += 1
@@ -673,6 +675,7 @@ class Daemon:
             # The step failed (another rank, a timeout) while this shard was written.
             await loop.run_in_executor(self.io_pool, self._remove_uncommitted, ps.step_path, [rank])
             return
+        self.shard_writes.pop(key, None)       # before any event: the client may act on it at once
         commit_now = self.tracker.mark_durable(ps, rank, result.digest)
         await self._send(session, {"op": "durable", "step": ps.step, "rank": rank, "digest": result.digest,
                                    "raw_bytes": result.manifest.raw_bytes,
@@ -752,11 +755,13 @@ class Daemon:
         self.tracker.finish(ps)
         self.stats["steps_failed"] += 1
         log.warning("step abandoned", extra={"ctx": {"job": ps.job, "step": ps.step, "reason": reason}})
-        for rank, s in ps.waiters.items():
-            self._event(s, {"op": "failed", "step": ps.step, "reason": reason})
-        # Ranks still writing remove their own files when they finish and find the step gone.
+        # Remove the durable ranks' files BEFORE telling anyone: a client that retries the step
+        # as soon as it hears must not have its new files deleted by this cleanup. Ranks still
+        # writing stop at their next chunk and remove their own files (see _write).
         await asyncio.get_running_loop().run_in_executor(
             self.io_pool, self._remove_uncommitted, ps.step_path, sorted(ps.durable))
+        for rank, s in ps.waiters.items():
+            self._event(s, {"op": "failed", "step": ps.step, "reason": reason})
 
     @staticmethod
     def _remove_uncommitted(step_path: str, ranks: list[int]) -> None:

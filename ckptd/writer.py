@@ -69,7 +69,11 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
     try:
         # Inside the try: a failure here (EROFS, ENOSPC, EACCES) must still release the slot.
         storage.make_dirs(step_path)
-        fd = storage.open_for_write(data_path)
+        try:
+            fd = storage.open_for_write(data_path)
+        except FileNotFoundError:   # a failed attempt's cleanup removed the (empty) directory just now
+            storage.make_dirs(step_path)
+            fd = storage.open_for_write(data_path)
         entries: list[TensorEntry] = []
         pos = 0
 

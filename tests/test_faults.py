@@ -10,6 +10,7 @@ with a generous deadline that only guards against a hang.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -146,15 +147,18 @@ def test_disk_full_fails_one_save_and_keeps_serving(small_fs, daemon_factory):
     assert "step 2" in str(err.value)
     assert_invisible(root, "full", 2)
 
-    # The daemon goes on: a further small save commits, on the same connection.
+    # The daemon goes on: the trainer retries the step at once (smaller), then saves the next.
+    second = state_of(22, 16 * 1024)
+    ck.save(2, second).wait(HANG_GUARD_S)
     third = state_of(3, 16 * 1024)
     ck.save(3, third).wait(HANG_GUARD_S)
     assert_restores(ck, 1, first)
+    assert_restores(ck, 2, second)
     assert_restores(ck, 3, third)
     assert ck.latest_step() == 3
     assert verify(Path(step_dir(str(root), "full", 1))).returncode == 0
     st = quick_status(d.socket)
-    assert st["steps"] == [] and st["stats"]["steps_failed"] == 1 and st["stats"]["steps_committed"] == 2
+    assert st["steps"] == [] and st["stats"]["steps_failed"] == 1 and st["stats"]["steps_committed"] == 3
     ck.close()
     assert_no_tracebacks(d)
 
@@ -342,58 +346,97 @@ def test_same_step_resaved_while_a_dead_clients_write_is_in_flight(daemon_factor
 
 CHILD_RANK = textwrap.dedent("""
     import json, sys, torch, ckptd_client
-    sock, job, rank, step = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    sock, job, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
     ck = ckptd_client.Checkpointer(job, socket=sock, rank=rank, world_size=2, commit="local")
-    state = {"w": torch.randn(1024, generator=torch.Generator().manual_seed(rank))}
-    if step < 0:
-        ck.prepare(state)                 # connected, slots allocated: this rank never saves
-        print(json.dumps({"connected": True}), flush=True)
-    else:
-        h = ck.save(step, state)
-        try:
-            h.wait(600)
-            print(json.dumps({"ok": True}), flush=True)
-        except ckptd_client.CheckpointError as e:
-            print(json.dumps({"ok": False, "error": str(e)}), flush=True)
-    sys.stdin.read()                      # stay connected until the test lets go
+    def state(step):
+        return {"w": torch.randn(1024, generator=torch.Generator().manual_seed(100 * step + rank))}
+    def say(**kw):
+        print(json.dumps(kw), flush=True)
+    handles = {}
+    for line in sys.stdin:             # commands from the test, one a line
+        cmd, *args = line.split()
+        if cmd == "prepare":           # connected, slots allocated, nothing saved
+            ck.prepare(state(0))
+            say(prepared=True)
+        elif cmd == "save":
+            handles[int(args[0])] = ck.save(int(args[0]), state(int(args[0])))
+            say(handed=int(args[0]))
+        elif cmd == "wait":            # "wait N [retry]": on failure, re-save N at once
+            step = int(args[0])
+            try:
+                handles[step].wait(600)
+                say(ok=True)
+            except ckptd_client.CheckpointError as e:
+                if args[1:] == ["retry"]:
+                    handles[step] = ck.save(step, state(step))
+                say(ok=False, error=str(e))
+        elif cmd == "quit":
+            break
     ck.close()
 """)
 
 
+class Rank:
+    def __init__(self, sock: Path, job: str, rank: int) -> None:
+        self.p = subprocess.Popen([sys.executable, "-c", CHILD_RANK, str(sock), job, str(rank)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, cwd=REPO)
+
+    def __call__(self, command: str) -> dict:
+        self.p.stdin.write(command + "\n")
+        self.p.stdin.flush()
+        line = self.p.stdout.readline()
+        assert line, f"rank process died: {self.p.stderr.read()}"
+        return json.loads(line)
+
+    def close(self) -> int:
+        with contextlib.suppress(OSError):
+            self.p.stdin.write("quit\n")
+            self.p.stdin.close()
+        try:
+            return self.p.wait(HANG_GUARD_S)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            return self.p.wait()
+
+
 def test_rank_that_never_saves_fails_the_step_after_the_timeout(daemon_factory):
-    d = daemon_factory("--step-timeout", "2")
-    procs = {}
+    d = daemon_factory("--step-timeout", "3")
+    r0, r1 = Rank(d.socket, "duo", 0), Rank(d.socket, "duo", 1)
     try:
-        for rank, step in ((1, -1), (0, 7)):          # rank 1 connects first and never saves step 7
-            procs[rank] = subprocess.Popen(
-                [sys.executable, "-c", CHILD_RANK, str(d.socket), "duo", str(rank), str(step)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-            line = procs[rank].stdout.readline()
-            assert line, f"rank {rank} died: {procs[rank].stderr.read()}"
-            result = json.loads(line)
+        assert r1("prepare") == {"prepared": True}        # rank 1 is connected but never saves step 7
+        assert r0("save 7") == {"handed": 7}
+        result = r0("wait 7")
         assert result["ok"] is False
         assert "timed out" in result["error"] and "ranks [1]" in result["error"], result["error"]
         assert "step 7" in result["error"]
+        # By the time the failure is reported, rank 0's durable files are gone.
         assert_invisible(d.root, "duo", 7)
-        # Rank 1 is still connected; the daemon goes on serving everybody.
         st = quick_status(d.socket)
-        assert sorted(s["rank"] for s in st["sessions"]) == [0, 1] and st["steps"] == []
-        assert st["stats"]["steps_failed"] == 1
+        assert sorted(s["rank"] for s in st["sessions"]) == [0, 1] and st["stats"]["steps_failed"] == 1
+
+        # Saving step 7 again works: with both ranks, it commits complete and exact.
+        assert r0("save 7") == {"handed": 7}
+        assert r1("save 7") == {"handed": 7}
+        assert r0("wait 7") == {"ok": True} and r1("wait 7") == {"ok": True}
+        path = Path(step_dir(str(d.root), "duo", 7))
+        r = verify(path)
+        assert r.returncode == 0, r.stdout + r.stderr
+        for rank in (0, 1):
+            ck = ckptd_client.Checkpointer("duo", root=str(d.root), socket=str(d.socket), rank=rank,
+                                           world_size=2, commit="local")
+            target = {"w": torch.zeros(1024)}
+            assert ck.restore(target, step=7) == 7
+            expected = torch.randn(1024, generator=torch.Generator().manual_seed(700 + rank))
+            assert torch.equal(target["w"], expected)
+
+        # The daemon served everybody throughout.
         ck = ckptd_client.Checkpointer("solo", socket=str(d.socket))
         solo = state_of(8, 1024)
         ck.save(1, solo).wait(HANG_GUARD_S)
         assert_restores(ck, 1, solo)
         ck.close()
     finally:
-        for p in procs.values():
-            try:
-                p.stdin.close()
-            except OSError:
-                pass
-            try:
-                p.wait(HANG_GUARD_S)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-    assert all(p.returncode == 0 for p in procs.values()), [p.stderr.read() for p in procs.values()]
+        codes = [r0.close(), r1.close()]
+    assert codes == [0, 0]
     assert_no_tracebacks(d)
