@@ -207,6 +207,76 @@ def test_read_only_file_system_fails_saves_cleanly(small_fs, daemon_factory):
     assert_no_tracebacks(d)
 
 
+class ThinFS:
+    """ext4 on a loop device whose backing file lives on a tiny tmpfs: a thin-provisioned volume.
+    write() lands in the page cache and succeeds; when writeback finds the pool full, the block
+    layer fails the I/O and fsync reports it (ENOSPC or EIO, by kernel). grow() adds space."""
+
+    def __init__(self, base: Path) -> None:
+        self.pool, self.path = base / "pool", base / "thin"
+        self.pool.mkdir()
+        self.path.mkdir()
+        self.mounted: list[Path] = []
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(self.pool)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount tmpfs here: {r.stderr.strip()}")
+        self.mounted.append(self.pool)
+        image = self.pool / "volume.img"
+        with open(image, "wb") as f:
+            f.truncate(32 * 1024 * 1024)
+        mk = subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", str(image)],
+                            capture_output=True, text=True)
+        lo = subprocess.run(["mount", "-o", "loop", str(image), str(self.path)], capture_output=True, text=True) \
+            if mk.returncode == 0 else mk
+        if lo.returncode != 0:
+            self.unmount()
+            pytest.skip(f"cannot loop-mount an ext4 image here: {lo.stderr.strip()}")
+        self.mounted.append(self.path)
+
+    def grow(self) -> None:
+        subprocess.run(["mount", "-o", "remount,size=64m", str(self.pool)], check=True, capture_output=True)
+
+    def unmount(self) -> None:
+        while self.mounted:
+            p = self.mounted.pop()
+            if subprocess.run(["umount", str(p)], capture_output=True).returncode != 0:
+                subprocess.run(["umount", "-l", str(p)], capture_output=True)
+
+
+@pytest.fixture
+def thin_fs(tmp: Path):
+    fs = ThinFS(tmp)
+    yield fs
+    fs.unmount()
+
+
+def test_io_error_at_fsync_on_a_full_thin_volume(thin_fs, daemon_factory):
+    """The write error that only fsync sees: the save fails (its slot already back with the
+    trainer), the committed step is untouched, and once the pool grows saves commit again."""
+    root = thin_fs.path / "root"
+    d = daemon_factory(root=root)
+    ck = ckptd_client.Checkpointer("thin", socket=str(d.socket))
+    first = state_of(1, 16 * 1024)
+    ck.save(1, first).wait(HANG_GUARD_S)
+    h = ck.save(2, state_of(2, 2 * 1024 * 1024))          # 8 MiB: the pool holds ~2.5 MiB more
+    with pytest.raises(ckptd_client.CheckpointError, match="ENOSPC|EIO|No space|Input/output") as err:
+        h.wait(HANG_GUARD_S)
+    assert "step 2" in str(err.value) and "rank 0" in str(err.value)
+    assert_invisible(root, "thin", 2)
+    assert_restores(ck, 1, first)
+    thin_fs.grow()
+    third = state_of(3, 64 * 1024)
+    ck.save(3, third).wait(HANG_GUARD_S)
+    for step, expected in ((1, first), (3, third)):
+        assert_restores(ck, step, expected)
+        assert verify(Path(step_dir(str(root), "thin", step))).returncode == 0
+    st = quick_status(d.socket)
+    assert st["steps"] == [] and [s["busy_slots"] for s in st["sessions"]] == [0]
+    ck.close()
+    assert_no_tracebacks(d)
+
+
 # ---- daemon restart ----------------------------------------------------------------
 
 SLOW = ("--debug-write-delay", "1.0", "--chunk-mib", "1")
