@@ -777,6 +777,10 @@ def test_files_that_are_not_plain_files(disk_area, genuine_step, victim, kind):
             target.write_bytes(b"")
         result = exercise_readers(c.path)
         assert result.startswith(("error", "checksum")), result
+        if kind in ("fifo", "symlink-out"):       # and the real command line, in its own process
+            r = subprocess.run([sys.executable, "-m", "ckptd", "verify", "-q", str(c.path)], cwd=REPO,
+                               capture_output=True, text=True, timeout=HANG_GUARD_S)
+            assert r.returncode == 1 and "FAULT" in r.stdout, r.stdout + r.stderr
     finally:
         c.cleanup()
 
