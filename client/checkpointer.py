@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from ckptd import protocol
-from ckptd.format import job_dir, latest_committed, step_dir, step_dir_name
+from ckptd.format import INDEX_NAME, job_dir, latest_committed, step_dir, step_dir_name
 
 from .connection import DaemonConnection
-from .errors import CheckpointError
+from .errors import CheckpointError, NotDelivered
 from .relay import StoreRelay
 from .restore import load_shard
 from .slots import ClientSlot, SlotCopy, plan_layout
@@ -186,7 +186,7 @@ class Checkpointer:
         with self._cond:
             while not self._free:
                 if self._conn is None or self._conn.lost:
-                    raise CheckpointError(f"connection to ckptd at {self.socket_path} lost")
+                    raise NotDelivered(f"connection to ckptd at {self.socket_path} lost")
                 if not block:
                     return None
                 self._cond.wait(0.1)
@@ -209,7 +209,10 @@ class Checkpointer:
                 if h.durable_s is None and self._relay is not None:
                     self._relay.publish(h.seq, f"fail:{reason}")
                 if h.durable_s is None or self.commit_mode == "local":
-                    self._finish(h, reason)
+                    # The daemon may have committed just before it went away: the index decides.
+                    committed = h.durable_s is not None and self.root is not None and os.path.isfile(
+                        os.path.join(step_dir(self.root, self.job, h.step), INDEX_NAME))
+                    self._finish(h, None if committed else reason)
             return
         h = self._handles.get(msg.get("step"))
         if h is None:
@@ -262,38 +265,44 @@ class Checkpointer:
         layout, nbytes = plan_layout(flat.tensors)
         if step in self._handles:
             raise CheckpointError(f"step {step} is already being saved")
-        conn = self._ensure_slots(nbytes)
         self._seq += 1
         handle = SaveHandle(step, self._seq)
-        slot = self._acquire_slot(block=when_busy == "block")
-        if slot is None:
-            handle.skipped = True
-            handle.stall_s = time.perf_counter() - t0
-            handle._resolve(None)
-            return handle
-        handle.slot = slot
-        msg = {"op": "save", "step": step, "slot": slot, "tensors": layout, "tree": flat.tree,
-               "commit": self.commit_mode}
         self._handles[step] = handle
         if self.commit_mode == "relay":
             self._ensure_relay().track(handle.seq, step, lambda err, h=handle: self._finish(h, err))
-        try:
-            copy = SlotCopy(self._slots[slot], layout, flat.tensors,
-                            flat.deferrable if overlap else frozenset(), self._copier() if overlap else None,
-                            self._side_streams)
-        except BaseException as e:
-            self._hand_off_failed(handle, e)
-            raise
-        if copy.pending:
-            self._hook_optimizers(flat.optimizers)
-            self._inflight = (handle, copy)
-            self._copier().submit(self._hand_off, conn, handle, msg, copy)
-        else:
-            self._hand_off(conn, handle, msg, None)
-            if handle.error and not handle.committed:
-                raise CheckpointError(f"step {step}: {handle.error}")
+        for attempt in (1, 2):
+            try:
+                conn = self._ensure_slots(nbytes)
+                handle.slot = self._acquire_slot(block=when_busy == "block")
+                if handle.slot is None:
+                    handle.skipped = True
+                    self._abandon(handle, None)
+                    break
+                msg = {"op": "save", "step": step, "slot": handle.slot, "tensors": layout, "tree": flat.tree,
+                       "commit": self.commit_mode}
+                copy = SlotCopy(self._slots[handle.slot], layout, flat.tensors,
+                                flat.deferrable if overlap else frozenset(), self._copier() if overlap else None,
+                                self._side_streams)
+                if copy.pending:
+                    self._hook_optimizers(flat.optimizers)
+                    self._inflight = (handle, copy)
+                    self._copier().submit(self._hand_off, conn, handle, msg, copy)
+                else:
+                    conn.request(msg)
+                break
+            except NotDelivered:
+                # The daemon went away (restart) before it saw this save: reconnect and redo it once.
+                if attempt == 2:
+                    self._abandon(handle, f"daemon connection lost twice before the hand-off")
+                    raise
+                with self._cond:
+                    self._free.discard(handle.slot)
+                self._drop_connection()
+            except BaseException as e:
+                self._abandon(handle, f"hand-off to the daemon failed: {e}")
+                raise
         handle.stall_s = time.perf_counter() - t0
-        if self._inflight is None:
+        if self._inflight is None and not handle.skipped:
             self._report(handle)
         return handle
 
@@ -318,23 +327,24 @@ class Checkpointer:
             if id(opt) not in self._hooks:
                 self._hooks[id(opt)] = opt.register_step_pre_hook(lambda *_: self.fence())
 
-    def _hand_off(self, conn: DaemonConnection, handle: SaveHandle, msg: dict[str, Any],
-                  copy: SlotCopy | None) -> None:
-        """Send the layout once every byte is in the slot (on the copy thread when overlapped)."""
+    def _hand_off(self, conn: DaemonConnection, handle: SaveHandle, msg: dict[str, Any], copy: SlotCopy) -> None:
+        """(Copy thread) send the layout once every byte of an overlapped copy is in the slot."""
         try:
-            if copy is not None:
-                copy.wait_host()
+            copy.wait_host()
             conn.request(msg)
         except BaseException as e:
-            self._hand_off_failed(handle, e)
+            self._abandon(handle, f"hand-off to the daemon failed: {e}")
 
-    def _hand_off_failed(self, handle: SaveHandle, e: BaseException) -> None:
-        with self._cond:
-            self._free.add(handle.slot)
-            self._cond.notify_all()
+    def _abandon(self, handle: SaveHandle, error: str | None) -> None:
+        """A save that never reached the daemon: give its slot back and resolve its handle."""
+        if handle.slot is not None:
+            with self._cond:
+                if 0 <= handle.slot < len(self._slots):
+                    self._free.add(handle.slot)
+                self._cond.notify_all()
         if self._relay is not None:
-            self._relay.publish(handle.seq, f"fail:rank {self.rank} could not hand off: {e}")
-        self._finish(handle, f"hand-off to the daemon failed: {e}")
+            self._relay.publish(handle.seq, f"fail:rank {self.rank}: {error or 'skipped (no free slot)'}")
+        self._finish(handle, error)
 
     def _report(self, handle: SaveHandle) -> None:
         """Tell the daemon what this save cost the trainer (for its metrics); never blocks."""

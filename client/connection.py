@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from ckptd import protocol
 
-from .errors import CheckpointError
+from .errors import CheckpointError, NotDelivered
 
 log = logging.getLogger("ckptd_client")
 
@@ -42,13 +42,16 @@ class DaemonConnection:
         fut: Future = Future()
         with self._lock:
             if self.lost:
-                raise CheckpointError(f"connection to ckptd at {self.socket_path} lost: {self.lost}")
+                raise NotDelivered(f"connection to ckptd at {self.socket_path} lost: {self.lost}")
             self._pending[req] = fut
         try:
             with self._send_lock:
                 protocol.send_frame(self._sock, {**msg, "req": req})
         except OSError as e:
+            with self._lock:
+                self._pending.pop(req, None)
             self._mark_lost(f"send failed: {e}")
+            raise NotDelivered(f"connection to ckptd at {self.socket_path} lost: {e}") from None
         try:
             reply = fut.result(timeout if timeout is not None else self.timeout)
         except TimeoutError:

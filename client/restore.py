@@ -30,9 +30,11 @@ def load_shard(step_path: str, rank: int, world_size: int, threads: int) -> Any:
         manifest = reader.manifest(rank)
     except (FormatError, OSError) as e:
         raise CheckpointError(f"cannot restore from {step_path}: {e}") from None
-    data_path = reader.data_path(rank)
     tensors: dict[str, torch.Tensor] = {}
-    fd = os.open(data_path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        fd = reader.open_data(rank)
+    except FormatError as e:
+        raise CheckpointError(f"cannot restore from {step_path}: {e}") from None
     try:
         with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptd-restore") as pool:
             futures = []
