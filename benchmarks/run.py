@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import inspect
 import json
 import os
@@ -39,7 +40,7 @@ import tempfile
 import time
 import warnings
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -125,7 +126,6 @@ class TrainState:
     model: torch.nn.Module
     master: torch.nn.Module | None
     opt: SimOptimizer
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def objects(self) -> dict[str, Any]:
         """What every method saves: the same Stateful objects for all of them."""
@@ -206,7 +206,6 @@ def build_state(kind: str, size_mib: int, seed: int = 0) -> TrainState:
 
 def _bf16_copy(master: torch.nn.Module) -> torch.nn.Module:
     """The bf16 model that mixed-precision training keeps next to its fp32 master weights."""
-    import copy
     model = copy.deepcopy(master).to(torch.bfloat16)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -789,9 +788,9 @@ def main() -> int:
     p.add_argument("--size-mib", type=int, help="synthetic GPT state size (default 1024; quick 64)")
     p.add_argument("--saves", type=int, help="measured saves per method (default 10; quick 5)")
     p.add_argument("--warmup", type=int, help="warm-up saves per method (default 2; quick 1)")
-    p.add_argument("--step-ms", type=float, help="simulated compute per iteration, GPT state (default 250)")
+    p.add_argument("--step-ms", type=float, help="simulated compute per iteration, GPT state (default 300; quick 60)")
     p.add_argument("--small-step-ms", type=float, default=40, help="the same for the MiniLM states")
-    p.add_argument("--save-every", type=int, default=10, help="iterations between saves")
+    p.add_argument("--save-every", type=int, default=12, help="iterations between saves")
     p.add_argument("--compute", choices=("sleep", "matmul"), default="sleep",
                    help="sleep: CPU idle during compute (a GPU job); matmul: one busy core")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ", ".join(METHODS))
@@ -815,7 +814,7 @@ def main() -> int:
     a.size_mib = a.size_mib or (64 if a.quick else 1024)
     a.saves = a.saves or (5 if a.quick else 10)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
-    a.step_ms = a.step_ms or (60 if a.quick else 250)
+    a.step_ms = a.step_ms or (60 if a.quick else 300)
     methods = [m for m in a.methods.split(",") if m]
     unknown = set(methods) - set(METHODS)
     if unknown:
