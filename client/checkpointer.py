@@ -384,7 +384,11 @@ class Checkpointer:
         return info.step if info else None
 
     def restore(self, state: dict[str, Any], step: int | None = None) -> int | None:
-        """Load the latest committed step (or ``step``) into ``state`` in place; None if there is none."""
+        """Load the latest committed step (or ``step``) into ``state`` in place; None if there is none.
+
+        Tensors are decoded straight into the matching CPU tensors of ``state`` where they can
+        be, so a restore that fails (a corrupt chunk) can leave ``state`` partly loaded: restore
+        again, e.g. from an older ``step``."""
         self.fence()
         if step is None:
             step = self._agree(self.latest_step())
@@ -393,7 +397,8 @@ class Checkpointer:
         path = step_dir(self._root(), self.job, step)
         if not os.path.isdir(path):
             raise CheckpointError(f"step {step} of job {self.job!r} does not exist under {self._root()}")
-        loaded = load_shard(path, self.rank, self.world_size, self.restore_threads)
+        targets = dict(flatten_state(state).tensors)
+        loaded = load_shard(path, self.rank, self.world_size, self.restore_threads, targets)
         apply_state(state, loaded)
         return step
 
