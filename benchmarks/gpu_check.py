@@ -66,7 +66,7 @@ def main() -> int:
             results["state_bytes"] = nbytes
             blocking, overlapped, commits = [], [], []
             for i in range(a.saves):
-                h = ck.save(2 * i + 1, state)
+                h = ck.save(2 * i + 1, state, overlap=False)
                 blocking.append(h.stall_s)
                 train_step()
                 h.wait(600)

@@ -12,8 +12,8 @@ mutates every tensor after each iteration's fence):
 - restore time into the live (scrambled) state, verified bit-exact against a digest taken
   at the last save (the files are in the page cache by then: this is decode + copy speed);
 - peak RSS of the trainer process, and of the daemon for ckptd.
-Methods: ckptd blocking copy; ckptd overlapped (``save(..., overlap=True)`` + ``fence()``,
-"n/a" when the client has no overlap); ``torch.save`` + fsync + rename; DCP ``save``;
+Methods: ckptd blocking copy; ckptd overlapped (``save(..., overlap=True)`` + ``fence()``);
+``torch.save`` + fsync + rename; DCP ``save``;
 DCP ``async_save`` with a shared-memory ``DefaultStager`` (the strongest peer, ANCHORS.md).
 States: a synthetic GPT (bf16 weights, fp32 master weights and Adam moments; ``--size-mib``),
 the real all-MiniLM-L6-v2 weights in fp32 and in bf16. Then several ranks (``--ranks``
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import inspect
 import json
 import os
 import resource
@@ -277,22 +276,14 @@ class Ckptd(Method):
         self.root = spec["root"]
         self.job = spec.get("job", "bench")
 
-    def unavailable(self) -> str | None:
-        if self.overlap and ("overlap" not in inspect.signature(self.Checkpointer.save).parameters
-                             or not hasattr(self.Checkpointer, "fence")):
-            return "n/a (not available)"
-        return None
-
     def setup(self, ts: TrainState) -> None:
         self.ck = self.Checkpointer(self.job, socket=self.spec["socket"], root=self.root,
                                     rank=self.spec.get("rank", 0), world_size=self.spec.get("world_size", 1),
                                     commit="local")
-        if hasattr(self.ck, "prepare"):
-            self.ck.prepare(ts.objects())
+        self.ck.prepare(ts.objects())
 
     def save(self, step: int, ts: TrainState) -> None:
-        kw = {"overlap": True} if self.overlap else {}
-        self.handles[step] = self.ck.save(step, ts.objects(), **kw)
+        self.handles[step] = self.ck.save(step, ts.objects(), overlap=self.overlap)
 
     def fence(self) -> None:
         if self.overlap:

@@ -98,7 +98,7 @@ class Checkpointer:
     def __init__(self, job: str, socket: str | None = None, root: str | None = None, *,
                  rank: int | None = None, world_size: int | None = None, store: Any = None,
                  num_slots: int = 2, commit: str = "auto", commit_timeout: float = 600.0,
-                 restore_threads: int | None = None, overlap: bool = False, when_busy: str = "block") -> None:
+                 restore_threads: int | None = None, overlap: bool = True, when_busy: str = "block") -> None:
         self.job = protocol.validate_job(job)
         self.socket_path = socket or protocol.default_socket_path()
         self.root = os.path.abspath(root) if root else None
@@ -245,11 +245,11 @@ class Checkpointer:
              when_busy: str | None = None) -> SaveHandle:
         """Snapshot ``state`` into a shared-memory slot and hand it to the daemon.
 
-        Blocking copy (``overlap=False``): returns once ``state`` may be mutated again.
-        Overlapped (``overlap=True``): returns at once; module parameters and optimizer state
-        are copied in the background while forward/backward run, and ``fence()`` — called
-        automatically by a step pre-hook on every optimizer found in ``state`` — waits for the
-        copy before the first mutation. ``when_busy``: with every slot still being written,
+        Overlapped (``overlap=True``, the default): returns at once; the parameters and state of
+        every optimizer found in ``state`` are copied in the background while forward/backward
+        run, and ``fence()`` — called automatically by a step pre-hook on those optimizers —
+        waits for the copy before their first mutation. Everything else is copied before
+        ``save()`` returns. Blocking copy (``overlap=False``): all of it is copied first. ``when_busy``: with every slot still being written,
         ``block`` waits for one, ``skip`` returns a handle with ``skipped=True`` at once.
         """
         if self._closed:
@@ -293,7 +293,7 @@ class Checkpointer:
             except NotDelivered:
                 # The daemon went away (restart) before it saw this save: reconnect and redo it once.
                 if attempt == 2:
-                    self._abandon(handle, f"daemon connection lost twice before the hand-off")
+                    self._abandon(handle, "daemon connection lost twice before the hand-off")
                     raise
                 with self._cond:
                     self._free.discard(handle.slot)

@@ -24,9 +24,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 class FlatState(NamedTuple):
     tree: Any
     tensors: list[tuple[str, torch.Tensor]]
-    # Indices of tensors that only an optimizer step mutates (module parameters, optimizer
-    # state): an overlapped save may copy them while forward/backward run. Everything else
-    # (buffers such as BatchNorm statistics, plain tensors) is copied before save() returns.
+    # Indices of tensors that only the step() of an optimizer in the state mutates (its
+    # parameters and its state): an overlapped save may copy them while forward/backward run.
+    # Everything else (buffers such as BatchNorm statistics, parameters no optimizer in the
+    # state owns, plain tensors) is copied before save() returns.
     deferrable: frozenset[int]
     optimizers: list[torch.optim.Optimizer]
 
@@ -54,10 +55,11 @@ def flatten_state(state: dict[str, Any]) -> FlatState:
 
     def on_other(path: str, obj: Any) -> Any:
         if is_stateful(obj):
-            if isinstance(obj, torch.nn.Module):
-                stable_ptrs.update(p.data_ptr() for p in obj.parameters() if p.numel())
-            elif isinstance(obj, torch.optim.Optimizer):
+            if isinstance(obj, torch.optim.Optimizer):
+                # Its parameters and state change only inside its step(), which the overlapped
+                # save fences with a pre-hook; anything else may change at any time.
                 optimizers.append(obj)
+                stable_ptrs.update(p.data_ptr() for g in obj.param_groups for p in g["params"] if p.numel())
                 stable_ptrs.update(v.data_ptr() for st in obj.state.values() for v in st.values()
                                    if isinstance(v, torch.Tensor) and v.numel())
             return obj.state_dict()

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import ckptd_client
-from conftest import REPO, start_daemon
+from conftest import REPO
 
 TRAINER = REPO / "tests" / "trainer.py"
 

@@ -101,3 +101,21 @@ def test_busy_policies(daemon_factory):
     with pytest.raises(ValueError, match="when_busy"):
         ck.save(4, state, when_busy="drop")
     ck.close()
+
+
+def test_overlap_without_optimizer_in_state_copies_at_once(daemon):
+    """Parameters whose optimizer is not in the state cannot be fenced: they are copied in save()."""
+    model, opt, step = make_training()
+    ck = ckptd_client.Checkpointer("noopt", socket=str(daemon.socket))
+    gate = threading.Event()
+    ck._copier().submit(gate.wait)                # a background copy would be stuck behind this
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    handle = ck.save(1, {"model": model}, overlap=True)
+    step()                                        # the optimizer (not in state) mutates at once
+    gate.set()
+    handle.wait(60)
+    probe, _, _ = make_training()
+    ck.restore({"model": probe})
+    for k, v in probe.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    ck.close()

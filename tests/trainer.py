@@ -8,7 +8,6 @@ optimizer tensors to ``--out`` (a safetensors file per rank) at the end.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
