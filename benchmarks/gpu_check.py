@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,14 +48,12 @@ def main() -> int:
     train_step()
     state = {"model": model, "optim": opt, "rng": ckptd_client.RNGState()}
     results: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    from ckptd.launch import spawn_daemon
+
     with tempfile.TemporaryDirectory() as tmp:
-        sock = os.path.join(tmp, "s.sock")
-        daemon = subprocess.Popen([sys.executable, "-m", "ckptd", "serve", "--root", os.path.join(tmp, "root"),
-                                   "--socket", sock, "--log-format", "plain"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        daemon = spawn_daemon(os.path.join(tmp, "root"), os.path.join(tmp, "s.sock"))
+        sock = str(daemon.socket)
         try:
-            while not os.path.exists(sock):
-                time.sleep(0.05)
             ck = ckptd_client.Checkpointer("gpu", socket=sock)
             t0 = time.perf_counter()
             ck.prepare(state)
@@ -89,8 +86,7 @@ def main() -> int:
             assert torch.equal(torch.cuda.get_rng_state(), cuda_rng), "CUDA RNG state did not round-trip"
             ck.close()
         finally:
-            daemon.terminate()
-            daemon.wait(60)
+            daemon.stop()
     results.update({
         "blocking_stall_p50_ms": 1e3 * statistics.median(blocking),
         "blocking_stall_max_ms": 1e3 * max(blocking),

@@ -26,13 +26,11 @@ daemon. Results: benchmarks/results/latest.md and latest.json (``--out`` to chan
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import os
 import resource
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -51,7 +49,7 @@ import codec_bench  # noqa: E402
 from common import (RESULTS, MissingBenchDependency, fmt, machine_info, median, minilm_path,  # noqa: E402
                     minilm_weights, percentile, table)
 
-from ckptd import protocol  # noqa: E402
+from ckptd.launch import DaemonProcess, spawn_daemon  # noqa: E402
 
 HERE = Path(__file__).resolve()
 METHODS = ("ckptd-blocking", "ckptd-overlap", "torch-save", "dcp-save", "dcp-async")
@@ -526,51 +524,10 @@ def _sayer(prefix: str) -> Callable[[str], None]:
 
 # ---- the orchestrator ---------------------------------------------------------------
 
-class Daemon:
+def start_bench_daemon(base: Path, name: str, threads: int | None) -> DaemonProcess:
     """A ckptd daemon of our own, as a subprocess on a unix socket in ``base``."""
-
-    def __init__(self, base: Path, name: str, threads: int | None) -> None:
-        self.root = base / f"{name}-root"
-        self.socket = base / f"{name}.sock"
-        self.log = base / f"{name}.log"
-        args = [sys.executable, "-m", "ckptd", "serve", "--root", str(self.root), "--socket", str(self.socket),
-                "--log-format", "plain", "--keep-last", "2"]
-        if threads:
-            args += ["--threads", str(threads)]
-        with open(self.log, "ab") as f:
-            self.proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ckptd exited with {self.proc.returncode}:\n{self.log.read_text()[-4000:]}")
-            with contextlib.suppress(OSError, RuntimeError, protocol.ProtocolError):
-                if self.socket.exists():
-                    protocol.request_once(str(self.socket), {"op": "info"})
-                    return
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"ckptd did not answer on {self.socket} within 60 s")
-            time.sleep(0.05)
-
-    def peak_rss(self) -> int | None:
-        """VmHWM of the daemon (its peak resident set), in bytes."""
-        try:
-            with open(f"/proc/{self.proc.pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+    extra = ["--keep-last", "2"] + (["--threads", str(threads)] if threads else [])
+    return spawn_daemon(base / f"{name}-root", base / f"{name}.sock", *extra, log=base / f"{name}.log")
 
 
 def spawn_worker(spec: dict[str, Any], base: Path, mode: str = "--worker") -> subprocess.Popen:
@@ -600,7 +557,7 @@ def run_method(state: str, method: str, cfg: argparse.Namespace, base: Path) -> 
             "step_ms": cfg.step_ms if state == "gpt" else cfg.small_step_ms, "save_every": cfg.save_every}
     daemon = None
     if method.startswith("ckptd"):
-        daemon = Daemon(base, f"{state}-{method}", cfg.daemon_threads)
+        daemon = start_bench_daemon(base, f"{state}-{method}", cfg.daemon_threads)
         spec.update(socket=str(daemon.socket), root=str(daemon.root))
     try:
         res = worker_result(spawn_worker(spec, base), f"{state}/{method}", cfg.worker_timeout)
@@ -619,7 +576,7 @@ def run_method(state: str, method: str, cfg: argparse.Namespace, base: Path) -> 
 
 def run_ranks(cfg: argparse.Namespace, base: Path) -> dict[str, Any]:
     """``cfg.ranks`` client processes on one daemon, each with 1/ranks of the GPT state."""
-    daemon = Daemon(base, "ranks", cfg.daemon_threads)
+    daemon = start_bench_daemon(base, "ranks", cfg.daemon_threads)
     barrier = base / "ranks-go"
     size = max(8, cfg.size_mib // cfg.ranks)
     procs = []

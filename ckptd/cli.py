@@ -14,7 +14,7 @@ from .config import DEFAULT_CONFIG_PATH, LOG_FORMATS, LOG_LEVELS, ConfigError, l
 from .format import StepReader, list_steps, verify_step, validate_job
 from .protocol import DEFAULT_SOCKET
 from .retention import RetentionPolicy, collect_root
-from .server import Daemon, describe_error
+from .server import Daemon, describe_error, tune_allocator
 
 
 def _size(n: float) -> str:
@@ -74,6 +74,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except systemd.ActivationError as e:
         print(f"ckptd serve: {e}", file=sys.stderr)
         return 1
+    tune_allocator()
     daemon = Daemon(config)
     try:
         import uvloop

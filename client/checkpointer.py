@@ -237,7 +237,10 @@ class Checkpointer:
     # ---- public API --------------------------------------------------------
 
     def prepare(self, state: dict[str, Any]) -> None:
-        """Connect and allocate slots sized for ``state`` now, so the first save pays no set-up."""
+        """Connect and allocate slots sized for ``state`` now, so the first save pays no set-up.
+
+        Call it once the state has its full size — after the first optimizer step, when Adam's
+        moments exist — or a larger first save re-allocates the slots."""
         _, nbytes = plan_layout(flatten_state(state).tensors)
         self._ensure_slots(nbytes)
 

@@ -12,7 +12,14 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
+
+
+def report(h) -> None:
+    """One JSON line per committed save: what it cost the trainer (save() + fence) and took to commit."""
+    h.wait()
+    print(json.dumps({"event": "committed", "step": h.step, "stall_ms": round((h.stall_s + h.fence_s) * 1e3, 2),
+                      "commit_ms": round(h.committed_s * 1e3, 1), "raw_bytes": h.raw_bytes,
+                      "stored_bytes": h.stored_bytes}), flush=True)
 
 
 def train(args: argparse.Namespace) -> int:
@@ -39,20 +46,17 @@ def train(args: argparse.Namespace) -> int:
         loss.backward()
         opt.step()
         sched.step()
+        if step == start:
+            ckpt.prepare(state)   # now that the optimizer has state: slots sized and pre-faulted here,
+                                  # not on the first save
         state["step"] = step + 1
         if (step + 1) % args.every == 0:
             pending.append(ckpt.save(step + 1, state))
         for h in [h for h in pending if h.done()]:
             pending.remove(h)
-            h.wait()
-            print(json.dumps({"event": "committed", "step": h.step, "stall_ms": round(h.stall_s * 1e3, 2),
-                              "commit_ms": round(h.committed_s * 1e3, 1), "raw_bytes": h.raw_bytes,
-                              "stored_bytes": h.stored_bytes}), flush=True)
+            report(h)
     for h in pending:
-        h.wait()
-        print(json.dumps({"event": "committed", "step": h.step, "stall_ms": round(h.stall_s * 1e3, 2),
-                          "commit_ms": round(h.committed_s * 1e3, 1), "raw_bytes": h.raw_bytes,
-                          "stored_bytes": h.stored_bytes}), flush=True)
+        report(h)
     ckpt.close()
     print(json.dumps({"event": "done", "step": args.steps}), flush=True)
     return 0
@@ -70,7 +74,7 @@ def run_trainer(sock: str, size_mib: int, steps: int, every: int, kill_after_com
             print(f"  trainer pid {proc.pid}: {ev['params'] / 1e6:.1f} M params, "
                   f"{'resumed from step ' + str(ev['restored']) if ev['restored'] else 'fresh start'}")
         elif ev["event"] == "committed":
-            print(f"  step {ev['step']:4d} committed: trainer stalled {ev['stall_ms']:7.2f} ms, "
+            print(f"  step {ev['step']:4d} committed: trainer stalled {ev['stall_ms']:7.2f} ms (save + fence), "
                   f"committed {ev['commit_ms']:7.1f} ms after save(), "
                   f"{ev['raw_bytes'] / 2**20:.1f} MiB -> {ev['stored_bytes'] / 2**20:.1f} MiB on disk")
         if kill_after_commits and sum(e["event"] == "committed" for e in events) >= kill_after_commits:
@@ -94,18 +98,13 @@ def main() -> int:
     if args.train:
         return train(args)
 
+    from ckptd.launch import spawn_daemon
+
     with tempfile.TemporaryDirectory(prefix="ckptd-demo-") as tmp:
-        root, sock = os.path.join(tmp, "root"), os.path.join(tmp, "ckptd.sock")
-        log = open(os.path.join(tmp, "daemon.log"), "w")
-        daemon = subprocess.Popen([sys.executable, "-m", "ckptd", "serve", "--root", root, "--socket", sock,
-                                   "--log-format", "plain"], stdout=log, stderr=subprocess.STDOUT)
+        daemon = spawn_daemon(os.path.join(tmp, "root"), os.path.join(tmp, "ckptd.sock"))
+        root, sock = str(daemon.root), str(daemon.socket)
         try:
-            deadline = time.monotonic() + 30
-            while not os.path.exists(sock):
-                if daemon.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("daemon did not start; see its log above")
-                time.sleep(0.05)
-            print(f"ckptd demo: daemon pid {daemon.pid} on {sock}, root {root}")
+            print(f"ckptd demo: daemon pid {daemon.proc.pid} on {sock}, root {root}")
             print(f"1) training ~{args.size_mib} MiB of state, checkpoint every {args.every} steps, "
                   "killed after 3 commits")
             first = run_trainer(sock, args.size_mib, args.steps, args.every, kill_after_commits=3)
@@ -122,12 +121,7 @@ def main() -> int:
             sys.stdout.flush()
             subprocess.run([sys.executable, "-m", "ckptd", "ls", root], check=True)
         finally:
-            daemon.send_signal(signal.SIGTERM)
-            try:
-                daemon.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-            log.close()
+            daemon.stop()
     return 0
 
 

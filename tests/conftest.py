@@ -2,37 +2,23 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from ckptd.launch import DaemonProcess, spawn_daemon
+
 REPO = Path(__file__).resolve().parent.parent
 
 
-@dataclass
-class DaemonProc:
-    root: Path
-    socket: Path
-    proc: subprocess.Popen
-    log: Path
-    args: list[str] = field(default_factory=list)
-
-    def kill(self, sig: int = signal.SIGKILL) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout=60)
-
-    def log_text(self) -> str:
-        return self.log.read_text() if self.log.exists() else ""
+DaemonProc = DaemonProcess
 
 
 def wait_for_socket(path: Path, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """Until something accepts connections on ``path`` (a daemon, or a socket-activated one)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -51,19 +37,8 @@ def wait_for_socket(path: Path, proc: subprocess.Popen, timeout: float = 30.0) -
 
 
 def start_daemon(root: Path, sock: Path, *extra: str, log: Path | None = None,
-                 env: dict[str, str] | None = None) -> DaemonProc:
-    log = log or sock.with_suffix(".log")
-    args = [sys.executable, "-m", "ckptd", "serve", "--root", str(root), "--socket", str(sock),
-            "--log-format", "plain", *extra]
-    with open(log, "ab") as f:
-        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    try:
-        wait_for_socket(sock, proc)
-    except Exception:
-        proc.kill()
-        proc.wait()
-        raise RuntimeError(f"daemon failed to start:\n{log.read_text()}")
-    return DaemonProc(root, sock, proc, log, args)
+                 env: dict[str, str] | None = None) -> DaemonProcess:
+    return spawn_daemon(root, sock, *extra, log=log, env=env)
 
 
 @pytest.fixture
