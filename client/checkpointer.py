@@ -248,11 +248,12 @@ class Checkpointer:
              when_busy: str | None = None) -> SaveHandle:
         """Snapshot ``state`` into a shared-memory slot and hand it to the daemon.
 
-        Overlapped (``overlap=True``, the default): returns at once; the parameters and state of
-        every optimizer found in ``state`` are copied in the background while forward/backward
-        run, and ``fence()`` — called automatically by a step pre-hook on those optimizers —
-        waits for the copy before their first mutation. Everything else is copied before
-        ``save()`` returns. Blocking copy (``overlap=False``): all of it is copied first. ``when_busy``: with every slot still being written,
+        Overlapped (``overlap=True``, the default): when ``state`` holds an optimizer, module
+        parameters and optimizer state are copied in the background while forward/backward run,
+        and ``fence()`` — called automatically by a step pre-hook on those optimizers — waits
+        for the copy before the first mutation; everything else is copied before ``save()``
+        returns. Call ``fence()`` yourself before changing parameters outside that step.
+        Blocking copy (``overlap=False``): all of it is copied first. ``when_busy``: with every slot still being written,
         ``block`` waits for one, ``skip`` returns a handle with ``skipped=True`` at once.
         """
         if self._closed:

@@ -24,10 +24,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 class FlatState(NamedTuple):
     tree: Any
     tensors: list[tuple[str, torch.Tensor]]
-    # Indices of tensors that only the step() of an optimizer in the state mutates (its
-    # parameters and its state): an overlapped save may copy them while forward/backward run.
-    # Everything else (buffers such as BatchNorm statistics, parameters no optimizer in the
-    # state owns, plain tensors) is copied before save() returns.
+    # Indices of tensors an overlapped save may copy while forward/backward run: module
+    # parameters and optimizer state, when the state holds an optimizer whose step() the save
+    # fences with a pre-hook (training changes parameters in or after that step, never in
+    # forward/backward). Everything else (buffers such as BatchNorm statistics, plain
+    # tensors) is copied before save() returns.
     deferrable: frozenset[int]
     optimizers: list[torch.optim.Optimizer]
 
@@ -55,9 +56,9 @@ def flatten_state(state: dict[str, Any]) -> FlatState:
 
     def on_other(path: str, obj: Any) -> Any:
         if is_stateful(obj):
-            if isinstance(obj, torch.optim.Optimizer):
-                # Its parameters and state change only inside its step(), which the overlapped
-                # save fences with a pre-hook; anything else may change at any time.
+            if isinstance(obj, torch.nn.Module):
+                stable_ptrs.update(p.data_ptr() for p in obj.parameters() if p.numel())
+            elif isinstance(obj, torch.optim.Optimizer):
                 optimizers.append(obj)
                 stable_ptrs.update(p.data_ptr() for g in obj.param_groups for p in g["params"] if p.numel())
                 stable_ptrs.update(v.data_ptr() for st in obj.state.values() for v in st.values()
@@ -71,7 +72,9 @@ def flatten_state(state: dict[str, Any]) -> FlatState:
                         "a tensor, a JSON-able value, nor an object with state_dict()/load_state_dict()")
 
     tree = encode_tree(state, on_tensor, on_other, lambda o: isinstance(o, torch.Tensor))
-    deferrable = frozenset(i for i, (_, t) in enumerate(tensors) if t.numel() and t.data_ptr() in stable_ptrs)
+    # Without an optimizer in the state there is no step to fence on: nothing is deferred.
+    deferrable = frozenset(i for i, (_, t) in enumerate(tensors)
+                           if optimizers and t.numel() and t.data_ptr() in stable_ptrs)
     return FlatState(tree, tensors, deferrable, optimizers)
 
 
