@@ -59,6 +59,31 @@ def tune_allocator() -> None:
     mallopt(M_TRIM_THRESHOLD, 256 * 1024 * 1024)
 
 
+def allocate_slots(name: str, size: int, count: int) -> list[tuple[int, mmap.mmap]]:
+    """(memfd, read-only mapping) for each slot, pages allocated and mapped up front.
+
+    First touch of fresh shared memory is ~15x slower than a warm copy: it must be paid here,
+    once per session, not on the trainer's first save or the daemon's first read."""
+    made: list[tuple[int, mmap.mmap]] = []
+    try:
+        for i in range(count):
+            fd = os.memfd_create(f"{name}-s{i}", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, size)
+                os.posix_fallocate(fd, 0, size)
+                mm = mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ)
+            except BaseException:
+                os.close(fd)
+                raise
+            made.append((fd, mm))
+    except BaseException:
+        for fd, mm in made:
+            os.close(fd)
+            mm.close()
+        raise
+    return made
+
+
 def default_slot_memory_limit() -> int:
     """Half of physical memory: slots are pinned-size host buffers, never swap fodder."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
@@ -507,7 +532,7 @@ class Daemon:
             raise RequestError(f"bad rank {rank} / world size {world_size}")
         session.job, session.rank, session.world_size = job, rank, world_size
         try:
-            fds = self._make_slots(session, msg["slot_bytes"], msg["num_slots"])
+            fds = await self._make_slots(session, msg["slot_bytes"], msg["num_slots"])
         except RequestError:
             session.job, session.rank, session.world_size = None, -1, 0   # the hello did not happen
             raise
@@ -521,10 +546,12 @@ class Daemon:
         if any(s.busy for s in session.slots):
             raise RequestError("cannot resize slots while a save still holds one")
         self._release_slots(session)
-        fds = self._make_slots(session, msg["slot_bytes"], msg.get("num_slots", 2))
+        fds = await self._make_slots(session, msg["slot_bytes"], msg.get("num_slots", 2))
         return {"slots": [s.size for s in session.slots]}, fds
 
-    def _make_slots(self, session: Session, slot_bytes: int, num_slots: int) -> list[int]:
+    async def _make_slots(self, session: Session, slot_bytes: int, num_slots: int) -> list[int]:
+        """Reserve the budget here, allocate on an I/O thread (GiBs of page allocation must not
+        stall the event loop and every other client), then attach to the session."""
         if slot_bytes == 0:
             return []
         if not (0 < slot_bytes and type(num_slots) is int and 1 <= num_slots <= MAX_SLOTS):
@@ -536,26 +563,21 @@ class Daemon:
             raise RequestError(
                 f"slot memory limit: {num_slots} x {size} bytes requested, {self.slot_bytes_in_use} of "
                 f"{self.config.slot_memory_limit} bytes already in use (raise slot_memory_limit)")
-        fds: list[int] = []
-        try:
-            for i in range(num_slots):
-                fd = os.memfd_create(f"ckptd-{session.job}-r{session.rank}-s{i}", os.MFD_CLOEXEC)
-                fds.append(fd)
-                os.ftruncate(fd, size)
-                # Allocate the pages now: first touch of fresh shared memory is ~15x slower
-                # than a warm copy, and it must not land on the trainer's first save.
-                os.posix_fallocate(fd, 0, size)
-                mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-                session.slots.append(Slot(i, size, memoryview(mm), mm))
-        except OSError as e:
-            for fd in fds:
-                os.close(fd)
-            for s in session.slots:       # never counted in slot_bytes_in_use: close, do not release
-                s.close()
-            session.slots = []
-            raise RequestError(f"cannot allocate shared-memory slots: {describe_error(e)}") from None
         self.slot_bytes_in_use += total
-        return fds
+        try:
+            made = await asyncio.get_running_loop().run_in_executor(
+                self.io_pool, allocate_slots, f"ckptd-{session.job}-r{session.rank}", size, num_slots)
+        except OSError as e:
+            self.slot_bytes_in_use -= total
+            raise RequestError(f"cannot allocate shared-memory slots: {describe_error(e)}") from None
+        if session.closed:                 # the client left while its slots were being made
+            self.slot_bytes_in_use -= total
+            for fd, mm in made:
+                os.close(fd)
+                mm.close()
+            raise RequestError("connection closed while its slots were allocated")
+        session.slots = [Slot(i, size, memoryview(mm), mm) for i, (_, mm) in enumerate(made)]
+        return [fd for fd, _ in made]
 
     def _release_slots(self, session: Session) -> None:
         for s in session.slots:

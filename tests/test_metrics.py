@@ -53,7 +53,11 @@ def test_metrics_after_saves(daemon_factory):
     state = {"w": torch.zeros(256, 256), "b": torch.arange(1000, dtype=torch.float32)}
     for step in (1, 2):
         ck.save(step, state).wait(60)
-    m = wait_metric(address, "ckptd_client_stall_seconds_count", 2)   # reports are fire-and-forget
+    wait_metric(address, "ckptd_client_stall_seconds_count", 2)   # reports are fire-and-forget
+    # 'committed' reaches the client just before the daemon's write task itself finishes.
+    deadline = time.monotonic() + 30
+    while (m := scrape(address))["ckptd_queue_depth"] != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
 
     assert m["ckptd_saves_started_total"] == 2
     assert m["ckptd_saves_durable_total"] == 2 and m["ckptd_saves_failed_total"] == 0
