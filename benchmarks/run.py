@@ -419,6 +419,20 @@ def make_method(name: str, spec: dict[str, Any], workdir: Path) -> Method:
 
 # ---- the worker: one method on one state, in its own process -----------------------------
 
+def warm_memcpy_seconds(nbytes: int, reps: int = 5) -> float:
+    """Median time of a plain warm copy of ``nbytes`` in this process (same thread setting as
+    the loop): the baseline the blocking-copy stall is held to."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return percentile(times, 50)
+
+
 def run_loop(spec: dict[str, Any]) -> dict[str, Any]:
     """The simulated training loop; returns the figures of one method on one state."""
     warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
@@ -478,6 +492,8 @@ def run_loop(spec: dict[str, Any]) -> dict[str, Any]:
         "commit_p50": percentile(commits, 50), "commit_p99": percentile(commits, 99),
         "bytes_on_disk": method.step_bytes(last),
     })
+    if name == "ckptd-blocking":
+        out["memcpy_s"] = warm_memcpy_seconds(ts.raw_bytes)
     ts.scramble()
     t0 = time.perf_counter()
     method.restore(last, ts)
@@ -682,6 +698,11 @@ def to_markdown(res: dict[str, Any]) -> str:
     for s in res["states"]:
         lines += ["", f"## {s['state']}: {s['description']}", "",
                   f"Raw tensor bytes per save: {_mib(s['raw_bytes'])}.", ""]
+        blocking = next((r for r in s["methods"] if r.get("method") == "ckptd-blocking" and r.get("memcpy_s")), None)
+        if blocking and blocking.get("stall_p50"):
+            lines += [f"A plain warm memcpy of the same bytes in the trainer process (same thread setting): "
+                      f"{_ms(blocking['memcpy_s'])}; ckptd's blocking-copy stall p50 is "
+                      f"{fmt(blocking['stall_p50'] / blocking['memcpy_s'], 2, '×')} that.", ""]
         rows = []
         for r in s["methods"]:
             if "unavailable" in r or "error" in r:
