@@ -287,10 +287,12 @@ class Checkpointer:
                 copy = SlotCopy(self._slots[handle.slot], layout, flat.tensors,
                                 flat.deferrable if overlap else frozenset(), self._copier() if overlap else None,
                                 self._side_streams)
-                if copy.pending:
+                if copy.deferred:
                     self._hook_optimizers(flat.optimizers)
                     self._inflight = (handle, copy)
-                    self._copier().submit(self._hand_off, conn, handle, msg, copy)
+                    copier = self._copier()
+                    copy.start()                      # last: see SlotCopy.start
+                    copier.submit(self._hand_off, conn, handle, msg, copy)
                 else:
                     conn.request(msg)
                 break

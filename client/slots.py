@@ -58,9 +58,26 @@ class ClientSlot:
             pass  # a view is still alive somewhere; the mapping goes with it
 
 
-def _copy(slot: ClientSlot, entry: list[Any], t: torch.Tensor, non_blocking: bool) -> None:
+def _slot_view(slot: ClientSlot, entry: list[Any], t: torch.Tensor) -> torch.Tensor:
     _name, _dtype, shape, offset, nbytes = entry
-    slot.view(offset, nbytes, t.dtype, shape).copy_(t.detach(), non_blocking=non_blocking)
+    return slot.view(offset, nbytes, t.dtype, shape)
+
+
+def _copy(slot: ClientSlot, entry: list[Any], t: torch.Tensor, non_blocking: bool) -> None:
+    _slot_view(slot, entry, t).copy_(t.detach(), non_blocking=non_blocking)
+
+
+def _copy_all(slot: ClientSlot, work: list[tuple[list[Any], torch.Tensor]]) -> None:
+    """(Copy thread) every (layout entry, tensor) into the slot, in one call where torch allows:
+    the GIL is then taken once, not per tensor."""
+    with torch.no_grad():
+        dsts = [_slot_view(slot, entry, t) for entry, t in work]
+        srcs = [t.detach() for _, t in work]
+        try:
+            torch._foreach_copy_(dsts, srcs)
+        except (AttributeError, RuntimeError, TypeError):
+            for d, src in zip(dsts, srcs):
+                d.copy_(src)
 
 
 class SlotCopy:
@@ -107,12 +124,20 @@ class SlotCopy:
                 self._events.append((device, event))
             for device in synced:
                 torch.cuda.current_stream(device).synchronize()
-        if later_cpu:
-            def run() -> None:
-                with torch.no_grad():
-                    for i in later_cpu:
-                        _copy(slot, layout[i], tensors[i][1], non_blocking=False)
-            self._future = pool.submit(run)
+        self._pool = pool
+        self._cpu_work = [(layout[i], tensors[i][1]) for i in later_cpu]
+        self._slot = slot
+
+    @property
+    def deferred(self) -> bool:
+        """Whether some bytes are (or will be) copied after save() returns."""
+        return bool(self._cpu_work) or bool(self._events)
+
+    def start(self) -> None:
+        """Start the background CPU copy. Called as the last thing save() does: the copy thread
+        then competes with the trainer for the GIL only after save() has returned."""
+        if self._cpu_work and self._future is None:
+            self._future = self._pool.submit(_copy_all, self._slot, self._cpu_work)
 
     @property
     def pending(self) -> bool:
