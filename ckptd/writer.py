@@ -76,10 +76,10 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
             fd = storage.open_for_write(data_path)
         entries: list[TensorEntry] = []
         pos = 0
-        flushed = [0]   # bytes already handed to writeback
+        flushed = 0     # bytes already handed to writeback
 
         def drain_one() -> None:
-            nonlocal pos
+            nonlocal pos, flushed
             entry, fut = pending.popleft()
             parts, meta = fut.result()
             if settings.debug_write_delay:
@@ -88,9 +88,9 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
                 raise WriteAbandoned(f"step {step} was abandoned while rank {rank} was being written")
             pos += storage.write_all(fd, parts)
             entry.chunks.append(meta)
-            if pos - flushed[0] >= storage.WRITEBACK_BYTES:
-                storage.start_writeback(fd, flushed[0], pos - flushed[0])
-                flushed[0] = pos
+            if pos - flushed >= storage.WRITEBACK_BYTES:
+                storage.start_writeback(fd, flushed, pos - flushed)
+                flushed = pos
 
         for t in tensors:
             codec = choose_codec(t.dtype, settings.codec)

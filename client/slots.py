@@ -112,7 +112,9 @@ class SlotCopy:
                 _copy(slot, layout[i], t, non_blocking=t.is_cuda and slot.pinned)
             for device, idx in later_gpu.items():
                 streams = side_streams if side_streams is not None else {}
-                side = streams.setdefault(device, torch.cuda.Stream(device=device))
+                side = streams.get(device)
+                if side is None:                  # one stream per device for the Checkpointer's life
+                    side = streams[device] = torch.cuda.Stream(device=device)
                 side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(side):
                     for i in idx:
