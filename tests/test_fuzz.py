@@ -16,6 +16,7 @@ on a FIFO and never read through a link that leads out of the step directory.
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import math
@@ -635,6 +636,9 @@ def pick_path(data, obj):
 
 
 def mutate(obj, path, value, delete: bool):
+    # A private copy: sampled values are shared objects ([[0, "r"]], {}, ...) that a later
+    # mutation could otherwise write into, changing the strategy itself between examples.
+    value = copy.deepcopy(value)
     if not path:
         return value
     parent = obj
