@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (MissingBenchDependency, fmt, machine_info, median, minilm_weights,  # noqa: E402
                     synthetic_weights, table, tensor_view)
 
-from ckptd import codec  # noqa: E402
+from ckptd.core import codec
 
 
 @dataclass

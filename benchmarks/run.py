@@ -294,7 +294,7 @@ class Ckptd(Method):
                 self.committed[step] = h.committed_s
 
     def step_bytes(self, step: int) -> int:
-        from ckptd.format import step_dir
+        from ckptd.core.names import step_dir
         return dir_bytes(step_dir(self.root, self.job, step))
 
     def restore(self, step: int, ts: TrainState) -> None:

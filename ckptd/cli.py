@@ -8,13 +8,20 @@ import os
 import sys
 import time
 
-from . import __version__, logs, protocol, systemd
-from .codec import CODECS, DEFAULT_CHUNK_BYTES
-from .config import DEFAULT_CONFIG_PATH, LOG_FORMATS, LOG_LEVELS, ConfigError, load_settings
-from .format import StepReader, list_steps, verify_step, validate_job
-from .protocol import DEFAULT_SOCKET
-from .retention import RetentionPolicy, collect_root
-from .server import Daemon, describe_error, tune_allocator
+from ckptd import __version__
+
+from ckptd.daemon import logs
+
+from ckptd.core import protocol
+
+from ckptd.daemon import systemd
+from ckptd.core.codec import CODECS, DEFAULT_CHUNK_BYTES
+from ckptd.daemon.config import DEFAULT_CONFIG_PATH, LOG_FORMATS, LOG_LEVELS, ConfigError, load_settings
+from ckptd.core.reader import StepReader, list_steps, verify_step
+from ckptd.core.names import validate_job
+from ckptd.core.protocol import DEFAULT_SOCKET
+from ckptd.daemon.retention import RetentionPolicy, collect_root
+from ckptd.daemon.server import Daemon, describe_error, tune_allocator
 
 
 def _size(n: float) -> str:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import protocol
+from ckptd.core import protocol
 
 
 @dataclass

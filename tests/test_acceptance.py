@@ -146,7 +146,7 @@ def test_corruption_is_named(daemon, tmp):
     ok = subprocess.run([sys.executable, "-m", "ckptd", "verify", str(step)], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout + ok.stderr
 
-    from ckptd.format import StepReader
+    from ckptd.core.reader import StepReader
     entry = StepReader(str(step)).manifest(0).by_name()["b"]
     data = step / "rank-00000.data"
     raw = bytearray(data.read_bytes())

@@ -12,9 +12,10 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptd import codec
-from ckptd.codec import CODECS, FLOAT_ITEMSIZE, ChecksumError, ChunkMeta
-from ckptd.format import DTYPE_ITEMSIZE
+from ckptd.core import codec
+from ckptd.core.codec import CODECS, FLOAT_ITEMSIZE, ChunkMeta
+from ckptd.core.errors import ChecksumError
+from ckptd.core.schema import DTYPE_ITEMSIZE
 
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_ITEMSIZE}
 FLOAT_DTYPES = sorted(FLOAT_ITEMSIZE)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.config import ConfigError, KEYS, env_name, load_settings, parse_duration, parse_size
+from ckptd.daemon.config import ConfigError, KEYS, env_name, load_settings, parse_duration, parse_size
 from conftest import REPO, wait_for_socket
 
 
@@ -152,7 +152,7 @@ def test_check_config_prints_effective_settings(tmp):
 
 def test_daemon_uses_config_file(tmp):
     """A real daemon takes root and codec from the file; status reports the root."""
-    from ckptd import protocol
+    from ckptd.core import protocol
     cfg = write(tmp, f'root = "{tmp}/cfgroot"\ncodec = "zstd"\n')
     sock = tmp / "c.sock"
     args = [sys.executable, "-m", "ckptd", "serve", "--config", cfg, "--socket", str(sock), "--log-format", "plain"]

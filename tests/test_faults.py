@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import ckptd_client
-from ckptd import protocol
-from ckptd.format import INDEX_NAME, step_dir
+from ckptd.core import protocol
+from ckptd.core.names import INDEX_NAME, step_dir
 
 REPO = Path(__file__).resolve().parent.parent
 HANG_GUARD_S = 120.0

@@ -36,10 +36,14 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import ckptd_client
-from ckptd import cli, protocol
-from ckptd.codec import ChecksumError
-from ckptd.format import (INDEX_NAME, FormatError, StepReader, decode_tree, digest_bytes, latest_committed,
-                          list_steps, parse_index, parse_manifest, split_step_path, verify_step)
+from ckptd import cli
+from ckptd.core import names as ck_names, protocol
+from ckptd.core.errors import ChecksumError
+from ckptd.core.names import INDEX_NAME
+from ckptd.core.errors import FormatError
+from ckptd.core.reader import StepReader, latest_committed, list_steps, split_step_path, verify_step
+from ckptd.core.tree import decode_tree
+from ckptd.core.schema import digest_bytes, parse_index, parse_manifest
 from conftest import REPO, start_daemon
 
 HANG_GUARD_S = 60.0
@@ -83,9 +87,13 @@ def assert_nothing_outside_root(d) -> None:
     for job in (d.base / "root").iterdir():
         assert job.is_dir() and job_re.fullmatch(job.name), job
         for step in job.iterdir():
-            assert step.is_dir() and re.fullmatch(r"step-[0-9]{12}", step.name), step
-            for f in step.iterdir():
-                assert f.is_file() and file_re.fullmatch(f.name), f
+            assert re.fullmatch(r"step-[0-9]{12}", step.name), step
+            try:    # the daemon may be removing a failed step's directory right now
+                files = list(step.iterdir())
+            except FileNotFoundError:
+                continue
+            for f in files:
+                assert file_re.fullmatch(f.name) and (f.is_file() or not f.exists()), f
 
 
 def well_behaved_round_trip(d, job: str) -> None:
@@ -246,7 +254,7 @@ def hostile_tensor(draw) -> list:
 
 
 def protocol_dtypes() -> set[str]:
-    from ckptd.format import DTYPE_ITEMSIZE
+    from ckptd.core.schema import DTYPE_ITEMSIZE
     return set(DTYPE_ITEMSIZE)
 
 
@@ -430,7 +438,7 @@ def test_hostile_save_fields_refused(fd_daemon, kind, data):
         msg = save_msg(tensors=[good_tensor(), data.draw(hostile_tensor())])
     else:
         # Over the limit, but well under Python's recursion limit for json.dumps in this process.
-        depth = data.draw(st.integers(protocol.MAX_TREE_DEPTH + 1, protocol.MAX_TREE_DEPTH + 100))
+        depth = data.draw(st.integers(ck_names.MAX_TREE_DEPTH + 1, ck_names.MAX_TREE_DEPTH + 100))
         tree: object = "leaf"
         for _ in range(depth):
             tree = [tree]
@@ -475,7 +483,7 @@ def test_random_saves_accepted_only_when_sound(fd_daemon, tensors, tree, step, s
         names = [t[0] for t in tensors]
         assert len(set(names)) == len(names)
         for name, dtype, shape, offset, nbytes in tensors:
-            protocol.validate_tensor_name(name)
+            ck_names.validate_tensor_name(name)
             assert 0 <= offset and offset + nbytes <= SLOT_BYTES
     else:
         assert_error(replies[1])
@@ -681,7 +689,7 @@ def test_hostile_manifests(disk_area, genuine_step, data):
 def test_inconsistent_chunk_metadata(disk_area, genuine_step, data):
     """Metadata that parses but contradicts itself (codec vs dtype, segment count and kinds,
     lengths), on stored bytes whose checksums still match: decoding gets as far as it can."""
-    from ckptd.format import DTYPE_ITEMSIZE
+    from ckptd.core.schema import DTYPE_ITEMSIZE
     area, _ = disk_area
     c = Crafted(area, genuine_step)
     try:

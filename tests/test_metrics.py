@@ -10,7 +10,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import ckptd_client
-from ckptd import protocol
+from ckptd.core import protocol
 
 
 def scrape(address: str) -> dict[str, float]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 import ckptd_client
-from ckptd.format import StepReader
+from ckptd.core.reader import StepReader
 
 TRAINER = r'''
 import os, signal, sys, time

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 import ckptd_client
-from ckptd.format import step_dir_name
-from ckptd.retention import RetentionPolicy, collect_job, collect_root, plan_job, remove_step
+from ckptd.core.names import step_dir_name
+from ckptd.daemon.retention import RetentionPolicy, collect_job, collect_root, plan_job, remove_step
 
 DAY = 86400.0
 
@@ -161,7 +161,7 @@ def test_daemon_applies_retention_after_commit(daemon_factory):
     ck.close()
     # Retention runs after each commit, asynchronously: the last pass follows step 7's commit.
     # Poll the daemon's status until no pass is running (no timing threshold on its speed).
-    from ckptd import protocol
+    from ckptd.core import protocol
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         left = steps_left(d.root, "ret")

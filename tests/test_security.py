@@ -15,8 +15,10 @@ import pytest
 import torch
 
 import ckptd_client
-from ckptd import protocol
-from ckptd.format import StepReader, FormatError, digest_bytes, verify_step
+from ckptd.core import protocol
+from ckptd.core.reader import StepReader, verify_step
+from ckptd.core.errors import FormatError
+from ckptd.core.schema import digest_bytes
 from conftest import start_daemon
 
 NOBODY = 65534
@@ -150,7 +152,7 @@ def test_symlinked_data_file_not_followed(step, tmp):
 
 
 def test_symlinked_step_directory_not_listed(step, tmp):
-    from ckptd.format import list_steps
+    from ckptd.core.reader import list_steps
     os.symlink(step, step.parent / "step-000000000002")
     assert [s.step for s in list_steps(str(step.parent))] == [1]
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import ckptd_client
-from ckptd import protocol
-from ckptd.systemd import ActivationError, Notifier, listen_fds
+from ckptd.core import protocol
+from ckptd.daemon.systemd import ActivationError, Notifier, listen_fds
 from conftest import REPO, start_daemon
 
 UNITS = REPO / "packaging" / "systemd"

@@ -8,7 +8,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from ckptd import protocol
+from ckptd.core import protocol
 
 from .errors import CheckpointError, NotDelivered
 

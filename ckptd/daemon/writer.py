@@ -14,20 +14,10 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import storage
-from .codec import DEFAULT_CHUNK_BYTES, choose_codec, chunk_ranges, encode_chunk
-from .format import (Manifest, TensorEntry, digest_bytes, encode_json, rank_data_name,
-                     rank_manifest_name)
-
-
-@dataclass
-class TensorLayout:
-    """Where one tensor sits in a slot (validated by the daemon before use)."""
-    name: str
-    dtype: str
-    shape: list[int]
-    offset: int
-    nbytes: int
+from ckptd.core import storage
+from ckptd.core.codec import DEFAULT_CHUNK_BYTES, choose_codec, chunk_ranges, encode_chunk
+from ckptd.core.schema import Manifest, TensorLayout, TensorEntry, digest_bytes, encode_json
+from ckptd.core.names import rank_data_name, rank_manifest_name
 
 
 @dataclass

@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
-from . import storage
-from .format import (INDEX_NAME, MAX_MANIFEST_BYTES, digest_bytes, encode_json, make_index,
-                     parse_manifest, rank_manifest_name)
+from ckptd.core import storage
+from ckptd.core.names import INDEX_NAME, rank_manifest_name
+from ckptd.core.schema import MAX_MANIFEST_BYTES, digest_bytes, encode_json, make_index, parse_manifest
 
 
 class CommitError(Exception):

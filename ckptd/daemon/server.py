@@ -22,24 +22,27 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import __version__, protocol, retention, systemd
-from .commit import CommitError, CommitTracker, PendingStep, write_index
-from .format import (DTYPE_ITEMSIZE, FormatError, INDEX_NAME, job_dir, latest_committed, rank_data_name,
-                     step_dir, validate_shape)
-from .metrics import DaemonMetrics
-from .protocol import ProtocolError
-from .writer import TensorLayout, WriteSettings, remove_rank_files, write_shard
+from ckptd import __version__
+
+from ckptd.core import names, protocol
+
+from ckptd.daemon import retention
+
+from ckptd.daemon import systemd
+from ckptd.daemon.commit import CommitError, CommitTracker, PendingStep, write_index
+from ckptd.core.schema import DTYPE_ITEMSIZE, validate_shape
+from ckptd.core.errors import FormatError
+from ckptd.core.names import INDEX_NAME, job_dir, rank_data_name, step_dir
+from ckptd.core.reader import latest_committed
+from ckptd.daemon.metrics import DaemonMetrics
+from ckptd.core.errors import ProtocolError
+from ckptd.core.schema import TensorLayout
+from ckptd.daemon.config import DaemonConfig
+from ckptd.daemon.writer import remove_rank_files, write_shard
 
 log = logging.getLogger("ckptd")
 
 MAX_SLOTS = 8
-
-
-def default_threads() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def tune_allocator() -> None:
@@ -82,28 +85,6 @@ def allocate_slots(name: str, size: int, count: int) -> list[tuple[int, mmap.mma
             mm.close()
         raise
     return made
-
-
-def default_slot_memory_limit() -> int:
-    """Half of physical memory: slots are pinned-size host buffers, never swap fodder."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-
-
-@dataclass
-class DaemonConfig:
-    root: str
-    socket_path: str
-    socket_mode: int = 0o660
-    threads: int = field(default_factory=default_threads)
-    write: WriteSettings = field(default_factory=WriteSettings)
-    step_timeout: float = 600.0
-    slot_memory_limit: int = field(default_factory=default_slot_memory_limit)
-    allowed_uids: frozenset[int] | None = None   # None: any peer that can open the socket
-    allowed_gids: frozenset[int] | None = None
-    drain_grace: float = 60.0
-    socket_group: int | None = None              # chgrp of a socket the daemon binds itself
-    retention: retention.RetentionPolicy = field(default_factory=retention.RetentionPolicy)
-    metrics_address: tuple[str, int] | None = None  # (host, port) of /metrics; None: off
 
 
 @dataclass(eq=False)
@@ -406,13 +387,13 @@ class Daemon:
     async def _first_req(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> int:
         """The ``req`` of a refused peer's first (small) request, read within 5 s; else 0."""
         async def read() -> int:
-            header = await protocol._recv_exact_async(loop, sock, protocol.HEADER.size)
+            header = await protocol.recv_exact_async(loop, sock, protocol.HEADER.size)
             if header is None:
                 return 0
             length = protocol.parse_header(header)
             if length > 64 * 1024:          # a refused peer gets no big buffer out of us
                 return 0
-            body = await protocol._recv_exact_async(loop, sock, length)
+            body = await protocol.recv_exact_async(loop, sock, length)
             req = protocol.decode_body(body or b"").get("req")
             return req if type(req) is int else 0
         try:
@@ -526,7 +507,7 @@ class Daemon:
     async def _op_hello(self, session: Session, msg: dict[str, Any]) -> tuple[dict, list]:
         if session.job is not None:
             raise RequestError("hello sent twice on one connection")
-        job = protocol.validate_job(msg["job"])
+        job = names.validate_job(msg["job"])
         rank, world_size = msg["rank"], msg["world_size"]
         if not (0 < world_size <= 1 << 20 and 0 <= rank < world_size):
             raise RequestError(f"bad rank {rank} / world size {world_size}")
@@ -590,26 +571,6 @@ class Daemon:
         if session.job is None:
             raise RequestError("send hello first")
 
-    def _parse_layout(self, tensors: list[Any], slot: Slot) -> list[TensorLayout]:
-        out, names = [], set()
-        for t in tensors:
-            if not (isinstance(t, list) and len(t) == 5):
-                raise RequestError("each tensor must be [name, dtype, shape, offset, nbytes]")
-            name, dtype, shape, offset, nbytes = t
-            protocol.validate_tensor_name(name)
-            if name in names:
-                raise RequestError(f"duplicate tensor name {name!r}")
-            names.add(name)
-            try:
-                validate_shape(dtype, shape)
-            except FormatError as e:
-                raise RequestError(f"tensor {name!r}: {e}") from None
-            if type(offset) is not int or type(nbytes) is not int or offset < 0 \
-                    or nbytes != math.prod(shape) * DTYPE_ITEMSIZE[dtype] or offset + nbytes > slot.size:
-                raise RequestError(f"tensor {name!r}: offset/size outside the slot or inconsistent with its shape")
-            out.append(TensorLayout(name, dtype, shape, offset, nbytes))
-        return out
-
     async def _op_save(self, session: Session, msg: dict[str, Any]) -> tuple[dict, list]:
         self._require_session(session)
         if self.draining:
@@ -622,8 +583,8 @@ class Daemon:
         slot = session.slots[slot_index]
         if slot.busy:
             raise RequestError(f"slot {slot_index} is still being written")
-        layout = self._parse_layout(msg["tensors"], slot)
-        protocol.check_tree_depth(msg["tree"])
+        layout = protocol.parse_layout(msg["tensors"], slot.size)
+        names.check_tree_depth(msg["tree"])
         path = step_dir(self.root, session.job, step)
         if os.path.exists(os.path.join(path, INDEX_NAME)):
             raise RequestError(f"step {step} of job {session.job!r} is already committed")

@@ -36,8 +36,10 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from .codec import CODECS, DEFAULT_CHUNK_BYTES
-from .protocol import DEFAULT_SOCKET
+from ckptd.core.codec import CODECS, DEFAULT_CHUNK_BYTES
+from ckptd.core.protocol import DEFAULT_SOCKET
+from ckptd.daemon.retention import RetentionPolicy
+from ckptd.daemon.writer import WriteSettings
 
 DEFAULT_CONFIG_PATH = "/etc/ckptd/ckptd.toml"
 ENV_PREFIX = "CKPTD_"
@@ -225,6 +227,23 @@ def _default_slot_memory_limit() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
+@dataclass
+class DaemonConfig:
+    root: str
+    socket_path: str
+    socket_mode: int = 0o660
+    threads: int = field(default_factory=_default_threads)
+    write: WriteSettings = field(default_factory=WriteSettings)
+    step_timeout: float = 600.0
+    slot_memory_limit: int = field(default_factory=_default_slot_memory_limit)
+    allowed_uids: frozenset[int] | None = None   # None: any peer that can open the socket
+    allowed_gids: frozenset[int] | None = None
+    drain_grace: float = 60.0
+    socket_group: int | None = None              # chgrp of a socket the daemon binds itself
+    retention: RetentionPolicy = field(default_factory=RetentionPolicy)
+    metrics_address: tuple[str, int] | None = None  # (host, port) of /metrics; None: off
+
+
 @dataclass(frozen=True)
 class Key:
     name: str                           # dotted: "retention.keep_last"
@@ -277,11 +296,8 @@ class Settings:
     def __getitem__(self, key: str) -> Any:
         return self.values[key]
 
-    def to_daemon_config(self, **extra: Any):
+    def to_daemon_config(self, **extra: Any) -> DaemonConfig:
         """The server's DaemonConfig for these settings (``extra``: test-only knobs)."""
-        from .retention import RetentionPolicy
-        from .server import DaemonConfig
-        from .writer import WriteSettings
         v = self.values
         write = WriteSettings(codec=v["codec"], level=v["level"], chunk_bytes=v["chunk_size"],
                               debug_write_delay=extra.pop("debug_write_delay", 0.0))

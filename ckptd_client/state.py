@@ -7,8 +7,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ckptd.format import DTYPE_ITEMSIZE, encode_tree
-from ckptd.protocol import validate_tensor_name
+from ckptd.core.schema import DTYPE_ITEMSIZE
+
+from ckptd.core.tree import encode_tree
+from ckptd.core.names import validate_tensor_name
 
 from .errors import CheckpointError
 

@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
-from ckptd import protocol
-from ckptd.format import INDEX_NAME, job_dir, latest_committed, step_dir, step_dir_name
+from ckptd.core import names, protocol
+from ckptd.core.names import INDEX_NAME, job_dir, step_dir, step_dir_name
+from ckptd.core.reader import latest_committed
 
 from .connection import DaemonConnection
 from .errors import CheckpointError, NotDelivered
@@ -99,7 +100,7 @@ class Checkpointer:
                  rank: int | None = None, world_size: int | None = None, store: Any = None,
                  num_slots: int = 2, commit: str = "auto", commit_timeout: float = 600.0,
                  restore_threads: int | None = None, overlap: bool = True, when_busy: str = "block") -> None:
-        self.job = protocol.validate_job(job)
+        self.job = names.validate_job(job)
         self.socket_path = socket or protocol.default_socket_path()
         self.root = os.path.abspath(root) if root else None
         d_rank, d_world, d_store = _dist_info()

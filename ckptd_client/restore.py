@@ -7,8 +7,10 @@ from typing import Any
 
 import torch
 
-from ckptd.codec import ChecksumError
-from ckptd.format import FormatError, StepReader, decode_tree
+from ckptd.core.errors import ChecksumError
+from ckptd.core.errors import FormatError
+from ckptd.core.reader import StepReader
+from ckptd.core.tree import decode_tree
 
 from .errors import CheckpointError
 

@@ -30,9 +30,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from .format import INDEX_NAME, list_steps
-from .protocol import validate_job
-from .storage import fsync_dir
+from ckptd.core.names import INDEX_NAME
+
+from ckptd.core.reader import list_steps
+from ckptd.core.names import validate_job
+from ckptd.core.storage import fsync_dir
 
 log = logging.getLogger("ckptd")
 

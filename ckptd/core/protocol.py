@@ -15,10 +15,17 @@ from __future__ import annotations
 
 import array
 import json
-import re
+import math
+import os
 import socket
 import struct
-from typing import Any
+from dataclasses import MISSING, dataclass, fields
+from enum import Enum
+from typing import Any, ClassVar, Sequence, Union
+
+from .errors import FormatError, ProtocolError
+from .names import _short, validate_tensor_name
+from .schema import DTYPE_ITEMSIZE, TensorLayout, validate_shape
 
 PROTOCOL_VERSION = 1
 MAGIC = b"CK"
@@ -26,69 +33,185 @@ HEADER = struct.Struct(">2sHI")
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_FDS_PER_FRAME = 16
 
-# Client → daemon requests and the fields each must carry (name → type).
-REQUEST_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "hello": {"job": str, "rank": int, "world_size": int, "pid": int,
-              "slot_bytes": int, "num_slots": int},
-    "resize": {"slot_bytes": int},
-    "save": {"step": int, "slot": int, "tensors": list, "tree": (dict, list, str, int, float, bool, type(None)),
-             "commit": str},
-    "commit": {"step": int, "digests": dict},
-    "abort": {"step": int, "reason": str},
-    "report": {"step": int, "stall_s": (int, float), "fence_s": (int, float)},
-    "info": {},
-    "status": {},
-}
-COMMIT_MODES = ("local", "relay")
-
-# \Z, not $: "$" also matches before a trailing newline ("job\n" would pass).
-_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
-MAX_TENSOR_NAME = 1024
-# Nesting of a save's JSON state tree (the tagged encoding spends 2-3 levels per Python
-# container). Deeper trees are refused on the wire and on disk: every reader must be able
-# to parse them without running out of recursion.
-MAX_TREE_DEPTH = 256
+class Op(str, Enum):
+    """Client → daemon requests."""
+    HELLO = "hello"
+    RESIZE = "resize"
+    SAVE = "save"
+    COMMIT = "commit"
+    ABORT = "abort"
+    REPORT = "report"
+    INFO = "info"
+    STATUS = "status"
 
 
-class ProtocolError(Exception):
-    """A frame or message that breaks the protocol; the connection is closed after it."""
+class EventOp(str, Enum):
+    """Daemon → client events about a save; they carry the step and come whenever they happen."""
+    SLOT_FREE = "slot_free"
+    DURABLE = "durable"
+    COMMITTED = "committed"
+    FAILED = "failed"
 
 
-def _short(value: object, limit: int = 80) -> str:
-    """repr() for error messages, cut short: the value may be 16 MiB of hostile text."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
+class CommitMode(str, Enum):
+    """Who decides a step is complete: this daemon counting ranks, or rank 0 relaying via c10d."""
+    LOCAL = "local"
+    RELAY = "relay"
 
 
-def validate_job(job: object) -> str:
-    """A job name becomes a directory: letters, digits, ``._-``, no leading dot, ≤128 chars."""
-    if not isinstance(job, str) or not _JOB_RE.match(job):
-        raise ValueError(
-            f"invalid job name {_short(job)}: use 1-128 of [A-Za-z0-9._-], starting with a letter or digit")
-    return job
+COMMIT_MODES = tuple(m.value for m in CommitMode)
+_JSON = (dict, list, str, int, float, bool, type(None))
+_NUMBER = (int, float)
 
 
-def validate_tensor_name(name: object) -> str:
-    """Tensor names are key paths (``model/layer.0.weight``); refuse anything path-like that could escape."""
-    if not isinstance(name, str) or not name or len(name) > MAX_TENSOR_NAME:
-        raise ValueError(f"invalid tensor name {_short(name)}: must be a non-empty string of at most "
-                         f"{MAX_TENSOR_NAME} chars")
-    if "\x00" in name or "\\" in name or name.startswith("/"):
-        raise ValueError(f"invalid tensor name {_short(name)}: NUL, backslash or leading '/' not allowed")
-    if any(part in ("", ".", "..") for part in name.split("/")):
-        raise ValueError(f"invalid tensor name {_short(name)}: empty, '.' or '..' path segment")
-    return name
+# ---- typed requests ------------------------------------------------------------------
+# Each request is a frozen dataclass; ``from_wire`` checks field presence and JSON types (a
+# mismatch is a ProtocolError: the peer is broken and is disconnected). Semantic checks that
+# need daemon state (slot sizes, step lifecycle) are the daemon's and keep the connection.
+
+@dataclass(frozen=True)
+class Hello:
+    job: str
+    rank: int
+    world_size: int
+    pid: int
+    slot_bytes: int
+    num_slots: int
+    op: ClassVar[Op] = Op.HELLO
 
 
-def check_tree_depth(tree: Any, limit: int = MAX_TREE_DEPTH) -> None:
-    """Raise ValueError if a JSON state tree nests deeper than ``limit`` (checked without recursion)."""
-    stack = [(tree, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, (dict, list)):
-            if depth > limit:
-                raise ValueError(f"state tree nests deeper than {limit} levels")
-            stack.extend((v, depth + 1) for v in (node.values() if isinstance(node, dict) else node))
+@dataclass(frozen=True)
+class Resize:
+    slot_bytes: int
+    num_slots: int = 2
+    op: ClassVar[Op] = Op.RESIZE
+
+
+@dataclass(frozen=True)
+class Save:
+    step: int
+    slot: int
+    tensors: list[Any]          # [[name, dtype, shape, offset, nbytes], ...]: see parse_layout
+    tree: Any                   # the state tree (core.tree)
+    commit: str
+    op: ClassVar[Op] = Op.SAVE
+
+
+@dataclass(frozen=True)
+class Commit:
+    step: int
+    digests: dict[str, Any]     # rank (as a string: JSON keys) → manifest digest
+    op: ClassVar[Op] = Op.COMMIT
+
+
+@dataclass(frozen=True)
+class Abort:
+    step: int
+    reason: str
+    op: ClassVar[Op] = Op.ABORT
+
+
+@dataclass(frozen=True)
+class Report:
+    step: int
+    stall_s: float
+    fence_s: float
+    op: ClassVar[Op] = Op.REPORT
+
+
+@dataclass(frozen=True)
+class Info:
+    op: ClassVar[Op] = Op.INFO
+
+
+@dataclass(frozen=True)
+class Status:
+    op: ClassVar[Op] = Op.STATUS
+
+
+Request = Union[Hello, Resize, Save, Commit, Abort, Report, Info, Status]
+REQUEST_TYPES: dict[str, type] = {t.op.value: t for t in (Hello, Resize, Save, Commit, Abort, Report, Info, Status)}
+# Field → JSON type of each request's required fields (also what the fuzz tests draw from).
+_WIRE_TYPES: dict[str, Any] = {"str": str, "int": int, "float": _NUMBER, "Any": _JSON,
+                               "list[Any]": list, "dict[str, Any]": dict}
+REQUEST_FIELDS: dict[str, dict[str, Any]] = {
+    op: {f.name: _WIRE_TYPES[str(f.type)] for f in fields(t) if f.default is MISSING}
+    for op, t in REQUEST_TYPES.items()}
+
+
+def to_wire(msg: Request, req: int) -> dict[str, Any]:
+    """The JSON object of a request; ``req`` numbers it so the reply can be matched."""
+    body = {f.name: getattr(msg, f.name) for f in fields(msg)}
+    return {"op": msg.op.value, "req": req, **body}
+
+
+def parse_request(msg: dict[str, Any]) -> tuple[int, Request]:
+    """(req, typed request) of a decoded frame; ProtocolError naming the op and field otherwise."""
+    op = msg["op"]
+    typ = REQUEST_TYPES.get(op)
+    if typ is None:
+        raise ProtocolError(f"unknown request op {_short(op)}")
+    req = msg.get("req")
+    if type(req) is not int:
+        raise ProtocolError(f"{op}: missing integer 'req'")
+    values: dict[str, Any] = {}
+    for f in fields(typ):
+        if f.name not in msg:
+            if f.default is MISSING:
+                raise ProtocolError(f"{op}: field {f.name!r} missing or not {f.type}")
+            continue
+        value = msg[f.name]
+        want = _WIRE_TYPES[str(f.type)]
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            raise ProtocolError(f"{op}: field {f.name!r} missing or not {f.type}")
+        values[f.name] = value
+    return req, typ(**values)
+
+
+def check_request(msg: dict[str, Any]) -> dict[str, Any]:
+    """Validate a request's op, ``req`` and field types (raise ProtocolError); return it unchanged."""
+    parse_request(msg)
+    return msg
+
+
+def parse_layout(tensors: list[Any], slot_size: int) -> list[TensorLayout]:
+    """A save's tensor layout, checked against its slot: names, dtypes, shapes, bounds (ValueError)."""
+    out, names = [], set()
+    for t in tensors:
+        if not (isinstance(t, list) and len(t) == 5):
+            raise ValueError("each tensor must be [name, dtype, shape, offset, nbytes]")
+        name, dtype, shape, offset, nbytes = t
+        validate_tensor_name(name)
+        if name in names:
+            raise ValueError(f"duplicate tensor name {name!r}")
+        names.add(name)
+        try:
+            validate_shape(dtype, shape)
+        except FormatError as e:
+            raise ValueError(f"tensor {name!r}: {e}") from None
+        if type(offset) is not int or type(nbytes) is not int or offset < 0 \
+                or nbytes != math.prod(shape) * DTYPE_ITEMSIZE[dtype] or offset + nbytes > slot_size:
+            raise ValueError(f"tensor {name!r}: offset/size outside the slot or inconsistent with its shape")
+        out.append(TensorLayout(name, dtype, tuple(shape), offset, nbytes))
+    return out
+
+
+# ---- events (daemon → client) ----------------------------------------------------
+
+def event(op: EventOp, **body: Any) -> dict[str, Any]:
+    """An event frame's JSON object."""
+    return {"op": op.value, **body}
+
+
+def ok(req: int, **body: Any) -> dict[str, Any]:
+    return {"op": "ok", "req": req, **body}
+
+
+def error(req: int, reason: str, *, fatal: bool = False) -> dict[str, Any]:
+    msg: dict[str, Any] = {"op": "error", "req": req, "reason": reason}
+    if fatal:
+        msg["fatal"] = True
+    return msg
 
 
 def encode(msg: dict[str, Any]) -> bytes:
@@ -137,7 +260,7 @@ def check_request(msg: dict[str, Any]) -> dict[str, Any]:
     return msg
 
 
-def send_frame(sock: socket.socket, msg: dict[str, Any], fds: list[int] = ()) -> None:
+def send_frame(sock: socket.socket, msg: dict[str, Any], fds: Sequence[int] = ()) -> None:
     """Blocking send of one frame, with file descriptors attached to its first byte."""
     data = encode(msg)
     if fds:
@@ -191,17 +314,17 @@ class FrameReceiver:
 
 async def read_frame_async(loop: Any, sock: socket.socket) -> dict[str, Any] | None:
     """Daemon side: next message from a non-blocking socket, or None at a clean end of stream."""
-    header = await _recv_exact_async(loop, sock, HEADER.size)
+    header = await recv_exact_async(loop, sock, HEADER.size)
     if header is None:
         return None
     length = parse_header(header)
-    body = await _recv_exact_async(loop, sock, length)
+    body = await recv_exact_async(loop, sock, length)
     if body is None:
         raise ProtocolError("connection closed inside a frame body")
     return decode_body(body)
 
 
-async def _recv_exact_async(loop: Any, sock: socket.socket, n: int) -> bytes | None:
+async def recv_exact_async(loop: Any, sock: socket.socket, n: int) -> bytes | None:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -215,7 +338,7 @@ async def _recv_exact_async(loop: Any, sock: socket.socket, n: int) -> bytes | N
     return bytes(buf)
 
 
-async def send_frame_async(loop: Any, sock: socket.socket, msg: dict[str, Any], fds: list[int] = ()) -> None:
+async def send_frame_async(loop: Any, sock: socket.socket, msg: dict[str, Any], fds: Sequence[int] = ()) -> None:
     """Daemon side: send one frame; descriptors ride on its first byte via sendmsg."""
     data = encode(msg)
     if fds:
@@ -240,7 +363,6 @@ DEFAULT_SOCKET = "/run/ckptd/ckptd.sock"
 
 def default_socket_path() -> str:
     """``$CKPTD_SOCKET`` if set, else /run/ckptd/ckptd.sock (the systemd unit's RuntimeDirectory)."""
-    import os
     return os.environ.get("CKPTD_SOCKET") or DEFAULT_SOCKET
 
 

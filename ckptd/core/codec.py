@@ -16,7 +16,7 @@ Codecs:
   plane last: exactly ``k`` segments, each ``raw_len / k`` bytes once decoded.
   ZipNN's observation: only exponent bits compress, and they compress well once
   grouped. Every plane goes through zstd with match finding restricted for these
-  low-entropy, match-poor symbols (ANCHORS.md), unless a sample shows it would not
+  low-entropy, match-poor symbols, unless a sample shows it would not
   shrink.
 Any segment that does not shrink below ``RAW_IF_ABOVE`` of its size is stored raw.
 
@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 import xxhash
 import zstandard
+
+from .errors import ChecksumError
 
 CODECS = ("none", "zstd", "bplane")
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
@@ -92,10 +94,6 @@ class ChunkMeta:
         if sum(s[0] for s in segments) != stored_len:
             raise ValueError("chunk segments do not add up to its stored length")
         return cls(codec, raw_len, stored_len, digest, segments)
-
-
-class ChecksumError(Exception):
-    """Stored bytes whose checksum does not match the manifest, or that do not decode."""
 
 
 # ---- per-thread state ---------------------------------------------------------

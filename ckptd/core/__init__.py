@@ -1,0 +1,1 @@
+"""Pieces both sides share: names, wire protocol, codec, storage primitives, on-disk schemas, readers."""

@@ -1,0 +1,92 @@
+"""Names and validators: what a job, step, rank file or tensor may be called.
+
+Every name that becomes a path (jobs, steps, rank files) or a key (tensor names) is checked
+here, once, before it touches a file system; readers of the wire and of disk call the same
+functions, so a name from anywhere never escapes its directory.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+INDEX_NAME = "index.json"
+MAX_RANKS = 1 << 20
+
+_STEP_RE = re.compile(r"^step-([0-9]{12})\Z")   # not \d (any Unicode digit) nor $ (allows "\n")
+# \Z, not $: "$" also matches before a trailing newline ("job\n" would pass).
+_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
+MAX_TENSOR_NAME = 1024
+# Nesting of a save's JSON state tree (the tagged encoding spends 2-3 levels per Python
+# container). Deeper trees are refused on the wire and on disk: every reader must be able
+# to parse them without running out of recursion.
+MAX_TREE_DEPTH = 256
+
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """repr() for error messages, cut short: the value may be 16 MiB of hostile text."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def validate_job(job: object) -> str:
+    """A job name becomes a directory: letters, digits, ``._-``, no leading dot, ≤128 chars."""
+    if not isinstance(job, str) or not _JOB_RE.match(job):
+        raise ValueError(
+            f"invalid job name {_short(job)}: use 1-128 of [A-Za-z0-9._-], starting with a letter or digit")
+    return job
+
+
+def validate_tensor_name(name: object) -> str:
+    """Tensor names are key paths (``model/layer.0.weight``); refuse anything path-like that could escape."""
+    if not isinstance(name, str) or not name or len(name) > MAX_TENSOR_NAME:
+        raise ValueError(f"invalid tensor name {_short(name)}: must be a non-empty string of at most "
+                         f"{MAX_TENSOR_NAME} chars")
+    if "\x00" in name or "\\" in name or name.startswith("/"):
+        raise ValueError(f"invalid tensor name {_short(name)}: NUL, backslash or leading '/' not allowed")
+    if any(part in ("", ".", "..") for part in name.split("/")):
+        raise ValueError(f"invalid tensor name {_short(name)}: empty, '.' or '..' path segment")
+    return name
+
+
+def check_tree_depth(tree: Any, limit: int = MAX_TREE_DEPTH) -> None:
+    """Raise ValueError if a JSON state tree nests deeper than ``limit`` (checked without recursion)."""
+    stack = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > limit:
+                raise ValueError(f"state tree nests deeper than {limit} levels")
+            stack.extend((v, depth + 1) for v in (node.values() if isinstance(node, dict) else node))
+
+
+
+# ---- names -----------------------------------------------------------------
+
+def step_dir_name(step: int) -> str:
+    if type(step) is not int or not 0 <= step < 10**12:
+        raise ValueError(f"step must be an integer in [0, 10**12), got {step!r}")
+    return f"step-{step:012d}"
+
+
+def parse_step_dir_name(name: str) -> int | None:
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def rank_data_name(rank: int) -> str:
+    return f"rank-{rank:05d}.data"
+
+
+def rank_manifest_name(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
+
+
+def job_dir(root: str, job: str) -> str:
+    return os.path.join(root, validate_job(job))
+
+
+def step_dir(root: str, job: str, step: int) -> str:
+    return os.path.join(job_dir(root, job), step_dir_name(step))
+

@@ -1,0 +1,211 @@
+"""On-disk schemas: the rank manifest and the step index (FORMAT.md is their documentation).
+
+Everything parsed here comes from disk and is validated before it is trusted: names,
+dtypes, shapes, sizes, offsets, chunk metadata.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from .codec import FLOAT_ITEMSIZE, ChunkMeta
+from .errors import FormatError
+from .names import MAX_RANKS, MAX_TREE_DEPTH, check_tree_depth, rank_data_name, validate_tensor_name
+
+FORMAT_VERSION = 1
+MAX_INDEX_BYTES = 64 * 1024 * 1024
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+
+# Every torch dtype ckptd stores, by the name torch prints after "torch.", with its item size.
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8,
+    "uint16": 2, "uint32": 4, "uint64": 8,
+    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+    "complex32": 4, "complex64": 8, "complex128": 16,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+}
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """Where one tensor sits in a slot: the one type both sides use for a save's layout."""
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    def to_wire(self) -> list[Any]:
+        return [self.name, self.dtype, list(self.shape), self.offset, self.nbytes]
+
+
+def digest_bytes(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def encode_json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=True).encode()
+
+
+
+@dataclass
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int          # file offset of the first chunk; chunks follow back to back
+    chunks: list[ChunkMeta]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(c.stored_len for c in self.chunks)
+
+    def chunk_spans(self) -> Iterator[tuple[int, int, ChunkMeta]]:
+        """(file offset, raw offset within the tensor, meta) of each chunk, in order."""
+        file_pos, raw_pos = self.offset, 0
+        for meta in self.chunks:
+            yield file_pos, raw_pos, meta
+            file_pos += meta.stored_len
+            raw_pos += meta.raw_len
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": self.shape, "offset": self.offset,
+                "chunks": [c.to_json() for c in self.chunks]}
+
+
+@dataclass
+class Manifest:
+    job: str
+    step: int
+    rank: int
+    world_size: int
+    tensors: list[TensorEntry]
+    tree: Any
+    raw_bytes: int
+    stored_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format_version": FORMAT_VERSION, "kind": "ckptd.rank-manifest", "job": self.job,
+                "step": self.step, "rank": self.rank, "world_size": self.world_size,
+                "data_file": rank_data_name(self.rank), "raw_bytes": self.raw_bytes,
+                "stored_bytes": self.stored_bytes,
+                "tensors": [t.to_json() for t in self.tensors], "tree": self.tree}
+
+    def by_name(self) -> dict[str, TensorEntry]:
+        return {t.name: t for t in self.tensors}
+
+
+def _require(cond: bool, what: str) -> None:
+    if not cond:
+        raise FormatError(what)
+
+
+def _is_uint(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def validate_shape(dtype: Any, shape: Any) -> None:
+    _require(isinstance(dtype, str) and dtype in DTYPE_ITEMSIZE, f"unknown dtype {dtype!r}")
+    _require(isinstance(shape, list) and len(shape) <= 64 and all(_is_uint(d) for d in shape),
+             f"bad shape {shape!r}")
+
+
+def _load_json(data: bytes, what: str) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError as e:
+        raise FormatError(f"{what} is not JSON: {e}") from None
+    except RecursionError:
+        raise FormatError(f"{what} nests too deeply to parse") from None
+
+
+def _check_chunks(entry: TensorEntry) -> None:
+    """Chunk metadata consistent with the codec and dtype, so decoding cannot trip over it."""
+    for c in entry.chunks:
+        _require(c.stored_len <= c.raw_len, f"tensor {entry.name!r}: a chunk stores more bytes than it holds")
+        if c.codec == "bplane":
+            itemsize = FLOAT_ITEMSIZE.get(entry.dtype)
+            _require(itemsize is not None and c.raw_len % itemsize == 0 and len(c.segments) == itemsize,
+                     f"tensor {entry.name!r}: bplane chunk does not fit dtype {entry.dtype}")
+            _require(all(n == c.raw_len // itemsize for n, kind in c.segments if kind == "r"),
+                     f"tensor {entry.name!r}: bplane raw plane of the wrong length")
+        else:
+            _require(len(c.segments) == 1, f"tensor {entry.name!r}: {c.codec} chunk must have one segment")
+            _require(c.codec != "none" or (c.segments[0][1] == "r" and c.stored_len == c.raw_len),
+                     f"tensor {entry.name!r}: uncompressed chunk with compressed segment or wrong length")
+
+
+def parse_manifest(data: bytes, *, job: str, step: int, rank: int) -> Manifest:
+    obj = _load_json(data, "manifest")
+    _require(isinstance(obj, dict), "manifest is not an object")
+    _require(obj.get("format_version") == FORMAT_VERSION,
+             f"unsupported manifest format_version {obj.get('format_version')!r} (this build reads {FORMAT_VERSION})")
+    _require(obj.get("kind") == "ckptd.rank-manifest", "not a rank manifest")
+    _require(obj.get("job") == job and obj.get("step") == step and obj.get("rank") == rank,
+             f"manifest names job/step/rank {obj.get('job')!r}/{obj.get('step')!r}/{obj.get('rank')!r}, "
+             f"expected {job!r}/{step}/{rank}")
+    ws = obj.get("world_size")
+    _require(type(ws) is int and 0 < ws <= MAX_RANKS and rank < ws, "bad world_size")
+    # Informational only (readers derive the name), but a manifest naming another file is crafted.
+    _require(obj.get("data_file") == rank_data_name(rank),
+             f"manifest data_file {str(obj.get('data_file'))[:80]!r} is not {rank_data_name(rank)!r}")
+    raw_list = obj.get("tensors")
+    _require(isinstance(raw_list, list), "manifest has no tensor list")
+    tensors, seen = [], set()
+    for t in raw_list:
+        _require(isinstance(t, dict), "tensor entry is not an object")
+        try:
+            name = validate_tensor_name(t.get("name"))
+            if not isinstance(t.get("chunks"), list):
+                raise ValueError("chunks must be a list")
+            chunks = [ChunkMeta.from_json(c) for c in t["chunks"]]
+        except ValueError as e:
+            raise FormatError(f"tensor {t.get('name')!r}: {e}") from None
+        _require(name not in seen, f"duplicate tensor {name!r}")
+        seen.add(name)
+        validate_shape(t.get("dtype"), t.get("shape"))
+        _require(_is_uint(t.get("offset")), f"tensor {name!r}: bad offset")
+        entry = TensorEntry(name, t["dtype"], t["shape"], t["offset"], chunks)
+        _require(sum(c.raw_len for c in chunks) == entry.nbytes,
+                 f"tensor {name!r}: chunks hold {sum(c.raw_len for c in chunks)} bytes, shape needs {entry.nbytes}")
+        _check_chunks(entry)
+        tensors.append(entry)
+    try:
+        check_tree_depth(obj.get("tree"), MAX_TREE_DEPTH)
+    except ValueError as e:
+        raise FormatError(f"manifest state tree: {e}") from None
+    return Manifest(job, step, rank, ws, tensors, obj.get("tree"),
+                    sum(t.nbytes for t in tensors), sum(t.stored_bytes for t in tensors))
+
+
+def make_index(job: str, step: int, world_size: int, ranks: list[dict[str, Any]], created: float) -> dict[str, Any]:
+    return {"format_version": FORMAT_VERSION, "kind": "ckptd.index", "job": job, "step": step,
+            "world_size": world_size, "created_unix": created, "ranks": ranks}
+
+
+def parse_index(data: bytes, *, job: str, step: int) -> dict[str, Any]:
+    obj = _load_json(data, "index")
+    _require(isinstance(obj, dict) and obj.get("kind") == "ckptd.index", "not a ckptd index")
+    _require(obj.get("format_version") == FORMAT_VERSION,
+             f"unsupported index format_version {obj.get('format_version')!r} (this build reads {FORMAT_VERSION})")
+    _require(obj.get("job") == job and obj.get("step") == step,
+             f"index names job/step {obj.get('job')!r}/{obj.get('step')!r}, expected {job!r}/{step}")
+    ws = obj.get("world_size")
+    _require(type(ws) is int and 0 < ws <= MAX_RANKS, "bad world_size in index")
+    ranks = obj.get("ranks")
+    _require(isinstance(ranks, list) and len(ranks) == ws, "index must list every rank exactly once")
+    for i, r in enumerate(ranks):
+        _require(isinstance(r, dict) and type(r.get("rank")) is int and r["rank"] == i
+                 and isinstance(r.get("manifest_digest"), str)
+                 and _is_uint(r.get("raw_bytes")) and _is_uint(r.get("stored_bytes")),
+                 f"bad index entry for rank {i}")
+    return obj
+
