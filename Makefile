@@ -3,24 +3,28 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-# torch==2.13.0 first: on these machines it is a CPU build on local disk; pyproject keeps torch>=2.4.
+# torch==2.13.0 first: on these machines it is a CPU build on local disk (any other torch request
+# downloads gigabytes); the client extra in pyproject keeps torch>=2.4 open.
 TORCH_PIN ?= torch==2.13.0
+# What `make lint` (and so `make test`) checks with ruff and mypy: the whole tree.
+CHECKED := ckptd ckptd_client tests benchmarks examples
 
-.PHONY: demo test bench install install-test clean
+.PHONY: demo test lint bench install install-test clean
 
+# Daemon + client (the client extra brings torch; the daemon alone needs only `pip install ckptd`).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q -e .
+	$(PIP) install -q -e '.[client]'
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[client,test]'
 	touch $@
 
 $(VENV)/.installed-bench: $(VENV)/.installed
-	$(PIP) install -q -e '.[bench]'
+	$(PIP) install -q -e '.[client,bench]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -29,11 +33,18 @@ install-test: $(VENV)/.installed-test
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
+# Lint and type check; `make test` runs them first and stops on any error.
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check $(CHECKED)
+	$(VENV)/bin/mypy $(CHECKED)
+
 test: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check $(CHECKED)
+	$(VENV)/bin/mypy $(CHECKED)
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 bench: $(VENV)/.installed-bench
 	$(PY) benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache

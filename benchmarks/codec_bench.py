@@ -19,17 +19,26 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (MissingBenchDependency, fmt, machine_info, median, minilm_weights,  # noqa: E402
-                    synthetic_weights, table, tensor_view)
-
 from ckptd.core import codec
+
+from common import (  # noqa: E402
+    MissingBenchDependency,
+    fmt,
+    machine_info,
+    median,
+    minilm_weights,
+    synthetic_weights,
+    table,
+    tensor_view,
+)
 
 
 @dataclass
@@ -109,7 +118,7 @@ class Ckptd(Method):
 
     def decode(self, stored: list[tuple[int, bytes, codec.ChunkMeta]], t: torch.Tensor, ds: Dataset) -> Any:
         out = torch.empty(t.numel() * t.element_size(), dtype=torch.uint8)
-        view = memoryview(out.numpy())
+        view = out.numpy().data
         for s, data, meta in stored:
             codec.decode_chunk(data, meta, ds.dtype_name, view[s: s + meta.raw_len])
         return view
@@ -119,6 +128,7 @@ class ZipNN(Method):
     name = "zipnn"
 
     def __init__(self) -> None:
+        self._zipnn: Any
         try:
             import zipnn
         except ImportError:
@@ -162,7 +172,7 @@ def one_pass(method: Method, ds: Dataset, expected: list[bytes]) -> tuple[float,
     readable = [method.for_decode(e) for e in encoded]
     del encoded
     dec_s = 0.0
-    for t, data, want in zip(ds.tensors, readable, expected):
+    for t, data, want in zip(ds.tensors, readable, expected, strict=True):
         t0 = time.perf_counter()
         got = method.decode(data, t, ds)
         dec_s += time.perf_counter() - t0
@@ -181,7 +191,7 @@ def measure(methods: list[Method], ds: Dataset, reps: int) -> list[dict[str, Any
         for m in runnable:
             passes[m.name].append(one_pass(m, ds, expected))
     mb = ds.nbytes / 1e6
-    rows = []
+    rows: list[dict[str, Any]] = []
     for m in methods:
         if m not in runnable:
             rows.append({"method": m.name, "error": m.available(ds)})

@@ -9,8 +9,9 @@ import platform
 import shutil
 import statistics
 import subprocess
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -50,7 +51,7 @@ def synthetic_weights(numel: int, dtype: torch.dtype, seed: int = 0, scale: floa
 
 def tensor_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _read(path: str) -> str:
@@ -74,7 +75,7 @@ def machine_info(path: str | os.PathLike = ".") -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError, IndexError):
         src = ["?", "?"]
     versions = {"python": platform.python_version(), "torch": torch.__version__}
-    for dist in ("numpy", "zstandard", "xxhash", "zipnn", "psutil"):
+    for dist in ("numpy", "zstandard", "xxhash", "zipnn", "safetensors"):
         try:
             versions[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:

@@ -61,12 +61,15 @@ def main() -> int:
             results["slot_pinned"] = ck._slots[0].pinned
             nbytes = ck._slots[0].size
             results["state_bytes"] = nbytes
-            blocking, overlapped, commits = [], [], []
+            blocking: list[float] = []
+            overlapped: list[float] = []
+            commits: list[float] = []
             for i in range(a.saves):
                 h = ck.save(2 * i + 1, state, overlap=False)
                 blocking.append(h.stall_s)
                 train_step()
                 h.wait(600)
+                assert h.committed_s is not None
                 commits.append(h.committed_s)
                 before = {k: v.detach().clone() for k, v in model.state_dict().items()}
                 h = ck.save(2 * i + 2, state, overlap=True)

@@ -14,7 +14,8 @@ mutates every tensor after each iteration's fence):
 - peak RSS of the trainer process, and of the daemon for ckptd.
 Methods: ckptd blocking copy; ckptd overlapped (``save(..., overlap=True)`` + ``fence()``);
 ``torch.save`` + fsync + rename; DCP ``save``;
-DCP ``async_save`` with a shared-memory ``DefaultStager`` (the strongest peer, ANCHORS.md).
+DCP ``async_save`` with a shared-memory ``DefaultStager`` (the strongest peer: staging hides
+most of DCP's copy, as ckptd's slots do).
 States: a synthetic GPT (bf16 weights, fp32 master weights and Adam moments; ``--size-mib``),
 the real all-MiniLM-L6-v2 weights in fp32 and in bf16. Then several ranks (``--ranks``
 client processes, commit="local") on one daemon for aggregate throughput, and the codec
@@ -37,19 +38,29 @@ import tempfile
 import time
 import warnings
 from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import codec_bench  # noqa: E402
-from common import (RESULTS, MissingBenchDependency, fmt, machine_info, median, minilm_path,  # noqa: E402
-                    minilm_weights, percentile, table)
-
 from ckptd.launch import DaemonProcess, spawn_daemon  # noqa: E402
+
+import codec_bench  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS,
+    MissingBenchDependency,
+    fmt,
+    machine_info,
+    median,
+    minilm_path,
+    minilm_weights,
+    percentile,
+    table,
+)
 
 HERE = Path(__file__).resolve()
 METHODS = ("ckptd-blocking", "ckptd-overlap", "torch-save", "dcp-save", "dcp-async")
@@ -91,9 +102,9 @@ class SimOptimizer(torch.optim.Optimizer):
 
     TOUCH = 4096
 
-    def __init__(self, master: list[torch.Tensor], model: list[torch.Tensor], moments: bool, seed: int) -> None:
+    def __init__(self, master: Sequence[torch.Tensor], model: Sequence[torch.Tensor], moments: bool, seed: int) -> None:
         super().__init__(master, {"lr": 1e-3})
-        self._model = dict(zip(map(id, master), model))
+        self._model = dict(zip(map(id, master), model, strict=True))
         g = torch.Generator().manual_seed(seed + 1)
         if moments:
             for p in master:
@@ -102,7 +113,8 @@ class SimOptimizer(torch.optim.Optimizer):
                                  "exp_avg_sq": (torch.randn(p.shape, generator=g) * 1e-3) ** 2}
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> None:
+    # torch types step() as two overloads (no closure → None, closure → float); this one never takes a closure.
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
         for group in self.param_groups:
             for p in group["params"]:
                 n = min(self.TOUCH, p.numel())
@@ -136,7 +148,7 @@ class TrainState:
             if isinstance(obj, torch.nn.Module):
                 for name, t in obj.state_dict().items():
                     yield f"{k}/{name}", t
-        for i, (p, st) in enumerate(self.opt.state.items()):
+        for i, st in enumerate(self.opt.state.values()):
             for name, t in st.items():
                 yield f"optim/{i}/{name}", t
 
@@ -148,7 +160,7 @@ class TrainState:
         h = xxhash.xxh3_128()
         for name, t in self.tensors():
             h.update(name.encode())
-            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
         return h.hexdigest()
 
     def scramble(self) -> None:
@@ -450,7 +462,11 @@ def run_loop(spec: dict[str, Any]) -> dict[str, Any]:
     out["description"] = ts.description
     method.setup(ts)
     saves = spec["warmup"] + spec["saves"]
-    stalls, save_s, fence_s, steps, warm = [], [], [], [], []
+    stalls: list[float] = []
+    save_s: list[float] = []
+    fence_s: list[float] = []
+    warm: list[float] = []
+    steps: list[int] = []
     digest = ""
     say = _sayer(f"{spec['state']}/{name}")
     t_loop = time.perf_counter()
@@ -559,7 +575,7 @@ def worker_result(proc: subprocess.Popen, spec_path_hint: str, timeout: float) -
         proc.kill()
         proc.wait()
         return {"error": f"timed out after {timeout:.0f} s"}
-    result = Path(proc.args[-1]).with_suffix(".result.json")
+    result = Path(str(proc.args[-1])).with_suffix(".result.json")  # type: ignore[index]  # args: a list here
     if rc != 0 or not result.exists():
         return {"error": f"worker exited with {rc} ({spec_path_hint})"}
     return json.loads(result.read_text())
@@ -728,8 +744,9 @@ def to_markdown(res: dict[str, Any]) -> str:
         one = next((m for st in res["states"] if st["state"] == "gpt" for m in st["methods"]
                     if m["method"] == "ckptd-blocking" and m.get("commit_p50")), None)
         if one:
-            lines.append(f"For comparison, one rank saving the whole {_mib(one['raw_bytes'])} GPT state (blocking copy, "
-                         f"same daemon settings): {one['raw_bytes'] / one['commit_p50'] / 1e9:.2f} GB/s "
+            gbps = one["raw_bytes"] / one["commit_p50"] / 1e9
+            lines.append(f"For comparison, one rank saving the whole {_mib(one['raw_bytes'])} GPT state "
+                         f"(blocking copy, same daemon settings): {gbps:.2f} GB/s "
                          f"({one['commit_p50']:.2f} s to commit, p50).")
         lines.append("")
         lines.append(table(["step", "seconds to commit", "aggregate GB/s", "slowest stall"],
@@ -777,8 +794,8 @@ def main() -> int:
     for flag, fn in (("worker", run_loop), ("rank_worker", run_rank)):
         spec_path = getattr(a, flag)
         if spec_path:
-            res = fn(json.loads(Path(spec_path).read_text()))
-            Path(spec_path).with_suffix(".result.json").write_text(json.dumps(res))
+            out = fn(json.loads(Path(spec_path).read_text()))
+            Path(spec_path).with_suffix(".result.json").write_text(json.dumps(out))
             return 0
     a.size_mib = a.size_mib or (64 if a.quick else 1024)
     a.saves = a.saves or (5 if a.quick else 10)

@@ -1,7 +1,14 @@
-"""Start a daemon as a child process and wait until it answers.
+"""Start a private daemon as a child process and wait until it answers (public helper).
 
-One helper for everything that runs a daemon of its own: the test suite, `make demo`,
-the benchmarks and the GPU check. Operators use systemd (packaging/systemd) instead.
+For jobs that bring their own daemon rather than use a node service: single-node jobs,
+notebooks, the test suite, `make demo`, the benchmarks and the GPU check::
+
+    daemon = spawn_daemon(root, "/tmp/ckptd-job.sock", "--threads", "4")
+    ckpt = ckptd_client.Checkpointer(job="job", socket=str(daemon.socket))
+    ...
+    daemon.stop()
+
+Node services run under systemd instead (packaging/systemd, docs/operations.md).
 """
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.core import protocol
+from ckptd.core.errors import ProtocolError
 
 
 @dataclass
@@ -63,7 +71,7 @@ def wait_until_serving(sock: Path, proc: subprocess.Popen, timeout: float = 60.0
             try:
                 protocol.request_once(str(sock), {"op": "info"}, timeout=5)
                 return
-            except (OSError, RuntimeError, protocol.ProtocolError):
+            except (OSError, RuntimeError, ProtocolError):
                 pass
         if time.monotonic() > deadline:
             raise TimeoutError(f"daemon did not serve {sock} within {timeout:g}s")

@@ -67,6 +67,7 @@ def run_trainer(sock: str, size_mib: int, steps: int, every: int, kill_after_com
            "--steps", str(steps), "--every", str(every)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     events = []
+    assert proc.stdout is not None
     for line in proc.stdout:
         ev = json.loads(line)
         events.append(ev)

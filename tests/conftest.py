@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,7 @@ def start_daemon(root: Path, sock: Path, *extra: str, log: Path | None = None,
 
 
 @pytest.fixture
-def tmp(tmp_path: Path) -> Path:
+def tmp(tmp_path: Path) -> Iterator[Path]:
     # Unix socket paths must stay under ~108 bytes; pytest's tmp_path can be long.
     short = Path(f"/tmp/ckt-{os.getpid()}-{time.monotonic_ns() % 10**9}")
     short.mkdir()

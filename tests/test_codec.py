@@ -103,7 +103,7 @@ def test_bplane_segments_are_the_documented_planes(dtype: str) -> None:
     for data in (tensor_bytes(weight_like(dtype, 70_000)), tensor_bytes(random_tensor(dtype, 70_000))):
         parts, meta = codec.encode_chunk(memoryview(data), dtype, "bplane")
         expected = reference_planes(data, itemsize)
-        for part, (length, kind), plane in zip(parts, meta.segments, expected):
+        for part, (length, kind), plane in zip(parts, meta.segments, expected, strict=True):
             got = zstandard.ZstdDecompressor().decompress(bytes(part)) if kind == "z" else bytes(part)
             assert len(bytes(part)) == length
             assert got == plane
@@ -180,8 +180,8 @@ def test_parts_stay_valid_while_later_chunks_are_encoded() -> None:
     chunks = [tensor_bytes(random_tensor("bfloat16", 40_000, seed=s)) for s in range(3)]
     chunks += [tensor_bytes(weight_like("float32", 40_000, seed=s)) for s in range(3)]
     dtypes = ["bfloat16"] * 3 + ["float32"] * 3
-    kept = [codec.encode_chunk(memoryview(c), d, "bplane") for c, d in zip(chunks, dtypes)]
-    for data, dtype, (parts, meta) in zip(chunks, dtypes, kept):
+    kept = [codec.encode_chunk(memoryview(c), d, "bplane") for c, d in zip(chunks, dtypes, strict=True)]
+    for data, dtype, (parts, meta) in zip(chunks, dtypes, kept, strict=True):
         out = bytearray(len(data))
         codec.decode_chunk(b"".join(bytes(p) for p in parts), meta, dtype, memoryview(out))
         assert bytes(out) == data

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -76,8 +77,8 @@ def main() -> int:
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=a.steps)
     loader = ShuffledLoader(x, y, batch=16, rank=rank, world=world, seed=11)
-    state = {"model": model, "optim": opt, "sched": sched, "data": loader, "rng": ckptd_client.RNGState(),
-             "meta": {"note": "trainer", "step": 0}}
+    state: dict[str, Any] = {"model": model, "optim": opt, "sched": sched, "data": loader,
+                             "rng": ckptd_client.RNGState(), "meta": {"note": "trainer", "step": 0}}
 
     ckpt = ckptd_client.Checkpointer(a.job, socket=sock)
     start = ckpt.restore(state) or 0

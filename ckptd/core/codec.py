@@ -47,7 +47,7 @@ _SAMPLE_PIECES = 4
 
 # dtype name (torch's, without "torch.") → item size, for dtypes whose planes are worth splitting.
 FLOAT_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
-_UINT = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
+_UINT: dict[int, np.dtype[Any]] = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
 
 _local = threading.local()
 
@@ -78,7 +78,7 @@ class ChunkMeta:
         return [self.codec, self.raw_len, self.stored_len, self.checksum, self.segments]
 
     @classmethod
-    def from_json(cls, obj: Any) -> "ChunkMeta":
+    def from_json(cls, obj: Any) -> ChunkMeta:
         """Parse a manifest's chunk entry; raises ValueError for anything malformed."""
         if not (isinstance(obj, list) and len(obj) == 5):
             raise ValueError("chunk entry must be [codec, raw_len, stored_len, checksum, segments]")
@@ -102,13 +102,13 @@ def _compressor(level: int, tuned: bool) -> zstandard.ZstdCompressor:
     """One compressor per thread and setting: zstd objects are not thread-safe."""
     cache = _local.__dict__.setdefault("compressors", {})
     key = (level, tuned)
-    comp = cache.get(key)
+    comp: zstandard.ZstdCompressor | None = cache.get(key)
     if comp is None:
         if tuned:
             # Byte planes of floats are low-entropy symbols with few real repeats: match
             # finding restricted this way is ~2.5× faster than plain level 1 on them and
-            # compresses better (fewer useless short matches). Measured in ANCHORS.md and
-            # benchmarks/codec_bench.py.
+            # compresses better (fewer useless short matches), as measured when the codec was
+            # tuned; benchmarks/codec_bench.py times the codec as a whole.
             params = zstandard.ZstdCompressionParameters.from_level(
                 level, min_match=7, hash_log=6 + max(0, level - 1), search_log=1, window_log=17)
             comp = zstandard.ZstdCompressor(compression_params=params)
@@ -119,17 +119,17 @@ def _compressor(level: int, tuned: bool) -> zstandard.ZstdCompressor:
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
-    d = getattr(_local, "decompressor", None)
+    d: zstandard.ZstdDecompressor | None = getattr(_local, "decompressor", None)
     if d is None:
         d = _local.decompressor = zstandard.ZstdDecompressor()
     return d
 
 
-def _scratch(name: str, dtype: np.dtype, n: int) -> np.ndarray:
+def _scratch(name: str, dtype: np.dtype[Any], n: int) -> np.ndarray:
     """A per-thread array of ``n`` items, reused across chunks (no allocation, no page faults)."""
     cache = _local.__dict__.setdefault("scratch", {})
     key = (name, dtype)
-    buf = cache.get(key)
+    buf: np.ndarray | None = cache.get(key)
     if buf is None or len(buf) < n:
         buf = cache[key] = np.empty(max(n, 1), dtype)
     return buf[:n]
@@ -233,6 +233,8 @@ def encode_chunk(raw: memoryview, dtype: str, codec: str, level: int = 1) -> tup
     itemsize = FLOAT_ITEMSIZE.get(dtype, 1)
     if codec == "bplane" and (dtype not in FLOAT_ITEMSIZE or n % itemsize):
         codec = "zstd"
+    parts: list[Any]
+    segments: list[list[Any]]
     if codec == "none" or n == 0:
         parts, segments = [raw], [[n, "r"]]
         codec = "none"

@@ -8,14 +8,22 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 from . import storage
 from .codec import ChunkMeta, checksum, decode_chunk
 from .errors import ChecksumError, FormatError
 from .names import INDEX_NAME, parse_step_dir_name, rank_data_name, rank_manifest_name, validate_job
-from .schema import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES, Manifest, TensorEntry, digest_bytes, parse_index, parse_manifest
+from .schema import (
+    MAX_INDEX_BYTES,
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    TensorEntry,
+    digest_bytes,
+    parse_index,
+    parse_manifest,
+)
 
 
 def _read_small(path: str, limit: int, what: str) -> bytes:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from .codec import FLOAT_ITEMSIZE, ChunkMeta
 from .errors import FormatError
@@ -132,8 +133,8 @@ def _check_chunks(entry: TensorEntry) -> None:
     for c in entry.chunks:
         _require(c.stored_len <= c.raw_len, f"tensor {entry.name!r}: a chunk stores more bytes than it holds")
         if c.codec == "bplane":
-            itemsize = FLOAT_ITEMSIZE.get(entry.dtype)
-            _require(itemsize is not None and c.raw_len % itemsize == 0 and len(c.segments) == itemsize,
+            itemsize = FLOAT_ITEMSIZE.get(entry.dtype, 0)
+            _require(itemsize > 0 and c.raw_len % itemsize == 0 and len(c.segments) == itemsize,
                      f"tensor {entry.name!r}: bplane chunk does not fit dtype {entry.dtype}")
             _require(all(n == c.raw_len // itemsize for n, kind in c.segments if kind == "r"),
                      f"tensor {entry.name!r}: bplane raw plane of the wrong length")
@@ -207,5 +208,6 @@ def parse_index(data: bytes, *, job: str, step: int) -> dict[str, Any]:
                  and isinstance(r.get("manifest_digest"), str)
                  and _is_uint(r.get("raw_bytes")) and _is_uint(r.get("stored_bytes")),
                  f"bad index entry for rank {i}")
-    return obj
+    index: dict[str, Any] = obj
+    return index
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ctypes
 import os
 import stat
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 FILE_MODE = 0o640
 DIR_MODE = 0o750
@@ -89,7 +89,7 @@ def open_for_write(path: str) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
 
 
-def write_all(fd: int, parts: Iterable[object]) -> int:
+def write_all(fd: int, parts: Iterable[bytes | bytearray | memoryview]) -> int:
     """Write every buffer in order (os.writev may write less than asked); return bytes written."""
     total = 0
     for part in parts:

@@ -7,7 +7,8 @@ Decoding builds only dicts, lists, tuples and scalars: nothing on a load path un
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .errors import FormatError
 
