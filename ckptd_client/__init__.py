@@ -9,9 +9,19 @@
             if preempt.should_stop(step, state):
                 break
 """
-from .checkpointer import Checkpointer, SaveHandle
+try:
+    import torch as _torch  # noqa: F401  (the daemon installs without torch; the client needs it)
+except ModuleNotFoundError as e:
+    if e.name != "torch":
+        raise
+    raise ImportError("ckptd_client needs PyTorch, which the daemon-only install of ckptd leaves out: "
+                      "pip install 'ckptd[client]'") from e
+
+from .checkpointer import Checkpointer
 from .errors import CheckpointError
+from .handle import SaveHandle
+from .modes import WhenBusy
 from .preemption import PreemptionHandler
 from .state import RNGState
 
-__all__ = ["Checkpointer", "SaveHandle", "CheckpointError", "RNGState", "PreemptionHandler"]
+__all__ = ["Checkpointer", "SaveHandle", "CheckpointError", "RNGState", "PreemptionHandler", "WhenBusy"]

@@ -35,14 +35,18 @@ taken is logged and otherwise ignored; once ``close()`` has run, the previous di
 """
 from __future__ import annotations
 
-import inspect
 import logging
 import signal
 import threading
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from types import FrameType
+from typing import Any
 
+from . import store_keys
+from .checkpointer import Checkpointer
 from .errors import CheckpointError
+from .modes import WhenBusy
 
 log = logging.getLogger("ckptd_client")
 
@@ -56,7 +60,7 @@ class PreemptionHandler:
     see the module docstring.
     """
 
-    def __init__(self, checkpointer: Any, signals: Iterable[int] = (signal.SIGTERM,), *,
+    def __init__(self, checkpointer: Checkpointer, signals: Iterable[int] = (signal.SIGTERM,), *,
                  timeout: float | None = None, sync_every: int = 1, margin: int = 2) -> None:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("PreemptionHandler must be created in the main thread (signal handlers live there)")
@@ -79,13 +83,12 @@ class PreemptionHandler:
         self._previous: dict[int, Any] = {}
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
-        world = getattr(checkpointer, "world_size", 1)
-        self._store = getattr(checkpointer, "store", None) if world > 1 else None
-        self._key = f"ckptd/{checkpointer.job}/preempt-step"
+        self._store: Any = checkpointer.store if checkpointer.world_size > 1 else None
+        self._key = store_keys.preempt_step(checkpointer.job)
 
     # ---- signal side --------------------------------------------------------
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.signal_received is None:
             self.signal_received = signum
             log.warning("ckptd: received %s; will checkpoint at the next step boundary and stop",
@@ -110,44 +113,43 @@ class PreemptionHandler:
         if self._done:
             return True
         if self._store is not None:
-            if not self._agreed(step):
+            stop_step = self._agreed(step)
+            if stop_step is None or step < stop_step:
                 return False
-            if step < self.stop_step:
-                return False
-            if step > self.stop_step:
+            if step > stop_step:
                 log.error("ckptd: rank passed the agreed preemption step %d at step %d; saving %d instead "
-                          "(raise margin)", self.stop_step, step, step)
+                          "(raise margin)", stop_step, step, step)
         elif self.signal_received is None:
             return False
         self._checkpoint(step, state)
         return True
 
-    def _agreed(self, step: int) -> bool:
+    def _agreed(self, step: int) -> int | None:
         """Multi-rank: propose a stop step if signalled here; learn the agreed one from the store."""
         if self.stop_step is not None:
-            return True
+            return self.stop_step
         store = self._store
         if self.signal_received is not None:
             value = store.compare_set(self._key, "", str(step + self.margin))
             self.stop_step = int(value.decode() if isinstance(value, bytes) else value)
             log.warning("ckptd: preemption agreed at step %d", self.stop_step)
-            return True
+            return self.stop_step
         self._polls += 1
         if self._polls % self.sync_every:
-            return False
+            return None
         if store.check([self._key]):
             self.stop_step = int(store.get(self._key).decode())
             log.warning("ckptd: another rank was preempted; stopping at step %d", self.stop_step)
-            return True
-        return False
+        return self.stop_step
 
     def _checkpoint(self, step: int, state: dict[str, Any]) -> None:
         self._handling = True
         t0 = time.monotonic()
         try:
-            handle = getattr(self.ckpt, "_handles", {}).get(step)   # the loop already saved this step?
+            handle = self.ckpt.pending(step)       # the loop already saved this step?
             if handle is None and self.ckpt.latest_step() != step:
-                handle = self._save(step, state)
+                # Block for a free slot even if the Checkpointer skips saves when busy.
+                handle = self.ckpt.save(step, state, when_busy=WhenBusy.BLOCK)
             if handle is not None:
                 handle.wait(self.timeout)
             self.saved_step = step
@@ -163,16 +165,6 @@ class PreemptionHandler:
             self._handling = False
             self._done = True
 
-    def _save(self, step: int, state: dict[str, Any]) -> Any:
-        """Save, blocking for a free slot even if the Checkpointer is set to skip busy saves."""
-        try:
-            params = inspect.signature(self.ckpt.save).parameters
-        except (TypeError, ValueError):
-            params = {}
-        if "when_busy" in params:
-            return self.ckpt.save(step, state, when_busy="block")
-        return self.ckpt.save(step, state)
-
     # ---- lifetime -------------------------------------------------------------
 
     def close(self) -> None:
@@ -184,8 +176,8 @@ class PreemptionHandler:
                 pass
         self._previous = {}
 
-    def __enter__(self) -> "PreemptionHandler":
+    def __enter__(self) -> PreemptionHandler:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -1,17 +1,19 @@
 """Cross-daemon commit through the job's c10d store (ranks spread over several nodes).
 
-Each rank publishes ``ok:<manifest digest>`` or ``fail:<reason>`` under
-``ckptd/<job>/<save seq>/r<rank>`` once its daemon reports it durable (or failed).
-Rank 0 gathers all of them, asks its daemon to COMMIT with the digests (or to ABORT),
-and publishes ``committed`` or ``failed:<reason>`` under ``.../result`` for the others.
-Keys are per save sequence number, so re-saving a step never reads stale keys.
+Each rank publishes ``ok:<manifest digest>`` or ``fail:<reason>`` under its outcome key
+(``store_keys.rank_outcome``) once its daemon reports it durable (or failed). Rank 0 gathers
+all of them, asks its daemon to COMMIT with the digests (or to ABORT), and publishes
+``committed`` or ``failed:<reason>`` under the save's result key for the others.
 """
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Literal
+
+from . import store_keys
 
 POLL_S = 0.01
 
@@ -25,7 +27,13 @@ class RelayedSave:
     own_published: bool = False
 
 
+# What one poll of a save yields: False (not decided yet), None (committed), or the failure reason.
+Outcome = Literal[False] | None | str
+
+
 class StoreRelay:
+    """Polls the store on its own thread; ``resolve`` of each tracked save runs there too."""
+
     def __init__(self, store: Any, job: str, rank: int, world_size: int, timeout: float,
                  commit: Callable[[int, dict[int, str]], None], abort: Callable[[int, str], None]) -> None:
         self.store, self.job, self.rank, self.world_size = store, job, rank, world_size
@@ -38,16 +46,13 @@ class StoreRelay:
         self._thread = threading.Thread(target=self._run, name="ckptd-client-relay", daemon=True)
         self._thread.start()
 
-    def _key(self, seq: int, what: str) -> str:
-        return f"ckptd/{self.job}/{seq}/{what}"
-
     def track(self, seq: int, step: int, resolve: Callable[[str | None], None]) -> None:
         with self._lock:
             self._saves[seq] = RelayedSave(seq, step, time.monotonic() + self.timeout, resolve)
 
     def publish(self, seq: int, outcome: str) -> None:
         """``outcome`` is ``ok:<digest>`` or ``fail:<reason>`` for this rank."""
-        self.store.set(self._key(seq, f"r{self.rank}"), outcome)
+        self.store.set(store_keys.rank_outcome(self.job, seq, self.rank), outcome)
         with self._lock:
             if seq in self._saves:
                 self._saves[seq].own_published = True
@@ -60,6 +65,7 @@ class StoreRelay:
             with self._lock:
                 saves = sorted(self._saves.values(), key=lambda s: s.seq)
             for s in saves:
+                outcome: Outcome
                 try:
                     outcome = self._leader_step(s) if self.rank == 0 else self._follower_step(s)
                 except Exception as e:  # store gone (job ending) or commit refused
@@ -75,10 +81,10 @@ class StoreRelay:
                     self._saves.pop(s.seq, None)
                 s.resolve(outcome)
 
-    def _leader_step(self, s: RelayedSave) -> str | None | bool:
+    def _leader_step(self, s: RelayedSave) -> Outcome:
         if not s.own_published:
             return False
-        keys = [self._key(s.seq, f"r{r}") for r in range(self.world_size)]
+        keys = [store_keys.rank_outcome(self.job, s.seq, r) for r in range(self.world_size)]
         if not self.store.check(keys):
             return False
         values = [self.store.get(k).decode() for k in keys]
@@ -99,15 +105,15 @@ class StoreRelay:
         return None
 
     def _finish(self, s: RelayedSave, result: str) -> None:
-        self.store.set(self._key(s.seq, "result"), result)
+        self.store.set(store_keys.save_result(self.job, s.seq), result)
         for r in range(self.world_size):
             try:
-                self.store.delete_key(self._key(s.seq, f"r{r}"))
+                self.store.delete_key(store_keys.rank_outcome(self.job, s.seq, r))
             except Exception:
                 pass
 
-    def _follower_step(self, s: RelayedSave) -> str | None | bool:
-        key = self._key(s.seq, "result")
+    def _follower_step(self, s: RelayedSave) -> Outcome:
+        key = store_keys.save_result(self.job, s.seq)
         if not self.store.check([key]):
             return False
         result = self.store.get(key).decode()

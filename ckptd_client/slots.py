@@ -4,21 +4,23 @@ from __future__ import annotations
 import mmap
 import os
 from concurrent.futures import Executor, Future
-from typing import Any
 
 import torch
+
+from ckptd.core.schema import TensorLayout
 
 from .state import dtype_name
 
 ALIGN = 64
 
 
-def plan_layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[list[Any]], int]:
-    """Slot offsets for each tensor (64-byte aligned) and the bytes the slot must hold."""
-    layout, offset = [], 0
+def plan_layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorLayout], int]:
+    """Where each tensor goes in a slot (64-byte aligned), and the bytes the slot must hold."""
+    layout: list[TensorLayout] = []
+    offset = 0
     for name, t in tensors:
         nbytes = t.numel() * t.element_size()
-        layout.append([name, dtype_name(t.dtype), list(t.shape), offset, nbytes])
+        layout.append(TensorLayout(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes))
         offset += -(-nbytes // ALIGN) * ALIGN
     return layout, offset
 
@@ -34,21 +36,27 @@ class ClientSlot:
             self._mm = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        self.buffer = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.buffer: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.pinned = False
         if torch.cuda.is_available():
             self._pin()
 
+    def _mapped(self) -> torch.Tensor:
+        if self.buffer is None:
+            raise ValueError(f"slot {self.index} is closed")
+        return self.buffer
+
     def _pin(self) -> None:
         # cudaHostRegister makes D2H copies into the slot true DMA (non_blocking works).
-        rc = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.size, 0)
+        rc = torch.cuda.cudart().cudaHostRegister(self._mapped().data_ptr(), self.size, 0)
         self.pinned = int(rc) == 0
 
-    def view(self, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-        return self.buffer[offset: offset + nbytes].view(dtype).view(shape)
+    def view(self, entry: TensorLayout, dtype: torch.dtype) -> torch.Tensor:
+        """The slot bytes of ``entry`` as a tensor (``dtype``: the source's, equal to entry.dtype)."""
+        return self._mapped()[entry.offset: entry.offset + entry.nbytes].view(dtype).view(entry.shape)
 
     def close(self) -> None:
-        if self.pinned:
+        if self.pinned and self.buffer is not None:
             torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
             self.pinned = False
         self.buffer = None
@@ -58,25 +66,20 @@ class ClientSlot:
             pass  # a view is still alive somewhere; the mapping goes with it
 
 
-def _slot_view(slot: ClientSlot, entry: list[Any], t: torch.Tensor) -> torch.Tensor:
-    _name, _dtype, shape, offset, nbytes = entry
-    return slot.view(offset, nbytes, t.dtype, shape)
+def _copy(slot: ClientSlot, entry: TensorLayout, t: torch.Tensor, non_blocking: bool) -> None:
+    slot.view(entry, t.dtype).copy_(t.detach(), non_blocking=non_blocking)
 
 
-def _copy(slot: ClientSlot, entry: list[Any], t: torch.Tensor, non_blocking: bool) -> None:
-    _slot_view(slot, entry, t).copy_(t.detach(), non_blocking=non_blocking)
-
-
-def _copy_all(slot: ClientSlot, work: list[tuple[list[Any], torch.Tensor]]) -> None:
+def _copy_all(slot: ClientSlot, work: list[tuple[TensorLayout, torch.Tensor]]) -> None:
     """(Copy thread) every (layout entry, tensor) into the slot, in one call where torch allows:
     the GIL is then taken once, not per tensor."""
     with torch.no_grad():
-        dsts = [_slot_view(slot, entry, t) for entry, t in work]
+        dsts = [slot.view(entry, t.dtype) for entry, t in work]
         srcs = [t.detach() for _, t in work]
         try:
             torch._foreach_copy_(dsts, srcs)
         except (AttributeError, RuntimeError, TypeError):
-            for d, src in zip(dsts, srcs):
+            for d, src in zip(dsts, srcs, strict=True):
                 d.copy_(src)
 
 
@@ -90,11 +93,11 @@ class SlotCopy:
     waits on.
     """
 
-    def __init__(self, slot: ClientSlot, layout: list[list[Any]], tensors: list[tuple[str, torch.Tensor]],
+    def __init__(self, slot: ClientSlot, layout: list[TensorLayout], tensors: list[tuple[str, torch.Tensor]],
                  deferred: frozenset[int] = frozenset(), pool: Executor | None = None,
-                 side_streams: dict[torch.device, Any] | None = None) -> None:
-        self._future: Future | None = None
-        self._events: list[tuple[torch.device, Any]] = []
+                 side_streams: dict[torch.device, torch.cuda.Stream] | None = None) -> None:
+        self._future: Future[None] | None = None
+        self._events: list[tuple[torch.device, torch.cuda.Event]] = []
         if pool is None:
             deferred = frozenset()
         now = [i for i in range(len(tensors)) if i not in deferred]
@@ -127,7 +130,7 @@ class SlotCopy:
             for device in synced:
                 torch.cuda.current_stream(device).synchronize()
         self._pool = pool
-        self._cpu_work = [(layout[i], tensors[i][1]) for i in later_cpu]
+        self._cpu_work: list[tuple[TensorLayout, torch.Tensor]] = [(layout[i], tensors[i][1]) for i in later_cpu]
         self._slot = slot
 
     @property
@@ -138,13 +141,8 @@ class SlotCopy:
     def start(self) -> None:
         """Start the background CPU copy. Called as the last thing save() does: the copy thread
         then competes with the trainer for the GIL only after save() has returned."""
-        if self._cpu_work and self._future is None:
+        if self._cpu_work and self._future is None and self._pool is not None:
             self._future = self._pool.submit(_copy_all, self._slot, self._cpu_work)
-
-    @property
-    def pending(self) -> bool:
-        return (self._future is not None and not self._future.done()) or \
-            any(not ev.query() for _, ev in self._events)
 
     def fence(self) -> None:
         """Return once the state may be mutated. On CUDA the compute stream waits on the copy

@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 import random
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
 
-from ckptd.core.schema import DTYPE_ITEMSIZE
-
-from ckptd.core.tree import encode_tree
 from ckptd.core.names import validate_tensor_name
+from ckptd.core.schema import DTYPE_ITEMSIZE
+from ckptd.core.tree import encode_tree
 
 from .errors import CheckpointError
 
@@ -108,7 +107,8 @@ class RNGState:
     """Python ``random``, NumPy's global RNG, torch's CPU generator and every CUDA generator."""
 
     def state_dict(self) -> dict[str, Any]:
-        name, keys, pos, has_gauss, cached = np.random.get_state()
+        legacy = cast("tuple[str, np.ndarray[Any, Any], int, int, float]", np.random.get_state(legacy=True))
+        name, keys, pos, has_gauss, cached = legacy
         sd: dict[str, Any] = {
             "python": random.getstate(),
             "numpy": {"name": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),

@@ -1,0 +1,80 @@
+"""Copies that outlive ``save()``: the copy thread, CUDA side streams, optimizer fences."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from ckptd.core.schema import TensorLayout
+
+from .handle import SaveHandle
+from .slots import ClientSlot, SlotCopy
+from .state import FlatState
+
+
+def _hand_off(copy: SlotCopy, send: Callable[[], object], failed: Callable[[BaseException], None]) -> None:
+    try:
+        copy.wait_host()
+        send()
+    except BaseException as e:
+        failed(e)
+
+
+class OverlapCopies:
+    """What a Checkpointer keeps across overlapped saves. At most one copy is unfenced at a
+    time: the next save, a restore, close, or an optimizer's step pre-hook calls ``fence``
+    (the Checkpointer's, which also reports the fence's cost) before the state can change."""
+
+    def __init__(self, fence: Callable[[], None]) -> None:
+        self._fence = fence
+        self._pool: ThreadPoolExecutor | None = None
+        self._hooks: dict[int, RemovableHandle] = {}             # id(optimizer) → its pre-hook
+        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}   # reused for the Checkpointer's life
+        self.inflight: tuple[SaveHandle, SlotCopy] | None = None
+
+    def pool(self) -> ThreadPoolExecutor:
+        """The copy thread: background CPU copies and the hand-offs that wait for them."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-client-copy")
+        return self._pool
+
+    def snapshot(self, slot: ClientSlot, layout: list[TensorLayout], flat: FlatState, overlap: bool) -> SlotCopy:
+        """Copy what must be copied now; with ``overlap``, schedule the deferrable rest."""
+        return SlotCopy(slot, layout, flat.tensors, flat.deferrable if overlap else frozenset(),
+                        self.pool() if overlap else None, self._side_streams)
+
+    def begin(self, handle: SaveHandle, copy: SlotCopy, optimizers: list[torch.optim.Optimizer],
+              send: Callable[[], object], failed: Callable[[BaseException], None]) -> None:
+        """Track ``copy`` as unfenced, make each optimizer's step fence it first, and start it.
+        ``send`` (the hand-off to the daemon) runs on the copy thread once every byte is in the
+        slot; ``failed`` gets what it or the copy raised."""
+        for opt in optimizers:
+            if id(opt) not in self._hooks:
+                self._hooks[id(opt)] = opt.register_step_pre_hook(lambda *_: self._fence())
+        self.inflight = (handle, copy)
+        pool = self.pool()
+        copy.start()                      # last: see SlotCopy.start
+        pool.submit(_hand_off, copy, send, failed)
+
+    def fence(self) -> SaveHandle | None:
+        """Wait for the unfenced copy, if any; return its handle with the wait added to fence_s."""
+        inflight, self.inflight = self.inflight, None
+        if inflight is None:
+            return None
+        handle, copy = inflight
+        t0 = time.perf_counter()
+        copy.fence()
+        handle.fence_s += time.perf_counter() - t0
+        return handle
+
+    def unhook(self) -> None:
+        for hook in self._hooks.values():
+            hook.remove()
+        self._hooks.clear()
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

@@ -1,0 +1,138 @@
+"""This rank's connection to its daemon and the shared-memory slots the daemon lent it."""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from ckptd.core import protocol
+from ckptd.core.protocol import EventOp
+
+from .connection import DaemonConnection, EventHandler, LostHandler
+from .errors import CheckpointError, NotDelivered
+from .slots import ClientSlot
+
+
+class DaemonSession:
+    """Slots live and die with the connection that lent them, so one object owns both: a lost
+    connection takes its slots along, and the next ``ensure_slots`` reconnects (the daemon may
+    have restarted). ``slot_free`` events are handled here; every other event and the loss
+    itself go on to ``on_event``/``on_lost`` (the Checkpointer's)."""
+
+    def __init__(self, socket_path: str, job: str, rank: int, world_size: int, num_slots: int,
+                 on_event: EventHandler, on_lost: LostHandler) -> None:
+        self.socket_path = socket_path
+        self.job, self.rank, self.world_size = job, rank, world_size
+        self.num_slots = num_slots
+        self.daemon_root: str | None = None      # where the daemon writes, as its hello said
+        self.conn: DaemonConnection | None = None
+        self.slots: list[ClientSlot] = []
+        self._free: set[int] = set()
+        self._cond = threading.Condition()
+        self._on_event = on_event
+        self._on_lost = on_lost
+
+    def live(self) -> DaemonConnection | None:
+        """The connection, unless there is none or it was lost."""
+        conn = self.conn
+        return conn if conn is not None and not conn.lost else None
+
+    def commit(self, step: int, digests: dict[int, str]) -> None:
+        """(Relay, rank 0) every rank is durable: ask this daemon to write the step's index."""
+        conn = self.conn
+        if conn is None:
+            raise NotDelivered(f"not connected to ckptd at {self.socket_path}")
+        conn.request(protocol.Commit(step=step, digests={str(r): d for r, d in digests.items()}))
+
+    def abort(self, step: int, reason: str) -> None:
+        """(Relay, rank 0) some rank failed: let this daemon drop the step (if it is still there)."""
+        conn = self.live()
+        if conn is not None:
+            conn.request(protocol.Abort(step=step, reason=reason))
+
+    def report(self, step: int, stall_s: float, fence_s: float) -> None:
+        """Tell the daemon what a save cost the trainer (for its metrics); never blocks."""
+        conn = self.live()
+        if conn is not None:
+            conn.notify(protocol.Report(step=step, stall_s=stall_s, fence_s=fence_s))
+
+    def ensure_slots(self, nbytes: int) -> DaemonConnection:
+        """A live connection whose slots hold ``nbytes`` each: connect, or grow the slots."""
+        nbytes = max(nbytes, 1)
+        conn = self.live()
+        if conn is None:
+            self.drop()
+            return self._connect(nbytes)
+        if not self.slots or self.slots[0].size < nbytes:
+            self._wait_all_free()
+            self._install(conn.request(protocol.Resize(slot_bytes=nbytes, num_slots=self.num_slots)))
+        return conn
+
+    def _connect(self, slot_bytes: int) -> DaemonConnection:
+        conn = DaemonConnection(self.socket_path, self._event, on_lost=self._lost)
+        hello = protocol.Hello(job=self.job, rank=self.rank, world_size=self.world_size, pid=os.getpid(),
+                               slot_bytes=slot_bytes, num_slots=self.num_slots if slot_bytes else 0)
+        try:
+            reply = conn.request(hello)
+        except CheckpointError:
+            conn.close()
+            raise
+        self.daemon_root = reply["root"]
+        self._install(reply)
+        self.conn = conn
+        return conn
+
+    def _install(self, reply: dict[str, Any]) -> None:
+        for s in self.slots:
+            s.close()
+        lent = zip(reply["_fds"], reply["slots"], strict=True)
+        self.slots = [ClientSlot(i, fd, size) for i, (fd, size) in enumerate(lent)]
+        with self._cond:
+            self._free = set(range(len(self.slots)))
+
+    def drop(self) -> None:
+        """Close the connection and unmap its slots (a save in flight keeps the daemon's copy)."""
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+        for s in self.slots:
+            s.close()
+        self.slots = []
+        with self._cond:
+            self._free = set()
+
+    def _wait_all_free(self) -> None:
+        with self._cond:
+            while len(self._free) < len(self.slots) and self.live() is not None:
+                self._cond.wait(0.1)
+
+    def acquire(self, block: bool = True) -> int | None:
+        """A free slot's index; None if every slot is busy and ``block`` is False."""
+        with self._cond:
+            while not self._free:
+                if self.live() is None:
+                    raise NotDelivered(f"connection to ckptd at {self.socket_path} lost")
+                if not block:
+                    return None
+                self._cond.wait(0.1)
+            return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        """Give back a slot the daemon never received (a save abandoned before its hand-off)."""
+        with self._cond:
+            if 0 <= slot < len(self.slots):
+                self._free.add(slot)
+            self._cond.notify_all()
+
+    def _event(self, op: EventOp, msg: dict[str, Any]) -> None:
+        if op is EventOp.SLOT_FREE:
+            with self._cond:
+                self._free.add(msg["slot"])
+                self._cond.notify_all()
+            return
+        self._on_event(op, msg)
+
+    def _lost(self, reason: str) -> None:
+        with self._cond:
+            self._cond.notify_all()
+        self._on_lost(reason)
