@@ -9,19 +9,14 @@ import sys
 import time
 
 from ckptd import __version__
-
-from ckptd.daemon import logs
-
 from ckptd.core import protocol
-
-from ckptd.daemon import systemd
-from ckptd.core.codec import CODECS, DEFAULT_CHUNK_BYTES
-from ckptd.daemon.config import DEFAULT_CONFIG_PATH, LOG_FORMATS, LOG_LEVELS, ConfigError, load_settings
-from ckptd.core.reader import StepReader, list_steps, verify_step
 from ckptd.core.names import validate_job
-from ckptd.core.protocol import DEFAULT_SOCKET
-from ckptd.daemon.retention import RetentionPolicy, collect_root
+from ckptd.core.reader import StepReader, list_steps, verify_step
+from ckptd.daemon import logs, systemd
+from ckptd.daemon.config import DEBUG_KEYS, DEFAULT_CONFIG_PATH, KEYS, ConfigError, load_settings
+from ckptd.daemon.retention import collect_root
 from ckptd.daemon.server import Daemon, describe_error, tune_allocator
+from ckptd.daemon.spec import Key
 
 
 def _size(n: float) -> str:
@@ -39,33 +34,35 @@ def _age(seconds: float) -> str:
     return f"{seconds:.0f}s"
 
 
-# serve flag → config key; a flag the user did not give is None and does not override.
-_SERVE_FLAGS = {
-    "root": "root", "socket": "socket", "socket_mode": "socket_mode", "socket_group": "socket_group",
-    "allow_user": "allowed_users", "allow_group": "allowed_groups", "threads": "threads", "codec": "codec",
-    "level": "level", "step_timeout": "step_timeout", "drain_grace": "drain_grace",
-    "slot_memory_limit": "slot_memory_limit", "keep_last": "retention.keep_last",
-    "keep_every": "retention.keep_every", "abandoned_after": "retention.abandoned_after",
-    "metrics_address": "metrics.address", "log_format": "log_format", "log_level": "log_level",
-}
+# Flags derived from the settings' definition (config.py): serve takes them all, gc the retention ones.
+SERVE_KEYS = [*KEYS.values(), *DEBUG_KEYS.values()]
+GC_KEYS = [k for k in KEYS.values() if k.spec.gc]
 
 
-def _cli_overrides(args: argparse.Namespace, flags: dict[str, str]) -> dict[str, object]:
+def add_setting_flags(parser: argparse.ArgumentParser, keys: list[Key]) -> None:
+    """One option per flag of each setting; help and the default shown come from its definition."""
+    for key in keys:
+        for flag in key.flags:
+            parser.add_argument(
+                flag.name, dest=flag.dest, metavar=flag.metavar, choices=key.spec.choices or None,
+                action="append" if key.spec.repeat else "store", type=int if flag.unit != 1 else str,
+                help=argparse.SUPPRESS if flag.hidden else key.help().replace("%", "%%"))
+
+
+def setting_flags_given(args: argparse.Namespace, keys: list[Key]) -> dict[str, object]:
+    """Dotted key → raw value of each setting flag given; a flag not given overrides nothing."""
     out: dict[str, object] = {}
-    for attr, key in flags.items():
-        value = getattr(args, attr, None)
-        if value is not None:
-            out[key] = value
-    if getattr(args, "chunk_mib", None) is not None:
-        out["chunk_size"] = args.chunk_mib * 1024 * 1024
-    if getattr(args, "slot_memory_limit_mib", None):
-        out["slot_memory_limit"] = args.slot_memory_limit_mib * 1024 * 1024
+    for key in keys:
+        for flag in key.flags:
+            value = getattr(args, flag.dest, None)
+            if value is not None:
+                out[key.name] = value * flag.unit if flag.unit != 1 else value
     return out
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        settings = load_settings(args.config, cli=_cli_overrides(args, _SERVE_FLAGS))
+        settings = load_settings(args.config, cli=setting_flags_given(args, SERVE_KEYS))
     except ConfigError as e:
         print(f"ckptd serve: {e}", file=sys.stderr)
         return 2
@@ -75,7 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logs.setup(settings["log_format"], settings["log_level"])
     for w in settings.warnings:
         logging.getLogger("ckptd").warning(w)
-    config = settings.to_daemon_config(debug_write_delay=args.debug_write_delay)
+    config = settings.to_daemon_config()
     try:
         listen_sock = systemd.listen_socket()
     except systemd.ActivationError as e:
@@ -104,7 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     try:
-        settings = load_settings(args.config, cli=_cli_overrides(args, _GC_FLAGS), require_root=False)
+        settings = load_settings(args.config, cli=setting_flags_given(args, GC_KEYS), require_root=False)
     except ConfigError as e:
         print(f"ckptd gc: {e}", file=sys.stderr)
         return 2
@@ -112,8 +109,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if not root:
         print("ckptd gc: give ROOT (or root in the config file)", file=sys.stderr)
         return 2
-    policy = RetentionPolicy(settings["retention.keep_last"], settings["retention.keep_every"],
-                             settings["retention.abandoned_after"])
+    policy = settings.settings.retention.policy()  # settings: the Effective settings
     try:
         for job in args.job or []:
             validate_job(job)
@@ -143,10 +139,6 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(f"{verb} {n} step(s), kept {len(result.kept)}"
               + (f", {len(result.errors)} failed" if result.errors else ""))
     return 1 if result.errors else 0
-
-
-_GC_FLAGS = {"keep_last": "retention.keep_last", "keep_every": "retention.keep_every",
-             "abandoned_after": "retention.abandoned_after"}
 
 
 def _dir_bytes(path: str) -> int:
@@ -264,28 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Under systemd it takes the socket passed by socket activation and reports with sd_notify."))
     s.add_argument("--config", help=f"TOML config file (default: $CKPTD_CONFIG or {DEFAULT_CONFIG_PATH} if present)")
     s.add_argument("--check-config", action="store_true", help="print the effective settings and exit")
-    s.add_argument("--root", help="directory checkpoints are written under")
-    s.add_argument("--socket", help=f"unix socket to listen on when not socket-activated (default: {DEFAULT_SOCKET})")
-    s.add_argument("--socket-mode", help="socket permission bits, octal (default: 0660)")
-    s.add_argument("--socket-group", help="group owning the socket")
-    s.add_argument("--allow-user", action="append", help="user (name or uid) allowed to connect; repeatable")
-    s.add_argument("--allow-group", action="append", help="group whose members may connect; repeatable")
-    s.add_argument("--threads", type=int, help="compression threads (default: CPUs available)")
-    s.add_argument("--codec", choices=CODECS, help="chunk codec (default: bplane)")
-    s.add_argument("--level", type=int, help="zstd level (default: 1)")
-    s.add_argument("--chunk-mib", type=int, help=f"chunk size in MiB (default: {DEFAULT_CHUNK_BYTES >> 20})")
-    s.add_argument("--step-timeout", help="how long a step may wait for all its ranks (default: 600s)")
-    s.add_argument("--drain-grace", help="on SIGTERM, how long in-flight saves get to commit (default: 60s)")
-    s.add_argument("--slot-memory-limit", help="total shared-memory slot budget, e.g. 64GiB (default: half of RAM)")
-    s.add_argument("--slot-memory-limit-mib", type=int, help=argparse.SUPPRESS)
-    s.add_argument("--keep-last", help="retention: keep the newest N committed steps per job (0: all)")
-    s.add_argument("--keep-every", help="retention: also keep steps divisible by K (0: off)")
-    s.add_argument("--abandoned-after", help="retention: remove uncommitted step dirs untouched this long")
-    s.add_argument("--metrics-address", help="serve Prometheus metrics on HOST:PORT or PORT (loopback); off by default")
-    s.add_argument("--debug-write-delay", type=float, default=0.0,
-                   help="TEST ONLY: sleep this many seconds before writing each chunk")
-    s.add_argument("--log-format", choices=LOG_FORMATS, help="json (default) or plain")
-    s.add_argument("--log-level", choices=LOG_LEVELS, help="default: info")
+    add_setting_flags(s, SERVE_KEYS)
     s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("ls", help="list steps", description="List steps, committed or not, with sizes and ratios.")
@@ -316,9 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--job", action="append", help="only this job; repeatable")
     s.add_argument("--dry-run", "-n", action="store_true", help="print what would be removed, remove nothing")
     s.add_argument("--config", help=f"TOML config file (default: $CKPTD_CONFIG or {DEFAULT_CONFIG_PATH} if present)")
-    s.add_argument("--keep-last", help="keep the newest N committed steps per job (0: all)")
-    s.add_argument("--keep-every", help="also keep steps divisible by K (0: off)")
-    s.add_argument("--abandoned-after", help="remove uncommitted step dirs untouched this long (e.g. 6h)")
+    add_setting_flags(s, GC_KEYS)
     s.add_argument("-v", "--verbose", action="store_true", help="also list what is kept and why")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_gc)
@@ -327,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    return int(args.func(args))
 
 
 if __name__ == "__main__":

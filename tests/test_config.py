@@ -1,15 +1,36 @@
 """Configuration: TOML file < CKPTD_* environment < CLI flags; strict validation at start."""
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from ckptd.daemon.config import ConfigError, KEYS, env_name, load_settings, parse_duration, parse_size
+from ckptd.daemon.config import (
+    DEBUG_KEYS,
+    KEYS,
+    ConfigError,
+    DaemonConfig,
+    Settings,
+    env_name,
+    load_settings,
+    parse_duration,
+    parse_size,
+    update_docs,
+)
+from ckptd.daemon.retention import RetentionPolicy
+from ckptd.daemon.writer import WriteSettings
+
 from conftest import REPO, wait_for_socket
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 
 def write(tmp: Path, text: str, name: str = "ckptd.toml") -> str:
@@ -115,6 +136,32 @@ def test_size_and_duration_parsing():
             parse_duration(bad)
 
 
+def test_docs_settings_table_matches_definition():
+    """docs/operations.md's settings table is generated; a stale one fails here."""
+    assert update_docs(write=False), (
+        "docs/operations.md: the settings table differs from the definition in ckptd/daemon/config.py; "
+        "regenerate it with: python -m ckptd.daemon.config --write-docs")
+
+
+def test_example_config_names_every_known_key_and_only_those():
+    """Each `key = value` of the example, set or commented out, is a setting whose parser takes the value;
+    every setting appears there (a new setting must be added to the example)."""
+    seen, table = set(), ""
+    for line in (REPO / "packaging" / "ckptd.toml.example").read_text().splitlines():
+        if m := re.fullmatch(r"\[(\w+)\]", line.strip()):
+            table = m.group(1) + "."
+        elif m := re.fullmatch(r"#?\s*(\w+)\s*=\s*(.+?)(?:\s+#.*)?", line.strip()):
+            key = table + m.group(1)
+            assert key in KEYS, f"ckptd.toml.example: {key!r} is not a setting"
+            value = tomllib.loads(f"v = {m.group(2)}")["v"]
+            try:
+                KEYS[key].spec.parse(value)
+            except ValueError as e:
+                assert "no such" in str(e), f"ckptd.toml.example: {key} = {m.group(2)}: {e}"  # names of this host
+            seen.add(key)
+    assert seen == set(KEYS), f"ckptd.toml.example does not mention {sorted(set(KEYS) - seen)}"
+
+
 def test_example_config_is_valid(tmp):
     """packaging/ckptd.toml.example loads (with a group that exists on this machine)."""
     text = (REPO / "packaging" / "ckptd.toml.example").read_text()
@@ -166,3 +213,60 @@ def test_daemon_uses_config_file(tmp):
         proc.terminate()
         assert proc.wait(30) == 0
         log.close()
+
+
+# Flags users and tests type today; renaming any of them breaks someone.
+SERVE_FLAGS = {"--root": "root", "--socket": "socket", "--socket-mode": "socket_mode",
+               "--socket-group": "socket_group", "--allow-user": "allowed_users",
+               "--allow-group": "allowed_groups", "--slot-memory-limit": "slot_memory_limit",
+               "--slot-memory-limit-mib": "slot_memory_limit", "--codec": "codec", "--level": "level",
+               "--chunk-mib": "chunk_size", "--threads": "threads", "--step-timeout": "step_timeout",
+               "--drain-grace": "drain_grace", "--log-format": "log_format", "--log-level": "log_level",
+               "--keep-last": "retention.keep_last", "--keep-every": "retention.keep_every",
+               "--abandoned-after": "retention.abandoned_after", "--metrics-address": "metrics.address",
+               "--debug-write-delay": "debug.write_delay"}
+
+
+def test_flags_come_from_the_definition():
+    from ckptd.cli import GC_KEYS, SERVE_KEYS
+    assert {f.name: k.name for k in SERVE_KEYS for f in k.flags} == SERVE_FLAGS
+    assert [k.name for k in GC_KEYS] == ["retention.keep_last", "retention.keep_every", "retention.abandoned_after"]
+    assert all(k.spec.doc for k in SERVE_KEYS)
+
+
+def test_flags_reach_the_settings(tmp):
+    from ckptd.cli import SERVE_KEYS, build_parser, setting_flags_given
+    args = build_parser().parse_args([
+        "serve", "--root", str(tmp), "--chunk-mib", "2", "--slot-memory-limit-mib", "64", "--allow-user", "root",
+        "--allow-user", "4242", "--keep-last", "3", "--abandoned-after", "2h", "--metrics-address", "0",
+        "--codec", "zstd", "--debug-write-delay", "0.5"])
+    s = load_settings(None, env={"CKPTD_CONFIG": write(tmp, "")}, cli=setting_flags_given(args, SERVE_KEYS))
+    assert s["chunk_size"] == 2 * 1024**2 and s["slot_memory_limit"] == 64 * 1024**2
+    assert s["allowed_users"] == [0, 4242] and s["retention.keep_last"] == 3
+    assert s["retention.abandoned_after"] == 7200 and s["metrics.address"] == ("127.0.0.1", 0)
+    assert s.sources["chunk_size"] == "command line" and s.sources["codec"] == "command line"
+    dc = s.to_daemon_config()
+    assert dc.write.codec == "zstd" and dc.write.debug_write_delay == 0.5 and dc.allowed_uids == frozenset({0, 4242})
+
+
+def test_debug_settings_come_from_flags_only(tmp):
+    with pytest.raises(ConfigError, match="unknown key 'debug_write_delay'"):
+        load_settings(write(tmp, f'root = "{tmp}"\ndebug_write_delay = 1\n'), env={})
+    s = load_settings(write(tmp, f'root = "{tmp}"\n'), env={"CKPTD_DEBUG_WRITE_DELAY": "1"})
+    assert s.debug.write_delay == 0 and "ignoring unknown environment variable CKPTD_DEBUG_WRITE_DELAY" in s.warnings
+    assert "debug" not in s.render() and not set(DEBUG_KEYS) & set(KEYS)
+    s = load_settings(write(tmp, f'root = "{tmp}"\n'), env={}, cli={"debug.write_delay": "0.25"})
+    assert s.to_daemon_config().write.debug_write_delay == 0.25
+
+
+def test_defaults_are_stated_once():
+    """DaemonConfig's, WriteSettings' and RetentionPolicy's defaults are the settings' defaults."""
+    assert Settings(root="/r").to_daemon_config() == DaemonConfig(root="/r", socket_path=KEYS["socket"].default())
+    assert DaemonConfig("/r", "/s").write == WriteSettings() and DaemonConfig("/r", "/s").retention == RetentionPolicy()
+
+
+def test_check_config_spells_every_default_loadably(tmp):
+    s = load_settings(write(tmp, f'root = "{tmp}"\n'), env={})
+    again = load_settings(write(tmp, s.render(), "eff.toml"), env={})
+    assert dataclasses.asdict(again.settings) == dataclasses.asdict(s.settings)
+    assert 'step_timeout = "10m"    # default' in s.render() and 'chunk_size = "4MiB"' in s.render()

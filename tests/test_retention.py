@@ -171,7 +171,7 @@ def test_daemon_applies_retention_after_commit(daemon_factory):
     assert steps_left(d.root, "ret") == [3, 6, 7]
     st = protocol.request_once(str(d.socket), {"op": "status"})
     assert st["last_committed"]["ret"]["step"] == 7
-    from test_metrics import wait_metric       # the count follows the deletions on the event loop
+    from test_metrics import wait_metric  # the count follows the deletions on the event loop
     m = wait_metric(st["metrics"], 'ckptd_gc_removed_steps_total{kind="expired"}', 4)
     assert m['ckptd_gc_removed_steps_total{kind="expired"}'] == 4        # steps 1, 2, 4, 5
     assert m['ckptd_gc_removed_steps_total{kind="abandoned"}'] == 0 and m["ckptd_gc_errors_total"] == 0

@@ -1,220 +1,81 @@
-"""Daemon configuration: one TOML file, ``CKPTD_*`` environment overrides, CLI flags over both.
+"""Daemon settings: one typed definition per setting, and everything else derived from it.
 
-Precedence, lowest first: built-in defaults < the TOML file < environment < command line.
-The file is ``/etc/ckptd/ckptd.toml`` unless ``--config`` (or ``$CKPTD_CONFIG``) names
-another; the default file may be absent, a named one may not. Every key is validated when
-the daemon starts; an unknown key or a bad value stops it with the key, where it came
-from and why (``ConfigError``). docs/operations.md has the reference; this module's
-``KEYS`` table is its one implementation.
+Each setting is one field of :class:`Settings` (a nested dataclass per TOML table); the
+field's :class:`Spec` metadata holds its doc, parser, TOML spelling and command-line flags.
+From that one definition come the TOML keys (``retention.keep_last``), the ``CKPTD_*``
+environment names, the ``ckptd serve`` / ``ckptd gc`` flags with their help
+(``add_setting_flags`` in cli.py), ``serve --check-config`` (:meth:`Effective.render`) and the settings
+table of docs/operations.md (:func:`render_settings_table`; rewrite it with
+``python -m ckptd.daemon.config --write-docs``). Test-only knobs are :class:`DebugSettings`:
+flags only, never read from the file or the environment.
 
-The file is flat, with two tables::
-
-    root = "/var/lib/ckptd"
-    socket = "/run/ckptd/ckptd.sock"
-    allowed_groups = ["ckptd"]
-    [retention]
-    keep_last = 3
-    [metrics]
-    address = "127.0.0.1:9464"
-
-Environment names are ``CKPTD_`` + the dotted key upper-cased with ``.`` → ``_``
-(``CKPTD_RETENTION_KEEP_LAST``); lists are comma-separated there.
+Precedence, lowest first: defaults < the TOML file < environment < command line. The file
+is ``/etc/ckptd/ckptd.toml`` unless ``--config`` (or ``$CKPTD_CONFIG``) names another; the
+default file may be absent, a named one may not. Every value is validated at start; an
+unknown key or a bad value stops the daemon with the key, where it came from and why
+(``ConfigError``). Environment names are ``CKPTD_`` + the dotted key upper-cased with
+``.`` → ``_`` (``CKPTD_RETENTION_KEEP_LAST``); lists are comma-separated there.
 """
 from __future__ import annotations
 
-import grp
-import math
+import functools
 import os
-import pwd
-import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+    import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
 
-from ckptd.core.codec import CODECS, DEFAULT_CHUNK_BYTES
+from ckptd.core.codec import CODECS
 from ckptd.core.protocol import DEFAULT_SOCKET
 from ckptd.daemon.retention import RetentionPolicy
+from ckptd.daemon.spec import (
+    ENV_PREFIX,
+    Flag,
+    Key,
+    build,
+    env_name,
+    integer,
+    listof,
+    mode,
+    optional_group,
+    parse_duration,
+    parse_metrics_address,
+    parse_size,
+    path,
+    resolve_group,
+    resolve_user,
+    setting,
+    show_address,
+    show_duration,
+    show_mode,
+    show_size,
+    socket_path,
+    table,
+    walk,
+)
 from ckptd.daemon.writer import WriteSettings
 
 DEFAULT_CONFIG_PATH = "/etc/ckptd/ckptd.toml"
-ENV_PREFIX = "CKPTD_"
 ENV_CONFIG = "CKPTD_CONFIG"
+ENV_OTHER = {ENV_CONFIG}    # CKPTD_* names set around the daemon that are not settings
 MAX_CONFIG_BYTES = 1024 * 1024
 LOG_FORMATS = ("json", "plain")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-DEFAULT_METRICS_PORT = 9464
+MiB = 1024 * 1024
+DOCS_PATH = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "operations.md"))
+DOC_BEGIN, DOC_END = "<!-- settings-table:begin -->", "<!-- settings-table:end -->"
 
 
 class ConfigError(ValueError):
     """A configuration that must not start a daemon; the message names the key and the source."""
 
 
-# ---- value parsers: raw TOML / env / CLI value → normalized value, or ValueError(reason) --------
-
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-               "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
-_DURATION_UNITS = {"": 1, "s": 1, "ms": 0.001, "m": 60, "min": 60, "h": 3600, "d": 86400}
-
-
-def parse_size(v: Any) -> int:
-    """Bytes: an integer, or a string like ``"64GiB"``, ``"512 MiB"``, ``"4M"`` (SI: 1000, IEC: 1024)."""
-    if isinstance(v, bool):
-        raise ValueError("must be a size in bytes (integer) or a string like \"64GiB\"")
-    if isinstance(v, int):
-        n = v
-    elif isinstance(v, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", v)
-        if not m or m.group(2).lower() not in _SIZE_UNITS:
-            raise ValueError(f"{v!r} is not a size; write bytes or e.g. \"64GiB\", \"512MiB\"")
-        n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
-    else:
-        raise ValueError("must be a size in bytes (integer) or a string like \"64GiB\"")
-    if n < 0:
-        raise ValueError("must not be negative")
-    return n
-
-
-def parse_duration(v: Any) -> float:
-    """Seconds: a number, or a string like ``"90s"``, ``"10m"``, ``"6h"``, ``"2d"``."""
-    if isinstance(v, bool):
-        raise ValueError("must be a duration in seconds (number) or a string like \"10m\"")
-    if isinstance(v, (int, float)):
-        s = float(v)
-    elif isinstance(v, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", v)
-        if not m or m.group(2).lower() not in _DURATION_UNITS:
-            raise ValueError(f"{v!r} is not a duration; write seconds or e.g. \"90s\", \"10m\", \"6h\"")
-        s = float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
-    else:
-        raise ValueError("must be a duration in seconds (number) or a string like \"10m\"")
-    if not math.isfinite(s) or s < 0:
-        raise ValueError("must be a finite, non-negative duration")
-    return s
-
-
-def _int(lo: int, hi: int | None = None) -> Callable[[Any], int]:
-    def parse(v: Any) -> int:
-        if isinstance(v, str) and re.fullmatch(r"\s*-?\d+\s*", v):
-            v = int(v)
-        if type(v) is not int:
-            raise ValueError(f"must be an integer, got {v!r}")
-        if v < lo or (hi is not None and v > hi):
-            raise ValueError(f"must be between {lo} and {hi}, got {v}" if hi is not None
-                             else f"must be at least {lo}, got {v}")
-        return v
-    return parse
-
-
-def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
-    def parse(v: Any) -> str:
-        if not isinstance(v, str) or v.lower() not in options:
-            raise ValueError(f"must be one of {', '.join(options)}, got {v!r}")
-        return v.lower()
-    return parse
-
-
-def _path(v: Any) -> str:
-    if not isinstance(v, str) or not v.strip():
-        raise ValueError("must be a non-empty path string")
-    if "\x00" in v:
-        raise ValueError("must not contain NUL")
-    return os.path.abspath(os.path.expanduser(v))
-
-
-def _socket_path(v: Any) -> str:
-    p = _path(v)
-    if len(os.fsencode(p)) > 107:
-        raise ValueError(f"unix socket paths are limited to 107 bytes; {p!r} has {len(os.fsencode(p))}")
-    return p
-
-
-def _mode(v: Any) -> int:
-    """A permission mode: an integer (TOML ``0o660``) or an octal string (``"0660"``, ``"660"``)."""
-    if isinstance(v, str):
-        s = v.strip().lower().removeprefix("0o")
-        if not re.fullmatch(r"[0-7]{1,4}", s):
-            raise ValueError(f"{v!r} is not an octal mode like \"0660\"")
-        v = int(s, 8)
-    if type(v) is not int or not 0 <= v <= 0o777:
-        raise ValueError(f"must be a permission mode between 0 and 0o777 (e.g. \"0660\"), got {v!r}")
-    if v & 0o600 != 0o600:
-        raise ValueError(f"{oct(v)} does not let the daemon's own user read and write its socket (needs 0o600)")
-    return v
-
-
-def _list(item: Callable[[Any], Any]) -> Callable[[Any], list[Any]]:
-    def parse(v: Any) -> list[Any]:
-        if isinstance(v, str):
-            v = [p.strip() for p in v.split(",") if p.strip()]
-        if not isinstance(v, list):
-            raise ValueError(f"must be a list, got {type(v).__name__}")
-        return [item(x) for x in v]
-    return parse
-
-
-def resolve_user(v: Any) -> int:
-    """A user name or a numeric uid (a uid needs no passwd entry: containers)."""
-    if isinstance(v, str) and v.strip().isdigit():
-        v = int(v)
-    if type(v) is int:
-        if not 0 <= v < 2**32 - 1:
-            raise ValueError(f"uid {v} out of range")
-        return v
-    if not isinstance(v, str) or not v:
-        raise ValueError(f"users are names or numeric uids, got {v!r}")
-    try:
-        return pwd.getpwnam(v).pw_uid
-    except KeyError:
-        raise ValueError(f"no such user {v!r}") from None
-
-
-def resolve_group(v: Any) -> int:
-    """A group name or a numeric gid."""
-    if isinstance(v, str) and v.strip().isdigit():
-        v = int(v)
-    if type(v) is int:
-        if not 0 <= v < 2**32 - 1:
-            raise ValueError(f"gid {v} out of range")
-        return v
-    if not isinstance(v, str) or not v:
-        raise ValueError(f"groups are names or numeric gids, got {v!r}")
-    try:
-        return grp.getgrnam(v).gr_gid
-    except KeyError:
-        raise ValueError(f"no such group {v!r}") from None
-
-
-def parse_metrics_address(v: Any) -> tuple[str, int] | None:
-    """``""``/``"off"`` → None; ``"9464"`` → loopback:9464; ``"host:port"``, ``"[::1]:port"``."""
-    if v is None or v is False:
-        return None
-    if type(v) is int:
-        v = str(v)
-    if not isinstance(v, str):
-        raise ValueError(f"must be \"host:port\", a port, or \"\" (off), got {v!r}")
-    s = v.strip()
-    if s.lower() in ("", "off", "none", "false", "no"):
-        return None
-    m = re.fullmatch(r"(?:\[([0-9A-Fa-f:.]+)\]|([^:\[\]]*)):(\d+)", s) or re.fullmatch(r"()()(\d+)", s)
-    if not m:
-        raise ValueError(f"{v!r} is not \"host:port\" (e.g. \"127.0.0.1:{DEFAULT_METRICS_PORT}\") or a port")
-    host = m.group(1) or m.group(2) or "127.0.0.1"
-    port = int(m.group(3))
-    if port > 65535:
-        raise ValueError(f"port {port} out of range")
-    return host, port
-
-
-def _socket_group(v: Any) -> int | None:
-    if v is None or v == "":
-        return None
-    return resolve_group(v)
-
+# ---- the definition ---------------------------------------------------------------------------
 
 def _default_threads() -> int:
     try:
@@ -227,127 +88,181 @@ def _default_slot_memory_limit() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
+# Defaults of settings consumed by one library class are that class's own defaults.
+_WRITE, _POLICY = WriteSettings(), RetentionPolicy()
+
+
+@dataclass(frozen=True)
+class RetentionSettings:
+    """``[retention]``: applied by the daemon after each commit of a job, and by ``ckptd gc``."""
+    keep_last: int = setting(
+        _POLICY.keep_last, parse=integer(0), gc=True,
+        doc="Keep the newest N committed steps per job; `0` keeps every committed step.")
+    keep_every: int = setting(
+        _POLICY.keep_every, parse=integer(0), gc=True,
+        doc="Also keep every committed step whose number is divisible by K; `0` is off.")
+    abandoned_after: float = setting(
+        _POLICY.abandoned_after, parse=parse_duration, show=show_duration, gc=True,
+        doc="Remove uncommitted step directories nothing has touched for this long. Must be ≥ `step_timeout`.")
+
+    def policy(self) -> RetentionPolicy:
+        return RetentionPolicy(self.keep_last, self.keep_every, self.abandoned_after)
+
+
+@dataclass(frozen=True)
+class MetricsSettings:
+    """``[metrics]``: the optional Prometheus endpoint."""
+    address: tuple[str, int] | None = setting(
+        None, parse=parse_metrics_address, show=show_address, default_doc="off", flags=(Flag("--metrics-address"),),
+        doc="Address of the Prometheus endpoint: `\"host:port\"`, `\"[::1]:port\"`, or a bare port (binds "
+            "127.0.0.1). Port 0 picks a free port (shown by `ckptd status`). A port in use fails the start.")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every production setting of ``ckptd serve``, in TOML order (tables last)."""
+    root: str | None = setting(
+        None, parse=path, required=True,
+        doc="Directory checkpoints are written under: `<root>/<job>/step-<N>/`. "
+            "Every node of a multi-node job must see the same root.")
+    socket: str = setting(
+        DEFAULT_SOCKET, parse=socket_path,
+        doc="Socket the daemon binds when not socket-activated (≤ 107 bytes).")
+    socket_mode: int = setting(
+        0o660, parse=mode, show=show_mode,
+        doc="Permission bits of a socket the daemon binds itself (octal string or `0o660`). Must include "
+            "`0600`. Any \"other\" bit is refused unless `allowed_users`/`allowed_groups` restrict peers.")
+    socket_group: int | None = setting(
+        None, parse=optional_group, default_doc="the daemon's group",
+        doc="Group (name or gid) owning a socket the daemon binds itself.")
+    allowed_users: list[int] = setting(
+        factory=list, parse=listof(resolve_user), repeat=True, flags=(Flag("--allow-user"),),
+        doc="Users (names or uids) allowed to connect.")
+    allowed_groups: list[int] = setting(
+        factory=list, parse=listof(resolve_group), repeat=True, flags=(Flag("--allow-group"),),
+        doc="Groups (names or gids) whose members may connect: the peer's primary or any supplementary "
+            "group. Both lists empty: anyone who can open the socket. root and the daemon's own user are "
+            "always allowed. Unknown names fail at start.")
+    slot_memory_limit: int = setting(
+        factory=_default_slot_memory_limit, parse=parse_size, show=show_size, default_doc="half of RAM",
+        flags=(Flag("--slot-memory-limit"), Flag("--slot-memory-limit-mib", unit=MiB, hidden=True)),
+        doc="Total shared memory for all connected ranks' slots, e.g. `\"64GiB\"` (each rank gets 2 slots the "
+            "size of its state by default). A rank asking for more gets an error at `hello`/first save. ≥ 1 MiB.")
+    codec: str = setting(
+        _WRITE.codec, choices=CODECS,
+        doc="Chunk codec: `bplane` (float-aware byte planes + zstd; non-float tensors use zstd), `zstd`, "
+            "or `none`.")
+    level: int = setting(_WRITE.level, parse=integer(1, 22), doc="zstd level, 1–22.")
+    chunk_size: int = setting(
+        _WRITE.chunk_bytes, parse=parse_size, show=show_size, flags=(Flag("--chunk-mib", unit=MiB, metavar="MIB"),),
+        doc="Bytes per independently compressed and checksummed chunk, 64 KiB–1 GiB (the flag counts MiB).")
+    threads: int = setting(
+        factory=_default_threads, parse=integer(1, 4096), default_doc="CPUs available",
+        doc="Compression threads.")
+    step_timeout: float = setting(
+        600.0, parse=parse_duration, show=show_duration,
+        doc="A step not durable on every rank this long after its first save is abandoned.")
+    drain_grace: float = setting(
+        60.0, parse=parse_duration, show=show_duration,
+        doc="On SIGTERM, how long saves in flight get to commit. Keep it below the unit's `TimeoutStopSec`.")
+    log_format: str = setting(
+        "json", choices=LOG_FORMATS, doc="Log line format: `json` (one object a line) or `plain`.")
+    log_level: str = setting(
+        "info", choices=LOG_LEVELS, doc="Log level: `debug`, `info`, `warning`, `error`.")
+    retention: RetentionSettings = table(RetentionSettings)
+    metrics: MetricsSettings = table(MetricsSettings)
+
+    def to_daemon_config(self, debug: DebugSettings | None = None) -> DaemonConfig:
+        """What the daemon reads: these values in the shapes its parts take."""
+        if self.root is None:
+            raise ConfigError(_NO_ROOT)
+        debug = debug or DebugSettings()
+        return DaemonConfig(
+            root=self.root, socket_path=self.socket, socket_mode=self.socket_mode, socket_group=self.socket_group,
+            threads=self.threads, step_timeout=self.step_timeout, slot_memory_limit=self.slot_memory_limit,
+            write=WriteSettings(codec=self.codec, level=self.level, chunk_bytes=self.chunk_size,
+                                debug_write_delay=debug.write_delay),
+            allowed_uids=frozenset(self.allowed_users) or None, allowed_gids=frozenset(self.allowed_groups) or None,
+            drain_grace=self.drain_grace, retention=self.retention.policy(), metrics_address=self.metrics.address)
+
+
+@dataclass(frozen=True)
+class DebugSettings:
+    """Test-only knobs: flags only, never the file or the environment, so no deployed config sets them."""
+    write_delay: float = setting(
+        0.0, parse=parse_duration, flags=(Flag("--debug-write-delay", metavar="SECONDS"),),
+        doc="TEST ONLY: sleep this many seconds before writing each chunk, so a test can kill the daemon "
+            "while a step is being written.")
+
+
+KEYS: dict[str, Key] = {k.name: k for k in walk(Settings)}
+DEBUG_KEYS: dict[str, Key] = {k.name: k for k in walk(DebugSettings, "debug.")}
+ENV_KEYS = {k.env: k.name for k in KEYS.values()}
+_NO_ROOT = "root is not set: give --root, CKPTD_ROOT or root = \"...\" in the config file"
+
+
+def _default(key: str) -> Any:
+    """A DaemonConfig default read from the setting's definition, never restated."""
+    return field(default_factory=lambda: KEYS[key].default())
+
+
 @dataclass
 class DaemonConfig:
+    """What the daemon reads (server.py); built by :meth:`Settings.to_daemon_config`."""
     root: str
     socket_path: str
-    socket_mode: int = 0o660
-    threads: int = field(default_factory=_default_threads)
+    socket_mode: int = _default("socket_mode")
+    threads: int = _default("threads")
     write: WriteSettings = field(default_factory=WriteSettings)
-    step_timeout: float = 600.0
-    slot_memory_limit: int = field(default_factory=_default_slot_memory_limit)
+    step_timeout: float = _default("step_timeout")
+    slot_memory_limit: int = _default("slot_memory_limit")
     allowed_uids: frozenset[int] | None = None   # None: any peer that can open the socket
     allowed_gids: frozenset[int] | None = None
-    drain_grace: float = 60.0
+    drain_grace: float = _default("drain_grace")
     socket_group: int | None = None              # chgrp of a socket the daemon binds itself
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
     metrics_address: tuple[str, int] | None = None  # (host, port) of /metrics; None: off
 
 
-@dataclass(frozen=True)
-class Key:
-    name: str                           # dotted: "retention.keep_last"
-    parse: Callable[[Any], Any]
-    default: Any                        # a value or a zero-argument callable
-    doc: str
-
-
-KEYS: dict[str, Key] = {k.name: k for k in [
-    Key("root", _path, None, "directory checkpoints are written under (required)"),
-    Key("socket", _socket_path, DEFAULT_SOCKET, "unix socket path when the daemon binds its own socket"),
-    Key("socket_mode", _mode, 0o660, "permission bits of a socket the daemon binds itself"),
-    Key("socket_group", _socket_group, None, "group owning a socket the daemon binds itself"),
-    Key("allowed_users", _list(resolve_user), [], "users (names or uids) allowed to connect"),
-    Key("allowed_groups", _list(resolve_group), [], "groups (names or gids) whose members may connect"),
-    Key("slot_memory_limit", parse_size, _default_slot_memory_limit, "total shared-memory slot budget"),
-    Key("codec", _choice(CODECS), "bplane", "chunk codec"),
-    Key("level", _int(1, 22), 1, "zstd level"),
-    Key("chunk_size", parse_size, DEFAULT_CHUNK_BYTES, "bytes per independently compressed chunk"),
-    Key("threads", _int(1, 4096), _default_threads, "compression threads"),
-    Key("step_timeout", parse_duration, 600.0, "how long a step may wait for all its ranks"),
-    Key("drain_grace", parse_duration, 60.0, "on SIGTERM, how long in-flight saves get to commit"),
-    Key("log_format", _choice(LOG_FORMATS), "json", "log line format"),
-    Key("log_level", _choice(LOG_LEVELS), "info", "log level"),
-    Key("retention.keep_last", _int(0), 0, "keep the newest N committed steps per job (0: keep all)"),
-    Key("retention.keep_every", _int(0), 0, "also keep every step divisible by K (0: off)"),
-    Key("retention.abandoned_after", parse_duration, 86400.0,
-        "remove uncommitted step directories untouched for this long"),
-    Key("metrics.address", parse_metrics_address, None, "Prometheus endpoint host:port (off by default)"),
-]}
-
-
-def env_name(key: str) -> str:
-    return ENV_PREFIX + key.upper().replace(".", "_")
-
-
-ENV_KEYS = {env_name(k): k for k in KEYS}
-# CKPTD_* names that are not daemon settings but are legitimately set around it.
-ENV_OTHER = {ENV_CONFIG}
-
+# ---- loading ------------------------------------------------------------------------------------
 
 @dataclass
-class Settings:
-    """The validated, effective configuration, plus where each value came from."""
-    values: dict[str, Any]
+class Effective:
+    """The validated settings in force, plus where each value came from."""
+    settings: Settings
+    debug: DebugSettings = field(default_factory=DebugSettings)
     sources: dict[str, str] = field(default_factory=dict)
     config_path: str | None = None
     warnings: list[str] = field(default_factory=list)
 
     def __getitem__(self, key: str) -> Any:
-        return self.values[key]
+        """A value by dotted key (``"retention.keep_last"``)."""
+        return functools.reduce(getattr, key.split("."), self.settings)
 
-    def to_daemon_config(self, **extra: Any) -> DaemonConfig:
-        """The server's DaemonConfig for these settings (``extra``: test-only knobs)."""
-        v = self.values
-        write = WriteSettings(codec=v["codec"], level=v["level"], chunk_bytes=v["chunk_size"],
-                              debug_write_delay=extra.pop("debug_write_delay", 0.0))
-        return DaemonConfig(
-            root=v["root"], socket_path=v["socket"], socket_mode=v["socket_mode"], threads=v["threads"],
-            write=write, step_timeout=v["step_timeout"], slot_memory_limit=v["slot_memory_limit"],
-            allowed_uids=frozenset(v["allowed_users"]) if v["allowed_users"] else None,
-            allowed_gids=frozenset(v["allowed_groups"]) if v["allowed_groups"] else None,
-            drain_grace=v["drain_grace"], socket_group=v["socket_group"],
-            retention=RetentionPolicy(keep_last=v["retention.keep_last"], keep_every=v["retention.keep_every"],
-                                      abandoned_after=v["retention.abandoned_after"]),
-            metrics_address=v["metrics.address"], **extra)
+    def to_daemon_config(self) -> DaemonConfig:
+        return self.settings.to_daemon_config(self.debug)
 
     def render(self) -> str:
-        """The effective settings as TOML, each with its source (``serve --check-config``)."""
+        """The effective settings as a loadable TOML file, each with its source (``--check-config``)."""
         lines = [f"# effective ckptd settings; config file: {self.config_path or '(none)'}"]
         section = ""
-        for k in KEYS:
-            table, _, name = k.rpartition(".")
-            if table != section:
-                lines += ["", f"[{table}]"]
-                section = table
-            v = self.values[k]
-            if k == "socket_mode":
-                shown = f'"{v:04o}"'
-            elif k == "metrics.address":
-                shown = '""' if v is None else f'"{_format_address(v)}"'
-            elif v is None:
-                shown = '""'
-            elif isinstance(v, str):
-                shown = '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-            else:
-                shown = repr(v)
-            lines.append(f"{name} = {shown}    # {self.sources.get(k, 'default')}")
+        for key in KEYS.values():
+            tbl, _, name = key.name.rpartition(".")
+            if tbl != section:
+                lines += ["", f"[{tbl}]"]
+                section = tbl
+            lines.append(f"{name} = {key.spec.show(self[key.name])}    # {self.sources.get(key.name, 'default')}")
         return "\n".join(lines)
-
-
-def _format_address(addr: tuple[str, int]) -> str:
-    host, port = addr
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _flatten_toml(obj: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for k, v in obj.items():
+    for k, val in obj.items():
         name = f"{prefix}{k}"
-        if isinstance(v, dict) and any(key.startswith(name + ".") for key in KEYS):
-            out.update(_flatten_toml(v, name + "."))
+        if isinstance(val, dict) and any(key.startswith(name + ".") for key in KEYS):
+            out.update(_flatten_toml(val, name + "."))
         else:
-            out[name] = v
+            out[name] = val
     return out
 
 
@@ -374,69 +289,105 @@ def read_config_file(path: str) -> dict[str, Any]:
 
 
 def load_settings(config_path: str | None = None, env: Mapping[str, str] | None = None,
-                  cli: Mapping[str, Any] | None = None, *, require_root: bool = True) -> Settings:
+                  cli: Mapping[str, Any] | None = None, *, require_root: bool = True) -> Effective:
     """Merge defaults < file < environment < CLI, validating each layer's values as they come in.
 
     ``config_path``: an explicit file (``--config``); must exist. None: ``$CKPTD_CONFIG`` (must
     exist) or /etc/ckptd/ckptd.toml (used if present). ``cli``: dotted key → raw value for
-    every flag the user actually gave.
+    every flag the user actually gave; ``debug.*`` keys come from here only.
     """
     env = os.environ if env is None else env
     cli = dict(cli or {})
     explicit = config_path or env.get(ENV_CONFIG) or None
     path = explicit or DEFAULT_CONFIG_PATH
-    settings = Settings({}, {})
+    config_used = None
+    warnings: list[str] = []
     layers: list[tuple[str, dict[str, Any]]] = []
     if explicit or os.path.exists(path):
         layers.append((f"config {path}", read_config_file(path)))
-        settings.config_path = path
+        config_used = path
     env_layer: dict[str, Any] = {}
     for name, raw in env.items():
-        if not name.startswith(ENV_PREFIX):
-            continue
         if name in ENV_KEYS:
             env_layer[ENV_KEYS[name]] = raw
-        elif name not in ENV_OTHER:
-            settings.warnings.append(f"ignoring unknown environment variable {name}")
+        elif name.startswith(ENV_PREFIX) and name not in ENV_OTHER:
+            warnings.append(f"ignoring unknown environment variable {name}")
     layers.append(("environment", env_layer))
-    unknown = sorted(k for k in cli if k not in KEYS)
+    unknown = sorted(k for k in cli if k not in KEYS and k not in DEBUG_KEYS)
     if unknown:
         raise ConfigError(f"unknown setting {unknown[0]!r}")
     layers.append(("command line", cli))
 
-    for key, spec in KEYS.items():
-        settings.values[key] = spec.default() if callable(spec.default) else spec.default
-        settings.sources[key] = "default"
+    keys = {**KEYS, **DEBUG_KEYS}
+    flat = {name: key.default() for name, key in keys.items()}
+    sources = dict.fromkeys(KEYS, "default")
     for source, layer in layers:
-        for key, raw in layer.items():
-            where = f"{env_name(key)}" if source == "environment" else key
+        for name, raw in layer.items():
+            where = env_name(name) if source == "environment" else name
             try:
-                settings.values[key] = KEYS[key].parse(raw)
+                flat[name] = keys[name].spec.parse(raw)
             except ValueError as e:
                 raise ConfigError(f"{source}: {where}: {e}") from None
-            settings.sources[key] = source
+            sources[name] = source
+    debug = build(DebugSettings, flat, "debug.")
+    settings = Effective(build(Settings, flat), debug, sources, config_used, warnings)
     _check_consistency(settings, require_root)
     return settings
 
 
-def _check_consistency(s: Settings, require_root: bool) -> None:
-    v = s.values
-    if require_root and not v["root"]:
-        raise ConfigError("root is not set: give --root, CKPTD_ROOT or root = \"...\" in the config file")
-    if v["slot_memory_limit"] < 1024 * 1024:
-        raise ConfigError(f"{s.sources['slot_memory_limit']}: slot_memory_limit: "
-                          f"{v['slot_memory_limit']} bytes is too small (at least 1MiB)")
-    if not 64 * 1024 <= v["chunk_size"] <= 1024**3:
-        raise ConfigError(f"{s.sources['chunk_size']}: chunk_size: must be between 64KiB and 1GiB, "
-                          f"got {v['chunk_size']}")
-    if v["step_timeout"] <= 0:
-        raise ConfigError(f"{s.sources['step_timeout']}: step_timeout: must be positive")
-    if v["retention.abandoned_after"] < v["step_timeout"]:
+def _check_consistency(s: Effective, require_root: bool) -> None:
+    c, src = s.settings, s.sources
+    if require_root and not c.root:
+        raise ConfigError(_NO_ROOT)
+    if c.slot_memory_limit < MiB:
+        raise ConfigError(f"{src['slot_memory_limit']}: slot_memory_limit: "
+                          f"{c.slot_memory_limit} bytes is too small (at least 1MiB)")
+    if not 64 * 1024 <= c.chunk_size <= 1024**3:
+        raise ConfigError(f"{src['chunk_size']}: chunk_size: must be between 64KiB and 1GiB, got {c.chunk_size}")
+    if c.step_timeout <= 0:
+        raise ConfigError(f"{src['step_timeout']}: step_timeout: must be positive")
+    if c.retention.abandoned_after < c.step_timeout:
         raise ConfigError(
-            f"{s.sources['retention.abandoned_after']}: retention.abandoned_after: "
-            f"{v['retention.abandoned_after']:g}s is shorter than step_timeout ({v['step_timeout']:g}s); "
+            f"{src['retention.abandoned_after']}: retention.abandoned_after: "
+            f"{c.retention.abandoned_after:g}s is shorter than step_timeout ({c.step_timeout:g}s); "
             "a slow step still being written could be removed")
-    if v["socket_mode"] & 0o007 and not (v["allowed_users"] or v["allowed_groups"]):
+    if c.socket_mode & 0o007 and not (c.allowed_users or c.allowed_groups):
         raise ConfigError(
-            f"{s.sources['socket_mode']}: socket_mode: {v['socket_mode']:04o} lets every local user connect; "
+            f"{src['socket_mode']}: socket_mode: {c.socket_mode:04o} lets every local user connect; "
             "drop the 'other' bits or restrict peers with allowed_users / allowed_groups")
+
+
+# ---- the docs table (the flags are derived in cli.py) --------------------------------------------
+
+def render_settings_table() -> str:
+    """The settings reference of docs/operations.md (between its settings-table markers)."""
+    rows = ["| key | environment | flag | default | meaning |", "|---|---|---|---|---|"]
+    for key in KEYS.values():
+        flags = ", ".join(f"`{f.name}`" + (" (repeat)" if key.spec.repeat else "")
+                          for f in key.flags if not f.hidden)
+        rows.append(f"| `{key.name}` | `{key.env}` | {flags} | {key.shown_default('`')} | {key.doc} |")
+    rows.append("")
+    for key in DEBUG_KEYS.values():
+        flag = " ".join(filter(None, (key.flags[0].name, key.flags[0].metavar)))
+        rows.append(f"`{flag}` (for tests; a flag only, never read from the file or the environment): "
+                    f"{key.doc.removeprefix('TEST ONLY: ')}")
+    return "\n".join(rows)
+
+
+def update_docs(path: str = DOCS_PATH, *, write: bool = True) -> bool:
+    """Replace the text between the settings-table markers of ``path``; True if it was current."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    begin, end = text.index(DOC_BEGIN) + len(DOC_BEGIN), text.index(DOC_END)
+    new = text[:begin] + "\n" + render_settings_table() + "\n" + text[end:]
+    if new != text and write:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(new)
+    return new == text
+
+
+if __name__ == "__main__":     # --doc-table (the default): print it; --write-docs: update the doc
+    if "--write-docs" in sys.argv[1:]:
+        print(f"{DOCS_PATH}: " + ("already current" if update_docs() else "settings table rewritten"))
+    else:
+        print(render_settings_table())

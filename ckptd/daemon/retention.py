@@ -27,13 +27,13 @@ import os
 import re
 import stat
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable
+from enum import Enum
+from typing import Protocol
 
-from ckptd.core.names import INDEX_NAME
-
+from ckptd.core.names import INDEX_NAME, validate_job
 from ckptd.core.reader import list_steps
-from ckptd.core.names import validate_job
 from ckptd.core.storage import fsync_dir
 
 log = logging.getLogger("ckptd")
@@ -42,8 +42,39 @@ log = logging.getLogger("ckptd")
 _OWN_FILE_RE = re.compile(r"^(?:rank-\d{5}\.(?:data|json)|index\.json)(?:\.tmp\.\d+)?$")
 
 
+class KeepRule(Protocol):
+    """One reason to keep committed steps (Orbax-style policies compose the same way)."""
+
+    def keep(self, steps: Sequence[int]) -> dict[int, str]:
+        """The steps (ascending, committed) this rule keeps, each with why."""
+        ...
+
+
+@dataclass(frozen=True)
+class LatestN:
+    """The newest ``n`` committed steps; ``n = 0`` keeps them all."""
+    n: int
+
+    def keep(self, steps: Sequence[int]) -> dict[int, str]:
+        if self.n == 0:
+            return dict.fromkeys(steps, "keep_last = 0 keeps every committed step")
+        return dict.fromkeys(steps[-self.n:], f"among the last {self.n}")
+
+
+@dataclass(frozen=True)
+class EveryNSteps:
+    """Every step divisible by ``interval``; ``interval = 0`` keeps none."""
+    interval: int
+
+    def keep(self, steps: Sequence[int]) -> dict[int, str]:
+        if not self.interval:
+            return {}
+        return {s: f"multiple of keep_every = {self.interval}" for s in steps if s % self.interval == 0}
+
+
 @dataclass(frozen=True)
 class RetentionPolicy:
+    """``[retention]`` as the planner takes it: keep rules for committed steps, an age for the rest."""
     keep_last: int = 0                  # 0: keep every committed step
     keep_every: int = 0                 # 0: off
     abandoned_after: float = 86400.0    # seconds since the directory was last touched
@@ -56,19 +87,39 @@ class RetentionPolicy:
         if not self.abandoned_after >= 0:
             raise ValueError(f"abandoned_after must be >= 0, got {self.abandoned_after!r}")
 
+    @property
+    def rules(self) -> tuple[KeepRule, ...]:
+        """The keep rules in the order their reasons are reported (the first reason wins)."""
+        return LatestN(self.keep_last), EveryNSteps(self.keep_every)
+
+
+class ActionKind(str, Enum):
+    """Why a step directory is removed; the value is what JSON, logs and metric labels show."""
+    EXPIRED = "expired"         # committed, past retention
+    ABANDONED = "abandoned"     # never committed, untouched for abandoned_after
+
+    def __str__(self) -> str:   # plain "expired" in f-strings and metric labels, on every Python
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+_DESCRIBE = {ActionKind.EXPIRED: "committed step past retention",
+             ActionKind.ABANDONED: "abandoned uncommitted step"}
+
 
 @dataclass
 class Action:
     job: str
     step: int
     path: str
-    kind: str            # "expired" (committed, past retention) or "abandoned" (never committed)
+    kind: ActionKind
     done: bool = False
     error: str | None = None
 
     def describe(self) -> str:
-        what = {"expired": "committed step past retention", "abandoned": "abandoned uncommitted step"}[self.kind]
-        return f"{self.path}: {what}"
+        return f"{self.path}: {_DESCRIBE[self.kind]}"
 
 
 @dataclass
@@ -111,16 +162,10 @@ def plan_job(job_path: str, policy: RetentionPolicy, *, now: float | None = None
     keep: dict[int, str] = {}
     if committed:
         keep[committed[-1].step] = "newest committed"
-        if policy.keep_last == 0:
-            for s in committed:
-                keep.setdefault(s.step, "keep_last = 0 keeps every committed step")
-        else:
-            for s in committed[-policy.keep_last:]:
-                keep.setdefault(s.step, f"among the last {policy.keep_last}")
-        if policy.keep_every:
-            for s in committed:
-                if s.step % policy.keep_every == 0:
-                    keep.setdefault(s.step, f"multiple of keep_every = {policy.keep_every}")
+        numbers = [s.step for s in committed]
+        for rule in policy.rules:
+            for step, why in rule.keep(numbers).items():
+                keep.setdefault(step, why)
     for s in steps:
         if s.step in protected:
             kept.append((job, s.step, "in flight"))
@@ -128,14 +173,14 @@ def plan_job(job_path: str, policy: RetentionPolicy, *, now: float | None = None
             if s.step in keep:
                 kept.append((job, s.step, keep[s.step]))
             else:
-                actions.append(Action(job, s.step, s.path, "expired"))
+                actions.append(Action(job, s.step, s.path, ActionKind.EXPIRED))
         else:
             try:
                 age = now - last_touched(s.path)
             except FileNotFoundError:
                 continue
             if age >= policy.abandoned_after:
-                actions.append(Action(job, s.step, s.path, "abandoned"))
+                actions.append(Action(job, s.step, s.path, ActionKind.ABANDONED))
             else:
                 kept.append((job, s.step, f"uncommitted, touched {age:.0f}s ago (may still be written)"))
     return actions, kept
