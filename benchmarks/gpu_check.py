@@ -58,8 +58,8 @@ def main() -> int:
             t0 = time.perf_counter()
             ck.prepare(state)
             results["prepare_s"] = time.perf_counter() - t0
-            results["slot_pinned"] = ck._slots[0].pinned
-            nbytes = ck._slots[0].size
+            results["slot_pinned"] = ck.slots[0].pinned
+            nbytes = ck.slots[0].size
             results["state_bytes"] = nbytes
             blocking: list[float] = []
             overlapped: list[float] = []
