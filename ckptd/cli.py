@@ -10,8 +10,9 @@ import time
 
 from ckptd import __version__
 from ckptd.core import protocol
+from ckptd.core.errors import ProtocolError
 from ckptd.core.names import validate_job
-from ckptd.core.reader import StepReader, list_steps, verify_step
+from ckptd.core.reader import Fault, StepReader, list_steps, verify_step
 from ckptd.daemon import logs, systemd
 from ckptd.daemon.config import DEBUG_KEYS, DEFAULT_CONFIG_PATH, KEYS, ConfigError, load_settings
 from ckptd.daemon.retention import collect_root
@@ -198,7 +199,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     try:
         faults = verify_step(args.step_dir, progress=None if args.quiet else (lambda m: print(m, file=sys.stderr)))
     except (ValueError, OSError, EOFError) as e:     # e.g. an index or manifest over its size limit
-        faults = [str(e)]
+        faults = [Fault(args.step_dir, None, str(e))]
     for f in faults:
         print(f"FAULT {f}")
     if faults:
@@ -211,7 +212,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     try:
         st = protocol.request_once(args.socket, {"op": "status"})
-    except (ConnectionError, RuntimeError, protocol.ProtocolError, OSError) as e:
+    except (ConnectionError, RuntimeError, ProtocolError, OSError) as e:
         print(f"ckptd status: {e}", file=sys.stderr)
         return 1
     if args.json:

@@ -13,6 +13,8 @@ the readers (StepReader, its manifests and tensors, verify_step, `ckptd verify`)
 with FormatError/ValueError (ChecksumError for tensor bytes), never anything else, never hang
 on a FIFO and never read through a link that leads out of the step directory.
 """
+# mypy: disable-error-code="union-attr,index,operator"
+# (replies and pipes are Optional in their types; a None there fails the test, as it should)
 from __future__ import annotations
 
 import contextlib
@@ -29,6 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,13 +40,14 @@ from hypothesis import strategies as st
 
 import ckptd_client
 from ckptd import cli
-from ckptd.core import names as ck_names, protocol
-from ckptd.core.errors import ChecksumError
+from ckptd.core import names as ck_names
+from ckptd.core import protocol
+from ckptd.core.errors import ChecksumError, FormatError
 from ckptd.core.names import INDEX_NAME
-from ckptd.core.errors import FormatError
 from ckptd.core.reader import StepReader, latest_committed, list_steps, split_step_path, verify_step
-from ckptd.core.tree import decode_tree
 from ckptd.core.schema import digest_bytes, parse_index, parse_manifest
+from ckptd.core.tree import decode_tree
+
 from conftest import REPO, start_daemon
 
 HANG_GUARD_S = 60.0
@@ -59,9 +63,9 @@ def fd_daemon():
     base = Path(f"/tmp/ckf-{os.getpid()}-{time.monotonic_ns() % 10**9}")
     base.mkdir()
     d = start_daemon(base / "root", base / "d.sock", "--slot-memory-limit-mib", "64", "--step-timeout", "30")
-    d.base = base
-    d.pid = protocol.request_once(str(d.socket), {"op": "info"})["pid"]
-    assert d.pid == d.proc.pid
+    d.base = base  # type: ignore[attr-defined]  # test-only attributes on the launcher's handle
+    d.pid = protocol.request_once(str(d.socket), {"op": "info"})["pid"]  # type: ignore[attr-defined]
+    assert d.pid == d.proc.pid  # type: ignore[attr-defined]
     yield d
     d.kill()
     shutil.rmtree(base, ignore_errors=True)
@@ -99,10 +103,10 @@ def assert_nothing_outside_root(d) -> None:
 def well_behaved_round_trip(d, job: str) -> None:
     ck = ckptd_client.Checkpointer(job, socket=str(d.socket))
     try:
-        state = {"w": torch.randn(257), "i": torch.arange(5), "note": "fine"}
+        state: dict[str, Any] = {"w": torch.randn(257), "i": torch.arange(5), "note": "fine"}
         step = (ck.latest_step() or 0) + 1
         ck.save(step, state).wait(HANG_GUARD_S)
-        back = {"w": torch.zeros(257), "i": torch.zeros(5, dtype=torch.int64), "note": None}
+        back: dict[str, Any] = {"w": torch.zeros(257), "i": torch.zeros(5, dtype=torch.int64), "note": None}
         assert ck.restore(back, step=step) == step
         assert torch.equal(back["w"], state["w"]) and torch.equal(back["i"], state["i"]) and back["note"] == "fine"
     finally:
@@ -353,10 +357,12 @@ def test_unknown_ops(fd_daemon, op, extra):
 @FUZZ
 @given(op=st.sampled_from(sorted(protocol.REQUEST_FIELDS)), data=st.data())
 def test_wrong_field_types(fd_daemon, op, data):
-    good = {"hello": {"job": "j", "rank": 0, "world_size": 1, "pid": 1, "slot_bytes": 0, "num_slots": 0},
-            "resize": {"slot_bytes": 4096}, "save": save_msg(), "commit": {"step": 1, "digests": {}},
-            "abort": {"step": 1, "reason": "r"}, "report": {"step": 1, "stall_s": 0.1, "fence_s": 0.0},
-            "info": {}, "status": {}}[op]
+    hello = {"job": "j", "rank": 0, "world_size": 1, "pid": 1, "slot_bytes": 0, "num_slots": 0}
+    goods: dict[str, dict[str, Any]] = {
+        "hello": hello, "resize": {"slot_bytes": 4096}, "save": save_msg(), "commit": {"step": 1, "digests": {}},
+        "abort": {"step": 1, "reason": "r"}, "report": {"step": 1, "stall_s": 0.1, "fence_s": 0.0},
+        "info": {}, "status": {}}
+    good = goods[op]
     msg = {**good, "op": op, "req": 1}
     fields = sorted(protocol.REQUEST_FIELDS[op]) + ["req"]
     field = data.draw(st.sampled_from(fields))
@@ -482,7 +488,7 @@ def test_random_saves_accepted_only_when_sound(fd_daemon, tensors, tree, step, s
         assert 0 <= step < 10**12 and slot in (0, 1)
         names = [t[0] for t in tensors]
         assert len(set(names)) == len(names)
-        for name, dtype, shape, offset, nbytes in tensors:
+        for name, _dtype, _shape, offset, nbytes in tensors:
             ck_names.validate_tensor_name(name)
             assert 0 <= offset and offset + nbytes <= SLOT_BYTES
     else:
@@ -505,7 +511,7 @@ def test_enormous_tree_commits_and_reads_back(fd_daemon):
         for fd in rx.take_fds(1):
             os.close(fd)
         protocol.send_frame(s, save_msg(tree=tree, step=1))
-        events = []
+        events: list[dict | None] = []
         while not events or events[-1]["op"] not in ("committed", "failed"):
             events.append(rx.read())
         assert events[0]["op"] == "ok" and events[-1]["op"] == "committed", events
@@ -602,7 +608,7 @@ def exercise_readers(path: Path) -> str:
             finally:
                 os.close(fd)
 
-            def lookup(name: str) -> bytes:
+            def lookup(name: str, tensors: dict[str, bytes] = tensors) -> bytes:
                 if name not in tensors:
                     raise FormatError(f"tree names unknown tensor {name!r}")
                 return tensors[name]
@@ -707,9 +713,11 @@ def test_inconsistent_chunk_metadata(disk_area, genuine_step, data):
             elif what == "segments":
                 n = data.draw(st.integers(0, 9))
                 total = chunk[2]
-                cuts = sorted(data.draw(st.lists(st.integers(0, total), min_size=max(n - 1, 0), max_size=max(n - 1, 0))))
+                k = max(n - 1, 0)
+                cuts = sorted(data.draw(st.lists(st.integers(0, total), min_size=k, max_size=k)))
                 bounds = [0] + cuts + [total]
-                chunk[4] = [[b - a, data.draw(st.sampled_from("zr"))] for a, b in zip(bounds, bounds[1:])] if n else []
+                chunk[4] = [[b - a, data.draw(st.sampled_from("zr"))]
+                            for a, b in zip(bounds, bounds[1:], strict=False)] if n else []
                 if not n:
                     chunk[2] = 0
             elif what == "huge":         # claims 2**42+ bytes: no reader may try to allocate them

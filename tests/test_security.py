@@ -1,5 +1,7 @@
 """Security: crafted steps on disk, names and sizes on the wire, socket permissions, peer credentials,
 and shared memory that never appears in /dev/shm."""
+# mypy: disable-error-code="union-attr,index,operator"
+# (replies and pipes are Optional in their types; a None there fails the test, as it should)
 from __future__ import annotations
 
 import json
@@ -9,6 +11,7 @@ import socket
 import stat
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,9 +19,10 @@ import torch
 
 import ckptd_client
 from ckptd.core import protocol
-from ckptd.core.reader import StepReader, verify_step
 from ckptd.core.errors import FormatError
+from ckptd.core.reader import StepReader, verify_step
 from ckptd.core.schema import digest_bytes
+
 from conftest import start_daemon
 
 NOBODY = 65534
@@ -28,7 +32,7 @@ STEP = "step-000000000001"
 # ---- a genuine committed step, then crafted copies of it ------------------------------------
 
 @pytest.fixture(scope="module")
-def genuine(tmp_path_factory) -> Path:
+def genuine(tmp_path_factory) -> Iterator[Path]:
     base = Path(f"/tmp/ckt-sec-{os.getpid()}")
     base.mkdir(exist_ok=True)
     d = start_daemon(base / "root", base / "g.sock")
@@ -66,7 +70,7 @@ def craft_index(step: Path, mutate) -> None:
     (step / "index.json").write_text(json.dumps(idx))
 
 
-def restore(step: Path) -> int:
+def restore(step: Path) -> int | None:
     ck = ckptd_client.Checkpointer("job", root=str(step.parent.parent), socket="/nonexistent/ckptd.sock")
     return ck.restore({"w": torch.zeros(64), "n": 0}, step=1)
 
@@ -184,7 +188,9 @@ def test_crafted_data_file_path_rejected(step):
 def _hello(s: socket.socket, rx: protocol.FrameReceiver, job: str, slot_bytes: int = 0) -> dict:
     protocol.send_frame(s, {"op": "hello", "req": 1, "job": job, "rank": 0, "world_size": 1, "pid": os.getpid(),
                             "slot_bytes": slot_bytes, "num_slots": 1 if slot_bytes else 0})
-    return rx.read()
+    reply = rx.read()
+    assert reply is not None, "daemon closed the connection"
+    return reply
 
 
 @pytest.mark.parametrize("job", ["../etc", ".hidden", "a/b", "x" * 200, ""])
@@ -251,7 +257,7 @@ def _connect_as(path: Path, uid: int, gid: int, groups: list[int], use_client: b
             try:
                 if use_client:
                     from ckptd_client.connection import DaemonConnection
-                    conn = DaemonConnection(str(path), lambda msg: None)
+                    conn = DaemonConnection(str(path), lambda op, msg: None)
                     result = conn.request({"op": "hello", "job": "peer", "rank": 0, "world_size": 1,
                                            "pid": os.getpid(), "slot_bytes": 0, "num_slots": 0})
                 else:

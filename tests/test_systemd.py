@@ -21,6 +21,7 @@ import torch
 import ckptd_client
 from ckptd.core import protocol
 from ckptd.daemon.systemd import ActivationError, Notifier, listen_fds
+
 from conftest import REPO, start_daemon
 
 UNITS = REPO / "packaging" / "systemd"
@@ -44,7 +45,7 @@ class NotifyListener:
             self.sock.settimeout(max(0.01, deadline - time.monotonic()))
             try:
                 data = self.sock.recv(4096)
-            except socket.timeout:
+            except TimeoutError:
                 break
             m = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
             self.messages.append(m)

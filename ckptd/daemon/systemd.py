@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 import stat
-from typing import MutableMapping
+from collections.abc import MutableMapping
 
 log = logging.getLogger("ckptd")
 
