@@ -83,7 +83,7 @@ class Hello:
 @dataclass(frozen=True)
 class Resize:
     slot_bytes: int
-    num_slots: int = 2
+    num_slots: Any = 2          # any JSON value: a bad count is the daemon's to refuse, keeping the connection
     op: ClassVar[Op] = Op.RESIZE
 
 

@@ -1,4 +1,4 @@
-"""When and how a step commits.
+"""How a step commits on the local file system (the decision when is ckptd.daemon.steps').
 
 The commit protocol (also in FORMAT.md):
 1. every rank's data file is fsynced, then its manifest is written (tmp, fsync, rename,
@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any
 
 from ckptd.core import storage
 from ckptd.core.names import INDEX_NAME, rank_manifest_name
@@ -23,7 +22,7 @@ from ckptd.core.schema import MAX_MANIFEST_BYTES, digest_bytes, encode_json, mak
 
 
 class CommitError(Exception):
-    pass
+    """The step cannot be committed: a rank is missing or its manifest is not what it reported."""
 
 
 def write_index(step_path: str, job: str, step: int, world_size: int, digests: dict[int, str]) -> dict[str, Any]:
@@ -50,68 +49,3 @@ def write_index(step_path: str, job: str, step: int, world_size: int, digests: d
     index = make_index(job, step, world_size, ranks, time.time())
     storage.atomic_write(os.path.join(step_path, INDEX_NAME), encode_json(index))
     return index
-
-
-@dataclass
-class PendingStep:
-    """A step some rank of which is being written by this daemon and that has not committed."""
-    job: str
-    step: int
-    world_size: int
-    mode: str
-    step_path: str
-    started: float
-    writing: set[int] = field(default_factory=set)            # ranks whose shard is in flight here
-    durable: dict[int, str] = field(default_factory=dict)     # rank → manifest digest
-    waiters: dict[int, Hashable] = field(default_factory=dict)  # rank → session awaiting the outcome
-    committing: bool = False
-
-
-class CommitTracker:
-    """Bookkeeping for steps in flight on one daemon; pure state, no I/O."""
-
-    def __init__(self, step_timeout: float) -> None:
-        self.step_timeout = step_timeout
-        self.steps: dict[tuple[str, int], PendingStep] = {}
-
-    def begin(self, job: str, step: int, rank: int, world_size: int, mode: str, step_path: str,
-              session: Hashable) -> PendingStep:
-        key = (job, step)
-        ps = self.steps.get(key)
-        if ps is None:
-            ps = self.steps[key] = PendingStep(job, step, world_size, mode, step_path, time.monotonic())
-        elif ps.world_size != world_size or ps.mode != mode:
-            raise CommitError(f"step {step} of job {job!r} is in flight with world size {ps.world_size} "
-                              f"({ps.mode} commit); this save says {world_size} ({mode})")
-        if rank in ps.writing or rank in ps.durable:
-            raise CommitError(f"rank {rank} already has a save of step {step} in flight")
-        ps.writing.add(rank)
-        ps.waiters[rank] = session
-        return ps
-
-    def mark_durable(self, ps: PendingStep, rank: int, digest: str) -> bool:
-        """Record a durable shard; True when this daemon should now write the index (local mode)."""
-        ps.writing.discard(rank)
-        ps.durable[rank] = digest
-        ready = ps.mode == "local" and len(ps.durable) == ps.world_size and not ps.committing
-        if ready:
-            ps.committing = True
-        return ready
-
-    def finish(self, ps: PendingStep) -> None:
-        self.steps.pop((ps.job, ps.step), None)
-
-    def get(self, job: str, step: int) -> PendingStep | None:
-        return self.steps.get((job, step))
-
-    def steps_of(self, session: Hashable) -> list[tuple[PendingStep, int]]:
-        return [(ps, r) for ps in self.steps.values() for r, s in ps.waiters.items() if s is session]
-
-    def expired(self, now: float) -> list[PendingStep]:
-        return [ps for ps in self.steps.values()
-                if not ps.committing and now - ps.started > self.step_timeout]
-
-    def ranks_missing(self, ps: PendingStep) -> list[int]:
-        return sorted(set(range(ps.world_size)) - set(ps.durable))
-
-

@@ -1,7 +1,8 @@
 """Prometheus metrics of one daemon (prometheus_client, a registry per daemon).
 
-Counters and gauges are read from the daemon's own bookkeeping at scrape time (the
-same numbers ``ckptd status`` shows), so they cannot drift from it; histograms are
+Counters and gauges are read at scrape time from the daemon's public snapshot
+(:class:`~ckptd.daemon.snapshot.DaemonSnapshot`, what ``ckptd status`` shows too), so they
+cannot drift from it; histograms are
 observed as shards become durable, steps commit and clients report their stall. The
 HTTP endpoint is off unless ``metrics.address`` is set; a bare port binds loopback.
 docs/operations.md lists every metric.
@@ -9,13 +10,15 @@ docs/operations.md lists every metric.
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from ckptd import __version__
+from ckptd.daemon.retention import GcResult
+from ckptd.daemon.snapshot import DaemonSnapshot
 
 RATIO_BUCKETS = (1.0, 1.05, 1.1, 1.2, 1.35, 1.5, 2.0, 3.0, 5.0, 10.0)
 THROUGHPUT_BUCKETS = (1e7, 5e7, 1e8, 2.5e8, 5e8, 1e9, 2e9, 4e9, 8e9, 16e9)
@@ -23,7 +26,7 @@ WRITE_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120,
 COMMIT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 STALL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
-# Daemon.stats key → (metric name without _total, help)
+# Counters field → (metric name without _total, help)
 _STAT_COUNTERS = {
     "saves_started": ("ckptd_saves_started", "Shard saves accepted (one per rank per step)."),
     "saves_durable": ("ckptd_saves_durable", "Shard saves written and fsynced (rank manifest published)."),
@@ -36,51 +39,52 @@ _STAT_COUNTERS = {
 
 
 class _DaemonCollector(Collector):
-    def __init__(self, daemon: Any) -> None:
-        self.daemon = daemon
+    def __init__(self, snapshot: Callable[[], DaemonSnapshot]) -> None:
+        self.snapshot = snapshot
 
     def describe(self) -> Iterable[Any]:
         return []          # names are fixed below; avoids collecting before the daemon is built
 
     def collect(self) -> Iterable[Any]:
-        d = self.daemon
-        stats = dict(d.stats)
+        snap = self.snapshot()
+        stats = snap.counters.as_dict()
         for key, (name, doc) in _STAT_COUNTERS.items():
-            yield CounterMetricFamily(name, doc, value=stats.get(key, 0))
-        raw, stored = stats.get("bytes_raw", 0), stats.get("bytes_stored", 0)
+            yield CounterMetricFamily(name, doc, value=stats[key])
+        raw, stored = snap.counters.bytes_raw, snap.counters.bytes_stored
         yield GaugeMetricFamily("ckptd_compression_ratio_overall",
                                 "Raw over stored bytes of every durable shard since start (0 before any).",
                                 value=raw / stored if stored else 0.0)
         yield GaugeMetricFamily("ckptd_queue_depth", "Shard writes in flight (accepted, not yet durable or failed).",
-                                value=len(d.writes))
+                                value=len(snap.shard_writes))
         yield GaugeMetricFamily("ckptd_steps_in_flight", "Steps begun on this daemon and not yet committed or "
-                                "abandoned.", value=len(d.tracker.steps))
-        sessions = [s for s in list(d.sessions) if s.job is not None]
-        yield GaugeMetricFamily("ckptd_sessions", "Connected trainer ranks (after hello).", value=len(sessions))
+                                "abandoned.", value=len(snap.steps))
+        yield GaugeMetricFamily("ckptd_sessions", "Connected trainer ranks (after hello).", value=len(snap.sessions))
         yield GaugeMetricFamily("ckptd_slot_memory_bytes", "Shared-memory slot bytes allocated to sessions.",
-                                value=d.slot_bytes_in_use)
+                                value=snap.slot_bytes_in_use)
         yield GaugeMetricFamily("ckptd_slot_memory_limit_bytes", "Slot memory budget (slot_memory_limit).",
-                                value=d.config.slot_memory_limit)
-        yield GaugeMetricFamily("ckptd_draining", "1 while the daemon drains after SIGTERM.", value=int(d.draining))
+                                value=snap.slot_memory_limit)
+        yield GaugeMetricFamily("ckptd_draining", "1 while the daemon drains after SIGTERM.", value=int(snap.draining))
         last_step = GaugeMetricFamily("ckptd_last_committed_step", "Newest step this daemon committed, per job.",
                                       labels=["job"])
         last_time = GaugeMetricFamily("ckptd_last_commit_timestamp_seconds",
                                       "Unix time of the newest commit by this daemon, per job.", labels=["job"])
-        for job, info in sorted(dict(d.last_committed).items()):
-            last_step.add_metric([job], info["step"])
-            last_time.add_metric([job], info["unix"])
+        for job, info in sorted(snap.last_committed.items()):
+            last_step.add_metric([job], info.step)
+            last_time.add_metric([job], info.unix)
         yield last_step
         yield last_time
-        yield InfoMetricFamily("ckptd_build", "ckptd version.", value={"version": __version__})
+        yield InfoMetricFamily("ckptd_build", "ckptd version.", value={"version": snap.version})
 
 
 class DaemonMetrics:
-    """The metrics of one Daemon; ``serve()`` exposes them over HTTP."""
+    """The metrics of one daemon; ``serve()`` exposes them over HTTP.
 
-    def __init__(self, daemon: Any) -> None:
+    ``snapshot`` is called at each scrape, on the HTTP server's thread."""
+
+    def __init__(self, snapshot: Callable[[], DaemonSnapshot]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.registry.register(_DaemonCollector(daemon))
+        self.registry.register(_DaemonCollector(snapshot))
         self.compression_ratio = Histogram(
             "ckptd_compression_ratio", "Raw over stored bytes per durable shard.", buckets=RATIO_BUCKETS, registry=r)
         self.write_throughput = Histogram(
@@ -128,7 +132,7 @@ class DaemonMetrics:
         self.client_stall.observe(max(0.0, float(stall_s)))
         self.client_fence.observe(max(0.0, float(fence_s)))
 
-    def gc_done(self, result: Any) -> None:
+    def gc_done(self, result: GcResult) -> None:
         for a in result.removed:
             self.gc_removed.labels(a.kind).inc()
         if result.errors:
@@ -153,9 +157,4 @@ class DaemonMetrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-
-
-def scrape_text(registry: CollectorRegistry) -> str:
-    from prometheus_client import generate_latest
-    return generate_latest(registry).decode()
 

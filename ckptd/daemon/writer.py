@@ -10,14 +10,15 @@ from __future__ import annotations
 import collections
 import os
 import time
-from concurrent.futures import Executor
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ckptd.core import storage
 from ckptd.core.codec import DEFAULT_CHUNK_BYTES, choose_codec, chunk_ranges, encode_chunk
-from ckptd.core.schema import Manifest, TensorLayout, TensorEntry, digest_bytes, encode_json
 from ckptd.core.names import rank_data_name, rank_manifest_name
+from ckptd.core.schema import Manifest, TensorEntry, TensorLayout, digest_bytes, encode_json
 
 
 @dataclass
@@ -55,7 +56,7 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
     manifest_path = os.path.join(step_path, rank_manifest_name(rank))
     released = False
     fd = -1
-    pending: collections.deque = collections.deque()
+    pending: collections.deque[tuple[TensorEntry, Future[Any]]] = collections.deque()
     try:
         # Inside the try: a failure here (EROFS, ENOSPC, EACCES) must still release the slot.
         storage.make_dirs(step_path)
@@ -82,9 +83,10 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
                 storage.start_writeback(fd, flushed, pos - flushed)
                 flushed = pos
 
+        view: memoryview | None = None
         for t in tensors:
             codec = choose_codec(t.dtype, settings.codec)
-            entry = TensorEntry(t.name, t.dtype, t.shape, -1, [])
+            entry = TensorEntry(t.name, t.dtype, list(t.shape), -1, [])
             entries.append(entry)
             for start, length in chunk_ranges(t.nbytes, settings.chunk_bytes):
                 view = slot[t.offset + start: t.offset + start + length]

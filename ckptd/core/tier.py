@@ -1,0 +1,86 @@
+"""The storage-tier interface: where a step's shards go, and how a step becomes visible.
+
+The daemon's step coordinator talks to storage only through this class, so the local file
+system (today), a memory tier, peer copies and an object store can sit behind the same
+step logic (the shape follows torch.distributed.checkpoint's StorageWriter/StorageReader).
+
+Call order, per step of a job, on the daemon serving some of its ranks::
+
+    write_shard(ref, ...)          once per rank served here; ranks run concurrently
+    then exactly one of
+      commit(job, step, world_size, digests)   on the leader (the daemon serving rank 0),
+                                               once every rank of the world is durable
+      abort(job, step, ranks)                  the step failed: drop these ranks' shards
+
+A shard whose write raises leaves nothing behind (the tier removes its partial bytes).
+``commit`` must make the step visible atomically and last: a reader never sees a step
+that is not complete. ``abort`` is best effort and never touches a committed step.
+
+Reading entry points (status, the save checks): ``is_committed``, ``latest_committed``,
+``written_bytes``. Every method is a coroutine: a tier does its blocking I/O on its own
+threads (or with async I/O), never on the caller's event loop.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .schema import TensorLayout
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """One rank's shard of one step."""
+    job: str
+    step: int
+    rank: int
+    world_size: int
+
+
+@dataclass(frozen=True)
+class ShardWritten:
+    """What a durable shard reports: its sizes, and the digest of its manifest (the commit checks it)."""
+    raw_bytes: int
+    stored_bytes: int
+    digest: str
+    seconds: float
+
+
+class StorageTier(ABC):
+    """A place checkpoints are written to; see the module docstring for the call order."""
+
+    @abstractmethod
+    async def write_shard(self, ref: ShardRef, data: memoryview, layout: Sequence[TensorLayout], tree: Any, *,
+                          released: Callable[[], None], abandoned: Callable[[], bool]) -> ShardWritten:
+        """Store one rank's tensors (``layout`` places them in ``data``) and state tree durably.
+
+        ``released`` is called exactly once, from any thread, as soon as ``data`` is no longer
+        read (so the trainer may reuse it before the shard is durable), also on failure.
+        ``abandoned`` may be polled from any thread; once it is true the tier stops early,
+        removes what it wrote of this shard and raises."""
+
+    @abstractmethod
+    async def commit(self, job: str, step: int, world_size: int, digests: Mapping[int, str]) -> None:
+        """Check every rank's shard against its digest, then publish the step atomically."""
+
+    @abstractmethod
+    async def abort(self, job: str, step: int, ranks: Collection[int]) -> None:
+        """Remove these ranks' shards of an uncommitted step (and the step, once empty); best effort."""
+
+    @abstractmethod
+    async def is_committed(self, job: str, step: int) -> bool:
+        """Whether the step is already published (a save of it must be refused)."""
+
+    @abstractmethod
+    async def latest_committed(self, job: str) -> int | None:
+        """The newest committed step of the job in this tier, or None."""
+
+    @abstractmethod
+    async def written_bytes(self, ref: ShardRef) -> int:
+        """Bytes of the shard stored so far (progress of a write in flight; 0 when unknown)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the tier's threads without waiting for writes in flight (the process is exiting)."""

@@ -1,0 +1,147 @@
+"""The local file-system tier: checkpoints as files under the root, in FORMAT.md's layout.
+
+Shard writes (compress + write + fsync, seconds to minutes each) run on threads of their
+own; commits, cleanups and listings on the daemon's I/O pool, so a commit or the cleanup of
+a failed step never queues behind the shard writes of other steps. Retention (garbage
+collection after commits) is this tier's too: it deletes step directories.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from ckptd.core.names import INDEX_NAME, job_dir, rank_data_name, step_dir
+from ckptd.core.reader import latest_committed
+from ckptd.core.schema import TensorLayout
+from ckptd.core.tier import ShardRef, ShardWritten, StorageTier
+from ckptd.daemon import retention
+from ckptd.daemon.commit import write_index
+from ckptd.daemon.runtime import TaskSet, describe_error
+from ckptd.daemon.writer import WriteSettings, remove_rank_files, write_shard
+
+log = logging.getLogger("ckptd")
+
+T = TypeVar("T")
+
+
+def remove_uncommitted(step_path: str, ranks: Sequence[int]) -> None:
+    """Drop these ranks' files of an uncommitted step, then the directory if that emptied it."""
+    if os.path.exists(os.path.join(step_path, INDEX_NAME)):
+        return
+    try:
+        for rank in ranks:
+            remove_rank_files(step_path, rank)
+        os.rmdir(step_path)
+    except OSError as e:   # best effort (EROFS, ENOTEMPTY, ...): an uncommitted step is garbage anyway
+        if e.errno not in (errno.ENOENT, errno.ENOTEMPTY):
+            log.warning("cannot remove uncommitted files", extra={"ctx": {"path": step_path,
+                                                                          "error": describe_error(e)}})
+
+
+class FsTier(StorageTier):
+    def __init__(self, root: str, settings: WriteSettings, threads: int, io_pool: Executor) -> None:
+        self.root = root
+        self.settings = settings
+        self.window = 2 * threads + 2          # chunks encoded ahead of the one being written
+        self._codec_pool = ThreadPoolExecutor(threads, thread_name_prefix="ckptd-codec")
+        self._write_pool = ThreadPoolExecutor(max(4, threads), thread_name_prefix="ckptd-write")
+        self._io_pool = io_pool
+
+    def step_path(self, job: str, step: int) -> str:
+        return step_dir(self.root, job, step)
+
+    async def _on(self, pool: Executor, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    async def write_shard(self, ref: ShardRef, data: memoryview, layout: Sequence[TensorLayout], tree: Any, *,
+                          released: Callable[[], None], abandoned: Callable[[], bool]) -> ShardWritten:
+        result = await self._on(self._write_pool, write_shard, self.step_path(ref.job, ref.step), ref.job, ref.step,
+                                ref.rank, ref.world_size, data, list(layout), tree, self.settings, self._codec_pool,
+                                self.window, released, abandoned)
+        return ShardWritten(result.manifest.raw_bytes, result.manifest.stored_bytes, result.digest, result.seconds)
+
+    async def commit(self, job: str, step: int, world_size: int, digests: Mapping[int, str]) -> None:
+        await self._on(self._io_pool, write_index, self.step_path(job, step), job, step, world_size, dict(digests))
+
+    async def abort(self, job: str, step: int, ranks: Collection[int]) -> None:
+        await self._on(self._io_pool, remove_uncommitted, self.step_path(job, step), sorted(ranks))
+
+    async def is_committed(self, job: str, step: int) -> bool:
+        # One stat, on the caller's loop as it always was: a save's checks stay one atomic step.
+        return os.path.exists(os.path.join(self.step_path(job, step), INDEX_NAME))
+
+    async def latest_committed(self, job: str) -> int | None:
+        def latest() -> int | None:
+            try:
+                info = latest_committed(job_dir(self.root, job))
+            except (OSError, ValueError):
+                return None
+            return info.step if info else None
+        return await self._on(self._io_pool, latest)
+
+    async def written_bytes(self, ref: ShardRef) -> int:
+        def size() -> int:
+            try:
+                return os.stat(os.path.join(self.step_path(ref.job, ref.step), rank_data_name(ref.rank))).st_size
+            except OSError:
+                return 0
+        return await self._on(self._io_pool, size)
+
+    async def collect(self, job: str, policy: retention.RetentionPolicy, in_flight: Sequence[int]
+                      ) -> retention.GcResult:
+        """Apply ``policy`` to the job's steps, sparing ``in_flight``."""
+        return await self._on(self._io_pool, lambda: retention.collect_job(self.root, job, policy,
+                                                                           in_flight=in_flight))
+
+    def close(self) -> None:
+        # Writer threads of unfinished saves cannot be interrupted; the process exits without them.
+        self._codec_pool.shutdown(wait=False, cancel_futures=True)
+        self._write_pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Retention:
+    """Retention after commits: one pass per job at a time, and one more after it when commits
+    arrived during it (so the last commit is always followed by a pass)."""
+
+    def __init__(self, tier: FsTier, policy: retention.RetentionPolicy, tasks: TaskSet,
+                 in_flight: Callable[[str], list[int]], on_done: Callable[[retention.GcResult], None]) -> None:
+        self.tier, self.policy = tier, policy
+        self._tasks = tasks
+        self._in_flight = in_flight
+        self._on_done = on_done
+        self._running: set[str] = set()
+        self._again: set[str] = set()
+        self._stopped = False
+
+    def schedule(self, job: str) -> None:
+        if self._stopped:
+            return
+        if job in self._running:
+            self._again.add(job)
+            return
+        self._running.add(job)
+        self._tasks.spawn(self._collect(job), f"retention of {job}").add_done_callback(
+            lambda _t: self._finished(job))
+
+    def _finished(self, job: str) -> None:
+        self._running.discard(job)
+        if job in self._again:
+            self._again.discard(job)
+            self.schedule(job)
+
+    async def _collect(self, job: str) -> None:
+        try:
+            result = await self.tier.collect(job, self.policy, self._in_flight(job))
+        except (OSError, ValueError) as e:
+            log.warning("retention failed", extra={"ctx": {"job": job, "error": describe_error(e)}})
+            return
+        self._on_done(result)
+
+    def stop(self) -> None:
+        """No new passes (the daemon is draining)."""
+        self._stopped = True

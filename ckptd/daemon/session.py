@@ -1,0 +1,199 @@
+"""One connected trainer rank: who it is, its slots, its frame loop and what is sent to it.
+
+The socket is touched only here. A session that is closed (its peer left, a fatal protocol
+error, the daemon stopping) sends nothing more and reads nothing more: uvloop raises
+ValueError, not OSError, for a socket closed under a pending operation, and a task that
+died of it is what left "Task exception was never retrieved" in the log.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import struct
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ckptd.core import protocol
+from ckptd.core.errors import ProtocolError
+from ckptd.core.protocol import EventOp
+from ckptd.daemon.runtime import TaskSet, bounded
+from ckptd.daemon.slot_pool import Slot
+from ckptd.daemon.snapshot import SessionView
+
+log = logging.getLogger("ckptd")
+
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)   # Linux >= 4.13
+REFUSED_REQUEST_LIMIT = 64 * 1024                      # a refused peer gets no big buffer out of us
+
+
+@dataclass(frozen=True)
+class Peer:
+    """The process at the other end, as the kernel saw it at connect time."""
+    pid: int
+    uid: int
+    gid: int
+    groups: tuple[int, ...] = ()
+
+
+def peer_of(sock: socket.socket) -> Peer:
+    """SO_PEERCRED (+ SO_PEERGROUPS where the kernel has it); OSError if the socket is gone."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", creds)
+    try:
+        data = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 1024)
+        groups: tuple[int, ...] = struct.unpack(f"{len(data) // 4}I", data[: len(data) // 4 * 4])
+    except OSError:
+        groups = ()
+    return Peer(pid, uid, gid, groups)
+
+
+def peer_allowed(peer: Peer, allowed_uids: frozenset[int] | None, allowed_gids: frozenset[int] | None) -> bool:
+    """No lists: anyone who can open the socket. Root and the daemon's own user always."""
+    if allowed_uids is None and allowed_gids is None:
+        return True
+    if peer.uid == 0 or peer.uid == os.getuid():
+        return True
+    return (allowed_uids is not None and peer.uid in allowed_uids) or \
+           (allowed_gids is not None and (peer.gid in allowed_gids or not allowed_gids.isdisjoint(peer.groups)))
+
+
+Handler = Callable[["Session", dict[str, Any]], Awaitable[None]]
+
+
+class Session:
+    """A connection; after hello, one rank of one job."""
+
+    def __init__(self, sock: socket.socket, peer: Peer, tasks: TaskSet) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.job: str | None = None
+        self.rank = -1
+        self.world_size = 0
+        self.slots: list[Slot] = []
+        self.saves = 0
+        self.last_report: dict[str, Any] | None = None     # the client's latest {step, stall_s, fence_s}
+        self.closed = False
+        self._tasks = tasks
+        self._send_lock = asyncio.Lock()
+
+    def ctx(self) -> dict[str, Any]:
+        """Structured-log fields of this peer."""
+        return {"job": self.job, "rank": self.rank, "pid": self.peer.pid, "uid": self.peer.uid}
+
+    def view(self) -> SessionView | None:
+        if self.job is None:
+            return None
+        return SessionView(self.job, self.rank, self.world_size, self.peer.pid, self.peer.uid, len(self.slots),
+                           sum(s.busy for s in self.slots), self.saves,
+                           dict(self.last_report) if self.last_report is not None else None)
+
+    # ---- sending ---------------------------------------------------------------
+
+    async def send(self, msg: dict[str, Any], fds: Sequence[int] = ()) -> bool:
+        """Send one frame; False (and the session closed) when the peer is gone."""
+        if self.closed:
+            return False
+        async with self._send_lock:        # frames of concurrent senders never interleave, and keep their order
+            if self.closed:
+                return False
+            try:
+                await protocol.send_frame_async(asyncio.get_running_loop(), self.sock, msg, fds)
+                return True
+            except (OSError, ValueError):    # ValueError: closed under the send (uvloop)
+                self.close()
+                return False
+
+    def event(self, msg: dict[str, Any]) -> None:
+        """Send an event without waiting for it (the caller may be a thread's callback)."""
+        if not self.closed:
+            self._tasks.spawn(self.send(msg), f"event {msg.get('op')} to rank {self.rank} of {self.job}")
+
+    def slot_free(self, slot: Slot) -> None:
+        """A save no longer reads ``slot``: the trainer may fill it again."""
+        slot.busy = False
+        if slot not in self.slots:         # resized or session gone while writing
+            slot.close()
+            return
+        self.event(protocol.event(EventOp.SLOT_FREE, slot=slot.index))
+
+    def close(self) -> None:
+        """Stop reading and sending; the peer sees the end of the stream at once."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)   # wakes a pending read, which holds the fd open
+        except OSError:
+            pass
+        self.sock.close()
+
+    # ---- receiving -----------------------------------------------------------
+
+    async def _read(self, loop: asyncio.AbstractEventLoop) -> dict[str, Any] | None:
+        """The next frame, or None at the end of the stream or once the session is closed."""
+        header = await protocol.recv_exact_async(loop, self.sock, protocol.HEADER.size)
+        if header is None or self.closed:
+            return None
+        length = protocol.parse_header(header)
+        body = await protocol.recv_exact_async(loop, self.sock, length)
+        if self.closed:
+            return None
+        if body is None:
+            raise ProtocolError("connection closed inside a frame body")
+        return protocol.decode_body(body)
+
+    async def serve(self, handle: Handler) -> None:
+        """Read requests and hand each to ``handle`` (one at a time, in order) until the peer
+        leaves, sends something that is not our protocol, or the session is closed."""
+        loop = asyncio.get_running_loop()
+        try:
+            while not self.closed:
+                try:
+                    msg = await self._read(loop)
+                    if msg is None:
+                        break
+                    await handle(self, msg)
+                except ProtocolError as e:
+                    reason = bounded(f"protocol error: {e}")
+                    log.warning("protocol error", extra={"ctx": {**self.ctx(), "error": reason}})
+                    await self.send(protocol.error(0, reason, fatal=True))
+                    break
+        except (ConnectionError, OSError) as e:
+            log.info("connection lost", extra={"ctx": {**self.ctx(), "error": str(e)}})
+        except ValueError:
+            if not self.closed:            # a closed socket under a read is an end; anything else is a bug
+                raise
+
+
+async def refuse(sock: socket.socket, peer: Peer, reason: str, timeout: float = 5.0) -> None:
+    """Answer a refused peer's first request with the reason, then close.
+
+    Closing at once can turn into EPIPE on the peer's send and hide the reason; so read its
+    first (small) request within ``timeout`` and answer that request's ``req``."""
+    loop = asyncio.get_running_loop()
+
+    async def first_req() -> int:
+        header = await protocol.recv_exact_async(loop, sock, protocol.HEADER.size)
+        if header is None:
+            return 0
+        length = protocol.parse_header(header)
+        if length > REFUSED_REQUEST_LIMIT:
+            return 0
+        body = await protocol.recv_exact_async(loop, sock, length)
+        req = protocol.decode_body(body or b"").get("req")
+        return req if type(req) is int else 0
+
+    try:
+        try:
+            req = await asyncio.wait_for(first_req(), timeout)
+        except (asyncio.TimeoutError, ProtocolError, OSError):
+            req = 0
+        try:
+            await protocol.send_frame_async(loop, sock, protocol.error(req, reason, fatal=True))
+        except OSError:
+            pass
+    finally:
+        sock.close()
