@@ -14,9 +14,11 @@ from typing import Any
 
 from .codec import FLOAT_ITEMSIZE, ChunkMeta
 from .errors import FormatError
-from .names import MAX_RANKS, MAX_TREE_DEPTH, check_tree_depth, rank_data_name, validate_tensor_name
+from .names import MAX_RANKS, MAX_TENSOR_NAME, MAX_TREE_DEPTH, check_tree_depth, rank_data_name, validate_tensor_name
+from .regions import Region
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)     # format 1: no global placement, no tensor map in the index
 MAX_INDEX_BYTES = 64 * 1024 * 1024
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 
@@ -32,16 +34,53 @@ DTYPE_ITEMSIZE: dict[str, int] = {
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where a saved piece sits in its global tensor: the region ``offsets`` + the piece's shape.
+    ``key`` is the global tensor's name (defaults to the piece's own name)."""
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    key: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"shape": list(self.global_shape), "offsets": list(self.offsets)}
+        if self.key is not None:
+            out["key"] = self.key
+        return out
+
+
+@dataclass(frozen=True)
 class TensorLayout:
-    """Where one tensor sits in a slot: the one type both sides use for a save's layout."""
+    """Where one tensor sits in a slot: the one type both sides use for a save's layout.
+    ``placement`` is set for a piece of a sharded (DTensor) global tensor."""
     name: str
     dtype: str
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    placement: Placement | None = None
 
     def to_wire(self) -> list[Any]:
-        return [self.name, self.dtype, list(self.shape), self.offset, self.nbytes]
+        out: list[Any] = [self.name, self.dtype, list(self.shape), self.offset, self.nbytes]
+        if self.placement is not None:
+            out.append(self.placement.to_json())
+        return out
+
+
+def parse_placement(obj: Any, shape: list[int], what: str) -> Placement:
+    """A piece's ``global`` object (manifest or wire), checked against the piece's shape."""
+    _require(isinstance(obj, dict) and set(obj) <= {"shape", "offsets", "key"}, f"{what}: bad global placement")
+    gshape, offsets = obj.get("shape"), obj.get("offsets")
+    _require(isinstance(gshape, list) and isinstance(offsets, list) and len(gshape) == len(offsets) == len(shape)
+             and all(_is_uint(x) for x in gshape + offsets)
+             and all(o + n <= g for o, n, g in zip(offsets, shape, gshape, strict=True)),
+             f"{what}: global placement {str(obj)[:120]} does not fit its shape {shape}")
+    key = obj.get("key")
+    if key is not None:
+        try:
+            validate_tensor_name(key)
+        except ValueError as e:
+            raise FormatError(f"{what}: {e}") from None
+    return Placement(tuple(gshape), tuple(offsets), key)
 
 
 def digest_bytes(data: bytes) -> str:
@@ -60,6 +99,22 @@ class TensorEntry:
     shape: list[int]
     offset: int          # file offset of the first chunk; chunks follow back to back
     chunks: list[ChunkMeta]
+    placement: Placement | None = None      # set for a piece of a sharded (DTensor) tensor
+
+    @property
+    def key(self) -> str:
+        """The global tensor this entry belongs to."""
+        return self.placement.key or self.name if self.placement else self.name
+
+    @property
+    def global_shape(self) -> tuple[int, ...] | None:
+        return self.placement.global_shape if self.placement else None
+
+    def region(self) -> Region:
+        """The part of the global tensor these bytes hold (the whole tensor for a plain one)."""
+        if self.placement is None:
+            return Region.whole(self.shape)
+        return Region(self.placement.offsets, tuple(self.shape))
 
     @property
     def nbytes(self) -> int:
@@ -78,8 +133,11 @@ class TensorEntry:
             raw_pos += meta.raw_len
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": self.shape, "offset": self.offset,
-                "chunks": [c.to_json() for c in self.chunks]}
+        out = {"name": self.name, "dtype": self.dtype, "shape": self.shape, "offset": self.offset,
+               "chunks": [c.to_json() for c in self.chunks]}
+        if self.placement is not None:
+            out["global"] = self.placement.to_json()
+        return out
 
 
 @dataclass
@@ -147,8 +205,9 @@ def _check_chunks(entry: TensorEntry) -> None:
 def parse_manifest(data: bytes, *, job: str, step: int, rank: int) -> Manifest:
     obj = _load_json(data, "manifest")
     _require(isinstance(obj, dict), "manifest is not an object")
-    _require(obj.get("format_version") == FORMAT_VERSION,
-             f"unsupported manifest format_version {obj.get('format_version')!r} (this build reads {FORMAT_VERSION})")
+    _require(obj.get("format_version") in READABLE_VERSIONS,
+             f"unsupported manifest format_version {obj.get('format_version')!r} (this build reads "
+             f"{', '.join(map(str, READABLE_VERSIONS))})")
     _require(obj.get("kind") == "ckptd.rank-manifest", "not a rank manifest")
     _require(obj.get("job") == job and obj.get("step") == step and obj.get("rank") == rank,
              f"manifest names job/step/rank {obj.get('job')!r}/{obj.get('step')!r}/{obj.get('rank')!r}, "
@@ -174,7 +233,8 @@ def parse_manifest(data: bytes, *, job: str, step: int, rank: int) -> Manifest:
         seen.add(name)
         validate_shape(t.get("dtype"), t.get("shape"))
         _require(_is_uint(t.get("offset")), f"tensor {name!r}: bad offset")
-        entry = TensorEntry(name, t["dtype"], t["shape"], t["offset"], chunks)
+        placement = parse_placement(t["global"], t["shape"], f"tensor {name!r}") if "global" in t else None
+        entry = TensorEntry(name, t["dtype"], t["shape"], t["offset"], chunks, placement)
         _require(sum(c.raw_len for c in chunks) == entry.nbytes,
                  f"tensor {name!r}: chunks hold {sum(c.raw_len for c in chunks)} bytes, shape needs {entry.nbytes}")
         _check_chunks(entry)
@@ -187,16 +247,20 @@ def parse_manifest(data: bytes, *, job: str, step: int, rank: int) -> Manifest:
                     sum(t.nbytes for t in tensors), sum(t.stored_bytes for t in tensors))
 
 
-def make_index(job: str, step: int, world_size: int, ranks: list[dict[str, Any]], created: float) -> dict[str, Any]:
+def make_index(job: str, step: int, world_size: int, ranks: list[dict[str, Any]], created: float,
+               tensors: dict[str, Any] | None = None, per_rank_keys: list[str] | None = None) -> dict[str, Any]:
+    """index.json's object; format 2 adds the global tensor map (core.global_index)."""
     return {"format_version": FORMAT_VERSION, "kind": "ckptd.index", "job": job, "step": step,
-            "world_size": world_size, "created_unix": created, "ranks": ranks}
+            "world_size": world_size, "created_unix": created, "ranks": ranks,
+            "tensors": tensors or {}, "per_rank_keys": per_rank_keys or []}
 
 
 def parse_index(data: bytes, *, job: str, step: int) -> dict[str, Any]:
     obj = _load_json(data, "index")
     _require(isinstance(obj, dict) and obj.get("kind") == "ckptd.index", "not a ckptd index")
-    _require(obj.get("format_version") == FORMAT_VERSION,
-             f"unsupported index format_version {obj.get('format_version')!r} (this build reads {FORMAT_VERSION})")
+    _require(obj.get("format_version") in READABLE_VERSIONS,
+             f"unsupported index format_version {obj.get('format_version')!r} (this build reads "
+             f"{', '.join(map(str, READABLE_VERSIONS))})")
     _require(obj.get("job") == job and obj.get("step") == step,
              f"index names job/step {obj.get('job')!r}/{obj.get('step')!r}, expected {job!r}/{step}")
     ws = obj.get("world_size")
@@ -208,6 +272,11 @@ def parse_index(data: bytes, *, job: str, step: int) -> dict[str, Any]:
                  and isinstance(r.get("manifest_digest"), str)
                  and _is_uint(r.get("raw_bytes")) and _is_uint(r.get("stored_bytes")),
                  f"bad index entry for rank {i}")
+    if obj["format_version"] >= 2:
+        keys = obj.get("per_rank_keys")
+        _require(isinstance(obj.get("tensors"), dict), "index has no tensor map")
+        _require(isinstance(keys, list) and all(isinstance(k, str) and len(k) <= MAX_TENSOR_NAME for k in keys),
+                 "bad per_rank_keys in index")
     index: dict[str, Any] = obj
     return index
 

@@ -1,0 +1,161 @@
+"""The global tensor map of a committed step: every tensor name → dtype, global shape, pieces.
+
+Built by the committing daemon from the rank manifests it verifies anyway (one pass, O(entries)),
+stored in index.json (format 2), and read by restore, lazy loads, ``ckptd inspect`` and
+``ckptd verify``. Two kinds of tensors:
+
+- ``sharded``: saved from DTensors; each piece is one rank's rectangular region of the global
+  tensor. Together the pieces tile the tensor exactly (``verify`` checks it). Replicated
+  placements are written by one owner only, so they appear once.
+- ``local``: plain tensors; every rank that holds one saved its own copy (the whole tensor).
+  ``same`` says whether every copy is byte-identical (compared by chunk checksums, no reads), so
+  a restore at another world size knows whether it may take any copy.
+
+``per_rank_keys`` lists the top-level state entries whose content differs between ranks (a data
+loader's position, RNG streams): restoring them at another world size needs the user's decision.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import FormatError
+from .names import validate_tensor_name
+from .regions import Region, coverage_faults
+from .schema import DTYPE_ITEMSIZE, Manifest, TensorEntry
+
+SHARDED, LOCAL = "sharded", "local"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One rank's saved bytes of a tensor: entry ``name`` of that rank's manifest."""
+    rank: int
+    name: str
+    region: Region
+
+
+@dataclass(frozen=True)
+class GlobalTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    kind: str                     # SHARDED or LOCAL
+    pieces: tuple[Piece, ...]
+    same: bool = True             # LOCAL only: every rank's copy is byte-identical
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "kind": self.kind,
+                               "pieces": [{"rank": p.rank, "name": p.name, **p.region.to_json()}
+                                          for p in self.pieces]}
+        if self.kind == LOCAL:
+            out["same"] = self.same
+        return out
+
+
+def _fingerprint(entry: TensorEntry) -> tuple[Any, ...]:
+    return (entry.dtype, tuple(entry.shape), tuple((c.codec, c.raw_len, c.checksum) for c in entry.chunks))
+
+
+def build_tensor_map(manifests: Sequence[Manifest]) -> tuple[dict[str, GlobalTensor], list[str]]:
+    """(tensor map, per-rank top-level keys) of a step from all its rank manifests, in rank order."""
+    sharded: dict[str, list[tuple[TensorEntry, int]]] = {}
+    local: dict[str, list[tuple[TensorEntry, int]]] = {}
+    for m in manifests:
+        for e in m.tensors:
+            (sharded if e.global_shape is not None else local).setdefault(e.key, []).append((e, m.rank))
+    out: dict[str, GlobalTensor] = {}
+    for key, held in sharded.items():
+        first = held[0][0]
+        assert first.global_shape is not None
+        for e, rank in held:
+            if e.dtype != first.dtype or e.global_shape != first.global_shape:
+                raise FormatError(f"tensor {key!r}: rank {rank} saved {e.dtype}{e.global_shape}, rank "
+                                  f"{held[0][1]} saved {first.dtype}{first.global_shape}")
+        out[key] = GlobalTensor(key, first.dtype, tuple(first.global_shape), SHARDED,
+                                tuple(Piece(rank, e.name, e.region()) for e, rank in held))
+    for key, held in local.items():
+        if key in out:
+            raise FormatError(f"tensor {key!r} is sharded on some ranks and a plain tensor on others")
+        first = held[0][0]
+        prints = {_fingerprint(e) for e, _ in held}
+        shapes = {(e.dtype, tuple(e.shape)) for e, _ in held}
+        out[key] = GlobalTensor(key, first.dtype, tuple(first.shape), LOCAL,
+                                tuple(Piece(rank, e.name, Region.whole(e.shape)) for e, rank in held),
+                                same=len(prints) == 1 and len(held) == len(manifests) and len(shapes) == 1)
+    return out, per_rank_keys(manifests, out)
+
+
+def per_rank_keys(manifests: Sequence[Manifest], tensors: dict[str, GlobalTensor]) -> list[str]:
+    """Top-level state keys whose non-sharded content (tree leaves, plain tensors) differs by rank."""
+    if len(manifests) < 2:
+        return []
+    differing = {name for name, t in tensors.items() if t.kind == LOCAL and not t.same}
+    keys: dict[str, set[str]] = {}
+    for m in manifests:
+        for key, sub in _top_level(m.tree):
+            keys.setdefault(key, set()).add(json.dumps(sub, sort_keys=True))
+    out = {k for k, forms in keys.items() if len(forms) > 1}
+    out |= {name.split("/", 1)[0] for name in differing}
+    present = [{k for k, _ in _top_level(m.tree)} for m in manifests]
+    out |= set[str]().union(*present) - present[0].intersection(*present[1:])    # held by some ranks only
+    return sorted(out)
+
+
+def _top_level(tree: Any) -> list[tuple[str, Any]]:
+    if isinstance(tree, dict) and isinstance(tree.get("d"), list):
+        return [(str(k), v) for k, v in (item for item in tree["d"] if isinstance(item, list) and len(item) == 2)]
+    return [("", tree)]
+
+
+def parse_tensor_map(obj: Any, world_size: int) -> dict[str, GlobalTensor]:
+    """Validate index.json's ``tensors`` object (everything read from disk is checked here)."""
+    if not isinstance(obj, dict):
+        raise FormatError("index 'tensors' must be an object")
+    out: dict[str, GlobalTensor] = {}
+    for name, t in obj.items():
+        try:
+            validate_tensor_name(name)
+        except ValueError as e:
+            raise FormatError(f"index tensor map: {e}") from None
+        where = f"index tensor {name!r}"
+        if not (isinstance(t, dict) and t.get("dtype") in DTYPE_ITEMSIZE and t.get("kind") in (SHARDED, LOCAL)
+                and _uints(t.get("shape")) and isinstance(t.get("pieces"), list)):
+            raise FormatError(f"{where}: needs dtype, shape, kind and pieces")
+        shape = tuple(t["shape"])
+        pieces = []
+        for p in t["pieces"]:
+            if not (isinstance(p, dict) and type(p.get("rank")) is int and 0 <= p["rank"] < world_size
+                    and isinstance(p.get("name"), str) and _uints(p.get("offsets")) and _uints(p.get("sizes"))
+                    and len(p["offsets"]) == len(p["sizes"]) == len(shape)):
+                raise FormatError(f"{where}: malformed piece {str(p)[:120]}")
+            try:
+                validate_tensor_name(p["name"])
+            except ValueError as e:
+                raise FormatError(f"{where}: {e}") from None
+            pieces.append(Piece(p["rank"], p["name"], Region(tuple(p["offsets"]), tuple(p["sizes"]))))
+        same = t.get("same", True)
+        if type(same) is not bool:
+            raise FormatError(f"{where}: 'same' must be true or false")
+        out[name] = GlobalTensor(name, t["dtype"], shape, t["kind"], tuple(pieces), same)
+    return out
+
+
+def _uints(v: Any) -> bool:
+    return isinstance(v, list) and len(v) <= 64 and all(type(x) is int and x >= 0 for x in v)
+
+
+def geometry_faults(tensors: dict[str, GlobalTensor]) -> list[str]:
+    """Every sharded tensor's pieces in bounds, disjoint and covering it; local copies whole."""
+    faults = []
+    for name, t in tensors.items():
+        if t.kind == SHARDED:
+            for f in coverage_faults(t.shape, [(f"rank {p.rank}", p.region) for p in t.pieces]):
+                faults.append(f"tensor {name!r}: {f}")
+        else:
+            for p in t.pieces:
+                if p.region != Region.whole(t.shape):
+                    faults.append(f"tensor {name!r}: rank {p.rank} holds {p.region.to_json()}, not the whole tensor")
+    return faults
