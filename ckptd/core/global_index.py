@@ -46,11 +46,13 @@ class GlobalTensor:
     pieces: tuple[Piece, ...]
     same: bool = True             # LOCAL only: every rank's copy is byte-identical
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "kind": self.kind,
-                               "pieces": [{"rank": p.rank, "name": p.name, **p.region.to_json()}
-                                          for p in self.pieces]}
-        if self.kind == LOCAL:
+    def to_json(self, world_size: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "kind": self.kind}
+        if self.kind == SHARDED:
+            out["pieces"] = [{"rank": p.rank, "name": p.name, **p.region.to_json()} for p in self.pieces]
+        else:       # whole copies named like the tensor: only who holds one (O(1) when every rank does)
+            ranks = [p.rank for p in self.pieces]
+            out["held_by"] = "all" if ranks == list(range(world_size)) else ranks
             out["same"] = self.same
         return out
 
@@ -122,9 +124,24 @@ def parse_tensor_map(obj: Any, world_size: int) -> dict[str, GlobalTensor]:
             raise FormatError(f"index tensor map: {e}") from None
         where = f"index tensor {name!r}"
         if not (isinstance(t, dict) and t.get("dtype") in DTYPE_ITEMSIZE and t.get("kind") in (SHARDED, LOCAL)
-                and _uints(t.get("shape")) and isinstance(t.get("pieces"), list)):
-            raise FormatError(f"{where}: needs dtype, shape, kind and pieces")
+                and _uints(t.get("shape"))):
+            raise FormatError(f"{where}: needs dtype, shape and kind")
         shape = tuple(t["shape"])
+        same = t.get("same", True)
+        if type(same) is not bool:
+            raise FormatError(f"{where}: 'same' must be true or false")
+        if t["kind"] == LOCAL:
+            held: Any = t.get("held_by")
+            if held == "all":
+                held = list(range(world_size))
+            if not (_uints(held, limit=world_size) and all(r < world_size for r in held)
+                    and len(set(held)) == len(held)):
+                raise FormatError(f"{where}: 'held_by' must be \"all\" or a list of distinct ranks")
+            out[name] = GlobalTensor(name, t["dtype"], shape, LOCAL,
+                                     tuple(Piece(r, name, Region.whole(shape)) for r in held), same)
+            continue
+        if not isinstance(t.get("pieces"), list):
+            raise FormatError(f"{where}: a sharded tensor needs pieces")
         pieces = []
         for p in t["pieces"]:
             if not (isinstance(p, dict) and type(p.get("rank")) is int and 0 <= p["rank"] < world_size
@@ -136,15 +153,12 @@ def parse_tensor_map(obj: Any, world_size: int) -> dict[str, GlobalTensor]:
             except ValueError as e:
                 raise FormatError(f"{where}: {e}") from None
             pieces.append(Piece(p["rank"], p["name"], Region(tuple(p["offsets"]), tuple(p["sizes"]))))
-        same = t.get("same", True)
-        if type(same) is not bool:
-            raise FormatError(f"{where}: 'same' must be true or false")
-        out[name] = GlobalTensor(name, t["dtype"], shape, t["kind"], tuple(pieces), same)
+        out[name] = GlobalTensor(name, t["dtype"], shape, SHARDED, tuple(pieces))
     return out
 
 
-def _uints(v: Any) -> bool:
-    return isinstance(v, list) and len(v) <= 64 and all(type(x) is int and x >= 0 for x in v)
+def _uints(v: Any, limit: int = 64) -> bool:
+    return isinstance(v, list) and len(v) <= limit and all(type(x) is int and x >= 0 for x in v)
 
 
 def geometry_faults(tensors: dict[str, GlobalTensor]) -> list[str]:

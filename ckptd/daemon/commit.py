@@ -17,6 +17,8 @@ import time
 from typing import Any
 
 from ckptd.core import storage
+from ckptd.core.errors import FormatError
+from ckptd.core.global_index import build_tensor_map
 from ckptd.core.names import INDEX_NAME, rank_manifest_name
 from ckptd.core.schema import MAX_MANIFEST_BYTES, digest_bytes, encode_json, make_index, parse_manifest
 
@@ -26,13 +28,14 @@ class CommitError(Exception):
 
 
 def write_index(step_path: str, job: str, step: int, world_size: int, digests: dict[int, str]) -> dict[str, Any]:
-    """Verify every rank's manifest against its digest, then publish index.json atomically."""
+    """Verify every rank's manifest against its digest, merge them into the global tensor map, then
+    publish index.json atomically."""
     if sorted(digests) != list(range(world_size)):
         missing = sorted(set(range(world_size)) - set(digests))
         raise CommitError(f"cannot commit step {step}: no durable shard from ranks {missing}")
     if os.path.exists(os.path.join(step_path, INDEX_NAME)):
         raise CommitError(f"step {step} is already committed")
-    ranks = []
+    ranks, manifests = [], []
     for rank in range(world_size):
         path = os.path.join(step_path, rank_manifest_name(rank))
         try:
@@ -46,6 +49,12 @@ def write_index(step_path: str, job: str, step: int, world_size: int, digests: d
             raise CommitError(f"rank {rank} saved with world size {m.world_size}, step has {world_size}")
         ranks.append({"rank": rank, "manifest_digest": digests[rank],
                       "raw_bytes": m.raw_bytes, "stored_bytes": m.stored_bytes})
-    index = make_index(job, step, world_size, ranks, time.time())
+        manifests.append(m)
+    try:
+        tensors, per_rank = build_tensor_map(manifests)
+    except FormatError as e:        # ranks that disagree about one tensor: not a loadable step
+        raise CommitError(f"cannot commit step {step}: {e}") from None
+    index = make_index(job, step, world_size, ranks, time.time(),
+                       {name: t.to_json(world_size) for name, t in tensors.items()}, per_rank)
     storage.atomic_write(os.path.join(step_path, INDEX_NAME), encode_json(index))
     return index

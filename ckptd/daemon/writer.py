@@ -86,7 +86,7 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
         view: memoryview | None = None
         for t in tensors:
             codec = choose_codec(t.dtype, settings.codec)
-            entry = TensorEntry(t.name, t.dtype, list(t.shape), -1, [])
+            entry = TensorEntry(t.name, t.dtype, list(t.shape), -1, [], t.placement)
             entries.append(entry)
             for start, length in chunk_ranges(t.nbytes, settings.chunk_bytes):
                 view = slot[t.offset + start: t.offset + start + length]
