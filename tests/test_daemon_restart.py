@@ -20,9 +20,10 @@ import threading
 import time
 from pathlib import Path
 
-from conftest import REPO
-
 from ckptd.core import protocol
+from ckptd.core.errors import ProtocolError
+
+from conftest import REPO
 
 HANG_GUARD_S = 120.0
 UNOBSERVED = ("Task exception was never retrieved", "exception was never retrieved", "Traceback")
@@ -125,7 +126,7 @@ class Chatter:
                     protocol.send_frame(s, {"op": "info" if req % 3 else "status", "req": req})
                     if rx.read() is None:
                         break
-            except (OSError, protocol.ProtocolError):
+            except (OSError, ProtocolError):
                 pass
             finally:
                 for fd in getattr(locals().get("rx"), "fds", []):
@@ -142,7 +143,7 @@ def commits_here(sock: Path) -> int:
     """Steps the daemon now serving ``sock`` has committed itself."""
     try:
         return int(protocol.request_once(str(sock), {"op": "status"}, timeout=30)["stats"]["steps_committed"])
-    except (OSError, RuntimeError, protocol.ProtocolError):
+    except (OSError, RuntimeError, ProtocolError):
         return 0
 
 

@@ -19,13 +19,14 @@ import math
 import os
 import socket
 import struct
+from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, fields
 from enum import Enum
-from typing import Any, ClassVar, Sequence, Union
+from typing import Any, ClassVar
 
 from .errors import FormatError, ProtocolError
 from .names import _short, validate_tensor_name
-from .schema import DTYPE_ITEMSIZE, TensorLayout, validate_shape
+from .schema import DTYPE_ITEMSIZE, TensorLayout, parse_placement, validate_shape
 
 PROTOCOL_VERSION = 1
 MAGIC = b"CK"
@@ -129,7 +130,7 @@ class Status:
     op: ClassVar[Op] = Op.STATUS
 
 
-Request = Union[Hello, Resize, Save, Commit, Abort, Report, Info, Status]
+Request = Hello | Resize | Save | Commit | Abort | Report | Info | Status
 REQUEST_TYPES: dict[str, type] = {t.op.value: t for t in (Hello, Resize, Save, Commit, Abort, Report, Info, Status)}
 # Field → JSON type of each request's required fields (also what the fuzz tests draw from).
 _WIRE_TYPES: dict[str, Any] = {"str": str, "int": int, "float": _NUMBER, "Any": _JSON,
@@ -175,12 +176,13 @@ def check_request(msg: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_layout(tensors: list[Any], slot_size: int) -> list[TensorLayout]:
-    """A save's tensor layout, checked against its slot: names, dtypes, shapes, bounds (ValueError)."""
+    """A save's tensor layout, checked against its slot: names, dtypes, shapes, bounds (ValueError).
+    An optional sixth element places the tensor as a piece of a sharded global tensor."""
     out, names = [], set()
     for t in tensors:
-        if not (isinstance(t, list) and len(t) == 5):
-            raise ValueError("each tensor must be [name, dtype, shape, offset, nbytes]")
-        name, dtype, shape, offset, nbytes = t
+        if not (isinstance(t, list) and len(t) in (5, 6)):
+            raise ValueError("each tensor must be [name, dtype, shape, offset, nbytes] (+ optional placement)")
+        name, dtype, shape, offset, nbytes = t[:5]
         validate_tensor_name(name)
         if name in names:
             raise ValueError(f"duplicate tensor name {name!r}")
@@ -192,7 +194,11 @@ def parse_layout(tensors: list[Any], slot_size: int) -> list[TensorLayout]:
         if type(offset) is not int or type(nbytes) is not int or offset < 0 \
                 or nbytes != math.prod(shape) * DTYPE_ITEMSIZE[dtype] or offset + nbytes > slot_size:
             raise ValueError(f"tensor {name!r}: offset/size outside the slot or inconsistent with its shape")
-        out.append(TensorLayout(name, dtype, tuple(shape), offset, nbytes))
+        try:
+            placement = parse_placement(t[5], shape, f"tensor {name!r}") if len(t) == 6 else None
+        except FormatError as e:
+            raise ValueError(str(e)) from None
+        out.append(TensorLayout(name, dtype, tuple(shape), offset, nbytes, placement))
     return out
 
 
@@ -230,7 +236,7 @@ def parse_header(header: bytes) -> int:
         raise ProtocolError(f"unsupported protocol version {version} (this side speaks {PROTOCOL_VERSION})")
     if length > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
-    return length
+    return int(length)
 
 
 def decode_body(body: bytes) -> dict[str, Any]:
@@ -242,21 +248,6 @@ def decode_body(body: bytes) -> dict[str, Any]:
         raise ProtocolError("frame body nests too deeply to parse") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
         raise ProtocolError("frame body must be a JSON object with a string 'op'")
-    return msg
-
-
-def check_request(msg: dict[str, Any]) -> dict[str, Any]:
-    """Validate a client request's op, ``req`` and field types; raise ProtocolError naming the field."""
-    op = msg["op"]
-    fields = REQUEST_FIELDS.get(op)
-    if fields is None:
-        raise ProtocolError(f"unknown request op {_short(op)}")
-    if type(msg.get("req")) is not int:
-        raise ProtocolError(f"{op}: missing integer 'req'")
-    for name, typ in fields.items():
-        value = msg.get(name)
-        if name not in msg or not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-            raise ProtocolError(f"{op}: field {name!r} missing or not {getattr(typ, '__name__', typ)}")
     return msg
 
 
@@ -348,7 +339,7 @@ async def send_frame_async(loop: Any, sock: socket.socket, msg: dict[str, Any], 
                 break
             except BlockingIOError:
                 waiter = loop.create_future()
-                loop.add_writer(sock.fileno(), lambda: waiter.done() or waiter.set_result(None))
+                loop.add_writer(sock.fileno(), lambda w=waiter: w.done() or w.set_result(None))
                 try:
                     await waiter
                 finally:

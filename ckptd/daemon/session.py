@@ -76,6 +76,7 @@ class Session:
         self.saves = 0
         self.last_report: dict[str, Any] | None = None     # the client's latest {step, stall_s, fence_s}
         self.closed = False
+        self._serving = False              # the frame loop runs (and closes the socket when it ends)
         self._tasks = tasks
         self._send_lock = asyncio.Lock()
 
@@ -120,15 +121,19 @@ class Session:
         self.event(protocol.event(EventOp.SLOT_FREE, slot=slot.index))
 
     def close(self) -> None:
-        """Stop reading and sending; the peer sees the end of the stream at once."""
+        """Stop reading and sending; the peer sees the end of the stream at once.
+
+        The descriptor itself is closed by the frame loop as it ends (a read pending on a
+        descriptor closed under it would never return) or here when no loop runs."""
         if self.closed:
             return
         self.closed = True
         try:
-            self.sock.shutdown(socket.SHUT_RDWR)   # wakes a pending read, which holds the fd open
+            self.sock.shutdown(socket.SHUT_RDWR)   # wakes a pending read with the end of the stream
         except OSError:
             pass
-        self.sock.close()
+        if not self._serving:
+            self.sock.close()
 
     # ---- receiving -----------------------------------------------------------
 
@@ -149,6 +154,7 @@ class Session:
         """Read requests and hand each to ``handle`` (one at a time, in order) until the peer
         leaves, sends something that is not our protocol, or the session is closed."""
         loop = asyncio.get_running_loop()
+        self._serving = True
         try:
             while not self.closed:
                 try:
@@ -166,6 +172,10 @@ class Session:
         except ValueError:
             if not self.closed:            # a closed socket under a read is an end; anything else is a bug
                 raise
+        finally:
+            self._serving = False
+            if self.closed:
+                self.sock.close()
 
 
 async def refuse(sock: socket.socket, peer: Peer, reason: str, timeout: float = 5.0) -> None:

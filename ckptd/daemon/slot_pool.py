@@ -10,7 +10,7 @@ import asyncio
 import mmap
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 from ckptd.daemon.runtime import RequestError, describe_error
@@ -41,6 +41,17 @@ def allocate_slots(name: str, size: int, count: int) -> list[tuple[int, mmap.mma
             mm.close()
         raise
     return made
+
+
+def _close(made: list[tuple[int, mmap.mmap]]) -> None:
+    for fd, mm in made:
+        os.close(fd)
+        mm.close()
+
+
+def _close_made(fut: Future[list[tuple[int, mmap.mmap]]]) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        _close(fut.result())
 
 
 @dataclass(eq=False)
@@ -89,21 +100,20 @@ class SlotPool:
             raise RequestError(
                 f"slot memory limit: {num_slots} x {size} bytes requested, {self.in_use} of "
                 f"{self.limit} bytes already in use (raise slot_memory_limit)")
+        made_later = self._executor.submit(allocate_slots, owner, size, num_slots)
         self.in_use += total
         try:
-            made = await asyncio.get_running_loop().run_in_executor(
-                self._executor, allocate_slots, owner, size, num_slots)
+            made = await asyncio.wrap_future(made_later)
         except OSError as e:
             self.in_use -= total
             raise RequestError(f"cannot allocate shared-memory slots: {describe_error(e)}") from None
-        except BaseException:             # cancelled (shutdown): the thread's slots are lost with the process
+        except BaseException:             # cancelled (shutdown): the thread's slots are closed when it is done
             self.in_use -= total
+            made_later.add_done_callback(_close_made)
             raise
         if abandoned():
             self.in_use -= total
-            for fd, mm in made:
-                os.close(fd)
-                mm.close()
+            _close(made)
             raise RequestError("connection closed while its slots were allocated")
         return [Slot(i, size, memoryview(mm), mm) for i, (_, mm) in enumerate(made)], [fd for fd, _ in made]
 

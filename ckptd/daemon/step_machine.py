@@ -7,8 +7,8 @@ it. Each step and shard moves only along the tables below; anything else raises
 Step (per job and step, as this daemon sees it)::
 
     WRITING ──▶ DURABLE ──▶ COMMITTING ──▶ COMMITTED
-       │  │        │            │
-       │  └────────┴────────────┴──────▶ FAILED
+       │  │                     │
+       │  └─────────────────────┴──────▶ FAILED
        └──▶ HANDED_OFF   (relay, rank 0 on another daemon: every shard here is durable)
 
 Shard (per rank of a step)::
@@ -56,7 +56,7 @@ class ShardState(str, Enum):
 S, H = StepState, ShardState
 STEP_TRANSITIONS: Mapping[StepState, frozenset[StepState]] = {
     S.WRITING: frozenset({S.DURABLE, S.FAILED, S.HANDED_OFF}),
-    S.DURABLE: frozenset({S.COMMITTING, S.FAILED}),
+    S.DURABLE: frozenset({S.COMMITTING}),        # at once: nothing can fail a step in between
     S.COMMITTING: frozenset({S.COMMITTED, S.FAILED}),
     S.COMMITTED: frozenset(), S.FAILED: frozenset(), S.HANDED_OFF: frozenset(),
 }

@@ -118,7 +118,8 @@ class StepCoordinator(Generic[W]):
         """Shutdown: writes in flight get ``grace`` seconds to become durable and commit, a relayed
         step whose rank 0 is durable here the same grace for its COMMIT; every step still open
         then fails. Returns the shard writes that did not finish (their threads cannot be stopped)."""
-        deadline = self.table.clock() + grace
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
         unfinished: list[str] = []
         if len(self.writes):
             log.info("draining", extra={"ctx": {"in_flight": len(self.writes), "grace_s": grace}})
@@ -131,7 +132,7 @@ class StepCoordinator(Generic[W]):
                 log.error("drain timed out; these saves are left uncommitted",
                           extra={"ctx": {"grace_s": grace, "unfinished": unfinished}})
         while not unfinished and any(awaits_commit(s) for s in list(self.table.steps.values())) \
-                and self.table.clock() < deadline:
+                and loop.time() < deadline:
             await asyncio.sleep(0.05)
         for st in list(self.table.steps.values()):
             if st.state is not StepState.COMMITTING:
