@@ -45,7 +45,7 @@ from ckptd.core import protocol
 from ckptd.core.errors import ChecksumError, FormatError
 from ckptd.core.names import INDEX_NAME
 from ckptd.core.reader import StepReader, latest_committed, list_steps, split_step_path, verify_step
-from ckptd.core.schema import digest_bytes, parse_index, parse_manifest
+from ckptd.core.schema import digest_bytes, index_digest, parse_index, parse_manifest
 from ckptd.core.tree import decode_tree
 
 from conftest import REPO, start_daemon
@@ -573,6 +573,7 @@ class Crafted:
         if sign:   # re-sign in index.json, as an attacker with write access would, so parsing is reached
             idx = json.loads((self.path / INDEX_NAME).read_bytes())
             idx["ranks"][0]["manifest_digest"] = digest_bytes(data)
+            idx["digest"] = index_digest(idx)
             (self.path / INDEX_NAME).write_bytes(json.dumps(idx).encode())
 
     def cleanup(self) -> None:

@@ -21,7 +21,7 @@ import ckptd_client
 from ckptd.core import protocol
 from ckptd.core.errors import FormatError
 from ckptd.core.reader import StepReader, verify_step
-from ckptd.core.schema import digest_bytes
+from ckptd.core.schema import digest_bytes, index_digest
 
 from conftest import start_daemon
 
@@ -61,12 +61,15 @@ def craft_manifest(step: Path, mutate) -> None:
     (step / "rank-00000.json").write_bytes(data)
     idx = json.loads((step / "index.json").read_text())
     idx["ranks"][0]["manifest_digest"] = digest_bytes(data)
+    idx["digest"] = index_digest(idx)          # the index digest is a checksum, not a signature
     (step / "index.json").write_text(json.dumps(idx))
 
 
 def craft_index(step: Path, mutate) -> None:
+    """Edit index.json and recompute its digest, as an attacker with write access could."""
     idx = json.loads((step / "index.json").read_text())
     mutate(idx)
+    idx["digest"] = index_digest(idx)
     (step / "index.json").write_text(json.dumps(idx))
 
 

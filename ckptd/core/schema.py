@@ -249,10 +249,19 @@ def parse_manifest(data: bytes, *, job: str, step: int, rank: int) -> Manifest:
 
 def make_index(job: str, step: int, world_size: int, ranks: list[dict[str, Any]], created: float,
                tensors: dict[str, Any] | None = None, per_rank_keys: list[str] | None = None) -> dict[str, Any]:
-    """index.json's object; format 2 adds the global tensor map (core.global_index)."""
-    return {"format_version": FORMAT_VERSION, "kind": "ckptd.index", "job": job, "step": step,
-            "world_size": world_size, "created_unix": created, "ranks": ranks,
-            "tensors": tensors or {}, "per_rank_keys": per_rank_keys or []}
+    """index.json's object; format 2 adds the global tensor map (core.global_index) and a digest
+    over every other field, so no byte of the index goes unchecked."""
+    index: dict[str, Any] = {"format_version": FORMAT_VERSION, "kind": "ckptd.index", "job": job, "step": step,
+                             "world_size": world_size, "created_unix": created, "ranks": ranks,
+                             "tensors": tensors or {}, "per_rank_keys": per_rank_keys or []}
+    index["digest"] = index_digest(index)
+    return index
+
+
+def index_digest(index: dict[str, Any]) -> str:
+    """SHA-256 of the index's canonical JSON (sorted keys) without its own ``digest`` field."""
+    body = {k: v for k, v in index.items() if k != "digest"}
+    return digest_bytes(json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=True).encode())
 
 
 def parse_index(data: bytes, *, job: str, step: int) -> dict[str, Any]:
@@ -277,6 +286,9 @@ def parse_index(data: bytes, *, job: str, step: int) -> dict[str, Any]:
         _require(isinstance(obj.get("tensors"), dict), "index has no tensor map")
         _require(isinstance(keys, list) and all(isinstance(k, str) and len(k) <= MAX_TENSOR_NAME for k in keys),
                  "bad per_rank_keys in index")
+        # Last, so a malformed index still gets its specific error; anything else changed is caught here.
+        _require(obj.get("digest") == index_digest(obj),
+                 "index.json digest mismatch: a field was changed after the commit (corrupt or edited)")
     index: dict[str, Any] = obj
     return index
 
