@@ -12,6 +12,7 @@ The commit protocol (also in FORMAT.md):
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
@@ -54,6 +55,12 @@ def write_index(step_path: str, job: str, step: int, world_size: int, digests: d
         tensors, per_rank = build_tensor_map(manifests)
     except FormatError as e:        # ranks that disagree about one tensor: not a loadable step
         raise CommitError(f"cannot commit step {step}: {e}") from None
+    # A writer killed mid-rename (an earlier attempt of this step) leaves manifest temp files:
+    # they must not survive inside a committed step.
+    for name in os.listdir(step_path):
+        if name.startswith("rank-") and ".json.tmp." in name:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(step_path, name))
     index = make_index(job, step, world_size, ranks, time.time(),
                        {name: t.to_json(world_size) for name, t in tensors.items()}, per_rank)
     storage.atomic_write(os.path.join(step_path, INDEX_NAME), encode_json(index))

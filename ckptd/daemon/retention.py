@@ -127,6 +127,7 @@ class GcResult:
     actions: list[Action] = field(default_factory=list)
     kept: list[tuple[str, int, str]] = field(default_factory=list)     # (job, step, why)
     skipped: list[str] = field(default_factory=list)                   # paths not touched, with reason
+    stray_temps: list[str] = field(default_factory=list)   # temp files found in committed steps (removed)
 
     @property
     def removed(self) -> list[Action]:
@@ -186,6 +187,27 @@ def plan_job(job_path: str, policy: RetentionPolicy, *, now: float | None = None
     return actions, kept
 
 
+_TEMP_RE = re.compile(r"^(?:rank-\d{5}\.json|index\.json)\.tmp\.\d+$")
+
+
+def stray_temps(step_path: str) -> list[str]:
+    """Temp files a killed writer left in a committed step (its tmp → rename never happened).
+    Once index.json exists nothing writes there any more, so they are garbage."""
+    try:
+        with os.scandir(step_path) as it:
+            return sorted(e.path for e in it if _TEMP_RE.match(e.name) and e.is_file(follow_symlinks=False))
+    except FileNotFoundError:
+        return []
+
+
+def remove_files(paths: Iterable[str]) -> None:
+    for p in paths:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+
 def remove_step(path: str) -> None:
     """Delete one step directory: index.json first (it stops being committed), then the rest.
 
@@ -240,6 +262,13 @@ def collect_job(root: str, job: str, policy: RetentionPolicy, *, dry_run: bool =
     actions, kept = plan_job(job_path, policy, now=now, in_flight=in_flight)
     execute(actions, dry_run)
     result.actions, result.kept = actions, kept
+    expired = {a.path for a in actions}
+    for s in list_steps(job_path):
+        if s.committed and s.path not in expired:
+            result.stray_temps += stray_temps(s.path)
+    if not dry_run and result.stray_temps:
+        remove_files(result.stray_temps)
+        log.info("removed stray temp files", extra={"ctx": {"job": job, "files": result.stray_temps[:20]}})
     for a in result.removed:
         log.info("removed step", extra={"ctx": {"job": a.job, "step": a.step, "reason": a.kind}})
     for a in result.errors:
@@ -273,4 +302,5 @@ def collect_root(root: str, policy: RetentionPolicy, *, dry_run: bool = False, j
         result.actions += r.actions
         result.kept += r.kept
         result.skipped += r.skipped
+        result.stray_temps += r.stray_temps
     return result
