@@ -19,9 +19,9 @@ except ModuleNotFoundError as e:
 
 from .checkpointer import Checkpointer
 from .errors import CheckpointError
-from .handle import SaveHandle
+from .handle import CloseReport, SaveHandle
 from .modes import WhenBusy
 from .preemption import PreemptionHandler
 from .state import RNGState
 
-__all__ = ["Checkpointer", "SaveHandle", "CheckpointError", "RNGState", "PreemptionHandler", "WhenBusy"]
+__all__ = ["Checkpointer", "SaveHandle", "CloseReport", "CheckpointError", "RNGState", "PreemptionHandler", "WhenBusy"]

@@ -16,7 +16,7 @@ from ckptd.core.reader import latest_committed
 
 from .connection import DaemonConnection
 from .errors import CheckpointError, NotDelivered
-from .handle import SaveHandle
+from .handle import CloseReport, SaveHandle, wait_all
 from .modes import AUTO, WhenBusy, parse_when_busy, resolve_commit_mode
 from .overlap import OverlapCopies
 from .relay import StoreRelay
@@ -132,6 +132,12 @@ class Checkpointer:
                 self._finish(h, None if committed else reason)
 
     def _finish(self, h: SaveHandle, error: str | None) -> None:
+        """Settle a handle. A failure reported after this rank's shard was durable (a lost daemon or
+        peer rank, a commit timeout) may hide a commit that happened: the disk decides, so a handle
+        never says failed for a committed step (the daemon refuses saves of committed steps, so an
+        index.json there is this save's)."""
+        if error is not None and h.durable_s is not None and _has_index(self.root, self.job, h.step):
+            error = None
         if self._handles.get(h.step) is h:
             del self._handles[h.step]
         h._resolve(error)
@@ -229,7 +235,8 @@ class Checkpointer:
     def _ensure_relay(self) -> StoreRelay:
         if self._relay is None:
             self._relay = StoreRelay(self.store, self.job, self.rank, self.world_size, self.commit_timeout,
-                                     self._session.commit, self._session.abort)
+                                     self._session.commit, self._session.abort,
+                                     lambda step: _has_index(self.root, self.job, step))
         return self._relay
 
     def wait(self, timeout: float | None = None) -> None:
@@ -276,21 +283,28 @@ class Checkpointer:
 
     # ---- lifetime ----------------------------------------------------------
 
-    def close(self, timeout: float | None = None) -> None:
-        """Wait for saves in flight (their failures are logged, not raised), then disconnect."""
+    def close(self, timeout: float | None = None) -> CloseReport:
+        """Wait for every save in flight, each to its own outcome, within ``timeout`` seconds in all;
+        then disconnect. Returns a :class:`CloseReport` (failures are also logged, not raised).
+        A save still open at the timeout is settled by the disk: committed if its index.json
+        exists, else failed ("closed before it committed"); no handle is left unresolved."""
         if self._closed:
-            return
+            return CloseReport()
         self.fence()
         self._copies.unhook()
-        try:
-            self.wait(timeout)
-        except CheckpointError as e:
-            log.warning("ckptd: a save did not commit before close: %s", e)
+        handles = list(self._handles.values())
+        wait_all(handles, timeout)
         self._closed = True
         if self._relay is not None:
             self._relay.close()
+        for h in list(self._handles.values()):      # before the disconnect, which would say "lost"
+            self._finish(h, f"checkpointer closed before step {h.step} committed (close timeout {timeout}s)")
         self._copies.shutdown()
         self._session.drop()
+        report = CloseReport.of(handles)
+        if not report.ok:
+            log.warning("ckptd: %s", report)
+        return report
 
     def __enter__(self) -> Checkpointer:
         return self

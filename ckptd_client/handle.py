@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
 from .errors import CheckpointError
 
@@ -55,3 +56,36 @@ class SaveHandle:
         state = "skipped" if self.skipped else "committed" if self.committed else \
             ("failed" if self.done() else "pending")
         return f"<SaveHandle step={self.step} {state} stall={self.stall_s * 1e3:.1f}ms>"
+
+
+@dataclass(frozen=True)
+class CloseReport:
+    """What ``Checkpointer.close()`` found: every save that was in flight, by outcome."""
+    committed: tuple[int, ...] = ()
+    failed: tuple[tuple[int, str], ...] = ()       # (step, reason)
+    skipped: tuple[int, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"{len(self.committed)} save(s) committed"
+        return (f"{len(self.failed)} save(s) failed: "
+                + "; ".join(f"step {step}: {reason}" for step, reason in self.failed))
+
+    @staticmethod
+    def of(handles: list[SaveHandle]) -> CloseReport:
+        done = [h for h in handles if h.done()]
+        return CloseReport(tuple(h.step for h in done if h.committed),
+                           tuple((h.step, h.error or "") for h in done if h.error is not None),
+                           tuple(h.step for h in done if h.skipped))
+
+
+def wait_all(handles: list[SaveHandle], timeout: float | None) -> None:
+    """Wait for each handle to its own outcome (a failed one does not stop the others), all within
+    ``timeout`` seconds."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for h in handles:
+        h._done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))

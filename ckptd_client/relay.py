@@ -4,6 +4,11 @@ Each rank publishes ``ok:<manifest digest>`` or ``fail:<reason>`` under its outc
 (``store_keys.rank_outcome``) once its daemon reports it durable (or failed). Rank 0 gathers
 all of them, asks its daemon to COMMIT with the digests (or to ABORT), and publishes
 ``committed`` or ``failed:<reason>`` under the save's result key for the others.
+
+When the store or the commit request fails (rank 0 died, the store went with it, the COMMIT
+timed out on a slow file system), the step may still commit, or already have: from then on the
+save is settled by the disk only — committed as soon as its index.json exists, failed when the
+commit timeout runs out without one. A handle never reports failure for a committed step.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ class RelayedSave:
     deadline: float
     resolve: Callable[[str | None], None]      # None: committed; str: failure reason
     own_published: bool = False
+    lost: str | None = None                    # why the store/commit path failed: the disk decides now
 
 
 # What one poll of a save yields: False (not decided yet), None (committed), or the failure reason.
@@ -35,10 +41,12 @@ class StoreRelay:
     """Polls the store on its own thread; ``resolve`` of each tracked save runs there too."""
 
     def __init__(self, store: Any, job: str, rank: int, world_size: int, timeout: float,
-                 commit: Callable[[int, dict[int, str]], None], abort: Callable[[int, str], None]) -> None:
+                 commit: Callable[[int, dict[int, str]], None], abort: Callable[[int, str], None],
+                 on_disk: Callable[[int], bool] = lambda step: False) -> None:
         self.store, self.job, self.rank, self.world_size = store, job, rank, world_size
         self.timeout = timeout
         self._commit, self._abort = commit, abort
+        self._on_disk = on_disk                 # is the step's index.json there?
         self._saves: dict[int, RelayedSave] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -65,16 +73,21 @@ class StoreRelay:
             with self._lock:
                 saves = sorted(self._saves.values(), key=lambda s: s.seq)
             for s in saves:
-                outcome: Outcome
-                try:
-                    outcome = self._leader_step(s) if self.rank == 0 else self._follower_step(s)
-                except Exception as e:  # store gone (job ending) or commit refused
-                    outcome = f"{type(e).__name__}: {e}"
+                outcome: Outcome = False
+                if s.lost is None:
+                    try:
+                        outcome = self._leader_step(s) if self.rank == 0 else self._follower_step(s)
+                    except Exception as e:  # store gone (rank 0 died), commit refused or timed out
+                        s.lost = f"{type(e).__name__}: {e}"
                 if outcome is False:
-                    if time.monotonic() > s.deadline:
-                        outcome = f"timed out after {self.timeout:g}s waiting for the other ranks' commit"
+                    if (s.lost is not None or time.monotonic() > s.deadline) and self._on_disk(s.step):
+                        outcome = None
                         if self.rank == 0:
-                            self._finish(s, f"failed:{outcome}")
+                            self._publish_quietly(s, "committed")
+                    elif time.monotonic() > s.deadline:
+                        outcome = s.lost or f"timed out after {self.timeout:g}s waiting for the other ranks' commit"
+                        if self.rank == 0:
+                            self._publish_quietly(s, f"failed:{outcome}")
                     else:
                         continue
                 with self._lock:
@@ -96,13 +109,17 @@ class StoreRelay:
             finally:
                 self._finish(s, f"failed:{reason}")
             return reason
-        try:
-            self._commit(s.step, {r: v[3:] for r, v in enumerate(values)})
-        except Exception as e:
-            self._finish(s, f"failed:{e}")
-            raise
+        # A failing COMMIT request raises: the daemon may still publish the index, so the outcome is
+        # left to the disk (above), and the others are told only once it is known.
+        self._commit(s.step, {r: v[3:] for r, v in enumerate(values)})
         self._finish(s, "committed")
         return None
+
+    def _publish_quietly(self, s: RelayedSave, result: str) -> None:
+        try:
+            self._finish(s, result)
+        except Exception:       # the store is gone: the others settle by the disk as well
+            pass
 
     def _finish(self, s: RelayedSave, result: str) -> None:
         self.store.set(store_keys.save_result(self.job, s.seq), result)
