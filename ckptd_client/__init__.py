@@ -3,6 +3,7 @@
     ckpt = ckptd_client.Checkpointer(job="gpt-7b")
     pending = ckpt.save(step, {"model": model, "optim": opt, "rng": ckptd_client.RNGState()})
     step = ckpt.restore(state)
+    w1 = ckptd_client.load_tensor(step_dir, "model/layers.0.w1.weight", (slice(0, 128),))   # one slice, nothing else
 
     with ckptd_client.PreemptionHandler(ckpt) as preempt:   # SIGTERM → checkpoint, then stop
         for step in ...:
@@ -20,8 +21,11 @@ except ModuleNotFoundError as e:
 from .checkpointer import Checkpointer
 from .errors import CheckpointError
 from .handle import CloseReport, SaveHandle
+from .lazy import load_tensor
 from .modes import WhenBusy
 from .preemption import PreemptionHandler
+from .reshard import ReadStats
 from .state import RNGState
 
-__all__ = ["Checkpointer", "SaveHandle", "CloseReport", "CheckpointError", "RNGState", "PreemptionHandler", "WhenBusy"]
+__all__ = ["Checkpointer", "SaveHandle", "CloseReport", "CheckpointError", "RNGState", "PreemptionHandler", "WhenBusy",
+           "load_tensor", "ReadStats"]

@@ -20,10 +20,10 @@ from .handle import CloseReport, SaveHandle, wait_all
 from .modes import AUTO, WhenBusy, parse_when_busy, resolve_commit_mode
 from .overlap import OverlapCopies
 from .relay import StoreRelay
-from .restore import agree_step, load_shard
+from .restore import PerRank, agree_step, restore_state
 from .session import DaemonSession
 from .slots import ClientSlot, plan_layout
-from .state import apply_state, flatten_state
+from .state import flatten_state
 
 log = logging.getLogger("ckptd_client")
 
@@ -259,12 +259,42 @@ class Checkpointer:
         info = latest_committed(job_dir(self._root(), self.job))
         return info.step if info else None
 
-    def restore(self, state: dict[str, Any], step: int | None = None) -> int | None:
+    def restore(self, state: dict[str, Any], step: int | None = None, *, per_rank: PerRank = None) -> int | None:
         """Load the latest committed step (or ``step``) into ``state`` in place; None if there is none.
 
-        Tensors are decoded straight into the matching CPU tensors of ``state`` where they can
-        be, so a restore that fails (a corrupt chunk) can leave ``state`` partly loaded: restore
-        again, e.g. from an older ``step``."""
+        The live ``state`` says what to read, whatever the saved layout was: each tensor is found
+        in the step's tensor map by its key path (as ``save`` names it). A DTensor gets the region
+        its local shard holds, a plain tensor the whole tensor, assembled from whichever saved
+        pieces overlap it; only the manifests of those pieces and the chunks covering the rows
+        touched are read (checksummed, decoded in parallel, straight into the live tensors where
+        the bytes are contiguous). So a step restores at another world size or mesh (N → M
+        ranks, ``Shard(0)`` → ``Shard(1)``, FSDP2 → TP + FSDP2) and into a plain model in one
+        process; at the same world size and layout each rank reads only its own files.
+
+        Objects: with one DTensor-parametrised model in ``state`` the model is restored with
+        ``set_model_state_dict`` and each top-level optimizer with ``set_optimizer_state_dict``
+        (Adam's state is created first if the optimizer never stepped, as DCP does). A plain
+        model (one module in ``state``) restores a sharded checkpoint's FQN-keyed optimizer state
+        the same way. Dict-style state (``get_state_dict``'s dicts) is loaded in place into the
+        dicts' tensors (a DTensor's local shard); call ``set_state_dict`` afterwards. RNG state
+        (``RNGState``, or any value with ``ckptd_restore_last = True``) is applied after every
+        other entry. Scalars (Adam's ``step``, learning rates) come back exactly.
+
+        ``per_rank``: entries whose non-tensor content differed between the saved ranks (the
+        step's ``per_rank_keys``: a data loader's position, RNG streams) cannot follow a change
+        of world size by themselves; restoring one that ``state`` holds raises a CheckpointError
+        naming them unless ``per_rank`` says what each gets: one rule for all, or a dict of
+        top-level key → rule. Rules: ``"fresh"`` leaves the live value as it is, ``"rank0"``
+        loads saved rank 0's, ``"same-rank"`` gives rank r saved rank r's (a rank the saved world
+        did not have stays fresh), or a callable ``(rank, saved_world_size, world_size) -> saved
+        rank or None`` (None: fresh). Ignored at the same world size (each rank takes its own).
+
+        Version-1 steps (no tensor map) restore at the same world size only. Every failure is a
+        CheckpointError naming the tensor (and the rank's file): a tensor of ``state`` the step
+        lacks, a dtype or global-shape mismatch, a missing piece, a corrupt chunk. Tensors are
+        decoded straight into ``state``, so a restore that fails can leave ``state`` partly
+        loaded: restore again, e.g. from an older ``step``. Nothing is unpickled.
+        ``ckptd_client.load_tensor`` reads one tensor (or a slice) without a state."""
         self.fence()
         if step is None:
             step = self.latest_step()
@@ -276,9 +306,8 @@ class Checkpointer:
         path = step_dir(self._root(), self.job, step)
         if not os.path.isdir(path):
             raise CheckpointError(f"step {step} of job {self.job!r} does not exist under {self._root()}")
-        targets = dict(flatten_state(state).tensors)
-        loaded = load_shard(path, self.rank, self.world_size, self.restore_threads, targets)
-        apply_state(state, loaded)
+        restore_state(path, state, rank=self.rank, world_size=self.world_size, threads=self.restore_threads,
+                      per_rank=per_rank)
         return step
 
     # ---- lifetime ----------------------------------------------------------

@@ -1,30 +1,72 @@
-"""Reading this rank's shard of a committed step straight from storage (no daemon needed)."""
+"""Restoring a committed step into whatever the live state is, straight from storage (no daemon).
+
+The live state decides what is read. Its tensors are named by key path exactly as a save names
+them (``model/<fqn>``, ``optim/state/<fqn>/exp_avg`` …); for each one the checkpoint's entry of
+that name is found in index.json's tensor map and:
+
+- a DTensor needs the region its ``to_local()`` holds (``dtensor.local_region``), read into the
+  local tensor in place;
+- a plain tensor needs the whole tensor: a sharded checkpoint tensor is assembled from its
+  pieces (consolidation), a plain one is this rank's own saved copy, or rank 0's when the saved
+  world had no rank like this one and every copy is identical.
+
+``reshard.read_needs`` then reads only the pieces and chunks those regions touch. Same world size
+and layout: each rank reads its own manifest and own entries and decodes them straight into the
+live tensors, as fast as before resharding existed.
+
+Objects: with one DTensor-parametrised model in the state (``dtensor.sharded_model_of``) the model is
+restored with ``set_model_state_dict`` and each top-level optimizer with ``set_optimizer_state_dict``
+(their state dicts built from the live objects with ``get_model_state_dict`` /
+``get_optimizer_state_dict``, which creates Adam's state before the first step as DCP does). A plain
+model restores an FQN-keyed (sharded) checkpoint the same way; an FQN-keyed live optimizer restores
+an index-keyed one by parameter position. Dict-style state (``get_state_dict``'s output) is loaded in
+place; the caller then calls ``set_state_dict``.
+
+Non-tensor state that differs between saved ranks (``per_rank_keys``: a loader's position, RNG
+streams) cannot follow a world-size change by itself: the caller says what each gets
+(``per_rank``). RNG state is applied after everything else. Nothing here unpickles.
+"""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeGuard
+from typing import Any
 
 import torch
 
+from ckptd.core import storage
 from ckptd.core.errors import ChecksumError, FormatError
+from ckptd.core.global_index import LOCAL, GlobalTensor
 from ckptd.core.reader import StepReader
+from ckptd.core.regions import Region
 from ckptd.core.tree import decode_tree
 
 from . import store_keys
+from .dtensor import is_dtensor, local_region, sharded_model_of
 from .errors import CheckpointError
+from .reshard import DTYPES, Need, ReadAt, ReadStats, StepFiles, decodable_into, read_needs, tensor_bytes
+from .state import RNGState, apply_state, is_stateful
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+FRESH, RANK0, SAME_RANK = "fresh", "rank0", "same-rank"
+PER_RANK_RULES = (FRESH, RANK0, SAME_RANK)
+
+PerRankRule = str | Callable[[int, int, int], "int | None"]
+"""What one per-rank entry restores at another world size: ``"fresh"`` (leave the live value as it
+is), ``"rank0"`` (saved rank 0's), ``"same-rank"`` (rank r gets saved rank r's; a rank the saved
+world did not have stays fresh), or ``f(rank, saved_world_size, world_size) -> saved rank | None``
+(None: fresh)."""
+
+PerRank = PerRankRule | Mapping[str, PerRankRule] | None
+"""``restore``'s ``per_rank``: one rule for every per-rank entry, or a rule per top-level key."""
+
+_DTYPES = DTYPES
+__all__ = ["agree_step", "load_shard", "restore_state", "tensor_bytes", "FRESH", "RANK0", "SAME_RANK",
+           "PerRank", "PerRankRule", "ReadStats"]
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """Writable bytes of a contiguous CPU tensor (any dtype, 0-d and empty included)."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-
-
-def _decodable_into(t: torch.Tensor | None, dtype: str, shape: list[int]) -> TypeGuard[torch.Tensor]:
-    return (t is not None and t.device.type == "cpu" and t.dtype == _DTYPES[dtype]
-            and list(t.shape) == shape and t.is_contiguous() and not t.is_conj() and not t.is_neg())
+def _decodable_into(t: torch.Tensor | None, dtype: str, shape: list[int]) -> bool:
+    return t is not None and decodable_into(t, dtype, shape)
 
 
 def agree_step(store: Any, job: str, n: int, rank: int, step: int | None) -> int | None:
@@ -39,7 +81,8 @@ def agree_step(store: Any, job: str, n: int, rank: int, step: int | None) -> int
 
 def load_shard(step_path: str, rank: int, world_size: int, threads: int,
                targets: dict[str, torch.Tensor] | None = None) -> Any:
-    """Decode this rank's tensors (in parallel) and rebuild its state tree; checksums are verified.
+    """(Format-1 steps) Decode this rank's tensors (in parallel) and rebuild its state tree;
+    checksums are verified.
 
     ``targets``: tensors of the live state by name; a CPU, contiguous one of the saved dtype and
     shape is decoded into directly (already-touched memory, no second copy) — fresh memory
@@ -47,8 +90,8 @@ def load_shard(step_path: str, rank: int, world_size: int, threads: int,
     try:
         reader = StepReader(step_path)
         if reader.world_size != world_size:
-            raise CheckpointError(f"{step_path} was saved by {reader.world_size} ranks; this job has {world_size} "
-                                  "(resharding is not supported yet)")
+            raise CheckpointError(f"{step_path} was saved by {reader.world_size} ranks; this job has {world_size}: "
+                                  "a format-1 step has no tensor map and cannot be resharded")
         manifest = reader.manifest(rank)
     except (FormatError, OSError) as e:
         raise CheckpointError(f"cannot restore from {step_path}: {e}") from None
@@ -62,7 +105,7 @@ def load_shard(step_path: str, rank: int, world_size: int, threads: int,
             futures: list[Future[None]] = []
             for entry in manifest.tensors:
                 live = (targets or {}).get(entry.name)
-                t = live if _decodable_into(live, entry.dtype, entry.shape) else \
+                t = live if live is not None and _decodable_into(live, entry.dtype, entry.shape) else \
                     torch.empty(entry.shape, dtype=_DTYPES[entry.dtype])
                 tensors[entry.name] = t
                 out = tensor_bytes(t)
@@ -78,3 +121,365 @@ def load_shard(step_path: str, rank: int, world_size: int, threads: int,
         return decode_tree(manifest.tree, tensors.__getitem__)
     except (FormatError, KeyError) as e:
         raise CheckpointError(f"{step_path}: bad state tree in rank {rank} manifest: {e}") from None
+
+
+# ---- the live state, named as a save names it ---------------------------------------------------
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}/{key}" if path else str(key)
+
+
+def _live_tensors(values: Mapping[Any, Any]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Every tensor of ``values`` (top-level key → what it is saved as) by key path, walked the way
+    ``core.tree.encode_tree`` walks a save, and the paths of optimizer ``state`` dicts (their
+    entries may be missing from a checkpoint: optimizers create state lazily)."""
+    import numpy as np
+    found: dict[str, torch.Tensor] = {}
+    lazy: list[str] = []
+
+    def walk(obj: Any, path: str) -> None:
+        if isinstance(obj, torch.Tensor):
+            found[path] = obj
+        elif isinstance(obj, (str, int, float, bool, type(None))):
+            return
+        elif isinstance(obj, dict):
+            if "state" in obj and "param_groups" in obj:
+                lazy.append(_join(path, "state") + "/")
+            for k, v in obj.items():
+                walk(v, _join(path, k))
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, _join(path, i))
+        elif is_stateful(obj):
+            walk(obj.state_dict(), path)
+        elif isinstance(obj, np.ndarray):
+            found[path] = torch.from_numpy(np.ascontiguousarray(obj))
+
+    for k, v in values.items():
+        walk(v, _join("", k))
+    return found, lazy
+
+
+def _tensor_leaves(node: Any, path: str, out: list[tuple[str, str]]) -> None:
+    """(key path, checkpoint tensor name) of every tensor a saved state tree references."""
+    if not (isinstance(node, dict) and len(node) == 1):
+        return
+    (tag, value), = node.items()
+    if tag == "T" and isinstance(value, str):
+        out.append((path, value))
+    elif tag == "d" and isinstance(value, list):
+        for item in value:
+            if isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int)):
+                _tensor_leaves(item[1], _join(path, item[0]), out)
+    elif tag in ("l", "t") and isinstance(value, list):
+        for i, v in enumerate(value):
+            _tensor_leaves(v, _join(path, i), out)
+
+
+def _items(node: Any) -> list[list[Any]] | None:
+    """A saved dict node's ``[key, value]`` items (None when ``node`` is no dict)."""
+    if isinstance(node, dict) and len(node) == 1 and isinstance(node.get("d"), list):
+        items: list[list[Any]] = [i for i in node["d"] if isinstance(i, list) and len(i) == 2]
+        return items
+    return None
+
+
+def _param_lists(optim_node: Any) -> list[list[Any]] | None:
+    """A saved optimizer state dict's ``param_groups[i]["params"]`` lists."""
+    groups = dict((k, v) for k, v in _items(optim_node) or []).get("param_groups")
+    if not (isinstance(groups, dict) and isinstance(groups.get("l"), list)):
+        return None
+    out = []
+    for g in groups["l"]:
+        params = dict((k, v) for k, v in _items(g) or []).get("params")
+        if not (isinstance(params, dict) and isinstance(params.get("l"), list)):
+            return None
+        out.append(params["l"])
+    return out
+
+
+def _fqn_keyed(optim_node: Any) -> bool:
+    lists = _param_lists(optim_node)
+    return bool(lists) and any(isinstance(p, str) for ps in lists or [] for p in ps)
+
+
+def _rekey_by_position(optim_node: Any, live: Mapping[str, Any], where: str) -> Any:
+    """A saved index-keyed optimizer state dict re-keyed by the FQNs of the live FQN-keyed one
+    (``live``, ``get_optimizer_state_dict``'s output), matched by position in the param groups."""
+    saved_lists = _param_lists(optim_node) or []
+    live_lists = [list(g.get("params", [])) for g in live.get("param_groups", [])]
+    if [len(x) for x in saved_lists] != [len(x) for x in live_lists]:
+        raise CheckpointError(f"restore {where!r}: the checkpoint's optimizer has param groups of "
+                              f"{[len(x) for x in saved_lists]} parameters, the live one "
+                              f"{[len(x) for x in live_lists]}")
+    ids = {i: fqn for saved, fqns in zip(saved_lists, live_lists, strict=True)
+           for i, fqn in zip(saved, fqns, strict=True)}
+
+    def rekey_group(g: Any) -> Any:
+        return {"d": [[k, {"l": [ids[p] for p in v["l"]]} if k == "params" else v] for k, v in _items(g) or []]}
+
+    out = []
+    for k, v in _items(optim_node) or []:
+        if k == "state":
+            v = {"d": [[ids.get(i, i), sub] for i, sub in _items(v) or []]}
+        elif k == "param_groups":
+            v = {"l": [rekey_group(g) for g in v["l"]]}
+        out.append([k, v])
+    return {"d": out}
+
+
+# ---- what each per-rank entry gets at another world size ------------------------------------------
+
+def _check_rule(key: str, rule: Any) -> None:
+    if not (callable(rule) or rule in PER_RANK_RULES):
+        raise ValueError(f"per_rank[{key!r}]: {rule!r} is not a rule; use 'fresh', 'rank0', 'same-rank' or "
+                         "a callable (rank, saved_world_size, world_size) -> saved rank or None")
+
+
+def _rule_for(per_rank: PerRank, key: str) -> PerRankRule | None:
+    if per_rank is None:
+        return None
+    if isinstance(per_rank, Mapping):
+        return per_rank.get(key)
+    return per_rank
+
+
+def _saved_rank(rule: PerRankRule, key: str, rank: int, saved: int, world: int) -> int | None:
+    if rule == FRESH:
+        return None
+    if rule == RANK0:
+        return 0
+    if rule == SAME_RANK:
+        return rank if rank < saved else None
+    assert callable(rule)
+    src = rule(rank, saved, world)
+    if src is not None and not (type(src) is int and 0 <= src < saved):
+        raise CheckpointError(f"per_rank[{key!r}] returned {src!r} for rank {rank}: not None or a saved rank "
+                              f"in [0, {saved})")
+    return src
+
+
+def _restore_last(obj: Any) -> bool:
+    """RNG state goes last, so nothing restored after it (a load that draws random numbers) moves it."""
+    return isinstance(obj, RNGState) or getattr(obj, "ckptd_restore_last", False) is True
+
+
+# ---- the restore ------------------------------------------------------------------------------------
+
+def restore_state(step_path: str, state: dict[str, Any], *, rank: int, world_size: int, threads: int,
+                  per_rank: PerRank = None, stats: ReadStats | None = None,
+                  read_at: ReadAt = storage.read_at) -> None:
+    """Load committed step ``step_path`` into ``state`` in place, as rank ``rank`` of ``world_size``
+    (see the module docstring and ``Checkpointer.restore``). ``stats``/``read_at``: as for
+    ``load_tensor``. Raises CheckpointError (ValueError for a malformed ``per_rank``)."""
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict of names to values, got {type(state).__name__}")
+    if isinstance(per_rank, Mapping):
+        for key, rule in per_rank.items():
+            _check_rule(str(key), rule)
+    elif per_rank is not None:
+        _check_rule("*", per_rank)
+    with StepFiles(step_path, stats, read_at) as files:
+        if files.tensors is None:
+            _restore_v1(files, state, rank, world_size, threads)
+        else:
+            _Restore(files, files.tensors, state, rank, world_size, threads, per_rank).run()
+
+
+def _restore_v1(files: StepFiles, state: dict[str, Any], rank: int, world_size: int, threads: int) -> None:
+    """A format-1 step: this rank's own shard at the same world size, exactly as before format 2."""
+    targets, _ = _live_tensors({k: v for k, v in state.items()})
+    loaded = load_shard(files.path, rank, world_size, threads, targets)
+    if not isinstance(loaded, dict):
+        raise CheckpointError(f"{files.path}: rank {rank}'s state tree is not a dict")
+    _apply(state, loaded, None)
+
+
+def _apply(state: dict[str, Any], loaded: dict[Any, Any], model: torch.nn.Module | None) -> None:
+    """Apply ``loaded``'s top-level entries to ``state``; RNG state last; FQN-keyed objects through
+    torch's ``set_*_state_dict`` when ``model`` is set."""
+    later = [k for k in loaded if k in state and _restore_last(state[k])]
+    for k in [k for k in loaded if k not in later] + later:
+        v = loaded[k]
+        if k not in state:
+            state[k] = v
+            continue
+        target = state[k]
+        try:
+            if model is not None and target is model:
+                from torch.distributed.checkpoint.state_dict import set_model_state_dict
+                set_model_state_dict(model, v)
+            elif model is not None and isinstance(target, torch.optim.Optimizer):
+                from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+                set_optimizer_state_dict(model, target, v)
+            else:
+                state[k] = apply_state(target, v, str(k))
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"restore {str(k)!r}: {type(e).__name__}: {e}") from e
+
+
+class _Restore:
+    def __init__(self, files: StepFiles, tensors: dict[str, GlobalTensor], state: dict[str, Any], rank: int,
+                 world_size: int, threads: int, per_rank: PerRank) -> None:
+        self.files, self.tensors, self.state = files, tensors, state
+        self.rank, self.world_size, self.threads, self.per_rank = rank, world_size, threads, per_rank
+        self.saved = files.world_size
+        self.changed = self.saved != world_size
+        # The saved rank whose tree (and plain-tensor copies) the state's non-per-rank entries take.
+        self.default_source = rank if rank < self.saved else 0
+
+    def where(self) -> str:
+        return f"step {self.files.step} ({self.files.path})"
+
+    def sources(self) -> dict[Any, int | None]:
+        """Each live top-level key → the saved rank it restores from (None: left as it is)."""
+        per_rank_keys = set(self.files.per_rank_keys)
+        out: dict[Any, int | None] = {}
+        undecided = []
+        for k in self.state:
+            if not (self.changed and str(k) in per_rank_keys):
+                out[k] = self.default_source
+                continue
+            rule = _rule_for(self.per_rank, str(k))
+            if rule is None:
+                undecided.append(str(k))
+            else:
+                out[k] = _saved_rank(rule, str(k), self.rank, self.saved, self.world_size)
+        if undecided:
+            keys = ", ".join(repr(k) for k in undecided)
+            example = ", ".join(f"{k!r}: 'fresh'" for k in undecided)
+            raise CheckpointError(
+                f"{self.where()} was saved by {self.saved} ranks and this job has {self.world_size}; these entries "
+                f"of the state differ between the saved ranks, so it is not clear what each rank should get: {keys}. "
+                f"Say it with restore(state, per_rank={{{example}}}): 'fresh' leaves the live value as it is, "
+                "'rank0' loads saved rank 0's, 'same-rank' gives rank r saved rank r's (ranks the saved world did "
+                "not have stay fresh), or a callable (rank, saved_world_size, world_size) -> saved rank or None")
+        return out
+
+    def subtrees(self, sources: dict[Any, int | None]) -> dict[Any, tuple[int, Any]]:
+        """Top-level key → (saved rank, its saved subtree) of everything to restore."""
+        def top(src: int) -> list[list[Any]]:
+            items = _items(self.files.manifest(src).tree)
+            if items is None:
+                raise CheckpointError(f"{self.where()}: rank {src}'s state tree is not a dict")
+            return items
+        out: dict[Any, tuple[int, Any]] = {}
+        for k, src in sources.items():
+            if src is None:
+                continue
+            for key, sub in top(src):
+                if key == k and type(key) is type(k):
+                    out[k] = (src, sub)
+        per_rank_keys = set(self.files.per_rank_keys)
+        for key, sub in top(self.default_source):      # saved entries the live state lacks are added
+            if key not in self.state and not (self.changed and str(key) in per_rank_keys):
+                out[key] = (self.default_source, sub)
+        return out
+
+    def run(self) -> None:
+        subtrees = self.subtrees(self.sources())
+        model = sharded_model_of(self.state)
+        optims = [k for k, v in self.state.items() if isinstance(v, torch.optim.Optimizer) and k in subtrees]
+        if model is None and any(_fqn_keyed(subtrees[k][1]) for k in optims):
+            modules = [v for v in self.state.values() if isinstance(v, torch.nn.Module)]
+            model = modules[0] if len(modules) == 1 else None      # a plain model from a sharded checkpoint
+        live_values: dict[Any, Any] = {}
+        for k, (src, sub) in subtrees.items():
+            if k not in self.state:
+                continue
+            v = self.state[k]
+            try:
+                if model is not None and v is model:
+                    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+                    live_values[k] = get_model_state_dict(model)
+                elif model is not None and isinstance(v, torch.optim.Optimizer):
+                    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+                    live_values[k] = osd = get_optimizer_state_dict(model, v)
+                    if not _fqn_keyed(sub):
+                        subtrees[k] = (src, _rekey_by_position(sub, osd, str(k)))
+                else:
+                    live_values[k] = v
+            except CheckpointError:
+                raise
+            except Exception as e:
+                raise CheckpointError(f"restore {str(k)!r}: cannot build its state dict: "
+                                      f"{type(e).__name__}: {e}") from e
+        live, lazy = _live_tensors(live_values)
+
+        needs: list[Need] = []
+        resolved: dict[str, torch.Tensor] = {}
+        copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        saved_paths: set[str] = set()
+        for k, (src, sub) in subtrees.items():
+            leaves: list[tuple[str, str]] = []
+            _tensor_leaves(sub, _join("", k), leaves)
+            for path, name in leaves:
+                saved_paths.add(path)
+                need, target = self.need(path, name, src, live.get(path), copy_back)
+                needs.append(need)
+                resolved[name] = target
+        for path in live:
+            if path not in saved_paths and not any(path.startswith(p) for p in lazy):
+                raise CheckpointError(f"tensor {path!r} of the state is not in checkpoint {self.where()}")
+        read_needs(self.files, needs, self.threads)
+        with torch.no_grad():
+            for dst, src_t in copy_back:
+                dst.copy_(src_t)
+        loaded: dict[Any, Any] = {}
+        for k, (src, sub) in subtrees.items():
+            try:
+                loaded[k] = decode_tree(sub, resolved.__getitem__)
+            except (FormatError, KeyError) as e:
+                raise CheckpointError(f"{self.where()}: bad state tree under {str(k)!r} in rank {src}'s "
+                                      f"manifest: {e}") from None
+        _apply(self.state, loaded, model)
+
+    def need(self, path: str, name: str, src: int, live: torch.Tensor | None,
+             copy_back: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Need, torch.Tensor]:
+        """What tensor ``name`` (at ``path`` of the state) needs read, and what the loaded tree gets."""
+        t = self.tensors.get(name)
+        if t is None:
+            raise CheckpointError(f"tensor {name!r} (rank {src}'s state tree, at {path!r}) is not in the tensor "
+                                  f"map of {self.where()}")
+        source = None
+        shape, dtype = t.shape, t.dtype
+        if t.kind == LOCAL:
+            holders = [p.rank for p in t.pieces]
+            source = src if src in holders else (holders[0] if t.same and holders else None)
+            if source is None:
+                raise CheckpointError(f"tensor {name!r}: saved rank {src} has no copy and the copies of ranks "
+                                      f"{holders} differ, in {self.where()}")
+            entry = self.files.entry(source, name, name)
+            shape, dtype = tuple(entry.shape), entry.dtype
+        if live is None:                  # in the checkpoint, not in the state: a fresh whole tensor
+            out = torch.empty(shape, dtype=DTYPES[dtype])
+            return Need(name, Region.whole(shape), out, source), out
+        live_dtype = str(live.dtype).removeprefix("torch.")
+        if live_dtype != dtype:
+            raise CheckpointError(f"tensor {path!r}: the checkpoint has {dtype}, the state {live_dtype} "
+                                  f"({self.where()})")
+        if is_dtensor(live):
+            from torch.distributed.tensor import Partial
+            if any(isinstance(p, Partial) for p in live.placements):    # type: ignore[attr-defined]
+                raise CheckpointError(f"cannot restore into DTensor {path!r}: it has Partial placements")
+            try:
+                region, gshape = local_region(live)
+            except TypeError as e:
+                raise CheckpointError(f"cannot restore into DTensor {path!r}: {e}") from None
+            if tuple(gshape) != tuple(shape):
+                raise CheckpointError(f"tensor {path!r}: the checkpoint's global shape is {list(shape)}, the "
+                                      f"state's {list(gshape)} ({self.where()})")
+            local = live.to_local()     # type: ignore[attr-defined]
+        else:
+            if tuple(live.shape) != tuple(shape):
+                raise CheckpointError(f"tensor {path!r}: the checkpoint's shape is {list(shape)}, the state's "
+                                      f"{list(live.shape)} ({self.where()})")
+            region, local = Region.whole(shape), live
+        if decodable_into(local, dtype, region.sizes):
+            out = local
+        else:                             # another device, layout or stride: decode aside, copy after
+            out = torch.empty(region.sizes, dtype=DTYPES[dtype])
+            copy_back.append((local, out))
+        return Need(name, region, out, source), live

@@ -1,0 +1,78 @@
+"""Lazy partial loads: one named tensor, or a slice of it, from a committed step."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ckptd.core import storage
+from ckptd.core.global_index import LOCAL, GlobalTensor, Piece
+from ckptd.core.regions import Region
+
+from .errors import CheckpointError
+from .reshard import DTYPES, Need, ReadAt, ReadStats, StepFiles, read_needs, slice_region
+
+
+def load_tensor(step_dir: str | os.PathLike[str], name: str, region: Any = None, *, rank: int | None = None,
+                threads: int = 4, stats: ReadStats | None = None, read_at: ReadAt = storage.read_at) -> torch.Tensor:
+    """Read tensor ``name`` (its key path in the saved state, e.g. ``"model/layers.0.mlp.w1.weight"``
+    or ``"optim/state/layers.0.mlp.w1.weight/exp_avg"``) — or a slice of it — from the committed
+    step directory ``step_dir``, reading nothing else: index.json, the manifests of the ranks
+    whose pieces overlap the slice, and of those pieces only the chunks covering the rows the
+    slice touches (a slice along the first dimension costs its own bytes, a slice along a later
+    dimension every row it crosses, rounded out to whole chunks). Checksums are verified. No
+    daemon, no process group, no unpickling.
+
+    ``region``: None (the whole tensor), or an index like a tensor's — a slice or int or a tuple of
+    them (fewer than the dimensions: the rest whole; slices with step 1; an int drops its
+    dimension) — or a ``ckptd.core.regions.Region`` of the global tensor. A sharded (DTensor)
+    tensor is read as its global tensor, assembled from whichever pieces overlap the region.
+
+    ``rank``: for a plain tensor each saving rank kept its own copy; which one to read. By default
+    rank 0's (any when all copies are identical); a CheckpointError asks for ``rank`` when the
+    copies differ. ``stats``: a ``ReadStats`` filled with what was read; ``read_at``: how data
+    files are read (``(fd, offset, length) -> bytes``, default ``ckptd.core.storage.read_at``).
+
+    Returns a contiguous CPU tensor of the saved dtype. Raises CheckpointError naming the tensor
+    (and file) when the step, the tensor or a chunk is missing or corrupt.
+    """
+    with StepFiles(os.fspath(step_dir), stats, read_at) as files:
+        if files.tensors is None:         # format 1: plain tensors, each rank's own, no tensor map
+            src = 0 if rank is None else rank
+            if not 0 <= src < files.world_size:
+                raise CheckpointError(f"rank {src} is not in step {files.step} (world size {files.world_size})")
+            entry = files.manifest(src).by_name().get(name)
+            if entry is None:
+                raise CheckpointError(f"tensor {name!r} is not in rank {src}'s shard of {files.path}")
+            files.tensors = {name: GlobalTensor(name, entry.dtype, tuple(entry.shape), LOCAL,
+                                                (Piece(src, name, entry.region()),))}
+        t = files.tensors.get(name)
+        if t is None:
+            raise CheckpointError(f"tensor {name!r} is not in checkpoint step {files.step} ({files.path})")
+        source = None
+        shape = t.shape
+        if t.kind == LOCAL:
+            holders = [p.rank for p in t.pieces]
+            if rank is not None:
+                source = rank
+            elif 0 in holders and (t.same or len(holders) == 1):
+                source = 0
+            elif t.same or len(holders) == 1:
+                source = holders[0]
+            else:
+                raise CheckpointError(f"tensor {name!r}: ranks {holders} each saved their own, different copy; "
+                                      "pass rank= to say whose")
+            if source not in holders:
+                raise CheckpointError(f"tensor {name!r}: saved rank {source} holds no copy (held by {holders})")
+            shape = tuple(files.entry(source, name, name).shape)       # a rank's own copy may differ in shape
+        try:
+            want, result_shape = slice_region(shape, region)
+        except (ValueError, TypeError, IndexError) as e:
+            raise CheckpointError(f"tensor {name!r} of shape {list(shape)}: {e}") from None
+        out = torch.empty(want.sizes, dtype=DTYPES[t.dtype])
+        read_needs(files, [Need(name, want, out, source)], threads)
+    return out.reshape(result_shape)
+
+
+__all__ = ["load_tensor", "ReadStats", "Region"]

@@ -1,0 +1,397 @@
+"""Reading regions of global tensors from a committed step: what a restore and a lazy load do.
+
+A :class:`Need` is a rectangular region of one checkpoint tensor (index.json's tensor map names
+it) and the CPU tensor it goes into. :func:`read_needs` intersects each need with the pieces of
+its tensor and, for every non-empty intersection, reads that piece's rank manifest (once per
+load, digest-checked by ``StepReader``) and only the chunks of the piece's entry covering the
+bytes the intersection touches (``regions.row_span``: a slice along the first dimension costs
+its own bytes, a slice along a later one every row it crosses). Chunks are read, checksum-verified
+and decoded in parallel on a thread pool.
+
+Where the intersection is contiguous both in the piece and in the destination (a rank reading
+its own shard back, a ``Shard(0)`` tensor split at another world size, a whole plain tensor)
+chunks decode straight into the destination; only a chunk straddling the intersection's ends
+goes through a small buffer. Otherwise (``Shard(0)`` → ``Shard(1)``, a column slice) the chunks
+decode into a staging buffer, bounded in total, and one strided copy moves the intersection.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckptd.core import storage
+from ckptd.core.codec import ChunkMeta, decode_chunk
+from ckptd.core.errors import ChecksumError, FormatError
+from ckptd.core.global_index import LOCAL, GlobalTensor, parse_tensor_map
+from ckptd.core.names import rank_manifest_name
+from ckptd.core.reader import StepReader
+from ckptd.core.regions import Region, row_span
+from ckptd.core.schema import DTYPE_ITEMSIZE, Manifest, TensorEntry
+
+from .errors import CheckpointError
+
+ReadAt = Callable[[int, int, int], bytes]
+"""``(fd, offset, length) -> exactly length bytes``: how data files are read (``storage.read_at``)."""
+
+STAGING_BYTES = 256 * 1024 * 1024       # decoded bytes waiting for a strided copy, at most (one read may exceed it)
+
+DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in vars(torch).values()
+                                  if isinstance(d, torch.dtype)}
+
+
+@dataclass
+class ReadStats:
+    """What a load read, counted as it reads (pass one to ``load_tensor`` or a restore to see the cost).
+
+    ``manifests``: ranks whose manifest was read, in order; ``entries``: (rank, entry name) of every
+    piece read from; ``chunks``/``bytes``: data-file chunks read and their stored bytes."""
+    manifests: list[int] = field(default_factory=list)
+    entries: set[tuple[int, str]] = field(default_factory=set)
+    chunks: int = 0
+    bytes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add_chunk(self, nbytes: int) -> None:
+        with self._lock:
+            self.chunks += 1
+            self.bytes += nbytes
+
+
+@dataclass
+class Need:
+    """``region`` (of the global tensor) of checkpoint tensor ``name``, to be written into ``out``: a
+    contiguous CPU tensor of ``region.sizes`` and the checkpoint's dtype. ``source``: for a plain
+    (``local``) tensor, the saved rank whose copy to read."""
+    name: str
+    region: Region
+    out: torch.Tensor
+    source: int | None = None
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Writable bytes of a contiguous CPU tensor (any dtype, 0-d and empty included)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
+def decodable_into(t: Any, dtype: str, shape: Sequence[int]) -> bool:
+    """Whether chunks of a ``dtype`` tensor of ``shape`` can be decoded straight into ``t``'s memory."""
+    return (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == DTYPES.get(dtype)
+            and tuple(t.shape) == tuple(shape) and t.is_contiguous() and not t.is_conj() and not t.is_neg())
+
+
+class StepFiles:
+    """One committed step as one load sees it: the index's tensor map, each rank manifest read at
+    most once (digest-checked), data files opened at most once. Every failure is a CheckpointError
+    naming the file (and the tensor, where one is concerned). Close it (or use ``with``)."""
+
+    def __init__(self, step_path: str, stats: ReadStats | None = None, read_at: ReadAt = storage.read_at) -> None:
+        self.stats = stats
+        self.read_at = read_at
+        try:
+            self.reader = StepReader(step_path)
+        except (FormatError, OSError) as e:
+            raise CheckpointError(f"cannot restore from {step_path}: {e}") from None
+        self.path = self.reader.path
+        self.world_size = self.reader.world_size
+        self.step = self.reader.step
+        self._manifests: dict[int, Manifest] = {}
+        self._entries: dict[int, dict[str, TensorEntry]] = {}
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self.tensors: dict[str, GlobalTensor] | None = None      # None: a format-1 step (no tensor map)
+        self.per_rank_keys: list[str] = []
+        if int(self.reader.index["format_version"]) >= 2:
+            try:
+                self.tensors = parse_tensor_map(self.reader.index["tensors"], self.world_size)
+            except FormatError as e:
+                raise CheckpointError(f"cannot restore from {self.path}: {e}") from None
+            self.per_rank_keys = list(self.reader.index["per_rank_keys"])
+
+    def __enter__(self) -> StepFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
+
+    def manifest(self, rank: int) -> Manifest:
+        m = self._manifests.get(rank)
+        if m is None:
+            try:
+                m = self.reader.manifest(rank)
+            except (FormatError, OSError) as e:
+                raise CheckpointError(f"cannot restore from {self.path}: {e}") from None
+            self._manifests[rank] = m
+            self._entries[rank] = m.by_name()
+            if self.stats is not None:
+                self.stats.manifests.append(rank)
+        return m
+
+    def entry(self, rank: int, name: str, tensor: str) -> TensorEntry:
+        """Entry ``name`` of rank ``rank``'s manifest, which holds a piece of ``tensor``."""
+        self.manifest(rank)
+        e = self._entries[rank].get(name)
+        if e is None:
+            raise CheckpointError(f"tensor {tensor!r}: the index places a piece in entry {name!r} of "
+                                  f"{os.path.join(self.path, rank_manifest_name(rank))}, which has no such entry")
+        return e
+
+    def fd(self, rank: int) -> int:
+        with self._lock:
+            fd = self._fds.get(rank)
+            if fd is None:
+                try:
+                    fd = self._fds[rank] = self.reader.open_data(rank)
+                except (FormatError, OSError) as e:
+                    raise CheckpointError(f"cannot restore from {self.path}: {e}") from None
+            return fd
+
+    def read_chunk(self, rank: int, entry: TensorEntry, file_pos: int, meta: ChunkMeta, out: memoryview) -> None:
+        """Read, verify and decode one chunk of ``entry`` into ``out`` (``meta.raw_len`` bytes)."""
+        try:
+            stored = self.read_at(self.fd(rank), file_pos, meta.stored_len)
+            if self.stats is not None:
+                self.stats.add_chunk(len(stored))
+            decode_chunk(stored, meta, entry.dtype, out)
+        except (ChecksumError, EOFError, OSError) as e:
+            raise CheckpointError(f"corrupt checkpoint: tensor {entry.name!r} in "
+                                  f"{self.reader.data_path(rank)}: {e}") from None
+
+
+@dataclass
+class _Read:
+    """Copy ``part`` (global coordinates) of the piece held by ``entry`` of rank ``rank`` into ``need``."""
+    rank: int
+    entry: TensorEntry
+    piece: Region
+    part: Region
+    need: Need
+
+
+def plan(files: StepFiles, tensors: dict[str, GlobalTensor], needs: Sequence[Need]) -> list[_Read]:
+    """Every (piece, intersection) the needs require; reads the manifests of the pieces involved
+    (and no other). CheckpointError naming the tensor when the pieces do not cover a need."""
+    reads: list[_Read] = []
+    for need in needs:
+        t = tensors.get(need.name)
+        if t is None:
+            raise CheckpointError(f"tensor {need.name!r} is not in checkpoint step {files.step} ({files.path})")
+        if t.kind == LOCAL:
+            pieces = [p for p in t.pieces if p.rank == need.source]
+            if not pieces:
+                raise CheckpointError(f"tensor {need.name!r}: saved rank {need.source} holds no copy of it "
+                                      f"(held by ranks {[p.rank for p in t.pieces]}) in {files.path}")
+        else:
+            pieces = list(t.pieces)
+        covered = 0
+        for p in pieces:
+            entry = files.entry(p.rank, p.name, need.name)
+            where = f"tensor {need.name!r}: entry {p.name!r} of {os.path.join(files.path, rank_manifest_name(p.rank))}"
+            region = entry.region() if t.kind == LOCAL else p.region   # a local copy's shape is its own
+            if entry.dtype != t.dtype or entry.region() != region:
+                raise CheckpointError(f"{where} holds {entry.dtype} {entry.region().to_json()}, the index says "
+                                      f"{t.dtype} {region.to_json()}")
+            if len(region.sizes) != len(need.region.sizes):
+                raise CheckpointError(f"{where} has {len(region.sizes)} dimensions, the state needs "
+                                      f"{len(need.region.sizes)}")
+            part = region.intersect(need.region)
+            if part is None:
+                continue
+            covered += part.numel
+            reads.append(_Read(p.rank, entry, region, part, need))
+            if files.stats is not None:
+                files.stats.entries.add((p.rank, p.name))
+        if covered != need.region.numel:
+            raise CheckpointError(f"tensor {need.name!r}: the saved pieces cover {covered} of the "
+                                  f"{need.region.numel} elements needed ({need.region.to_json()}) in {files.path}")
+    return reads
+
+
+def strides(sizes: Sequence[int], itemsize: int) -> tuple[int, ...]:
+    out, acc = [], itemsize
+    for n in reversed(sizes):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
+def contiguous_in(part: Region, outer: Region) -> bool:
+    """Whether ``part``'s elements are one contiguous run of ``outer``'s row-major bytes: every
+    dimension before the last one ``part`` does not span whole has size 1."""
+    partial = [d for d, (a, b) in enumerate(zip(part.sizes, outer.sizes, strict=True)) if a != b]
+    return not partial or all(part.sizes[d] == 1 for d in range(partial[-1]))
+
+
+def _offset(part: Region, outer: Region, itemsize: int) -> int:
+    """Byte offset of ``part``'s first element in ``outer``'s row-major bytes."""
+    rel = part.relative_to(outer)
+    return sum(o * s for o, s in zip(rel.offsets, strides(outer.sizes, itemsize), strict=True))
+
+
+class _Job:
+    """One read's chunks in flight: the last one to finish runs ``finish`` (the strided copy)."""
+
+    def __init__(self, remaining: int, staged: int, finish: Callable[[], None] | None) -> None:
+        self.remaining = remaining
+        self.staged = staged
+        self.finish = finish
+        self.ok = True
+
+
+class _Runner:
+    """Decodes chunks on a pool, keeping staged bytes under a budget."""
+
+    def __init__(self, files: StepFiles, threads: int, budget: int) -> None:
+        self.files = files
+        self.budget = budget
+        self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptd-restore")
+        self.cond = threading.Condition()
+        self.staged = 0
+        self.error: BaseException | None = None
+
+    def run(self, reads: Sequence[_Read]) -> None:
+        try:
+            for r in reads:
+                if self.error is not None:
+                    break
+                self._submit(r)
+        finally:
+            self.pool.shutdown(wait=True)
+        if self.error is not None:
+            raise self.error
+
+    def _submit(self, r: _Read) -> None:
+        itemsize = DTYPE_ITEMSIZE[r.entry.dtype]
+        a, b = row_span(r.piece, r.part, itemsize)
+        spans = [(fp, rp, m) for fp, rp, m in r.entry.chunk_spans() if rp < b and rp + m.raw_len > a]
+        out = tensor_bytes(r.need.out)
+        o = _offset(r.part, r.need.region, itemsize)
+        if contiguous_in(r.part, r.piece) and contiguous_in(r.part, r.need.region):
+            job = _Job(len(spans), 0, None)
+            for fp, rp, m in spans:
+                lo, hi = max(a, rp), min(b, rp + m.raw_len)
+                if (lo, hi) == (rp, rp + m.raw_len):          # the whole chunk is wanted: decode in place
+                    self.pool.submit(self._chunk, job, r, fp, m, out[o + rp - a: o + rp - a + m.raw_len], None)
+                else:                                          # a chunk straddling an end: via a buffer
+                    self.pool.submit(self._chunk, job, r, fp, m, None, (out[o + lo - a: o + hi - a], lo - rp))
+            return
+        lo, hi = spans[0][1], spans[-1][1] + spans[-1][2].raw_len
+        with self.cond:
+            while self.staged and self.staged + (hi - lo) > self.budget and self.error is None:
+                self.cond.wait()
+            self.staged += hi - lo
+        staging = torch.empty(hi - lo, dtype=torch.uint8)
+        view = tensor_bytes(staging)
+
+        def copy() -> None:
+            size = (*r.part.sizes, itemsize)
+            src = staging.as_strided(size, (*strides(r.piece.sizes, itemsize), 1), staging.storage_offset() + a - lo)
+            dst_u8 = r.need.out.reshape(-1).view(torch.uint8)
+            dst = dst_u8.as_strided(size, (*strides(r.need.region.sizes, itemsize), 1), dst_u8.storage_offset() + o)
+            dst.copy_(src)
+
+        job = _Job(len(spans), hi - lo, copy)
+        for fp, rp, m in spans:
+            self.pool.submit(self._chunk, job, r, fp, m, view[rp - lo: rp - lo + m.raw_len], None)
+
+    def _chunk(self, job: _Job, r: _Read, file_pos: int, meta: ChunkMeta, dst: memoryview | None,
+               partial: tuple[memoryview, int] | None) -> None:
+        try:
+            if self.error is None:
+                if dst is not None:
+                    self.files.read_chunk(r.rank, r.entry, file_pos, meta, dst)
+                elif partial is not None:
+                    buf = bytearray(meta.raw_len)
+                    self.files.read_chunk(r.rank, r.entry, file_pos, meta, memoryview(buf))
+                    target, start = partial
+                    target[:] = buf[start: start + len(target)]
+        except BaseException as e:
+            job.ok = False
+            with self.cond:
+                if self.error is None:
+                    self.error = e
+                self.cond.notify_all()
+        with self.cond:
+            job.remaining -= 1
+            last = job.remaining == 0
+        if not last:
+            return
+        try:
+            if job.finish is not None and job.ok and self.error is None:
+                job.finish()
+        except BaseException as e:
+            with self.cond:
+                if self.error is None:
+                    self.error = e
+        finally:
+            with self.cond:
+                self.staged -= job.staged
+                self.cond.notify_all()
+
+
+def read_needs(files: StepFiles, needs: Sequence[Need], threads: int, staging_bytes: int = STAGING_BYTES) -> None:
+    """Fill every need's ``out`` from the step (see the module docstring for what is read)."""
+    if files.tensors is None:
+        raise CheckpointError(f"{files.path} is a format-1 step: it has no tensor map to read regions from")
+    for need in needs:
+        t = files.tensors.get(need.name)
+        if t is not None and not decodable_into(need.out, t.dtype, need.region.sizes):
+            raise CheckpointError(f"tensor {need.name!r}: the destination must be a contiguous CPU "
+                                  f"{t.dtype} tensor of shape {list(need.region.sizes)}")
+    reads = plan(files, files.tensors, needs)
+    if reads:
+        _Runner(files, threads, staging_bytes).run(reads)
+
+
+def slice_region(shape: Sequence[int], index: Any) -> tuple[Region, tuple[int, ...]]:
+    """(region, result shape) of ``index`` — None, a slice or int, a tuple of them (fewer than the
+    dimensions: the rest whole), or a Region — into a tensor of ``shape``. Slices take Python's
+    bounds (negative, open, clipped) with step 1; an int picks one index and drops its dimension."""
+    if index is None:
+        return Region.whole(shape), tuple(shape)
+    if isinstance(index, Region):
+        if not index.within(shape):
+            raise ValueError(f"region {index.to_json()} is not inside shape {list(shape)}")
+        return index, index.sizes
+    items = index if isinstance(index, tuple) else (index,)
+    if len(items) > len(shape):
+        raise ValueError(f"{len(items)} indices for a tensor of {len(shape)} dimensions")
+    offsets, sizes, result = [], [], []
+    for d, n in enumerate(shape):
+        it = items[d] if d < len(items) else slice(None)
+        if isinstance(it, bool) or not isinstance(it, (int, slice)):
+            raise TypeError(f"dimension {d}: index with ints and slices, not {type(it).__name__}")
+        if isinstance(it, int):
+            i = it + n if it < 0 else it
+            if not 0 <= i < n:
+                raise IndexError(f"index {it} is out of range for dimension {d} of size {n}")
+            offsets.append(i)
+            sizes.append(1)
+            continue
+        start, stop, step = it.indices(n)
+        if step != 1:
+            raise ValueError(f"dimension {d}: only step 1 slices are supported, got step {it.step}")
+        offsets.append(start)
+        sizes.append(max(0, stop - start))
+        result.append(sizes[-1])
+    return Region(tuple(offsets), tuple(sizes)), tuple(result)
+
+
+def empty_for(dtype: str, sizes: Sequence[int]) -> torch.Tensor:
+    return torch.empty(tuple(sizes), dtype=DTYPES[dtype])
+
+
+def numel(sizes: Sequence[int]) -> int:
+    return math.prod(sizes)
