@@ -197,15 +197,21 @@ def plan(files: StepFiles, tensors: dict[str, GlobalTensor], needs: Sequence[Nee
             pieces = list(t.pieces)
         covered = 0
         for p in pieces:
-            entry = files.entry(p.rank, p.name, need.name)
             where = f"tensor {need.name!r}: entry {p.name!r} of {os.path.join(files.path, rank_manifest_name(p.rank))}"
+            if t.kind != LOCAL:       # the index says where the piece is: skip it unread if it is not needed
+                if len(p.region.sizes) != len(need.region.sizes):
+                    raise CheckpointError(f"{where} has {len(p.region.sizes)} dimensions, {len(need.region.sizes)} "
+                                          "are needed")
+                if p.region.intersect(need.region) is None:
+                    continue
+            entry = files.entry(p.rank, p.name, need.name)
             region = entry.region() if t.kind == LOCAL else p.region   # a local copy's shape is its own
             if entry.dtype != t.dtype or entry.region() != region:
                 raise CheckpointError(f"{where} holds {entry.dtype} {entry.region().to_json()}, the index says "
                                       f"{t.dtype} {region.to_json()}")
             if len(region.sizes) != len(need.region.sizes):
-                raise CheckpointError(f"{where} has {len(region.sizes)} dimensions, the state needs "
-                                      f"{len(need.region.sizes)}")
+                raise CheckpointError(f"{where} has {len(region.sizes)} dimensions, {len(need.region.sizes)} "
+                                      "are needed")
             part = region.intersect(need.region)
             if part is None:
                 continue

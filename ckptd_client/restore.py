@@ -359,23 +359,19 @@ class _Restore:
         return out
 
     def subtrees(self, sources: dict[Any, int | None]) -> dict[Any, tuple[int, Any]]:
-        """Top-level key → (saved rank, its saved subtree) of everything to restore."""
+        """Live top-level key → (saved rank, its saved subtree) of everything to restore."""
         def top(src: int) -> list[list[Any]]:
             items = _items(self.files.manifest(src).tree)
             if items is None:
                 raise CheckpointError(f"{self.where()}: rank {src}'s state tree is not a dict")
             return items
         out: dict[Any, tuple[int, Any]] = {}
-        for k, src in sources.items():
+        for k, src in sources.items():       # saved entries the live state lacks are not read
             if src is None:
                 continue
             for key, sub in top(src):
                 if key == k and type(key) is type(k):
                     out[k] = (src, sub)
-        per_rank_keys = set(self.files.per_rank_keys)
-        for key, sub in top(self.default_source):      # saved entries the live state lacks are added
-            if key not in self.state and not (self.changed and str(key) in per_rank_keys):
-                out[key] = (self.default_source, sub)
         return out
 
     def run(self) -> None:
@@ -387,8 +383,6 @@ class _Restore:
             model = modules[0] if len(modules) == 1 else None      # a plain model from a sharded checkpoint
         live_values: dict[Any, Any] = {}
         for k, (src, sub) in subtrees.items():
-            if k not in self.state:
-                continue
             v = self.state[k]
             try:
                 if model is not None and v is model:
