@@ -1,4 +1,4 @@
-"""Command line: ``ckptd serve | ls | verify | status | gc``."""
+"""Command line: ``ckptd serve | ls | verify | inspect | status | gc``."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +10,7 @@ import time
 
 from ckptd import __version__
 from ckptd.core import protocol
+from ckptd.core.describe import describe_step, render_step
 from ckptd.core.errors import ProtocolError
 from ckptd.core.names import validate_job
 from ckptd.core.reader import Fault, StepReader, list_steps, verify_step
@@ -209,6 +210,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    try:
+        desc = describe_step(StepReader(args.step_dir))
+    except (ValueError, OSError) as e:     # FormatError, or a file over its size limit
+        print(f"ckptd inspect: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(desc, indent=1) if args.json else "\n".join(render_step(desc, _size)))
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     try:
         st = protocol.request_once(args.socket, {"op": "status"})
@@ -266,11 +277,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_ls)
 
-    s = sub.add_parser("verify", help="check every checksum of a step",
-                       description="Verify every manifest digest and chunk checksum; exit 1 on any fault.")
+    s = sub.add_parser("verify", help="check every checksum and the geometry of a step", description=(
+        "Verify every manifest digest and chunk checksum, and (format 2) that the index's tensor map agrees "
+        "with the manifests and its sharded tensors' pieces tile them exactly; exit 1 on any fault."))
     s.add_argument("step_dir")
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_verify)
+
+    s = sub.add_parser("inspect", help="list a step's tensors and how they are split", description=(
+        "Every tensor's dtype, global shape and split (sharded: each piece's rank and region; local: which "
+        "ranks hold a copy, the same or per rank), the per-rank keys, world size and sizes. Reads index.json "
+        "only (format 1: the manifests); `ckptd verify` checks the bytes."))
+    s.add_argument("step_dir")
+    s.add_argument("--json", action="store_true", help="everything, every piece, as JSON")
+    s.set_defaults(func=cmd_inspect)
 
     s = sub.add_parser("status", help="ask a running daemon",
                        description="Connected jobs and ranks, saves in flight with progress, last committed "

@@ -1,8 +1,9 @@
 """Reading committed steps: listing, the step reader, and ``verify``.
 
 Readers never trust a file: indexes and manifests are size-limited regular files (never a
-link, FIFO or device), manifests must match the digest the index recorded, and every chunk's
-checksum is checked before it is decoded.
+link, FIFO or device), manifests must match the digest the index recorded and (format 2) agree
+with the index's tensor map (``map_check``), and every chunk's checksum is checked before it is
+decoded. ``verify_step`` also checks the map's geometry: every sharded tensor tiled exactly.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from . import storage
 from .codec import ChunkMeta, checksum, decode_chunk
 from .errors import ChecksumError, FormatError
+from .global_index import GlobalTensor, build_tensor_map, parse_tensor_map
+from .map_check import MapCheck
 from .names import INDEX_NAME, parse_step_dir_name, rank_data_name, rank_manifest_name, validate_job
 from .schema import (
     MAX_INDEX_BYTES,
@@ -91,15 +94,47 @@ class StepReader:
             raise FormatError(f"{self.path}: not committed (no {INDEX_NAME})")
         self.index = parse_index(_read_small(index_path, MAX_INDEX_BYTES, "the index"), job=self.job, step=self.step)
         self.world_size: int = self.index["world_size"]
+        self._map: tuple[dict[str, GlobalTensor], list[str]] | None = None
+        self._map_check: MapCheck | None = None
 
-    def manifest(self, rank: int) -> Manifest:
+    @property
+    def format_version(self) -> int:
+        return int(self.index["format_version"])
+
+    def tensor_map(self) -> tuple[dict[str, GlobalTensor], list[str]]:
+        """(tensor map, per-rank keys): index.json's (format 2: parsed; each manifest read is checked
+        against it, its geometry by ``verify_step``), or derived from every rank's manifest (format 1,
+        where every tensor is local). Raises FormatError."""
+        if self._map is None:
+            if self.format_version >= 2:
+                self._map = parse_tensor_map(self.index["tensors"], self.world_size), list(self.index["per_rank_keys"])
+            else:
+                self._map = build_tensor_map([self.manifest(r) for r in range(self.world_size)])
+        return self._map
+
+    def map_check(self) -> MapCheck:
+        """The format-2 tensor map's checker (``map_check.MapCheck``); raises FormatError."""
+        if self._map_check is None:
+            self._map_check = MapCheck(self.tensor_map()[0], self.world_size)
+        return self._map_check
+
+    def manifest(self, rank: int, check_map: bool = True) -> Manifest:
+        """Rank ``rank``'s manifest, its digest checked against the index and (format 2, unless
+        ``check_map`` is false) its entries against the index's tensor map, both ways."""
         if not 0 <= rank < self.world_size:
             raise FormatError(f"rank {rank} not in step {self.step} (world size {self.world_size})")
         path = os.path.join(self.path, rank_manifest_name(rank))
         data = _read_small(path, MAX_MANIFEST_BYTES, f"the rank {rank} manifest")
         if digest_bytes(data) != self.index["ranks"][rank]["manifest_digest"]:
             raise FormatError(f"{path}: manifest digest does not match index.json")
-        return parse_manifest(data, job=self.job, step=self.step, rank=rank)
+        m = parse_manifest(data, job=self.job, step=self.step, rank=rank)
+        if check_map and self.format_version >= 2:
+            faults = self.map_check().rank_faults(m)
+            if faults:
+                more = f" (and {len(faults) - 1} more; ckptd verify lists them)" if len(faults) > 1 else ""
+                where = f"tensor {faults[0].tensor!r}: " if faults[0].tensor else ""
+                raise FormatError(f"{path}: does not match the index's tensor map: {where}{faults[0].reason}{more}")
+        return m
 
     def data_path(self, rank: int) -> str:
         return os.path.join(self.path, rank_data_name(rank))
@@ -155,19 +190,31 @@ class Fault:
 
 
 def verify_step(step_path: str, progress: Callable[[str], None] | None = None) -> list[Fault]:
-    """Check every manifest digest and every chunk checksum of a committed step (no decompression)."""
+    """Check every manifest digest and every chunk checksum of a committed step (no decompression),
+    and a format-2 step's global geometry: the index's tensor map parses, agrees with the manifests,
+    and tiles every sharded tensor exactly (``map_check``)."""
     try:
         reader = StepReader(step_path)
     except (ValueError, OSError) as e:     # FormatError is a ValueError
         return [Fault(os.path.join(step_path, INDEX_NAME), None, str(e))]
+    index_path = os.path.join(reader.path, INDEX_NAME)
     faults: list[Fault] = []
+    check: MapCheck | None = None
+    if reader.format_version >= 2:
+        try:
+            check = reader.map_check()
+            faults += [Fault(index_path, f.tensor, f.reason) for f in check.map_faults()]
+        except FormatError as e:
+            faults.append(Fault(index_path, None, str(e)))
     for rank in range(reader.world_size):
         mpath = os.path.join(reader.path, rank_manifest_name(rank))
         try:
-            manifest = reader.manifest(rank)
+            manifest = reader.manifest(rank, check_map=False)
         except (ValueError, OSError) as e:
             faults.append(Fault(mpath, None, str(e)))
             continue
+        if check:
+            faults += [Fault(mpath, f.tensor, f.reason) for f in check.rank(manifest)]
         dpath = reader.data_path(rank)
         try:
             fd = reader.open_data(rank)
@@ -186,4 +233,6 @@ def verify_step(step_path: str, progress: Callable[[str], None] | None = None) -
             os.close(fd)
         if progress:
             progress(f"rank {rank}: {len(manifest.tensors)} tensors checked")
+    if check and progress:
+        progress(f"tensor map: {len(check.tensors)} tensors checked against the manifests and their geometry")
     return faults
