@@ -269,7 +269,8 @@ class Checkpointer:
         touched are read (checksummed, decoded in parallel, straight into the live tensors where
         the bytes are contiguous). So a step restores at another world size or mesh (N → M
         ranks, ``Shard(0)`` → ``Shard(1)``, FSDP2 → TP + FSDP2) and into a plain model in one
-        process; at the same world size and layout each rank reads only its own files.
+        process; at the same world size and layout each rank reads only its own files. Top-level
+        entries of the step that ``state`` lacks are not read (``{"model": m}`` loads just that).
 
         Objects: with one DTensor-parametrised model in ``state`` the model is restored with
         ``set_model_state_dict`` and each top-level optimizer with ``set_optimizer_state_dict``
