@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 # What `make lint` (and so `make test`) checks with ruff and mypy: the whole tree.
 CHECKED := ckptd ckptd_client tests benchmarks examples
 
-.PHONY: demo test lint bench install install-test clean
+.PHONY: demo test lint bench bench-sharded install install-test clean
 
 # Daemon + client (the client extra brings torch; the daemon alone needs only `pip install ckptd`).
 $(VENV)/.installed: pyproject.toml
@@ -45,6 +45,12 @@ test: $(VENV)/.installed-test
 
 bench: $(VENV)/.installed-bench
 	$(PY) benchmarks/run.py
+	$(MAKE) bench-sharded
+
+# FSDP2 state on 4 gloo ranks: ckptd vs DCP async_save / load (resharding 4 -> 2 included);
+# writes benchmarks/results/sharded.md and .json.
+bench-sharded: $(VENV)/.installed-bench
+	$(PY) benchmarks/sharded_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache
