@@ -508,11 +508,11 @@ def test_zero_d_tensor() -> None:
         "rank 0, rank 1 and rank 2 all hold the whole tensor: one piece written 3 times"]
 
 
-@pytest.mark.xfail(raises=IndexError, strict=True,
-                   reason="regions.coverage_faults sweeps dimension 0, which a 0-d region has not; "
-                          "verify goes through map_check.tiling_faults, which handles 0-d itself")
-def test_coverage_faults_two_zero_d_pieces() -> None:
-    assert coverage_faults((), [("a", Region((), ())), ("b", Region((), ()))])
+def test_coverage_faults_zero_d_pieces() -> None:
+    assert coverage_faults((), [("a", Region((), ())), ("b", Region((), ()))]) == [
+        "a and b overlap: each holds the whole 0-d tensor"]
+    assert coverage_faults((), [("a", Region((), ()))]) == []
+    assert coverage_faults((), []) == ["no piece holds the 0-d tensor: a piece is missing"]
 
 
 def test_empty_dimensions() -> None:
