@@ -512,7 +512,7 @@ def test_coverage_faults_zero_d_pieces() -> None:
     assert coverage_faults((), [("a", Region((), ())), ("b", Region((), ()))]) == [
         "a and b overlap: each holds the whole 0-d tensor"]
     assert coverage_faults((), [("a", Region((), ()))]) == []
-    assert coverage_faults((), []) == ["no piece holds the 0-d tensor: a piece is missing"]
+    assert coverage_faults((), []) == ["regions cover 0 of 1 elements: a piece is missing"]
 
 
 def test_empty_dimensions() -> None:

@@ -87,7 +87,7 @@ def coverage_faults(shape: Sequence[int], regions: Sequence[tuple[str, Region]])
     if not shape:                       # 0-d: one element, held by exactly one piece
         if len(regions) > 1:
             return [f"{' and '.join(who for who, _ in regions)} overlap: each holds the whole 0-d tensor"]
-        return [] if regions else ["no piece holds the 0-d tensor: a piece is missing"]
+        return [] if regions else ["regions cover 0 of 1 elements: a piece is missing"]
     ordered = sorted(((r, who) for who, r in regions if r.numel), key=lambda x: x[0].offsets)
     for i, (a, who_a) in enumerate(ordered):      # sorted sweep: later regions start at or after a
         for b, who_b in ordered[i + 1:]:
