@@ -29,7 +29,7 @@ import torch
 from ckptd.core import storage
 from ckptd.core.codec import ChunkMeta, decode_chunk
 from ckptd.core.errors import ChecksumError, FormatError
-from ckptd.core.global_index import LOCAL, GlobalTensor, parse_tensor_map
+from ckptd.core.global_index import LOCAL, GlobalTensor, Piece, parse_tensor_map
 from ckptd.core.names import rank_manifest_name
 from ckptd.core.reader import StepReader
 from ckptd.core.regions import Region, row_span
@@ -77,7 +77,7 @@ class Need:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """Writable bytes of a contiguous CPU tensor (any dtype, 0-d and empty included)."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def decodable_into(t: Any, dtype: str, shape: Sequence[int]) -> bool:
@@ -180,9 +180,21 @@ class _Read:
     need: Need
 
 
-def plan(files: StepFiles, tensors: dict[str, GlobalTensor], needs: Sequence[Need]) -> list[_Read]:
+def _distinct(pieces: Sequence[Piece], prefer: int | None) -> list[Piece]:
+    """One piece per region: replicas that each saved the same region (a DTensor replicated over a
+    mesh dimension its own mesh does not have) are read once, from ``prefer``'s files if it holds one."""
+    by_region: dict[Region, Piece] = {}
+    for p in pieces:
+        if p.region not in by_region or p.rank == prefer:
+            by_region[p.region] = p
+    return list(by_region.values())
+
+
+def plan(files: StepFiles, tensors: dict[str, GlobalTensor], needs: Sequence[Need],
+         prefer: int | None = None) -> list[_Read]:
     """Every (piece, intersection) the needs require; reads the manifests of the pieces involved
-    (and no other). CheckpointError naming the tensor when the pieces do not cover a need."""
+    (and no other). CheckpointError naming the tensor when the pieces do not cover a need.
+    ``prefer``: the rank whose files to read where several ranks saved the same region."""
     reads: list[_Read] = []
     for need in needs:
         t = tensors.get(need.name)
@@ -194,7 +206,7 @@ def plan(files: StepFiles, tensors: dict[str, GlobalTensor], needs: Sequence[Nee
                 raise CheckpointError(f"tensor {need.name!r}: saved rank {need.source} holds no copy of it "
                                       f"(held by ranks {[p.rank for p in t.pieces]}) in {files.path}")
         else:
-            pieces = list(t.pieces)
+            pieces = _distinct(t.pieces, prefer)
         covered = 0
         for p in pieces:
             where = f"tensor {need.name!r}: entry {p.name!r} of {os.path.join(files.path, rank_manifest_name(p.rank))}"
@@ -220,7 +232,8 @@ def plan(files: StepFiles, tensors: dict[str, GlobalTensor], needs: Sequence[Nee
             if files.stats is not None:
                 files.stats.entries.add((p.rank, p.name))
         if covered != need.region.numel:
-            raise CheckpointError(f"tensor {need.name!r}: the saved pieces cover {covered} of the "
+            what = "overlap" if covered > need.region.numel else "leave a gap"
+            raise CheckpointError(f"tensor {need.name!r}: the saved pieces {what}, covering {covered} of the "
                                   f"{need.region.numel} elements needed ({need.region.to_json()}) in {files.path}")
     return reads
 
@@ -304,7 +317,7 @@ class _Runner:
         def copy() -> None:
             size = (*r.part.sizes, itemsize)
             src = staging.as_strided(size, (*strides(r.piece.sizes, itemsize), 1), staging.storage_offset() + a - lo)
-            dst_u8 = r.need.out.reshape(-1).view(torch.uint8)
+            dst_u8 = r.need.out.detach().reshape(-1).view(torch.uint8)
             dst = dst_u8.as_strided(size, (*strides(r.need.region.sizes, itemsize), 1), dst_u8.storage_offset() + o)
             dst.copy_(src)
 
@@ -347,8 +360,10 @@ class _Runner:
                 self.cond.notify_all()
 
 
-def read_needs(files: StepFiles, needs: Sequence[Need], threads: int, staging_bytes: int = STAGING_BYTES) -> None:
-    """Fill every need's ``out`` from the step (see the module docstring for what is read)."""
+def read_needs(files: StepFiles, needs: Sequence[Need], threads: int, staging_bytes: int = STAGING_BYTES,
+               prefer: int | None = None) -> None:
+    """Fill every need's ``out`` from the step (see the module docstring for what is read);
+    ``prefer``: the rank whose files to read where several ranks saved the same region."""
     if files.tensors is None:
         raise CheckpointError(f"{files.path} is a format-1 step: it has no tensor map to read regions from")
     for need in needs:
@@ -356,7 +371,7 @@ def read_needs(files: StepFiles, needs: Sequence[Need], threads: int, staging_by
         if t is not None and not decodable_into(need.out, t.dtype, need.region.sizes):
             raise CheckpointError(f"tensor {need.name!r}: the destination must be a contiguous CPU "
                                   f"{t.dtype} tensor of shape {list(need.region.sizes)}")
-    reads = plan(files, files.tensors, needs)
+    reads = plan(files, files.tensors, needs, prefer)
     if reads:
         _Runner(files, threads, staging_bytes).run(reads)
 

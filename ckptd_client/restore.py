@@ -417,7 +417,7 @@ class _Restore:
         for path in live:
             if path not in saved_paths and not any(path.startswith(p) for p in lazy):
                 raise CheckpointError(f"tensor {path!r} of the state is not in checkpoint {self.where()}")
-        read_needs(self.files, needs, self.threads)
+        read_needs(self.files, needs, self.threads, prefer=self.rank if self.rank < self.saved else None)
         with torch.no_grad():
             for dst, src_t in copy_back:
                 dst.copy_(src_t)

@@ -192,6 +192,23 @@ def test_plain_tensor_copies_per_rank(tmp_path: Path) -> None:
     assert torch.equal(ckptd_client.load_tensor(differ, "x", rank=1), torch.ones(3))
 
 
+def test_replicas_that_each_saved_a_piece_are_read_once(tmp_path: Path) -> None:
+    """Ranks 0,1 and 2,3 each saved the same half (a DTensor on a sub-mesh, replicated over the rest)."""
+    full = torch.randn(8, 4)
+    states, placements = [], {}
+    for r in range(4):
+        block, pl = rows_of(full, 2)[r // 2]
+        states.append({"n": block})
+        placements[(r, "n")] = pl
+    step = write_step(tmp_path, "dup", 1, states, placements=placements)
+    state: dict[str, Any] = {"n": torch.zeros(8, 4)}
+    stats = ckptd_client.ReadStats()
+    restore_state(str(step), state, rank=1, world_size=4, threads=2, stats=stats)
+    assert torch.equal(state["n"], full) and sorted(stats.manifests) == [1, 2]      # its own half, once
+    stats = ckptd_client.ReadStats()
+    assert torch.equal(ckptd_client.load_tensor(step, "n", stats=stats), full) and stats.chunks == 2
+
+
 def test_corrupt_chunk_is_named(tmp_path: Path) -> None:
     step, ref = sharded_step(tmp_path)
     entry = StepReader(str(step)).manifest(1).by_name()["model/w"]
@@ -236,6 +253,24 @@ def test_restore_decodes_into_the_live_tensor(tmp_path: Path) -> None:
     state = {"model": {"w": wt, "b": torch.zeros(64)}}
     restore_state(str(step), state, rank=0, world_size=1, threads=2)
     assert state["model"]["w"] is wt and torch.equal(wt, ref["w"])
+
+
+def test_column_pieces_into_a_parameter(tmp_path: Path) -> None:
+    """Shard(1) pieces, assembled whole (a strided copy per piece) into a tensor that requires grad."""
+    full = torch.randn(40, 30)
+    states, placements, start = [], {}, 0
+    for r, block in enumerate(torch.chunk(full, 3, dim=1)):        # 10 columns each, uneven rows of chunks
+        states.append({"w": block.contiguous()})
+        placements[(r, "w")] = Placement((40, 30), (0, start))
+        start += block.shape[1]
+    step = write_step(tmp_path, "cols", 1, states, placements=placements, chunk_bytes=256, codec="bplane")
+    w = torch.nn.Parameter(torch.zeros(40, 30))
+    state: dict[str, Any] = {"w": w}
+    stats = ckptd_client.ReadStats()
+    restore_state(str(step), state, rank=0, world_size=1, threads=2, stats=stats)
+    assert state["w"] is w and torch.equal(w.detach(), full) and sorted(stats.manifests) == [0, 1, 2]
+    got = ckptd_client.load_tensor(step, "w", (slice(5, 9), slice(8, 23)))
+    assert torch.equal(got, full[5:9, 8:23])
 
 
 class Loader:
@@ -521,6 +556,13 @@ def rank_main(mode: str, root: str, sock: str) -> None:
         got = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in flat_tensors(live).items()}
         assert not differences(got, ref), differences(got, ref)
         print(f"DICTS-OK {rank}/{world} {live['model']['up.weight'].to_local().shape}", flush=True)
+        # A plain model's checkpoint (one process, optimizer keyed by parameter index) into FSDP2.
+        plain_ref = load_file(os.path.join(root, "plain-reference.safetensors"))
+        model, opt = build("fsdp", seed=7)
+        plain = ckptd_client.Checkpointer("plainsave", socket=sock, root=root)
+        assert plain.restore({"model": model, "optim": opt}, step=1) == 1
+        assert not differences(full_state(model, opt), plain_ref), differences(full_state(model, opt), plain_ref)
+        print(f"PLAIN-TO-FSDP-OK {rank}", flush=True)
         for layout in ("fsdp",):
             model, opt = build(layout, seed=7)
             live = {"model": model, "optim": opt, "loader": Loader(), "rng": ckptd_client.RNGState()}
@@ -585,10 +627,21 @@ def test_same_layout_reads_own_files_only(saved: Any) -> None:
 
 
 def test_two_ranks_to_three_uneven_shard0_and_shard1(saved: Any) -> None:
+    """Also: a plain model saved in one process (optimizer keyed by index) restores into FSDP2."""
+    from safetensors.torch import save_file
     d, _ = saved
+    model, opt = build("plain", seed=3)
+    model(torch.randn(4, 16)).square().mean().backward()
+    opt.step()
+    ck = ckptd_client.Checkpointer("plainsave", socket=str(d.socket), rank=0, world_size=1)
+    ck.save(1, {"model": model, "optim": opt}).wait(60)
+    ck.close()
+    ref = {k: v.contiguous() for k, v in full_state(model, opt).items()}
+    save_file(ref, str(d.root / "plain-reference.safetensors"))
     outs = run_group(3, "restore", str(d.root), str(d.socket))
     for r, out in enumerate(outs):
         assert f"RESHARD-OK fsdp {r}/3" in out and f"DICTS-OK {r}/3" in out, out
+        assert f"PLAIN-TO-FSDP-OK {r}" in out, out
     assert "DICTS-OK 2/3 torch.Size([10, 4])" in outs[2]         # 16 columns at 3 ranks: 6, 6, 4
 
 
