@@ -1,6 +1,6 @@
 """Sharded state: ckptd against DCP ``async_save`` / ``load`` on an FSDP2 job, side by side, in one run.
 
-    .venv/bin/python benchmarks/sharded_bench.py [--quick] [--dim 1024] [--layers 10] [--rounds 5] ...
+    .venv/bin/python benchmarks/sharded_bench.py [--quick] [--dim 1024] [--layers 10] [--rounds 6] ...
 
 The state: an MLP of ``--layers`` ``Linear(dim, dim)`` layers sharded with FSDP2
 (``fully_shard``) over ``--ranks`` gloo ranks on this machine's CPUs, trained with AdamW
@@ -15,8 +15,8 @@ after ``--warmup`` rounds that are not counted), each save in an episode of its 
   between). DCP ``async_save`` with a shared-memory ``DefaultStager`` staging synchronously (the
   call), and with asynchronous staging (the call + waiting for ``staging_completion`` before the
   next ``optim.step()``). DCP saves through a gloo group of its own, as its docs advise.
-- time to durable: from the save call to a complete checkpoint on disk (ckptd: index.json
-  committed, as seen by rank 0; DCP: every rank's future done, .metadata written).
+- time to durable: from the save call until the last rank knows the checkpoint is complete on
+  disk (ckptd: its handle committed, index.json in place; DCP: its future done, .metadata written).
 - restore at the same world size and at another one (``--ranks`` → ``--reshard-ranks``, a
   fresh rank group): ``Checkpointer.restore`` vs DCP ``load`` into the dicts, each followed by
   ``set_state_dict``; the slowest rank's time. Every restore is checked bit-exact (local shards
@@ -484,8 +484,9 @@ def to_markdown(res: dict[str, Any]) -> str:
         "- Stall is the slowest rank's, per save: ckptd = `save()` + `fence()` after the next forward/backward;"
         " DCP = `async_save()` (+ waiting for `staging_completion` with async staging). No save waits for an"
         " earlier one: every episode ends with its save complete.",
-        "- Time to durable: ckptd from `save()` to the commit event on rank 0 (index.json renamed into place);"
-        " DCP from `async_save()` to the last rank's future done (files fsynced, .metadata written).",
+        "- Time to durable: from the save call until the last rank learns the checkpoint is complete: ckptd's"
+        " handle committed (index.json renamed into place, relayed through the c10d store); DCP's future done"
+        " (files fsynced, .metadata written).",
         "- Restores read files the saves just wrote, mostly from the page cache: they measure reading, decoding"
         " and copying into the live shards (and `set_state_dict`), not the disk. The resharding restore runs in a"
         " fresh group of ranks; its bit-exactness check gathers full tensors, outside the timed region.",
@@ -503,7 +504,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, help="Linear layers (default 10: ~126 MiB of state; quick 2)")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--reshard-ranks", type=int, default=2)
-    p.add_argument("--rounds", type=int, help="measured rounds (default 5; quick 2)")
+    p.add_argument("--rounds", type=int, help="measured rounds (default 6; quick 2)")
     p.add_argument("--warmup", type=int, help="warm-up rounds (default 1)")
     p.add_argument("--train-while-writing", type=int, default=4, help="training steps at most while a save is written")
     p.add_argument("--daemon-threads", type=int, default=None)
@@ -516,7 +517,7 @@ def main() -> int:
         rank_main(json.loads(Path(a.rank_worker).read_text()))
         return 0
     a.layers = a.layers or (2 if a.quick else 10)
-    a.rounds = a.rounds or (2 if a.quick else 5)
+    a.rounds = a.rounds or (2 if a.quick else 6)
     a.warmup = a.warmup if a.warmup is not None else 1
     t_start = time.time()
     base = Path(tempfile.mkdtemp(prefix="ckptd-sharded-", dir=a.dir))

@@ -13,6 +13,7 @@ import json
 import math
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -151,15 +152,23 @@ def test_same_layout_bit_identical(request: pytest.FixtureRequest, layout: str, 
     assert_bit_identical(load(saved.out / f"{tag}.full.pt"), full, "full tensors")
 
 
-def test_tp_layout_is_two_dimensional(tp_saved: Saved) -> None:
-    """The FSDP x TP checkpoint really is 2-D: strided and column shards, replicated pieces written once."""
+@pytest.mark.parametrize("spelling", ["dicts", "objects"])
+def test_tp_replicas_written_once(tp_saved: Saved, spelling: str) -> None:
+    """The FSDP x TP checkpoint really is 2-D (strided and column shards), every replicated region is
+    written once — a Replicate() placement on "tp", and a DTensor on the "dp" sub-mesh, which each tp
+    rank holds a replica of — and the step passes `ckptd verify`."""
     placements = tp_saved.rank_ref(0)["placements"]
     assert "_StridedShard" in placements["model/up.weight"], placements
     assert "Shard(dim=1)" in placements["model/down.weight"], placements
     assert "Replicate()" in placements["model/down.bias"], placements
-    index = json.loads((tp_saved.root / "tp-objects" / f"step-{SAVED_STEP:012d}" / "index.json").read_text())
-    pieces = index["tensors"]["model/down.bias"]["pieces"]
-    assert len(pieces) == 2, pieces          # 2 dp shards, each written by one of its 2 tp replicas
+    assert placements["model/head.weight"] == "(Shard(dim=0),)", placements     # on the dp sub-mesh
+    step = tp_saved.root / f"tp-{spelling}" / f"step-{SAVED_STEP:012d}"
+    index = json.loads((step / "index.json").read_text())
+    for name in ("model/down.bias", "model/head.weight", "model/norm.weight", "optim/state/head.weight/exp_avg"):
+        pieces = index["tensors"][name]["pieces"]
+        assert len(pieces) == 2, f"{name}: {pieces}"    # 2 dp shards, each written by one of its 2 tp replicas
+    verify = subprocess.run([sys.executable, "-m", "ckptd", "verify", str(step)], capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stdout[-3000:] + verify.stderr[-3000:]
 
 
 # ---- 2. resharding ---------------------------------------------------------------------------
