@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -11,7 +12,7 @@ from ckptd.core.global_index import LOCAL, GlobalTensor, Piece
 from ckptd.core.regions import Region
 
 from .errors import CheckpointError
-from .reshard import DTYPES, Need, ReadAt, ReadStats, StepFiles, read_needs, slice_region
+from .reshard import DTYPES, Need, ReadAt, ReadStats, StepFiles, read_needs
 
 
 def load_tensor(step_dir: str | os.PathLike[str], name: str, region: Any = None, *, rank: int | None = None,
@@ -75,4 +76,39 @@ def load_tensor(step_dir: str | os.PathLike[str], name: str, region: Any = None,
     return out.reshape(result_shape)
 
 
-__all__ = ["load_tensor", "ReadStats", "Region"]
+
+def slice_region(shape: Sequence[int], index: Any) -> tuple[Region, tuple[int, ...]]:
+    """(region, result shape) of ``index`` — None, a slice or int, a tuple of them (fewer than the
+    dimensions: the rest whole), or a Region — into a tensor of ``shape``. Slices take Python's
+    bounds (negative, open, clipped) with step 1; an int picks one index and drops its dimension."""
+    if index is None:
+        return Region.whole(shape), tuple(shape)
+    if isinstance(index, Region):
+        if not index.within(shape):
+            raise ValueError(f"region {index.to_json()} is not inside shape {list(shape)}")
+        return index, index.sizes
+    items = index if isinstance(index, tuple) else (index,)
+    if len(items) > len(shape):
+        raise ValueError(f"{len(items)} indices for a tensor of {len(shape)} dimensions")
+    offsets, sizes, result = [], [], []
+    for d, n in enumerate(shape):
+        it = items[d] if d < len(items) else slice(None)
+        if isinstance(it, bool) or not isinstance(it, (int, slice)):
+            raise TypeError(f"dimension {d}: index with ints and slices, not {type(it).__name__}")
+        if isinstance(it, int):
+            i = it + n if it < 0 else it
+            if not 0 <= i < n:
+                raise IndexError(f"index {it} is out of range for dimension {d} of size {n}")
+            offsets.append(i)
+            sizes.append(1)
+            continue
+        start, stop, step = it.indices(n)
+        if step != 1:
+            raise ValueError(f"dimension {d}: only step 1 slices are supported, got step {it.step}")
+        offsets.append(start)
+        sizes.append(max(0, stop - start))
+        result.append(sizes[-1])
+    return Region(tuple(offsets), tuple(sizes)), tuple(result)
+
+
+__all__ = ["load_tensor", "ReadStats", "Region", "slice_region"]

@@ -16,7 +16,6 @@ decode into a staging buffer, bounded in total, and one strided copy moves the i
 """
 from __future__ import annotations
 
-import math
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -374,45 +373,3 @@ def read_needs(files: StepFiles, needs: Sequence[Need], threads: int, staging_by
     reads = plan(files, files.tensors, needs, prefer)
     if reads:
         _Runner(files, threads, staging_bytes).run(reads)
-
-
-def slice_region(shape: Sequence[int], index: Any) -> tuple[Region, tuple[int, ...]]:
-    """(region, result shape) of ``index`` — None, a slice or int, a tuple of them (fewer than the
-    dimensions: the rest whole), or a Region — into a tensor of ``shape``. Slices take Python's
-    bounds (negative, open, clipped) with step 1; an int picks one index and drops its dimension."""
-    if index is None:
-        return Region.whole(shape), tuple(shape)
-    if isinstance(index, Region):
-        if not index.within(shape):
-            raise ValueError(f"region {index.to_json()} is not inside shape {list(shape)}")
-        return index, index.sizes
-    items = index if isinstance(index, tuple) else (index,)
-    if len(items) > len(shape):
-        raise ValueError(f"{len(items)} indices for a tensor of {len(shape)} dimensions")
-    offsets, sizes, result = [], [], []
-    for d, n in enumerate(shape):
-        it = items[d] if d < len(items) else slice(None)
-        if isinstance(it, bool) or not isinstance(it, (int, slice)):
-            raise TypeError(f"dimension {d}: index with ints and slices, not {type(it).__name__}")
-        if isinstance(it, int):
-            i = it + n if it < 0 else it
-            if not 0 <= i < n:
-                raise IndexError(f"index {it} is out of range for dimension {d} of size {n}")
-            offsets.append(i)
-            sizes.append(1)
-            continue
-        start, stop, step = it.indices(n)
-        if step != 1:
-            raise ValueError(f"dimension {d}: only step 1 slices are supported, got step {it.step}")
-        offsets.append(start)
-        sizes.append(max(0, stop - start))
-        result.append(sizes[-1])
-    return Region(tuple(offsets), tuple(sizes)), tuple(result)
-
-
-def empty_for(dtype: str, sizes: Sequence[int]) -> torch.Tensor:
-    return torch.empty(tuple(sizes), dtype=DTYPES[dtype])
-
-
-def numel(sizes: Sequence[int]) -> int:
-    return math.prod(sizes)

@@ -45,8 +45,9 @@ from ckptd.core.tree import decode_tree
 from . import store_keys
 from .dtensor import is_dtensor, local_region, sharded_model_of
 from .errors import CheckpointError
+from .live_state import fqn_keyed, join, live_tensors, rekey_by_position, tensor_leaves, tree_items
 from .reshard import DTYPES, Need, ReadAt, ReadStats, StepFiles, decodable_into, read_needs, tensor_bytes
-from .state import RNGState, apply_state, is_stateful
+from .state import RNGState, apply_state
 
 FRESH, RANK0, SAME_RANK = "fresh", "rank0", "same-rank"
 PER_RANK_RULES = (FRESH, RANK0, SAME_RANK)
@@ -123,111 +124,6 @@ def load_shard(step_path: str, rank: int, world_size: int, threads: int,
         raise CheckpointError(f"{step_path}: bad state tree in rank {rank} manifest: {e}") from None
 
 
-# ---- the live state, named as a save names it ---------------------------------------------------
-
-def _join(path: str, key: Any) -> str:
-    return f"{path}/{key}" if path else str(key)
-
-
-def _live_tensors(values: Mapping[Any, Any]) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Every tensor of ``values`` (top-level key → what it is saved as) by key path, walked the way
-    ``core.tree.encode_tree`` walks a save, and the paths of optimizer ``state`` dicts (their
-    entries may be missing from a checkpoint: optimizers create state lazily)."""
-    import numpy as np
-    found: dict[str, torch.Tensor] = {}
-    lazy: list[str] = []
-
-    def walk(obj: Any, path: str) -> None:
-        if isinstance(obj, torch.Tensor):
-            found[path] = obj
-        elif isinstance(obj, (str, int, float, bool, type(None))):
-            return
-        elif isinstance(obj, dict):
-            if "state" in obj and "param_groups" in obj:
-                lazy.append(_join(path, "state") + "/")
-            for k, v in obj.items():
-                walk(v, _join(path, k))
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                walk(v, _join(path, i))
-        elif is_stateful(obj):
-            walk(obj.state_dict(), path)
-        elif isinstance(obj, np.ndarray):
-            found[path] = torch.from_numpy(np.ascontiguousarray(obj))
-
-    for k, v in values.items():
-        walk(v, _join("", k))
-    return found, lazy
-
-
-def _tensor_leaves(node: Any, path: str, out: list[tuple[str, str]]) -> None:
-    """(key path, checkpoint tensor name) of every tensor a saved state tree references."""
-    if not (isinstance(node, dict) and len(node) == 1):
-        return
-    (tag, value), = node.items()
-    if tag == "T" and isinstance(value, str):
-        out.append((path, value))
-    elif tag == "d" and isinstance(value, list):
-        for item in value:
-            if isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int)):
-                _tensor_leaves(item[1], _join(path, item[0]), out)
-    elif tag in ("l", "t") and isinstance(value, list):
-        for i, v in enumerate(value):
-            _tensor_leaves(v, _join(path, i), out)
-
-
-def _items(node: Any) -> list[list[Any]] | None:
-    """A saved dict node's ``[key, value]`` items (None when ``node`` is no dict)."""
-    if isinstance(node, dict) and len(node) == 1 and isinstance(node.get("d"), list):
-        items: list[list[Any]] = [i for i in node["d"] if isinstance(i, list) and len(i) == 2]
-        return items
-    return None
-
-
-def _param_lists(optim_node: Any) -> list[list[Any]] | None:
-    """A saved optimizer state dict's ``param_groups[i]["params"]`` lists."""
-    groups = dict((k, v) for k, v in _items(optim_node) or []).get("param_groups")
-    if not (isinstance(groups, dict) and isinstance(groups.get("l"), list)):
-        return None
-    out = []
-    for g in groups["l"]:
-        params = dict((k, v) for k, v in _items(g) or []).get("params")
-        if not (isinstance(params, dict) and isinstance(params.get("l"), list)):
-            return None
-        out.append(params["l"])
-    return out
-
-
-def _fqn_keyed(optim_node: Any) -> bool:
-    lists = _param_lists(optim_node)
-    return bool(lists) and any(isinstance(p, str) for ps in lists or [] for p in ps)
-
-
-def _rekey_by_position(optim_node: Any, live: Mapping[str, Any], where: str) -> Any:
-    """A saved index-keyed optimizer state dict re-keyed by the FQNs of the live FQN-keyed one
-    (``live``, ``get_optimizer_state_dict``'s output), matched by position in the param groups."""
-    saved_lists = _param_lists(optim_node) or []
-    live_lists = [list(g.get("params", [])) for g in live.get("param_groups", [])]
-    if [len(x) for x in saved_lists] != [len(x) for x in live_lists]:
-        raise CheckpointError(f"restore {where!r}: the checkpoint's optimizer has param groups of "
-                              f"{[len(x) for x in saved_lists]} parameters, the live one "
-                              f"{[len(x) for x in live_lists]}")
-    ids = {i: fqn for saved, fqns in zip(saved_lists, live_lists, strict=True)
-           for i, fqn in zip(saved, fqns, strict=True)}
-
-    def rekey_group(g: Any) -> Any:
-        return {"d": [[k, {"l": [ids[p] for p in v["l"]]} if k == "params" else v] for k, v in _items(g) or []]}
-
-    out = []
-    for k, v in _items(optim_node) or []:
-        if k == "state":
-            v = {"d": [[ids.get(i, i), sub] for i, sub in _items(v) or []]}
-        elif k == "param_groups":
-            v = {"l": [rekey_group(g) for g in v["l"]]}
-        out.append([k, v])
-    return {"d": out}
-
-
 # ---- what each per-rank entry gets at another world size ------------------------------------------
 
 def _check_rule(key: str, rule: Any) -> None:
@@ -288,7 +184,7 @@ def restore_state(step_path: str, state: dict[str, Any], *, rank: int, world_siz
 
 def _restore_v1(files: StepFiles, state: dict[str, Any], rank: int, world_size: int, threads: int) -> None:
     """A format-1 step: this rank's own shard at the same world size, exactly as before format 2."""
-    targets, _ = _live_tensors({k: v for k, v in state.items()})
+    targets, _ = live_tensors({k: v for k, v in state.items()})
     loaded = load_shard(files.path, rank, world_size, threads, targets)
     if not isinstance(loaded, dict):
         raise CheckpointError(f"{files.path}: rank {rank}'s state tree is not a dict")
@@ -361,7 +257,7 @@ class _Restore:
     def subtrees(self, sources: dict[Any, int | None]) -> dict[Any, tuple[int, Any]]:
         """Live top-level key → (saved rank, its saved subtree) of everything to restore."""
         def top(src: int) -> list[list[Any]]:
-            items = _items(self.files.manifest(src).tree)
+            items = tree_items(self.files.manifest(src).tree)
             if items is None:
                 raise CheckpointError(f"{self.where()}: rank {src}'s state tree is not a dict")
             return items
@@ -378,7 +274,7 @@ class _Restore:
         subtrees = self.subtrees(self.sources())
         model = sharded_model_of(self.state)
         optims = [k for k, v in self.state.items() if isinstance(v, torch.optim.Optimizer) and k in subtrees]
-        if model is None and any(_fqn_keyed(subtrees[k][1]) for k in optims):
+        if model is None and any(fqn_keyed(subtrees[k][1]) for k in optims):
             modules = [v for v in self.state.values() if isinstance(v, torch.nn.Module)]
             model = modules[0] if len(modules) == 1 else None      # a plain model from a sharded checkpoint
         live_values: dict[Any, Any] = {}
@@ -391,8 +287,8 @@ class _Restore:
                 elif model is not None and isinstance(v, torch.optim.Optimizer):
                     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
                     live_values[k] = osd = get_optimizer_state_dict(model, v)
-                    if not _fqn_keyed(sub):
-                        subtrees[k] = (src, _rekey_by_position(sub, osd, str(k)))
+                    if not fqn_keyed(sub):
+                        subtrees[k] = (src, rekey_by_position(sub, osd, str(k)))
                 else:
                     live_values[k] = v
             except CheckpointError:
@@ -400,7 +296,7 @@ class _Restore:
             except Exception as e:
                 raise CheckpointError(f"restore {str(k)!r}: cannot build its state dict: "
                                       f"{type(e).__name__}: {e}") from e
-        live, lazy = _live_tensors(live_values)
+        live, lazy = live_tensors(live_values)
 
         needs: list[Need] = []
         resolved: dict[str, torch.Tensor] = {}
@@ -408,7 +304,7 @@ class _Restore:
         saved_paths: set[str] = set()
         for k, (src, sub) in subtrees.items():
             leaves: list[tuple[str, str]] = []
-            _tensor_leaves(sub, _join("", k), leaves)
+            tensor_leaves(sub, join("", k), leaves)
             for path, name in leaves:
                 saved_paths.add(path)
                 need, target = self.need(path, name, src, live.get(path), copy_back)
