@@ -4,9 +4,10 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptd.core import names, protocol
 from ckptd.core.errors import ProtocolError
@@ -18,12 +19,15 @@ from .connection import DaemonConnection
 from .errors import CheckpointError, NotDelivered
 from .handle import CloseReport, SaveHandle, wait_all
 from .modes import AUTO, WhenBusy, parse_when_busy, resolve_commit_mode
-from .overlap import OverlapCopies
+from .overlap import OverlapCopies, fence_list, parse_overlap
 from .relay import StoreRelay
 from .restore import PerRank, agree_step, restore_state
 from .session import DaemonSession
 from .slots import ClientSlot, plan_layout
 from .state import flatten_state
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
 
 log = logging.getLogger("ckptd_client")
 
@@ -53,13 +57,13 @@ class Checkpointer:
     needs no daemon). ``rank``/``world_size``/``store`` default from torch.distributed.
     ``commit``: ``auto`` relays completion through the c10d store when world_size > 1 and
     a store exists (ranks may span daemons), else the daemon counts ranks itself (``local``).
-    ``when_busy``: see ``save``.
+    ``overlap`` (True, False or ``"manual"``), ``when_busy``: see ``save``.
     """
 
     def __init__(self, job: str, socket: str | None = None, root: str | None = None, *,
                  rank: int | None = None, world_size: int | None = None, store: Any = None,
                  num_slots: int = 2, commit: CommitMode | str = AUTO, commit_timeout: float = 600.0,
-                 restore_threads: int | None = None, overlap: bool = True,
+                 restore_threads: int | None = None, overlap: bool | str = True,
                  when_busy: WhenBusy | str = WhenBusy.BLOCK) -> None:
         self.job = names.validate_job(job)
         self.socket_path = socket or protocol.default_socket_path()
@@ -74,7 +78,7 @@ class Checkpointer:
         self.commit_timeout = commit_timeout
         self.num_slots = num_slots
         self.restore_threads = restore_threads or max(1, len(os.sched_getaffinity(0)))
-        self.overlap = overlap
+        self.overlap = parse_overlap(overlap)
         self.when_busy = parse_when_busy(when_busy)
         self._session = DaemonSession(self.socket_path, self.job, self.rank, self.world_size, num_slots,
                                       self._on_event, self._on_lost)
@@ -149,11 +153,13 @@ class Checkpointer:
 
         Call it once the state has its full size — after the first optimizer step, when Adam's
         moments exist — or a larger first save re-allocates the slots."""
-        _, nbytes = plan_layout(flatten_state(state).tensors)
+        flat = flatten_state(state)
+        _, nbytes = plan_layout(flat.tensors, flat.placements)
         self._ensure_slots(nbytes)
 
-    def save(self, step: int, state: dict[str, Any], *, overlap: bool | None = None,
-             when_busy: WhenBusy | str | None = None) -> SaveHandle:
+    def save(self, step: int, state: dict[str, Any], *, overlap: bool | str | None = None,
+             when_busy: WhenBusy | str | None = None,
+             fence_on: Optimizer | Sequence[Optimizer] | None = None) -> SaveHandle:
         """Snapshot ``state`` into a shared-memory slot and hand it to the daemon.
 
         Overlapped (``overlap=True``, the default): when ``state`` holds an optimizer, module
@@ -161,19 +167,38 @@ class Checkpointer:
         and ``fence()`` — called automatically by a step pre-hook on those optimizers — waits
         for the copy before the first mutation; everything else is copied before ``save()``
         returns. Call ``fence()`` yourself before changing parameters outside that step.
+
+        ``fence_on`` (an optimizer or a list of them): for state given as dicts, e.g.
+        ``get_state_dict(model, optim)``'s output, where no optimizer object is in ``state``.
+        Those optimizers' step pre-hooks fence, and every tensor of ``state`` that shares its
+        storage with one of their parameters or state tensors (a DTensor: its local shard's) is
+        copied in the background like the object path's.
+
+        ``overlap="manual"``: every tensor is copied in the background, and nothing but the
+        ``fence_on``/state optimizers' steps (and the next save, restore or close) fences. You
+        promise to call ``fence()`` before changing any tensor of ``state`` in place in any
+        other way (buffers such as BatchNorm statistics in forward, a learning-rate tensor, an
+        EMA); a tensor changed unfenced may be saved half old, half new. Reading them (forward,
+        backward) needs no fence. ``overlap=True`` keeps deferring only what a fenced step changes.
+
         Blocking copy (``overlap=False``): all of it is copied first. ``when_busy``: with every
         slot still being written, ``block`` waits for one, ``skip`` returns a handle with
         ``skipped=True`` at once.
+
+        DTensors are saved as their local shards (see ``ckptd_client.dtensor``). A tensor ckptd
+        cannot store (sparse, nested, quantized, meta, a DTensor with Partial placements, an
+        unsupported dtype) is a TypeError naming its key, raised before any slot is taken.
         """
         if self._closed:
             raise CheckpointError("checkpointer is closed")
-        overlap = self.overlap if overlap is None else overlap
+        overlap = self.overlap if overlap is None else parse_overlap(overlap)
         busy = parse_when_busy(when_busy or self.when_busy)
+        fence_optims = fence_list(fence_on)
         step_dir_name(step)  # validates the step number
         self.fence()
         t0 = time.perf_counter()
-        flat = flatten_state(state)
-        layout, nbytes = plan_layout(flat.tensors)
+        flat = flatten_state(state, fence_optims)   # raises on a bad value before any slot or request
+        layout, nbytes = plan_layout(flat.tensors, flat.placements)
         if step in self._handles:
             raise CheckpointError(f"step {step} is already being saved")
         self._seq += 1

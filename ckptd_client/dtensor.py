@@ -3,16 +3,31 @@
 A DTensor is saved as its local shard, never gathered: the bytes of ``to_local()`` plus where
 they sit in the global tensor (:func:`local_placement`). Replicated mesh dimensions would make
 every replica write the same bytes, so only the replica whose coordinate is 0 on each of them
-writes (:func:`writes_bytes`). Save and restore both use these functions, so the region a rank
-wrote and the region a rank needs are computed the same way.
+writes (:func:`writes_bytes`; :func:`writers` adds the replicas implied by a DTensor on a slice
+of a larger mesh, as FSDP2 + TP makes of parameters outside the TP plan). Save and restore both
+use these functions, so the region a rank wrote and the region a rank needs are computed the
+same way.
 
 Optimizer state of a model with DTensor parameters is keyed by parameter FQN, as
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` does, also when the caller passes the
 optimizer object: its own ``state_dict()`` keys state by parameter index, which means nothing
 once the parameters are resharded (:func:`sharded_model_of`).
+
+FQN mode, exactly: when :func:`sharded_model_of` finds the one module with DTensor parameters among
+the state's top-level values, that module is saved as ``get_model_state_dict(model)`` (for FSDP2
+the same FQNs and the same DTensor objects as ``model.state_dict()``) and every top-level
+optimizer object as ``get_optimizer_state_dict(model, optim)`` (default options: sharded, not
+full), unchanged: ``state`` keyed by parameter FQN, ``param_groups[i]["params"]`` a list of FQNs.
+Restore must use the same predicate and load them back with ``set_optimizer_state_dict(model, optim,
+loaded)`` and ``set_model_state_dict(model, loaded)`` (FQNs are torch's cleaned ones, without
+``_orig_mod.``/``module.`` wrapper prefixes, the same in both dicts). As with torch, the optimizer state of an
+optimizer that has never stepped is first initialised by ``get_optimizer_state_dict`` (a step
+with zero gradients and lr 0). Models without DTensor parameters (plain, DDP) and state given
+as dicts (``get_state_dict``'s output) are saved as they are.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -62,6 +77,86 @@ def writes_bytes(t: Any) -> bool:
     return all(c == 0 for c, p in zip(coords, t.placements, strict=True) if isinstance(p, Replicate))
 
 
+def _root_mesh(mesh: Any) -> Any:
+    get = getattr(mesh, "_get_root_mesh", None)     # DeviceMesh's parent of sliced/flattened meshes
+    root = get() if callable(get) else None
+    return root if root is not None else mesh
+
+
+def _spanned_dims(mesh: Any, root: Any, coords: Sequence[int]) -> frozenset[int]:
+    """The dimensions of ``root`` that ``mesh`` (a slice or flattening of it holding this rank,
+    at root coordinates ``coords``) extends along: those where this rank's neighbour is in it."""
+    if mesh is root:
+        return frozenset(range(root.ndim))
+    members = set(mesh.mesh.flatten().tolist())
+    grid = root.mesh
+    dims = set()
+    for j, n in enumerate(grid.shape):
+        if n > 1:
+            c = list(coords)
+            c[j] = (c[j] + 1) % n
+            if int(grid[tuple(c)]) in members:
+                dims.add(j)
+    return frozenset(dims)
+
+
+def writers(dts: Sequence[Any]) -> list[bool]:
+    """For each DTensor of one rank's state, whether this rank writes its local bytes.
+
+    ``writes_bytes`` (replicated dimensions of the DTensor's own mesh), and also: a DTensor on a
+    slice of a larger mesh (FSDP2 + TP: a norm weight not in the TP plan lives on ``mesh["dp"]``
+    of a ("dp", "tp") mesh) is held the same by the ranks along the root dimensions its slice
+    lacks, when some DTensor of the same state is placed along them (the TP parameters span
+    "tp"): those dimensions are replicas, and only coordinate 0 on them writes. A root
+    dimension that no DTensor of the state spans (pipeline stages: each stage saves its own
+    parameters) is not assumed replicated: every slice along it writes. Plain data parallelism
+    around DTensors (DDP over TP, no DTensor along "dp") cannot be told apart from stages
+    without asking the other ranks, so every data-parallel replica writes there (pieces
+    overlap; ``ckptd verify`` reports it)."""
+    roots: dict[int, Any] = {}
+    own: list[tuple[int, frozenset[int]] | None] = []
+    spanned: dict[int, set[int]] = {}
+    cache: dict[int, frozenset[int]] = {}
+    for t in dts:
+        mesh = t.device_mesh
+        root = _root_mesh(mesh)
+        coords = root.get_coordinate()
+        if coords is None or mesh.get_coordinate() is None:
+            own.append(None)
+            continue
+        roots[id(root)] = root
+        if id(mesh) not in cache:
+            cache[id(mesh)] = _spanned_dims(mesh, root, coords)
+        own.append((id(root), cache[id(mesh)]))
+        spanned.setdefault(id(root), set()).update(cache[id(mesh)])
+    out = []
+    for t, o in zip(dts, own, strict=True):
+        if o is None or not writes_bytes(t):
+            out.append(False)
+            continue
+        rid, dims = o
+        coords = roots[rid].get_coordinate()
+        out.append(all(coords[j] == 0 for j in spanned[rid] - dims))
+    return out
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose bytes this rank holds: a DTensor's ``to_local()`` (no copy), else ``t``."""
+    if is_dtensor(t):
+        with torch.no_grad():
+            local: torch.Tensor = t.to_local()  # type: ignore[attr-defined]
+        return local
+    return t
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Where ``t``'s (local) bytes start: equal for a DTensor, its local shard and views of it at
+    offset 0, so a tensor found in a state dict is matched to a live parameter or optimizer
+    state tensor by this. 0 for tensors without bytes."""
+    local = local_tensor(t)
+    return local.data_ptr() if local.numel() else 0
+
+
 def has_dtensor_params(model: torch.nn.Module) -> bool:
     return any(is_dtensor(p) for p in model.parameters())
 
@@ -71,3 +166,22 @@ def sharded_model_of(state: dict[str, Any]) -> torch.nn.Module | None:
     exactly one: optimizers beside it are then saved and restored keyed by its parameter FQNs."""
     models = [v for v in state.values() if isinstance(v, torch.nn.Module) and has_dtensor_params(v)]
     return models[0] if len(models) == 1 else None
+
+
+def model_state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """FQN mode: what the sharded model is saved as (``get_model_state_dict``, no copies)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    return get_model_state_dict(model)
+
+
+def optimizer_state_dict(model: torch.nn.Module, optim: torch.optim.Optimizer, path: str) -> dict[str, Any]:
+    """FQN mode: what an optimizer beside the sharded model is saved as
+    (``get_optimizer_state_dict``, no copies); refused, naming ``path``, when it holds a
+    parameter that is not the model's (its state would have no FQN)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    own = {id(p) for p in model.parameters()}
+    if any(id(p) not in own for g in optim.param_groups for p in g["params"]):
+        raise ValueError(f"cannot checkpoint optimizer at {path!r}: it holds parameters that are not the "
+                         f"sharded model's ({type(model).__name__}), so its state cannot be keyed by FQN; "
+                         "save get_optimizer_state_dict(model, optim) output (a dict) instead")
+    return get_optimizer_state_dict(model, optim)

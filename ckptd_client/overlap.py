@@ -14,6 +14,27 @@ from .handle import SaveHandle
 from .slots import ClientSlot, SlotCopy
 from .state import FlatState
 
+MANUAL = "manual"       # overlap mode: every tensor copied in the background; the caller fences
+
+
+def parse_overlap(value: object) -> bool | str:
+    """``True``, ``False`` or ``"manual"``; anything else is a ValueError."""
+    if isinstance(value, bool):
+        return value
+    if value == MANUAL:
+        return MANUAL
+    raise ValueError(f"overlap must be True, False or {MANUAL!r}, got {value!r}")
+
+
+def fence_list(fence_on: object) -> list[torch.optim.Optimizer]:
+    """``save``'s ``fence_on`` (None, an optimizer, or a list/tuple of them) as a list."""
+    if fence_on is None:
+        return []
+    items = [fence_on] if isinstance(fence_on, torch.optim.Optimizer) else fence_on
+    if not isinstance(items, (list, tuple)) or not all(isinstance(o, torch.optim.Optimizer) for o in items):
+        raise TypeError(f"fence_on takes an optimizer or a list of optimizers, got {type(fence_on).__name__}")
+    return list(items)
+
 
 def _hand_off(copy: SlotCopy, send: Callable[[], object], failed: Callable[[BaseException], None]) -> None:
     try:
@@ -41,10 +62,15 @@ class OverlapCopies:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-client-copy")
         return self._pool
 
-    def snapshot(self, slot: ClientSlot, layout: list[TensorLayout], flat: FlatState, overlap: bool) -> SlotCopy:
-        """Copy what must be copied now; with ``overlap``, schedule the deferrable rest."""
-        return SlotCopy(slot, layout, flat.tensors, flat.deferrable if overlap else frozenset(),
-                        self.pool() if overlap else None, self._side_streams)
+    def snapshot(self, slot: ClientSlot, layout: list[TensorLayout], flat: FlatState,
+                 overlap: bool | str) -> SlotCopy:
+        """Copy what must be copied now and schedule the rest: with ``overlap=True`` the
+        deferrable tensors (fenced by an optimizer's step) go to the background, with
+        ``overlap="manual"`` every tensor does (the caller fences), with False none."""
+        deferred = (frozenset(range(len(flat.tensors))) if overlap == MANUAL
+                    else flat.deferrable if overlap else frozenset())
+        return SlotCopy(slot, layout, flat.tensors, deferred, self.pool() if deferred else None,
+                        self._side_streams)
 
     def begin(self, handle: SaveHandle, copy: SlotCopy, optimizers: list[torch.optim.Optimizer],
               send: Callable[[], object], failed: Callable[[BaseException], None]) -> None:

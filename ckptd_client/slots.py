@@ -3,24 +3,33 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Sequence
 from concurrent.futures import Executor, Future
 
 import torch
 
-from ckptd.core.schema import TensorLayout
+from ckptd.core.schema import Placement, TensorLayout
 
+from .dtensor import local_tensor
 from .state import dtype_name
 
 ALIGN = 64
 
 
-def plan_layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorLayout], int]:
-    """Where each tensor goes in a slot (64-byte aligned), and the bytes the slot must hold."""
+def plan_layout(tensors: Sequence[tuple[str, torch.Tensor]],
+                placements: Sequence[Placement | None] | None = None) -> tuple[list[TensorLayout], int]:
+    """Where each tensor goes in a slot (64-byte aligned), and the bytes the slot must hold.
+
+    ``tensors`` are plain tensors (a DTensor's local shard, see ``FlatState``); ``placements``,
+    one per tensor when given, say where a local shard sits in its global tensor."""
+    if placements is not None and len(placements) != len(tensors):
+        raise ValueError(f"{len(placements)} placements for {len(tensors)} tensors")
     layout: list[TensorLayout] = []
     offset = 0
-    for name, t in tensors:
+    for i, (name, t) in enumerate(tensors):
         nbytes = t.numel() * t.element_size()
-        layout.append(TensorLayout(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes))
+        placement = placements[i] if placements is not None else None
+        layout.append(TensorLayout(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes, placement))
         offset += -(-nbytes // ALIGN) * ALIGN
     return layout, offset
 
@@ -98,6 +107,8 @@ class SlotCopy:
                  side_streams: dict[torch.device, torch.cuda.Stream] | None = None) -> None:
         self._future: Future[None] | None = None
         self._events: list[tuple[torch.device, torch.cuda.Event]] = []
+        # The bytes of a DTensor are its local shard's: copy (and fence on) that view.
+        tensors = [(name, local_tensor(t)) for name, t in tensors]
         if pool is None:
             deferred = frozenset()
         now = [i for i in range(len(tensors)) if i not in deferred]

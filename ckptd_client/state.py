@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
 
 from ckptd.core.names import validate_tensor_name
-from ckptd.core.schema import DTYPE_ITEMSIZE
+from ckptd.core.schema import DTYPE_ITEMSIZE, Placement
 from ckptd.core.tree import encode_tree
 
+from . import dtensor
 from .errors import CheckpointError
 
 
@@ -24,46 +26,104 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 class FlatState(NamedTuple):
     tree: Any
+    # The tensors whose bytes this rank writes, by name (the key path): plain tensors as they
+    # are, DTensors as their local shard (``to_local()``, a view, no copy). A DTensor that is
+    # replicated on a mesh dimension is written by one replica only (dtensor.writers);
+    # on the others it is in ``sharded`` and the tree, not here.
     tensors: list[tuple[str, torch.Tensor]]
     # Indices of tensors an overlapped save may copy while forward/backward run: module
-    # parameters and optimizer state, when the state holds an optimizer whose step() the save
-    # fences with a pre-hook (training changes parameters in or after that step, never in
-    # forward/backward). Everything else (buffers such as BatchNorm statistics, plain
-    # tensors) is copied before save() returns.
+    # parameters and optimizer state, when the state holds an optimizer (or the save was given
+    # ``fence_on`` optimizers) whose step() the save fences with a pre-hook (training changes
+    # parameters in or after that step, never in forward/backward). A tensor found in a dict
+    # counts when it shares its storage (dtensor.storage_key) with a parameter or state tensor
+    # of one of those optimizers, or a parameter of a module in the state. Everything else
+    # (buffers such as BatchNorm statistics, plain tensors) is copied before save() returns.
     deferrable: frozenset[int]
     optimizers: list[torch.optim.Optimizer]
+    # Per entry of ``tensors``: where a DTensor's local shard sits in its global tensor (sent as
+    # the layout entry's placement); None for a plain tensor.
+    placements: list[Placement | None]
+    # Every DTensor of the state by name, whether this rank writes its bytes or not.
+    sharded: dict[str, Any]
 
 
-def flatten_state(state: dict[str, Any]) -> FlatState:
-    """The JSON tree of ``state`` and its tensors by key path. Fails before any I/O on a bad value."""
+def _check_dense(path: str, t: torch.Tensor) -> None:
+    """TypeError naming ``path`` for a tensor whose bytes ckptd cannot store as they are."""
+    if t.is_nested:         # first: a strided nested tensor raises on sizes, layout and more
+        raise TypeError(f"cannot checkpoint tensor at {path!r}: nested tensors are not supported")
+    if t.is_sparse or t.layout != torch.strided:
+        raise TypeError(f"cannot checkpoint tensor at {path!r}: sparse tensors ({t.layout}) are not supported; "
+                        "only dense strided tensors are")
+    if t.is_quantized:
+        raise TypeError(f"cannot checkpoint tensor at {path!r}: quantized tensors are not supported")
+    if t.is_meta:
+        raise TypeError(f"cannot checkpoint tensor at {path!r}: it is on the meta device (it has no data)")
+    if dtype_name(t.dtype) not in DTYPE_ITEMSIZE:
+        raise TypeError(f"cannot checkpoint tensor at {path!r}: dtype {t.dtype} is not supported")
+
+
+def flatten_state(state: dict[str, Any], fence_on: Sequence[torch.optim.Optimizer] = ()) -> FlatState:
+    """The JSON tree of ``state`` and its tensors by key path. Fails before any I/O on a bad value.
+
+    ``fence_on``: optimizers whose step the save fences although they need not be in ``state``
+    (dict-style state, e.g. ``get_state_dict``'s output): tensors sharing storage with their
+    parameters or state become deferrable. DTensors: see ``ckptd_client.dtensor`` (local shards,
+    one writer per replicated placement, optimizer objects keyed by FQN beside a sharded model).
+    """
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict of names to values, got {type(state).__name__}")
-    tensors: list[tuple[str, torch.Tensor]] = []
+    for opt in fence_on:
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"fence_on takes optimizers, got {type(opt).__name__}")
+    # (name, bytes to write, placement, the DTensor or None) in walk order; who writes which
+    # DTensor is decided once all of them are known (dtensor.writers)
+    found: list[tuple[str, torch.Tensor, Placement | None, Any]] = []
     names: set[str] = set()
-    stable_ptrs: set[int] = set()
+    stable: set[int] = set()
     optimizers: list[torch.optim.Optimizer] = []
+    sharded_model = dtensor.sharded_model_of(state)
+    top_optimizers = {id(v) for v in state.values() if isinstance(v, torch.optim.Optimizer)}
 
-    def on_tensor(path: str, t: torch.Tensor) -> str:
-        if t.is_sparse or t.is_quantized or t.is_meta or t.layout != torch.strided:
-            raise TypeError(f"cannot checkpoint tensor at {path!r}: only dense strided tensors are supported")
-        if dtype_name(t.dtype) not in DTYPE_ITEMSIZE:
-            raise TypeError(f"cannot checkpoint tensor at {path!r}: dtype {t.dtype} is not supported")
+    def add_optimizer(opt: torch.optim.Optimizer) -> None:
+        if all(o is not opt for o in optimizers):
+            optimizers.append(opt)
+        stable.update(dtensor.storage_key(p) for g in opt.param_groups for p in g["params"])
+        stable.update(dtensor.storage_key(v) for st in opt.state.values() for v in st.values()
+                      if isinstance(v, torch.Tensor))
+
+    def claim(path: str) -> str:
         validate_tensor_name(path)
         if path in names:
             raise ValueError(f"two tensors map to the same name {path!r} (a key containing '/'?)")
         names.add(path)
-        tensors.append((path, t))
+        return path
+
+    def on_tensor(path: str, t: torch.Tensor) -> str:
+        if dtensor.is_dtensor(t):
+            dtensor.check_saveable(path, t)
+            local = dtensor.local_tensor(t)
+            _check_dense(path, local)
+            try:
+                placement = dtensor.local_placement(t)
+            except TypeError as e:
+                raise TypeError(f"cannot checkpoint DTensor at {path!r}: {e}") from None
+            found.append((claim(path), local, placement, t))
+            return path
+        _check_dense(path, t)
+        found.append((claim(path), t, None, None))
         return path
 
     def on_other(path: str, obj: Any) -> Any:
         if is_stateful(obj):
             if isinstance(obj, torch.nn.Module):
-                stable_ptrs.update(p.data_ptr() for p in obj.parameters() if p.numel())
+                stable.update(dtensor.storage_key(p) for p in obj.parameters())
+                if obj is sharded_model:
+                    return dtensor.model_state_dict(obj)
             elif isinstance(obj, torch.optim.Optimizer):
-                optimizers.append(obj)
-                stable_ptrs.update(p.data_ptr() for g in obj.param_groups for p in g["params"] if p.numel())
-                stable_ptrs.update(v.data_ptr() for st in obj.state.values() for v in st.values()
-                                   if isinstance(v, torch.Tensor) and v.numel())
+                sd = (dtensor.optimizer_state_dict(sharded_model, obj, path)
+                      if sharded_model is not None and id(obj) in top_optimizers else obj.state_dict())
+                add_optimizer(obj)        # after: get_optimizer_state_dict may create the state
+                return sd
             return obj.state_dict()
         if isinstance(obj, np.ndarray):
             return torch.from_numpy(np.ascontiguousarray(obj))
@@ -73,10 +133,21 @@ def flatten_state(state: dict[str, Any]) -> FlatState:
                         "a tensor, a JSON-able value, nor an object with state_dict()/load_state_dict()")
 
     tree = encode_tree(state, on_tensor, on_other, lambda o: isinstance(o, torch.Tensor))
-    # Without an optimizer in the state there is no step to fence on: nothing is deferred.
+    sharded = {name: dt for name, _, _, dt in found if dt is not None}
+    writes = iter(dtensor.writers(list(sharded.values())))
+    tensors: list[tuple[str, torch.Tensor]] = []
+    placements: list[Placement | None] = []
+    for name, t, placement, dt in found:
+        if dt is None or next(writes):
+            tensors.append((name, t))
+            placements.append(placement)
+    for opt in fence_on:
+        add_optimizer(opt)
+    stable.discard(0)
+    # Without an optimizer whose step is fenced there is nothing to fence on: nothing is deferred.
     deferrable = frozenset(i for i, (_, t) in enumerate(tensors)
-                           if optimizers and t.numel() and t.data_ptr() in stable_ptrs)
-    return FlatState(tree, tensors, deferrable, optimizers)
+                           if optimizers and t.numel() and t.data_ptr() in stable)
+    return FlatState(tree, tensors, deferrable, optimizers, placements, sharded)
 
 
 def apply_state(target: Any, loaded: Any, path: str = "") -> Any:
