@@ -162,11 +162,12 @@ def _uints(v: Any, limit: int = 64) -> bool:
 
 
 def geometry_faults(tensors: dict[str, GlobalTensor]) -> list[str]:
-    """Every sharded tensor's pieces in bounds, disjoint and covering it; local copies whole."""
+    """Every sharded tensor's distinct regions in bounds, disjoint and covering it; local copies whole."""
     faults = []
     for name, t in tensors.items():
-        if t.kind == SHARDED:
-            for f in coverage_faults(t.shape, [(f"rank {p.rank}", p.region) for p in t.pieces]):
+        if t.kind == SHARDED:       # one region held by several replicas counts once
+            distinct = {p.region: p for p in reversed(t.pieces)}
+            for f in coverage_faults(t.shape, [(f"rank {p.rank}", r) for r, p in distinct.items()]):
                 faults.append(f"tensor {name!r}: {f}")
         else:
             for p in t.pieces:

@@ -9,7 +9,7 @@ Two halves, both pure (the caller reads the files):
   rank's manifest with the same dtype, global shape and region; every manifest entry is in the
   map (a piece under its tensor, a plain tensor among its ``held_by``); a local tensor marked
   ``same`` is held by every rank with identical chunk checksums (so are the copies of a piece
-  written twice, itself a tiling fault). ``StepReader.manifest`` runs the
+  held by several replicas). ``StepReader.manifest`` runs the
   per-rank half on every manifest it returns, so a restore never trusts a map its manifest denies.
 
 Every fault names the tensor, and the rank when one rank's files are concerned.
@@ -94,17 +94,13 @@ def tiling_faults(t: GlobalTensor, world_size: int) -> list[str]:
     """What keeps a sharded tensor's pieces from tiling it exactly (empty for a local tensor)."""
     if t.kind != SHARDED:
         return []
-    holders: dict[Region, list[str]] = {}     # a piece written more than once (a replica that should not
-    for p in t.pieces:                        # have) is one fault, not an overlap per pair
+    # The same region saved by several replicas (data-parallel copies a rank cannot tell from others
+    # without asking them) is one piece held several times: readers read it once, and MapCheck
+    # requires the copies to be byte-identical. Distinct regions must tile the tensor.
+    holders: dict[Region, list[str]] = {}
+    for p in t.pieces:
         holders.setdefault(p.region, []).append(piece_label(t.name, p))
-    faults = []
-    for r, who in holders.items():
-        if len(who) > 1 and r.numel:
-            text = region_phrase(r, t.shape) if r.within(t.shape) else str(r.to_json())
-            faults.append(f"{', '.join(who[:-1])} and {who[-1]} {'both' if len(who) == 2 else 'all'} hold "
-                          f"{text}: one piece written "
-                          f"{'twice' if len(who) == 2 else f'{len(who)} times'}")
-    faults += coverage_faults(t.shape, [(who[0], r) for r, who in holders.items()])
+    faults = coverage_faults(t.shape, [(who[0], r) for r, who in holders.items()])
     if faults and faults[-1].endswith("a piece is missing"):
         gap = uncovered_block(t.shape, [p.region for p in t.pieces])
         idle = sorted(set(range(world_size)) - {p.rank for p in t.pieces})
