@@ -98,6 +98,25 @@ def test_genuine_step_is_accepted(step):
     assert ckptd_verify(step).returncode == 0
 
 
+def test_data_file_with_bytes_appended_rejected(step):
+    with open(step / "rank-00000.data", "ab") as f:
+        f.write(b"\x00")
+    assert_rejected(step, "truncated or appended to")
+
+
+@pytest.mark.parametrize("field,value", [("created_unix", 1.0), ("raw_bytes", 1), ("stored_bytes", 7),
+                                         ("extra", "unknown key")])
+def test_any_changed_index_field_rejected(step, field, value):
+    """Every byte of index.json is covered: sizes, times and unknown keys too (not re-signed)."""
+    idx = json.loads((step / "index.json").read_text())
+    if field in ("raw_bytes", "stored_bytes"):
+        idx["ranks"][0][field] = value
+    else:
+        idx[field] = value
+    (step / "index.json").write_text(json.dumps(idx))
+    assert_rejected(step, "digest mismatch")
+
+
 @pytest.mark.parametrize("name, needle", [
     ("../../../etc/passwd", "'..' path segment"),
     ("/etc/passwd", "leading '/'"),

@@ -140,15 +140,22 @@ class StepReader:
         return os.path.join(self.path, rank_data_name(rank))
 
     def open_data(self, rank: int) -> int:
-        """A read-only fd of rank ``rank``'s data file: never through a link, never a FIFO or device."""
+        """A read-only fd of rank ``rank``'s data file: never through a link, never a FIFO or device,
+        and exactly as long as the index says (its chunks back to back: a truncated file or bytes
+        appended after the commit are refused before anything is decoded)."""
         path = self.data_path(rank)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as e:     # ELOOP: a link, refused; ENOENT: a committed step missing its data
             raise FormatError(f"{path}: cannot open the rank {rank} data file: {e.strerror}") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             raise FormatError(f"{path}: not a regular file")
+        expected = self.index["ranks"][rank]["stored_bytes"]
+        if st.st_size != expected:
+            os.close(fd)
+            raise FormatError(f"{path}: {st.st_size} bytes, the index says {expected} (truncated or appended to)")
         return fd
 
     def iter_chunks(self, fd: int, entry: TensorEntry) -> Iterator[tuple[int, ChunkMeta, bytes]]:
