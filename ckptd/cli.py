@@ -169,17 +169,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
             return 2
         for info in list_steps(os.path.join(args.root, job)):
             raw = stored = None
+            verified = False        # format 2: the index's digest covers the sizes shown
             state = "committed" if info.committed else "uncommitted"
             if info.committed:
                 try:
                     index = StepReader(info.path).index
                     raw = sum(r["raw_bytes"] for r in index["ranks"])
                     stored = sum(r["stored_bytes"] for r in index["ranks"])
+                    verified = index["format_version"] >= 2
                 except (ValueError, OSError) as e:      # FormatError, or a file over its size limit
                     state = f"invalid ({e})"
             on_disk = _dir_bytes(info.path)
             rows.append({"job": job, "step": info.step, "state": state, "bytes_on_disk": on_disk,
-                         "raw_bytes": raw, "stored_bytes": stored,
+                         "raw_bytes": raw, "stored_bytes": stored, "sizes_verified": verified,
                          "ratio": round(raw / stored, 3) if raw and stored else None,
                          "age_s": round(now - os.stat(info.path).st_mtime, 1)})
     if args.json:
@@ -190,9 +192,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 0
     print(f"{'JOB':20s} {'STEP':>10s} {'STATE':12s} {'ON DISK':>11s} {'RAW':>11s} {'RATIO':>6s} {'AGE':>7s}")
     for r in rows:
+        raw_text = _size(r["raw_bytes"]) + ("" if r["sizes_verified"] else "*") if r["raw_bytes"] is not None else "-"
         print(f"{r['job'][:20]:20s} {r['step']:>10d} {r['state']:12s} {_size(r['bytes_on_disk']):>11s} "
-              f"{_size(r['raw_bytes']) if r['raw_bytes'] is not None else '-':>11s} "
-              f"{format(r['ratio'], '.3f') if r['ratio'] else '-':>6} {_age(r['age_s']):>7s}")
+              f"{raw_text:>11s} {format(r['ratio'], '.3f') if r['ratio'] else '-':>6} {_age(r['age_s']):>7s}")
+    if any(r["raw_bytes"] is not None and not r["sizes_verified"] for r in rows):
+        print("* format-1 step: sizes from an index with no digest (unverified; `ckptd verify` checks the data)")
     return 0
 
 
