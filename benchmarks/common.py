@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import math
 import os
 import platform
@@ -114,3 +115,12 @@ def fmt(x: float | None, digits: int = 3, unit: str = "") -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "n/a"
     return f"{x:.{digits}f}{unit}"
+
+
+def write_results(out: Path, res: dict[str, Any], md: str) -> None:
+    """``out``.md and ``out``.json side by side, and the table on stdout."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(md)
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1, default=str))
+    print(md)
+    print(f"\nwrote {out.with_suffix('.md')} and {out.with_suffix('.json')} in {res['wall_s']:.0f} s")

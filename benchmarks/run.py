@@ -60,6 +60,7 @@ from common import (  # noqa: E402
     minilm_weights,
     percentile,
     table,
+    write_results,
 )
 
 HERE = Path(__file__).resolve()
@@ -841,12 +842,7 @@ def main() -> int:
         shutil.rmtree(base, ignore_errors=True)
     res["wall_s"] = time.time() - t_start
     res["headline"] = [h for s in res["states"] for h in headline(s)]
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    md = to_markdown(res)
-    a.out.with_suffix(".md").write_text(md)
-    a.out.with_suffix(".json").write_text(json.dumps(res, indent=1, default=str))
-    print(md)
-    print(f"\nwrote {a.out.with_suffix('.md')} and {a.out.with_suffix('.json')} in {res['wall_s']:.0f} s")
+    write_results(a.out, res, to_markdown(res))
     return 0
 
 

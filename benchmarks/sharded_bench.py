@@ -47,7 +47,7 @@ import xxhash
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ckptd.launch import spawn_daemon  # noqa: E402
 
-from common import RESULTS, fmt, machine_info, median, table  # noqa: E402
+from common import RESULTS, fmt, machine_info, median, table, write_results  # noqa: E402
 
 HERE = Path(__file__).resolve()
 SAVE_METHODS = ("ckptd", "dcp-async", "dcp-async-staged")
@@ -545,12 +545,7 @@ def main() -> int:
         shutil.rmtree(base, ignore_errors=True)
     res["wall_s"] = time.time() - t_start
     res["summary"] = summarize(res)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    md = to_markdown(res)
-    a.out.with_suffix(".md").write_text(md)
-    a.out.with_suffix(".json").write_text(json.dumps(res, indent=1, default=str))
-    print(md)
-    print(f"\nwrote {a.out.with_suffix('.md')} and {a.out.with_suffix('.json')} in {res['wall_s']:.0f} s")
+    write_results(a.out, res, to_markdown(res))
     return 0
 
 
