@@ -215,3 +215,40 @@ def test_restart_under_a_single_rank_trainer(daemon_factory, tmp):
 
 def test_restart_under_relayed_ranks(daemon_factory, tmp):
     run_restarts(daemon_factory, tmp, world=2)
+
+
+def test_sigterm_without_grace_tells_each_save_what_the_disk_says(daemon_factory, tmp):
+    """SIGTERM with no drain grace, just as a step's commit starts (its manifest in place) or a
+    moment later, round after round, with the next saves in flight: the daemon exits 0 with a
+    clean log, and every handle's outcome is what the disk says (committed ⇔ index.json). A drain
+    that ran out mid-commit used to tell nobody while the commit's thread went on to publish the
+    index (the client, seeing the connection close first, could say "failed"); now it lets the
+    commit end, or withdraws it, before anyone is told."""
+    import random
+
+    import torch
+
+    import ckptd_client
+    from ckptd.core.names import INDEX_NAME, rank_manifest_name, step_dir
+    rng = random.Random(7)
+    state = {"w": torch.arange(1 << 18, dtype=torch.float32)}        # 1 MiB: one chunk
+    root = tmp / "root"
+    for rnd in range(10):
+        job = f"term{rnd}"
+        d = daemon_factory("--drain-grace", "0", "--debug-write-delay", "0.01", "--chunk-mib", "1",
+                           name="d", root=root)
+        ck = ckptd_client.Checkpointer(job, socket=str(d.socket), root=str(root))
+        handles = [ck.save(step, state) for step in (1, 2)]
+        manifest = os.path.join(step_dir(str(root), job, 1), rank_manifest_name(0))
+        end = time.monotonic() + HANG_GUARD_S
+        while not os.path.exists(manifest) and time.monotonic() < end:
+            time.sleep(0.0002)
+        time.sleep(rng.choice([0, 0, rng.uniform(0, 0.003)]))
+        assert d.stop() == 0, d.log_text()[-3000:]
+        ck.close(timeout=HANG_GUARD_S)
+        for h in handles:
+            assert h.done(), f"round {rnd}: step {h.step} unresolved"
+            on_disk = os.path.exists(os.path.join(step_dir(str(root), job, h.step), INDEX_NAME))
+            assert h.committed == on_disk, f"round {rnd}: step {h.step} says {h!r}, index.json {on_disk}: {h.error}"
+        assert_clean(d.log_text(), f"round {rnd}")
+        d.log.unlink()

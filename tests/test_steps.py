@@ -10,7 +10,7 @@ Transitions and where they are exercised (each test asserts the exact path it ta
   step  WRITING→DURABLE→COMMITTING→COMMITTED  test_local_step_commits, test_relay_leader_commits
         WRITING→HANDED_OFF                    test_relay_step_without_its_leader_is_handed_off
         WRITING→FAILED                        write error, rank lost, timeout, abort, drain tests
-        COMMITTING→FAILED                     test_commit_failure_*
+        COMMITTING→FAILED                     test_commit_failure_*, test_drain_withdraws_*
   shard WRITING→DURABLE                       every committing test
         WRITING→FAILED                        test_shard_write_error_fails_the_step
         WRITING→DISCARDED                     test_waiter_lost_while_writing_*, test_resave_*
@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
+import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import product
@@ -34,6 +36,7 @@ from ckptd.core.protocol import CommitMode
 from ckptd.core.reader import verify_step
 from ckptd.core.schema import TensorLayout
 from ckptd.core.tier import ShardRef, ShardWritten
+from ckptd.daemon.commit import PublishGate
 from ckptd.daemon.fs_tier import FsTier
 from ckptd.daemon.runtime import RequestError
 from ckptd.daemon.step_machine import Shard, Step
@@ -73,21 +76,61 @@ class Rank:
         return self.events[-1]
 
 
+class SlowPublish(PublishGate):
+    """A commit's publish held on a thread: before its rename (``where="before"``: index.json is not
+    in place yet) or inside it (``"inside"``: renamed, the gate's lock still held), until ``go``."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+        self.reached = threading.Event()
+        self.go = threading.Event()
+
+    def _hold(self) -> None:
+        self.reached.set()
+        assert self.go.wait(60), "test never released the publish"
+
+    def publish(self, rename: Callable[[], None]) -> None:
+        if self.where == "before":
+            self._hold()
+            super().publish(rename)
+        else:
+            def rename_then_hold() -> None:
+                rename()
+                self._hold()
+            super().publish(rename_then_hold)
+
+
 class GatedTier(FsTier):
     """The real file-system tier; a test may hold a shard before its write starts or before its
-    (durable) result is reported, and a commit before it starts."""
+    (durable) result is reported, a commit before it starts or at its publish (``slow_publish``),
+    and the removal of a failed step's files (``abort_gate``)."""
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.before: dict[tuple[int, int], asyncio.Event] = {}
         self.after: dict[tuple[int, int], asyncio.Event] = {}
         self.commit_gate: asyncio.Event | None = None
+        self.abort_gate: asyncio.Event | None = None
+        self.aborts_held = 0
+        self.written: list[tuple[int, int]] = []           # (step, rank) of each write done on disk
+        self.slow_publish: SlowPublish | None = None
+
+    def _gate(self) -> PublishGate:
+        return self.slow_publish or super()._gate()
+
+    async def abort(self, job: str, step: int, ranks: Any) -> None:
+        if self.abort_gate is not None:
+            self.aborts_held += 1
+            await self.abort_gate.wait()
+        await super().abort(job, step, ranks)
 
     async def write_shard(self, ref: ShardRef, data: memoryview, layout: Sequence[TensorLayout], tree: Any, *,
                           released: Callable[[], None], abandoned: Callable[[], bool]) -> ShardWritten:
         if (gate := self.before.get((ref.step, ref.rank))) is not None:
             await gate.wait()
         result = await super().write_shard(ref, data, layout, tree, released=released, abandoned=abandoned)
+        self.written.append((ref.step, ref.rank))
         if (gate := self.after.get((ref.step, ref.rank))) is not None:
             await gate.wait()
         return result
@@ -107,7 +150,8 @@ class Harness:
         self.moves: list[tuple[str, int, Any, Any]] = []     # (kind, step, from, to)
         self.shard_step: dict[int, int] = {}                 # id(shard) -> its step
         self.coord: StepCoordinator[Rank] = StepCoordinator(
-            self.tier, lambda r, msg: r.events.append(msg), step_timeout=step_timeout, clock=lambda: self.now)
+            self.tier, lambda r, msg: r.events.append(msg), step_timeout=step_timeout, clock=lambda: self.now,
+            withdraw_commits=self.tier.withdraw_commits, commit_overtime=0.3)
 
     async def save(self, who: Rank, step: int, world: int = 1, mode: CommitMode = LOCAL) -> None:
         data = memoryview(hashlib.shake_128(f"{step}/{who.rank}".encode()).digest(N * 4))
@@ -167,6 +211,10 @@ async def h(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Ha
     yield harness
     for gate in [*harness.tier.before.values(), *harness.tier.after.values()]:
         gate.set()
+    if harness.tier.slow_publish is not None:
+        harness.tier.slow_publish.go.set()
+    await harness.coord.commits.cancel_all()
+    await harness.coord.removals.cancel_all()
     await harness.coord.writes.cancel_all()
     harness.tier.close()
     harness.pool.shutdown(wait=True)
@@ -505,3 +553,173 @@ async def test_drain_gives_a_relay_leader_the_grace_to_commit(h: Harness) -> Non
     assert await h.coord.drain(grace=20.0) == []
     await task
     assert h.step_moves(1) == [D, C, OK] and r0.ops() == ["durable", "committed"]
+
+
+# ---- truthful outcomes: cleanups, commits and drains (the "crashes" issue) -------------------------
+
+async def test_resave_during_the_cleanup_of_a_failed_step_waits_for_it(h: Harness) -> None:
+    """A step fails while its durable rank 0's files are being removed; a new session re-saves the
+    step in that window (it never heard of the failure). The removal runs under the coordinator's
+    ownership: the re-save waits for it, then commits complete. Before, the step had left the table
+    and the re-save was admitted at once: the cleanup then removed the NEW rank-0 files, so the
+    re-save's commit failed (or, later, committed a step without its data file)."""
+    old, new = Rank(0), Rank(0)
+    await h.save(old, 1, world=2)
+    await until(lambda: old.ops() == ["durable"], "rank 0 durable")
+    h.tier.abort_gate = asyncio.Event()
+    failing = asyncio.ensure_future(h.coord.abort(JOB, 1, 0, "rank 1 gave up"))
+    await until(lambda: h.tier.aborts_held == 1, "the failed attempt's cleanup to start")
+    after = h.hold(1, 0, after=True)
+    resave = asyncio.ensure_future(h.save(new, 1))
+    for _ in range(50):
+        await asyncio.sleep(0)
+    admitted_during_cleanup = resave.done()
+    if admitted_during_cleanup:        # let the wrongly admitted write reach the disk before the cleanup
+        await until(lambda: h.tier.written.count((1, 0)) == 2, "the re-save's write")
+    h.tier.abort_gate.set()
+    await failing
+    await resave
+    assert old.ops() == ["durable", "failed"]
+    after.set()
+    await until(lambda: new.ops()[-1:] in (["committed"], ["failed"]), "the re-save's outcome")
+    assert new.ops() == ["durable", "committed"], new.events
+    assert not admitted_during_cleanup, "the re-save started while the failed attempt's files were removed"
+    assert verify_step(str(h.path(1))) == []
+    assert h.step_moves(1) == [F, D, C, OK]
+
+
+async def test_resave_waits_only_so_long_for_a_cleanup(h: Harness) -> None:
+    h.coord.removal_wait = 0.2
+    r0 = Rank(0)
+    await h.save(r0, 1, world=2)
+    await until(lambda: r0.ops() == ["durable"], "rank 0 durable")
+    h.tier.abort_gate = asyncio.Event()
+    failing = asyncio.ensure_future(h.coord.abort(JOB, 1, 0, "rank 1 gave up"))
+    await until(lambda: h.tier.aborts_held == 1, "the cleanup to start")
+    with pytest.raises(RequestError, match="files of its failed attempt are still being removed; retry"):
+        await h.save(Rank(0), 1)
+    await h.save(Rank(0), 2)                 # other steps are not held up
+    h.tier.abort_gate.set()
+    await failing
+    assert not h.path(1).exists()
+
+
+async def test_shard_durable_after_its_step_failed_is_logged_as_discarded(h: Harness,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Its files are removed, and the log says so: not "durable" (it was never reported durable)."""
+    caplog.set_level(logging.INFO, logger="ckptd")
+    r0 = Rank(0)
+    gate = h.hold(1, 0, after=True)
+    await h.save(r0, 1, world=2)
+    await until(lambda: (h.path(1) / rank_manifest_name(0)).exists(), "rank 0's manifest")
+    await h.coord.abort(JOB, 1, 0, "give up")
+    gate.set()
+    await until(lambda: h.shard_moves(1, 0) == [SD, SX], "the late shard to be discarded")
+    await until(lambda: not h.path(1).exists(), "its files to go")
+    said = [r.getMessage() for r in caplog.records if getattr(r, "ctx", {}).get("step") == 1]
+    assert "durable" not in said, said
+    assert "shard discarded" in said, said
+    [line] = [r for r in caplog.records if r.getMessage() == "shard discarded"]
+    assert "step 1 ended (failed) while it was written" in line.ctx["reason"]     # type: ignore[attr-defined]
+
+
+async def test_drain_withdraws_a_commit_that_outlives_it_and_reports_failed(h: Harness) -> None:
+    """SIGTERM while index.json is being written: the drain's grace (and the commit's overtime) run
+    out with the commit's thread before its rename. The drain withdraws it — its index can no longer
+    appear — and only then tells the client "failed". Before, the drain cancelled the task, told
+    nobody, and the thread went on to publish index.json after the client was told it was lost."""
+    r0 = Rank(0)
+    h.tier.slow_publish = slow = SlowPublish("before")
+    await h.save(r0, 1)
+    await until(slow.reached.is_set, "the commit to reach its rename")
+    unfinished = await h.coord.drain(grace=0.1)
+    assert r0.ops() == ["durable", "failed"] and "withdrawn" in r0.last()["reason"]
+    assert unfinished == ["commit of job=unit step=1 (withdrawn; its thread still runs)"]
+    assert h.step_moves(1) == [D, C, F]
+    slow.go.set()                              # the thread goes on: it must not publish
+    await until(lambda: not h.coord.commits.running(), "the commit's task to end")
+    assert h.files(1) == []                    # no index.json, no rank file (its temp file is gone too)
+    assert r0.ops() == ["durable", "failed"]
+
+
+async def test_drain_waits_for_an_index_rename_in_progress_and_reports_committed(h: Harness) -> None:
+    """The grace runs out while index.json is being renamed into place: the drain waits for the
+    rename to finish and reports what is true, committed."""
+    r0 = Rank(0)
+    h.tier.slow_publish = slow = SlowPublish("inside")
+    await h.save(r0, 1)
+    await until(slow.reached.is_set, "the rename")
+    asyncio.get_running_loop().call_later(0.6, slow.go.set)
+    unfinished = await h.coord.drain(grace=0.1)
+    assert r0.ops() == ["durable", "committed"]
+    assert all("(published; its thread still runs)" in u for u in unfinished), unfinished
+    assert h.step_moves(1) == [D, C, OK] and verify_step(str(h.path(1))) == []
+
+
+async def test_commit_runs_to_its_end_when_the_relay_leader_goes_mid_commit(h: Harness) -> None:
+    """Rank 0's COMMIT request is cancelled (its connection task, at daemon stop) and its client is
+    lost while the index is written: the commit neither stops nor fails. Before, the cancel left
+    the step COMMITTING forever, and losing rank 0 failed it and removed its files mid-commit."""
+    r0, r1 = Rank(0), Rank(1)
+    await h.save(r0, 1, world=2, mode=RELAY)
+    await h.save(r1, 1, world=2, mode=RELAY)
+    await until(lambda: r0.ops() == r1.ops() == ["durable"], "both durable")
+    h.tier.commit_gate = asyncio.Event()
+    digests = {0: r0.events[0]["digest"], 1: r1.events[0]["digest"]}
+    request = asyncio.ensure_future(h.coord.commit(h.coord.leader_step(JOB, 1, 0), digests))
+    await until(lambda: h.step_moves(1) == [D, C], "the commit to start")
+    request.cancel()
+    await h.coord.waiter_lost(r0)
+    await h.coord.abort(JOB, 1, 0, "too late")
+    assert h.step_moves(1) == [D, C]
+    h.tier.commit_gate.set()
+    await until(lambda: h.step_moves(1) == [D, C, OK], "the commit to end")
+    assert verify_step(str(h.path(1))) == []
+    assert request.cancelled()
+
+
+async def test_drain_never_reports_failed_for_an_index_that_lands_later(h: Harness,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commit's thread is slow to start writing the index (a slow disk) when the drain runs out:
+    whatever the drain tells rank 0 must still hold once that thread has ended."""
+    import ckptd.daemon.fs_tier as fs_tier
+    started, go = threading.Event(), threading.Event()
+    real = fs_tier.write_index
+
+    def slow_write_index(*args: Any) -> Any:
+        started.set()
+        assert go.wait(60)
+        return real(*args)
+    monkeypatch.setattr(fs_tier, "write_index", slow_write_index)
+    r0 = Rank(0)
+    await h.save(r0, 1)
+    await until(started.is_set, "the commit's thread")
+    await h.coord.drain(grace=0.1)
+    told = r0.ops()
+    go.set()
+    await until(lambda: not h.coord.commits.running() and not h.coord.writes.running(), "the commit to end")
+    await asyncio.sleep(0.2)
+    assert told in (["durable", "failed"], ["durable", "committed"]), f"drain returned without telling: {told}"
+    assert (h.path(1) / INDEX_NAME).exists() == (told[-1] == "committed")
+    assert r0.ops() == told
+
+
+async def test_an_index_in_place_is_committed_whatever_fails_after_its_rename(h: Harness,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The directory's fsync fails after index.json was renamed into place: readers load the step,
+    so the daemon says committed (before, it said failed for a loadable step)."""
+    import errno
+
+    import ckptd.daemon.commit as commit
+    real = commit.storage.fsync_dir
+
+    def fsync_dir(path: str) -> None:
+        if os.path.exists(os.path.join(path, INDEX_NAME)):
+            raise OSError(errno.EIO, "Input/output error", path)
+        real(path)
+    monkeypatch.setattr(commit.storage, "fsync_dir", fsync_dir)
+    r0 = Rank(0)
+    await h.save(r0, 1)
+    await until(lambda: len(r0.ops()) == 2, "the outcome")
+    assert r0.ops() == ["durable", "committed"] and h.step_moves(1) == [D, C, OK]
+    assert verify_step(str(h.path(1))) == []

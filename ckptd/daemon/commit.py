@@ -9,12 +9,19 @@ The commit protocol (also in FORMAT.md):
    and writes ``index.json`` (tmp, fsync, rename, fsync dir). Its presence is the commit;
 3. any failure before that abandons the step: no index is written, the waiting ranks are
    told why, and the files this daemon wrote for it are removed.
+
+Whether the index is published is decided once, under a :class:`PublishGate`: the rename of
+index.json into place and a withdrawal (a daemon that cannot wait for the commit any longer)
+exclude each other, so once ``withdraw`` has answered, the step's outcome is final: its index
+is in place, or it never will be, whatever the commit's thread does afterwards.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ckptd.core import storage
@@ -28,9 +35,70 @@ class CommitError(Exception):
     """The step cannot be committed: a rank is missing or its manifest is not what it reported."""
 
 
-def write_index(step_path: str, job: str, step: int, world_size: int, digests: dict[int, str]) -> dict[str, Any]:
+class CommitWithdrawn(CommitError):
+    """The commit was withdrawn before its index was published: the step will never be committed."""
+
+
+class PublishGate:
+    """One commit's decision: its index.json is renamed into place (published), or never (withdrawn)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.published = False
+        self.withdrawn = False
+
+    def publish(self, rename: Callable[[], None]) -> None:
+        """Run ``rename`` (the publishing act) unless the commit was withdrawn (CommitWithdrawn)."""
+        with self._lock:
+            if self.withdrawn:
+                raise CommitWithdrawn("the commit was withdrawn (the daemon is shutting down) before its index "
+                                      "was published")
+            rename()
+            self.published = True
+
+    def withdraw(self) -> bool:
+        """Decide now: True when the index will never be published, False when it already is. Waits
+        for a rename in progress (the only thing that holds the lock)."""
+        with self._lock:
+            if not self.published:
+                self.withdrawn = True
+            return self.withdrawn
+
+    def check(self) -> None:
+        """CommitWithdrawn if withdrawn already (so a withdrawn commit does no more work)."""
+        if self.withdrawn:
+            raise CommitWithdrawn("the commit was withdrawn (the daemon is shutting down) before it started")
+
+
+def publish_file(path: str, data: bytes, gate: PublishGate) -> None:
+    """storage.atomic_write with the rename under ``gate``: tmp, fsync, rename (unless withdrawn),
+    fsync the directory. A withdrawn or failed publish removes its temp file."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    fd = storage.open_for_write(tmp)
+    try:
+        storage.write_all(fd, [data])
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.close(fd)
+    try:
+        gate.publish(lambda: os.rename(tmp, path))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    storage.fsync_dir(os.path.dirname(path) or ".")
+
+
+def write_index(step_path: str, job: str, step: int, world_size: int, digests: dict[int, str],
+                gate: PublishGate | None = None) -> dict[str, Any]:
     """Verify every rank's manifest against its digest, merge them into the global tensor map, then
-    publish index.json atomically."""
+    publish index.json atomically (under ``gate`` when given: see PublishGate)."""
+    if gate is not None:
+        gate.check()
     if sorted(digests) != list(range(world_size)):
         missing = sorted(set(range(world_size)) - set(digests))
         raise CommitError(f"cannot commit step {step}: no durable shard from ranks {missing}")
@@ -63,5 +131,8 @@ def write_index(step_path: str, job: str, step: int, world_size: int, digests: d
                 os.unlink(os.path.join(step_path, name))
     index = make_index(job, step, world_size, ranks, time.time(),
                        {name: t.to_json(world_size) for name, t in tensors.items()}, per_rank)
-    storage.atomic_write(os.path.join(step_path, INDEX_NAME), encode_json(index))
+    if gate is None:
+        storage.atomic_write(os.path.join(step_path, INDEX_NAME), encode_json(index))
+    else:
+        publish_file(os.path.join(step_path, INDEX_NAME), encode_json(index), gate)
     return index

@@ -11,6 +11,7 @@ import asyncio
 import errno
 import logging
 import os
+import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -20,7 +21,7 @@ from ckptd.core.reader import latest_committed
 from ckptd.core.schema import TensorLayout
 from ckptd.core.tier import ShardRef, ShardWritten, StorageTier
 from ckptd.daemon import retention
-from ckptd.daemon.commit import write_index
+from ckptd.daemon.commit import CommitWithdrawn, PublishGate, write_index
 from ckptd.daemon.runtime import TaskSet, describe_error
 from ckptd.daemon.writer import WriteSettings, remove_rank_files, write_shard
 
@@ -51,6 +52,9 @@ class FsTier(StorageTier):
         self._codec_pool = ThreadPoolExecutor(threads, thread_name_prefix="ckptd-codec")
         self._write_pool = ThreadPoolExecutor(max(4, threads), thread_name_prefix="ckptd-write")
         self._io_pool = io_pool
+        self._gates: set[PublishGate] = set()  # commits whose thread runs (a thread removes its own)
+        self._gates_lock = threading.Lock()
+        self._withdrawn = False
 
     def step_path(self, job: str, step: int) -> str:
         return step_dir(self.root, job, step)
@@ -65,8 +69,33 @@ class FsTier(StorageTier):
                                 self.window, released, abandoned)
         return ShardWritten(result.manifest.raw_bytes, result.manifest.stored_bytes, result.digest, result.seconds)
 
+    def _gate(self) -> PublishGate:
+        return PublishGate()
+
     async def commit(self, job: str, step: int, world_size: int, digests: Mapping[int, str]) -> None:
-        await self._on(self._io_pool, write_index, self.step_path(job, step), job, step, world_size, dict(digests))
+        if self._withdrawn:
+            raise CommitWithdrawn(f"step {step}: the daemon is shutting down; no commit starts now")
+        gate = self._gate()
+        with self._gates_lock:   # here, on the loop: withdraw_commits sees every commit started before it
+            self._gates.add(gate)
+
+        def run() -> None:
+            try:
+                write_index(self.step_path(job, step), job, step, world_size, dict(digests), gate)
+            finally:
+                with self._gates_lock:   # once the thread is done (a cancelled caller is not: it may run on)
+                    self._gates.discard(gate)
+        await self._on(self._io_pool, run)
+
+    async def withdraw_commits(self) -> None:
+        """Make every commit's outcome final now: a commit whose index is not in place yet never
+        publishes it, one renaming it right now is waited for, and no commit starts after this.
+        Then ``is_committed`` tells the truth about each, whatever their threads still do."""
+        self._withdrawn = True
+        with self._gates_lock:
+            gates = list(self._gates)
+        if gates:
+            await asyncio.get_running_loop().run_in_executor(None, lambda: [g.withdraw() for g in gates])
 
     async def abort(self, job: str, step: int, ranks: Collection[int]) -> None:
         await self._on(self._io_pool, remove_uncommitted, self.step_path(job, step), sorted(ranks))

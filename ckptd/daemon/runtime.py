@@ -58,6 +58,10 @@ class TaskSet:
     def __len__(self) -> int:
         return len(self._tasks)
 
+    def running(self) -> list[str]:
+        """What each task still running is (as given to ``spawn``)."""
+        return list(self._tasks.values())
+
     def __iter__(self) -> Iterator[asyncio.Task[Any]]:
         return iter(list(self._tasks))
 

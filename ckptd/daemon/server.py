@@ -74,7 +74,7 @@ class Daemon:
         self.metrics = DaemonMetrics(self.snapshot)
         self.steps: StepCoordinator[Session] = StepCoordinator(
             self.tier, Session.event, step_timeout=config.step_timeout,
-            on_durable=self._durable, on_committed=self._committed)
+            on_durable=self._durable, on_committed=self._committed, withdraw_commits=self.tier.withdraw_commits)
         self.retention = Retention(self.tier, config.retention, self.tasks, self.steps.open_steps,
                                    self.metrics.gc_done)
         self.notifier = systemd.Notifier()
@@ -176,8 +176,9 @@ class Daemon:
             notifier.cancel()
             for s in list(self.sessions):
                 s.close()
-            # Every task started ends here, its exception logged, before the loop goes away.
-            for tasks in (self.tasks, self.steps.writes, self.events):
+            # Every task started ends here, its exception logged, before the loop goes away. (Every
+            # commit's outcome is final by now and told: drain settled each, see StepCoordinator.drain.)
+            for tasks in (self.tasks, self.steps.writes, self.steps.commits, self.steps.removals, self.events):
                 await tasks.cancel_all()
         finally:
             sock.close()
@@ -199,7 +200,9 @@ class Daemon:
 
     async def drain(self) -> None:
         """After stop(): in-flight saves get ``drain_grace`` seconds to become durable and commit
-        (StepCoordinator.drain); what is not done by then is reported in ``self.unfinished``."""
+        (StepCoordinator.drain); what is not done by then is reported in ``self.unfinished``. When
+        this returns, every step's outcome is final and its clients are being told: no index.json
+        appears later, whatever threads are left (the caller may exit without waiting for them)."""
         self.unfinished = await self.steps.drain(self.config.drain_grace)
 
     async def _accept_loop(self, sock: socket.socket) -> None:

@@ -19,8 +19,9 @@ Shard (per rank of a step)::
 
 A step that ends (COMMITTED, FAILED, HANDED_OFF) leaves the table at once, so a re-save of a
 failed step starts afresh; writes of the old one still running stop at their next chunk and
-stay in the table's ``writing`` until they have cleaned up (a second writer of the same
-files is refused meanwhile).
+stay in the table's ``writing`` until they have stopped (a second writer of the same files
+is refused meanwhile), and a save of the step waits while the coordinator removes the ended
+attempt's files (steps.py).
 """
 from __future__ import annotations
 
@@ -96,6 +97,7 @@ class Step(Generic[W]):
     started: float
     state: StepState = StepState.WRITING
     shards: dict[int, Shard[W]] = field(default_factory=dict)
+    committing_since: float = 0.0
 
     def move(self, to: StepState) -> None:
         if to not in STEP_TRANSITIONS[self.state]:
@@ -138,9 +140,11 @@ def handed_off(st: Step[Any]) -> bool:
 
 def needs_waiter(st: Step[Any], rank: int) -> bool:
     """Whether the step fails when this rank's client leaves: its shard is not durable yet, or
-    it is the relay leader whose COMMIT the step waits for."""
+    it is the relay leader whose COMMIT the step still waits for (once the step is committing,
+    nobody's leaving changes its outcome)."""
     shard = st.shards[rank]
-    return shard.state is ShardState.WRITING or (st.mode is CommitMode.RELAY and rank == 0)
+    return st.state is StepState.WRITING and (
+        shard.state is ShardState.WRITING or (st.mode is CommitMode.RELAY and rank == 0))
 
 
 def awaits_commit(st: Step[Any]) -> bool:

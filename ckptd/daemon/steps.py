@@ -5,13 +5,25 @@ counters (a :class:`~ckptd.daemon.step_machine.StepTable`) — and moves steps a
 along the state machine's tables (step_machine.py has them, and the one commit rule). It does
 its I/O through a storage tier and tells clients through a callback, so it runs in a unit
 test with a real tier and no sockets.
+
+Two rules about what a step leaves behind:
+
+- The files of a step that ended are removed under the coordinator's ownership: a removal is
+  registered (``_removals``) in the same event-loop turn the step leaves the table, and a
+  save of that step waits until every removal of it is done. So a re-save — by a client
+  that heard of the failure, or a new session that did not — never has its files removed by
+  the cleanup of the attempt before it.
+- A commit, once started, runs to its end in its own task (``commits``): no cancelled caller
+  or drain cuts it short, and a COMMITTING step fails only once its commit has failed or been
+  withdrawn (the tier's ``withdraw_commits``: its index will then never appear). So nobody is
+  told ``failed`` for a step whose index.json may still land.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from ckptd.core.protocol import CommitMode, EventOp, event
@@ -41,6 +53,8 @@ __all__ = ["SHARD_TRANSITIONS", "STEP_TRANSITIONS", "IllegalTransition", "ShardS
 log = logging.getLogger("ckptd")
 
 W = TypeVar("W", bound=Hashable)     # whoever waits for a rank's outcome (a session)
+REMOVAL_WAIT_S = 30.0                # a save of a step waits this long for the removal of its ended attempt
+COMMIT_OVERTIME_S = 10.0             # a commit still running when the drain grace ends gets this much more
 
 
 class StepCoordinator(Generic[W]):
@@ -49,22 +63,35 @@ class StepCoordinator(Generic[W]):
     def __init__(self, tier: StorageTier, send_event: Callable[[W, dict[str, Any]], None], *,
                  step_timeout: float, on_durable: Callable[[ShardWritten], None] = lambda r: None,
                  on_committed: Callable[[str, int, float], None] = lambda job, step, latency: None,
+                 withdraw_commits: Callable[[], Awaitable[None]] | None = None,
+                 commit_overtime: float = COMMIT_OVERTIME_S, removal_wait: float = REMOVAL_WAIT_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.tier = tier
         self.step_timeout = step_timeout
         self._send = send_event
         self._on_durable = on_durable
         self._on_committed = on_committed
+        # Makes every commit's outcome final at once (FsTier.withdraw_commits); without it a
+        # drain waits for each commit to end, however long that takes.
+        self._withdraw_commits = withdraw_commits
+        self.commit_overtime = commit_overtime
+        self.removal_wait = removal_wait
         self.table: StepTable[W] = StepTable(clock)
         self.writes = TaskSet()               # one task per shard write
+        self.commits = TaskSet()              # one task per commit: runs to its end whoever waited for it
+        self.removals = TaskSet()             # removals of ended steps' files
+        self._removals: dict[tuple[str, int], set[asyncio.Task[None]]] = {}   # by (job, step)
 
     # ---- requests ------------------------------------------------------------------------
 
     async def save(self, waiter: W, job: str, step: int, rank: int, world_size: int, mode: CommitMode,
                    data: memoryview, layout: Sequence[TensorLayout], tree: Any,
                    released: Callable[[], None]) -> None:
-        """Start writing one rank's shard; ``released`` runs on the event loop once ``data`` is free."""
-        if await self.tier.is_committed(job, step):
+        """Start writing one rank's shard; ``released`` runs on the event loop once ``data`` is free.
+        Waits (``removal_wait`` at most, then RequestError) while files of an ended attempt of the
+        step are being removed."""
+        await self._removed(job, step)
+        if await self.tier.is_committed(job, step):      # (no suspension from here to begin)
             raise RequestError(f"step {step} of job {job!r} is already committed")
         st, shard = self.table.begin(waiter, job, step, rank, world_size, mode, sum(t.nbytes for t in layout))
         self.writes.spawn(self._write(st, shard, data, list(layout), tree, self._threadsafe(released)),
@@ -84,7 +111,9 @@ class StepCoordinator(Generic[W]):
         if not accepts_commit(st):
             raise RequestError(f"step {st.step}: rank 0 is not durable yet or the step is already committing")
         st.move(StepState.DURABLE)
-        await self._commit(st, digests)
+        reason = await self._commit(st, digests)
+        if reason is not None:
+            raise RequestError(reason)
 
     async def abort(self, job: str, step: int, rank: int, reason: str) -> None:
         st = self.table.steps.get((job, step))
@@ -116,28 +145,56 @@ class StepCoordinator(Generic[W]):
 
     async def drain(self, grace: float) -> list[str]:
         """Shutdown: writes in flight get ``grace`` seconds to become durable and commit, a relayed
-        step whose rank 0 is durable here the same grace for its COMMIT; every step still open
-        then fails. Returns the shard writes that did not finish (their threads cannot be stopped)."""
+        step whose rank 0 is durable here the same grace for its COMMIT; every step still writing
+        then fails. A commit in progress is never cut short: it gets ``commit_overtime`` more
+        seconds, then is withdrawn and settled by the disk (committed if its index is in place, else
+        failed: it can no longer appear). Returns what did not finish: shard writes, and commits
+        whose threads still run (neither can be stopped, nor publish anything now)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
         unfinished: list[str] = []
         if len(self.writes):
             log.info("draining", extra={"ctx": {"in_flight": len(self.writes), "grace_s": grace}})
             pending = await self.writes.wait(grace)
-            if pending:
-                unfinished = [f"job={st.job} step={st.step} rank={sh.rank}"
-                              for st, sh in list(self.table.writing.values())]
-                for task in pending:
-                    task.cancel()
+            unfinished = [f"job={st.job} step={st.step} rank={sh.rank}" for st, sh in list(self.table.writing.values())]
+            for task in pending:       # (a task past its write waits for its commit, which runs on regardless)
+                task.cancel()
+            if unfinished:
                 log.error("drain timed out; these saves are left uncommitted",
                           extra={"ctx": {"grace_s": grace, "unfinished": unfinished}})
         while not unfinished and any(awaits_commit(s) for s in list(self.table.steps.values())) \
                 and loop.time() < deadline:
             await asyncio.sleep(0.05)
         for st in list(self.table.steps.values()):
-            if st.state is not StepState.COMMITTING:
+            if st.state is StepState.WRITING:
                 await self._fail(st, "daemon shut down before every rank was durable")
-        return unfinished
+        return unfinished + await self._settle_commits(max(0.0, deadline - loop.time()) + self.commit_overtime)
+
+    async def _settle_commits(self, timeout: float) -> list[str]:
+        """Drain: the commits still running after ``timeout`` are withdrawn and settled by the disk."""
+        if not await self.commits.wait(timeout):
+            return []
+        committing = [st for st in list(self.table.steps.values()) if st.state is StepState.COMMITTING]
+        names = self.commits.running()
+        if self._withdraw_commits is None:      # no way to decide early: the commit's own end decides
+            log.warning("drain waits for commits in progress", extra={"ctx": {"commits": names}})
+            await self.commits.wait(None)
+            return []
+        log.warning("commits outlived the drain grace; withdrawing them", extra={"ctx": {"commits": names}})
+        await self._withdraw_commits()          # from here no index of these commits can appear any more
+        settled: dict[str, str] = {}
+        for st in committing:
+            if st.state is not StepState.COMMITTING:
+                continue                        # its commit ended meanwhile and told everyone
+            if await self.tier.is_committed(st.job, st.step):
+                self._committed(st)
+                settled[_commit_name(st)] = "published"
+            else:
+                await self._fail(st, f"daemon shut down before the commit of step {st.step} finished "
+                                     f"(withdrawn: its index was not published)", commit_over=True)
+                settled[_commit_name(st)] = "withdrawn"
+        # Their threads may still run (a slow fsync); they can no longer publish anything.
+        return [f"{what} ({settled.get(what, 'settled')}; its thread still runs)" for what in self.commits.running()]
 
     # ---- writes, commits, failures --------------------------------------------------------
 
@@ -156,7 +213,7 @@ class StepCoordinator(Generic[W]):
                     # Its step ended meanwhile: the tier removed what it wrote; drop the step if now empty.
                     shard.move(ShardState.DISCARDED)
                     log.info("write stopped", extra={"ctx": {**ctx, "error": describe_error(e)}})
-                    await self.tier.abort(st.job, st.step, ())
+                    await self._remove(st, ())
                     return
                 shard.move(ShardState.FAILED)
                 reason = f"rank {rank} shard write failed: {describe_error(e)}"
@@ -168,15 +225,17 @@ class StepCoordinator(Generic[W]):
             totals.bytes_raw += result.raw_bytes
             totals.bytes_stored += result.stored_bytes
             self._on_durable(result)
-            log.info("durable", extra={"ctx": {**ctx, "raw_bytes": result.raw_bytes,
-                                               "stored_bytes": result.stored_bytes,
-                                               "write_s": round(result.seconds, 6)}})
             shard.move(ShardState.DURABLE)
             shard.digest = result.digest
             if not st.open:            # the step failed (another rank, a timeout) while this shard was written
                 shard.move(ShardState.DISCARDED)
-                await self.tier.abort(st.job, st.step, (rank,))
+                log.info("shard discarded", extra={"ctx": {**ctx, "reason": f"step {st.step} ended "
+                                                           f"({st.state.value}) while it was written"}})
+                await self._remove(st, (rank,))
                 return
+            log.info("durable", extra={"ctx": {**ctx, "raw_bytes": result.raw_bytes,
+                                               "stored_bytes": result.stored_bytes,
+                                               "write_s": round(result.seconds, 6)}})
             self.table.write_over(st, shard)        # before any event: the client may act on it at once
             self._tell(shard, event(EventOp.DURABLE, step=st.step, rank=rank, digest=result.digest,
                                     raw_bytes=result.raw_bytes, stored_bytes=result.stored_bytes,
@@ -192,45 +251,101 @@ class StepCoordinator(Generic[W]):
         finally:
             self.table.write_over(st, shard)
 
-    async def _commit(self, st: Step[W], digests: Mapping[int, str]) -> None:
+    async def _commit(self, st: Step[W], digests: Mapping[int, str]) -> str | None:
+        """Publish the step; returns why it failed (None: committed). The commit runs in a task of its
+        own: a caller cancelled meanwhile (a drain, a client gone) leaves it running to its end."""
         st.move(StepState.COMMITTING)
-        t0 = self.table.clock()
+        st.committing_since = self.table.clock()
+        task = self.commits.spawn(self._publish(st, dict(digests)), _commit_name(st))
+        return await asyncio.shield(task)
+
+    async def _publish(self, st: Step[W], digests: dict[int, str]) -> str | None:
         try:
-            await self.tier.commit(st.job, st.step, st.world_size, dict(digests))
+            await self.tier.commit(st.job, st.step, st.world_size, digests)
         except Exception as e:    # whatever it is, the step must not stay COMMITTING forever
             reason = f"commit of step {st.step} failed: {describe_error(e) if isinstance(e, OSError) else e}"
-            await self._fail(st, reason)
-            if st.mode is CommitMode.RELAY:
-                raise RequestError(reason) from None
-            return
+            if isinstance(e, OSError) and st.state is StepState.COMMITTING \
+                    and await self.tier.is_committed(st.job, st.step):
+                # Renamed into place, then an error (the directory's fsync): readers load the step,
+                # so it is committed; saying "failed" would be the one false outcome.
+                log.error("index published, then its commit failed", extra={"ctx": {"job": st.job,
+                                                                                    "step": st.step,
+                                                                                    "error": reason}})
+                self._committed(st)
+                return None
+            await self._fail(st, reason, commit_over=True)      # (no-op when a drain settled it already)
+            return reason
+        if st.state is StepState.COMMITTING:    # (else a drain settled it: it found this index in place)
+            self._committed(st)
+        return None
+
+    def _committed(self, st: Step[W]) -> None:
         st.move(StepState.COMMITTED)
         self.table.committed(st)
         now = self.table.clock()
         self._on_committed(st.job, st.step, now - st.started)
         log.info("committed", extra={"ctx": {"job": st.job, "step": st.step, "world_size": st.world_size,
-                                            "commit_s": round(now - t0, 6),
+                                            "commit_s": round(now - st.committing_since, 6),
                                             "since_first_save_s": round(now - st.started, 6)}})
         for shard in list(st.shards.values()):
             self._tell(shard, event(EventOp.COMMITTED, step=st.step))
 
-    async def _fail(self, st: Step[W], reason: str) -> None:
+    async def _fail(self, st: Step[W], reason: str, *, commit_over: bool = False) -> None:
+        """Fail an open step: remove the durable ranks' files, then tell every waiting rank. A
+        COMMITTING step fails only here with ``commit_over`` (its commit failed or was withdrawn):
+        nothing else may fail it while its index may still appear."""
         if not st.open:
+            return
+        if st.state is StepState.COMMITTING and not commit_over:
+            log.warning("not failing a committing step", extra={"ctx": {"job": st.job, "step": st.step,
+                                                                        "reason": reason}})
             return
         st.move(StepState.FAILED)
         self.table.forget(st)
         self.table.totals.steps_failed += 1
         log.warning("step abandoned", extra={"ctx": {"job": st.job, "step": st.step, "reason": reason}})
-        # Remove the durable ranks' files BEFORE telling anyone: a client that retries the step
-        # as soon as it hears must not have its new files deleted by this cleanup. Ranks still
-        # writing stop at their next chunk and remove their own files (see _write).
+        # Remove the durable ranks' files BEFORE telling anyone, registered in this same turn of
+        # the loop (a save of the step waits for it): a client that retries the step as soon as it
+        # hears, or a new session that re-saves it meanwhile, must not have its new files deleted by
+        # this cleanup. Ranks still writing stop at their next chunk and remove their own files (_write).
         durable = st.ranks(ShardState.DURABLE)
         try:
-            await self.tier.abort(st.job, st.step, durable)
+            await self._remove(st, durable)
         finally:
             for rank in durable:
                 st.shards[rank].move(ShardState.DISCARDED)
             for shard in list(st.shards.values()):
                 self._tell(shard, event(EventOp.FAILED, step=st.step, reason=reason))
+
+    async def _remove(self, st: Step[W], ranks: Sequence[int]) -> None:
+        """Remove these ranks' files of the ended step ``st`` (and its directory once empty). Registered
+        before this first suspends, so a save of the step waits until it is done (a shard whose own
+        write ended this way stays in ``writing`` until then as well: _write's finally)."""
+        key = (st.job, st.step)
+        if not ranks and self.table.steps.get(key) is not None:
+            return                      # a new attempt of the step owns its directory now: leave it be
+        task = self.removals.spawn(self.tier.abort(st.job, st.step, list(ranks)),
+                                   f"removal of job={st.job} step={st.step} ranks={list(ranks)}")
+        pending = self._removals.setdefault(key, set())
+        pending.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            pending.discard(t)
+            if not pending and self._removals.get(key) is pending:
+                del self._removals[key]
+        task.add_done_callback(done)
+        await asyncio.shield(task)
+
+    async def _removed(self, job: str, step: int) -> None:
+        """Until no removal of an ended attempt of this step runs (RequestError after ``removal_wait``)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.removal_wait
+        while pending := self._removals.get((job, step)):
+            left = deadline - loop.time()
+            if left <= 0:
+                raise RequestError(f"step {step} of job {job!r}: the files of its failed attempt are still "
+                                   f"being removed; retry shortly")
+            await asyncio.wait(set(pending), timeout=left)
 
     def _tell(self, shard: Shard[W], msg: dict[str, Any]) -> None:
         if shard.waiter is not None:
@@ -268,3 +383,7 @@ class StepCoordinator(Generic[W]):
 
     def shard_views(self) -> tuple[ShardView, ...]:
         return self.table.shard_views()
+
+
+def _commit_name(st: Step[Any]) -> str:
+    return f"commit of job={st.job} step={st.step}"

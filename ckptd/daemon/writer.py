@@ -59,12 +59,14 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
     pending: collections.deque[tuple[TensorEntry, Future[Any]]] = collections.deque()
     try:
         # Inside the try: a failure here (EROFS, ENOSPC, EACCES) must still release the slot.
-        storage.make_dirs(step_path)
-        try:
-            fd = storage.open_for_write(data_path)
-        except FileNotFoundError:   # a failed attempt's cleanup removed the (empty) directory just now
+        for attempt in range(3):
             storage.make_dirs(step_path)
-            fd = storage.open_for_write(data_path)
+            try:
+                fd = storage.open_for_write(data_path)
+                break
+            except FileNotFoundError:   # the cleanup of an ended attempt removed the (empty) directory just now
+                if attempt == 2:
+                    raise
         entries: list[TensorEntry] = []
         pos = 0
         flushed = 0     # bytes already handed to writeback
