@@ -28,7 +28,7 @@ import torch
 from ckptd.core import storage
 from ckptd.core.codec import ChunkMeta, decode_chunk
 from ckptd.core.errors import ChecksumError, FormatError
-from ckptd.core.global_index import LOCAL, GlobalTensor, Piece, parse_tensor_map
+from ckptd.core.global_index import LOCAL, GlobalTensor, Piece
 from ckptd.core.names import rank_manifest_name
 from ckptd.core.reader import StepReader
 from ckptd.core.regions import Region, row_span
@@ -106,12 +106,12 @@ class StepFiles:
         self._lock = threading.Lock()
         self.tensors: dict[str, GlobalTensor] | None = None      # None: a format-1 step (no tensor map)
         self.per_rank_keys: list[str] = []
-        if int(self.reader.index["format_version"]) >= 2:
-            try:
-                self.tensors = parse_tensor_map(self.reader.index["tensors"], self.world_size)
+        if self.reader.format_version >= 2:
+            try:     # parsed once per reader: the manifests' map check uses the same map
+                self.tensors, per_rank_keys = self.reader.tensor_map()
             except FormatError as e:
                 raise CheckpointError(f"cannot restore from {self.path}: {e}") from None
-            self.per_rank_keys = list(self.reader.index["per_rank_keys"])
+            self.per_rank_keys = list(per_rank_keys)
 
     def __enter__(self) -> StepFiles:
         return self
@@ -280,6 +280,12 @@ class _Runner:
         self.error: BaseException | None = None
 
     def run(self, reads: Sequence[_Read]) -> None:
+        # Each destination's bytes, once per need (not per read), before any decoding thread runs.
+        self.flat: dict[int, tuple[torch.Tensor, memoryview]] = {}
+        for r in reads:
+            if id(r.need) not in self.flat:
+                u8 = r.need.out.detach().reshape(-1).view(torch.uint8)
+                self.flat[id(r.need)] = u8, memoryview(u8.numpy())  # type: ignore[arg-type]
         try:
             for r in reads:
                 if self.error is not None:
@@ -294,7 +300,7 @@ class _Runner:
         itemsize = DTYPE_ITEMSIZE[r.entry.dtype]
         a, b = row_span(r.piece, r.part, itemsize)
         spans = [(fp, rp, m) for fp, rp, m in r.entry.chunk_spans() if rp < b and rp + m.raw_len > a]
-        out = tensor_bytes(r.need.out)
+        dst_u8, out = self.flat[id(r.need)]
         o = _offset(r.part, r.need.region, itemsize)
         if contiguous_in(r.part, r.piece) and contiguous_in(r.part, r.need.region):
             job = _Job(len(spans), 0, None)
@@ -316,7 +322,6 @@ class _Runner:
         def copy() -> None:
             size = (*r.part.sizes, itemsize)
             src = staging.as_strided(size, (*strides(r.piece.sizes, itemsize), 1), staging.storage_offset() + a - lo)
-            dst_u8 = r.need.out.detach().reshape(-1).view(torch.uint8)
             dst = dst_u8.as_strided(size, (*strides(r.need.region.sizes, itemsize), 1), dst_u8.storage_offset() + o)
             dst.copy_(src)
 

@@ -43,7 +43,7 @@ from ckptd.core.regions import Region
 from ckptd.core.tree import decode_tree
 
 from . import store_keys
-from .dtensor import is_dtensor, local_region, sharded_model_of
+from .dtensor import is_dtensor, local_region, local_tensor, sharded_model_of
 from .errors import CheckpointError
 from .live_state import fqn_keyed, join, live_tensors, rekey_by_position, tensor_leaves, tree_items
 from .reshard import DTYPES, Need, ReadAt, ReadStats, StepFiles, decodable_into, read_needs, tensor_bytes
@@ -225,6 +225,7 @@ class _Restore:
         self.changed = self.saved != world_size
         # The saved rank whose tree (and plain-tensor copies) the state's non-per-rank entries take.
         self.default_source = rank if rank < self.saved else 0
+        self._partial: dict[tuple[Any, ...], bool] = {}
 
     def where(self) -> str:
         return f"step {self.files.step} ({self.files.path})"
@@ -351,8 +352,12 @@ class _Restore:
             raise CheckpointError(f"tensor {path!r}: the checkpoint has {dtype}, the state {live_dtype} "
                                   f"({self.where()})")
         if is_dtensor(live):
-            from torch.distributed.tensor import Partial
-            if any(isinstance(p, Partial) for p in live.placements):    # type: ignore[attr-defined]
+            placements = tuple(live.placements)     # type: ignore[attr-defined]
+            partial = self._partial.get(placements)
+            if partial is None:                  # once per distinct placement tuple, not per tensor
+                from torch.distributed.tensor import Partial  # importable: live is a DTensor
+                partial = self._partial[placements] = any(isinstance(p, Partial) for p in placements)
+            if partial:
                 raise CheckpointError(f"cannot restore into DTensor {path!r}: it has Partial placements")
             try:
                 region, gshape = local_region(live)
@@ -361,7 +366,7 @@ class _Restore:
             if tuple(gshape) != tuple(shape):
                 raise CheckpointError(f"tensor {path!r}: the checkpoint's global shape is {list(shape)}, the "
                                       f"state's {list(gshape)} ({self.where()})")
-            local = live.to_local()     # type: ignore[attr-defined]
+            local = local_tensor(live)      # to_local()'s bytes, without building an autograd view per tensor
         else:
             if tuple(live.shape) != tuple(shape):
                 raise CheckpointError(f"tensor {path!r}: the checkpoint's shape is {list(shape)}, the state's "

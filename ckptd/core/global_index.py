@@ -148,10 +148,11 @@ def parse_tensor_map(obj: Any, world_size: int) -> dict[str, GlobalTensor]:
                     and isinstance(p.get("name"), str) and _uints(p.get("offsets")) and _uints(p.get("sizes"))
                     and len(p["offsets"]) == len(p["sizes"]) == len(shape)):
                 raise FormatError(f"{where}: malformed piece {str(p)[:120]}")
-            try:
-                validate_tensor_name(p["name"])
-            except ValueError as e:
-                raise FormatError(f"{where}: {e}") from None
+            if p["name"] != name:          # the tensor's own name is validated above
+                try:
+                    validate_tensor_name(p["name"])
+                except ValueError as e:
+                    raise FormatError(f"{where}: {e}") from None
             pieces.append(Piece(p["rank"], p["name"], Region(tuple(p["offsets"]), tuple(p["sizes"]))))
         out[name] = GlobalTensor(name, t["dtype"], shape, SHARDED, tuple(pieces))
     return out

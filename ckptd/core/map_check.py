@@ -207,8 +207,9 @@ class MapCheck:
                 return f"is a piece of {e.key!r}, the index lists it under {t.name!r}"
             if (e.dtype, e.global_shape) != (t.dtype, t.shape):
                 return f"is a piece of a {saved} tensor, the index says {t.dtype} {list(t.shape)}"
-            if e.region() != p.region:
-                return (f"holds {region_text(e.region(), t.shape)}, the index says "
+            region = e.region()
+            if region != p.region:
+                return (f"holds {region_text(region, t.shape)}, the index says "
                         f"{region_text(p.region, t.shape)}")
             return None
         if e.placement is not None:
