@@ -46,21 +46,54 @@ def is_dtensor(t: Any) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
 
+_CACHE_MAX = 4096
+
+
+def _bounded(cache: dict[Any, Any]) -> dict[Any, Any]:
+    if len(cache) >= _CACHE_MAX:
+        cache.clear()
+    return cache
+
+
+# placements → whether any is Partial (placements are immutable and hashable; isinstance on
+# them is slow enough to matter per tensor)
+_PARTIAL: dict[tuple[Any, ...], bool] = {}
+
+
 def check_saveable(path: str, t: Any) -> None:
     """TypeError naming the key for a DTensor ckptd cannot store (pending reductions)."""
-    if any(isinstance(p, Partial) for p in t.placements):
+    placements = tuple(t.placements)
+    partial = _PARTIAL.get(placements)
+    if partial is None:
+        partial = _bounded(_PARTIAL)[placements] = any(isinstance(p, Partial) for p in placements)
+    if partial:
         raise TypeError(f"cannot checkpoint DTensor at {path!r}: it has Partial placements (a pending reduction); "
                         "call .redistribute() to Shard/Replicate first")
+
+
+# (id(mesh), placements, global shape) → (mesh, local shape, region). The mesh is kept and
+# compared by identity, so an id reused by another mesh never hits; a rank's coordinate in a
+# mesh never changes, so neither does the region a given placement gives it.
+_REGIONS: dict[tuple[int, tuple[Any, ...], tuple[int, ...]], tuple[Any, tuple[int, ...], Region]] = {}
 
 
 def local_region(t: Any) -> tuple[Region, tuple[int, ...]]:
     """(region of the global tensor this rank's ``to_local()`` holds, global shape)."""
     gshape = tuple(t.shape)
-    local_shape, offsets = compute_local_shape_and_global_offset(gshape, t.device_mesh, t.placements)
-    local = t.to_local()
-    if tuple(local.shape) != tuple(local_shape):   # padded or otherwise unusual local tensors
-        raise TypeError(f"DTensor local shard has shape {tuple(local.shape)}, its placements say {local_shape}")
-    return Region(tuple(int(o) for o in offsets), tuple(int(n) for n in local_shape)), gshape
+    mesh = t.device_mesh
+    placements = tuple(t.placements)
+    key = (id(mesh), placements, gshape)
+    hit = _REGIONS.get(key)
+    if hit is None or hit[0] is not mesh:
+        local_shape, offsets = compute_local_shape_and_global_offset(gshape, mesh, placements)
+        lshape = tuple(int(n) for n in local_shape)
+        hit = (mesh, lshape, Region(tuple(int(o) for o in offsets), lshape))
+        _bounded(_REGIONS)[key] = hit
+    _, lshape, region = hit
+    local = local_tensor(t)
+    if tuple(local.shape) != lshape:   # padded or otherwise unusual local tensors
+        raise TypeError(f"DTensor local shard has shape {tuple(local.shape)}, its placements say {lshape}")
+    return region, gshape
 
 
 def local_placement(t: Any) -> Placement:
@@ -68,13 +101,29 @@ def local_placement(t: Any) -> Placement:
     return Placement(gshape, region.offsets)
 
 
+# id(mesh) → (mesh, this rank's coordinate in it or None): constant for a mesh's life.
+_COORDS: dict[int, tuple[Any, Any]] = {}
+
+
+def _coordinate(mesh: Any) -> Any:
+    hit = _COORDS.get(id(mesh))
+    if hit is None or hit[0] is not mesh:
+        coords = mesh.get_coordinate()
+        hit = (mesh, None if coords is None else tuple(coords))
+        _bounded(_COORDS)[id(mesh)] = hit
+    return hit[1]
+
+
 def writes_bytes(t: Any) -> bool:
     """Whether this rank is the one replica that writes ``t``'s local bytes: coordinate 0 on every
     mesh dimension where ``t`` is replicated."""
-    coords = t.device_mesh.get_coordinate()
+    return _writes(_coordinate(t.device_mesh), tuple(t.placements))
+
+
+def _writes(coords: tuple[int, ...] | None, placements: tuple[Any, ...]) -> bool:
     if coords is None:          # this rank is not in the mesh: holds nothing
         return False
-    return all(c == 0 for c, p in zip(coords, t.placements, strict=True) if isinstance(p, Replicate))
+    return all(c == 0 for c, p in zip(coords, placements, strict=True) if isinstance(p, Replicate))
 
 
 def _root_mesh(mesh: Any) -> Any:
@@ -113,38 +162,59 @@ def writers(dts: Sequence[Any]) -> list[bool]:
     around DTensors (DDP over TP, no DTensor along "dp") cannot be told apart from stages
     without asking the other ranks, so every data-parallel replica writes there (pieces
     overlap; ``ckptd verify`` reports it)."""
-    roots: dict[int, Any] = {}
-    own: list[tuple[int, frozenset[int]] | None] = []
-    spanned: dict[int, set[int]] = {}
-    cache: dict[int, frozenset[int]] = {}
-    for t in dts:
-        mesh = t.device_mesh
-        root = _root_mesh(mesh)
-        coords = root.get_coordinate()
-        if coords is None or mesh.get_coordinate() is None:
-            own.append(None)
-            continue
-        roots[id(root)] = root
-        if id(mesh) not in cache:
-            cache[id(mesh)] = _spanned_dims(mesh, root, coords)
-        own.append((id(root), cache[id(mesh)]))
-        spanned.setdefault(id(root), set()).update(cache[id(mesh)])
+    meshes = [t.device_mesh for t in dts]
+    info: dict[int, tuple[Any, tuple[int, ...], frozenset[int]] | None] = {}
+    spanned: dict[int, set[int]] = {}       # id(root) → root dimensions some DTensor spans
+    for mesh in meshes:
+        if id(mesh) not in info:
+            i = info[id(mesh)] = _mesh_info(mesh)
+            if i is not None:
+                spanned.setdefault(id(i[0]), set()).update(i[2])
+    memo: dict[tuple[int, tuple[Any, ...]], bool] = {}    # the meshes are alive: ids are theirs
     out = []
-    for t, o in zip(dts, own, strict=True):
-        if o is None or not writes_bytes(t):
-            out.append(False)
-            continue
-        rid, dims = o
-        coords = roots[rid].get_coordinate()
-        out.append(all(coords[j] == 0 for j in spanned[rid] - dims))
+    for mesh, t in zip(meshes, dts, strict=True):
+        placements = tuple(t.placements)
+        key = (id(mesh), placements)
+        w = memo.get(key)
+        if w is None:
+            i = info[id(mesh)]
+            if i is None:
+                w = False
+            else:
+                root, coords, dims = i
+                w = _writes(_coordinate(mesh), placements) and all(coords[j] == 0 for j in spanned[id(root)] - dims)
+            memo[key] = w
+        out.append(w)
     return out
+
+
+# id(mesh) → (mesh, (root mesh, this rank's root coordinate, root dimensions the mesh spans), or
+# None where this rank is not in the mesh): constant for a mesh's life
+_MESH_INFO: dict[int, tuple[Any, tuple[Any, tuple[int, ...], frozenset[int]] | None]] = {}
+
+
+def _mesh_info(mesh: Any) -> tuple[Any, tuple[int, ...], frozenset[int]] | None:
+    hit = _MESH_INFO.get(id(mesh))
+    if hit is None or hit[0] is not mesh:
+        root = _root_mesh(mesh)
+        coords = _coordinate(root)
+        if coords is None or _coordinate(mesh) is None:
+            hit = (mesh, None)
+        else:
+            hit = (mesh, (root, coords, _spanned_dims(mesh, root, coords)))
+        _bounded(_MESH_INFO)[id(mesh)] = hit
+    return hit[1]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose bytes this rank holds: a DTensor's ``to_local()`` (no copy), else ``t``."""
     if is_dtensor(t):
+        # what to_local() returns with grad disabled, without its autograd wrapper
+        local = getattr(t, "_local_tensor", None)
+        if isinstance(local, torch.Tensor):
+            return local
         with torch.no_grad():
-            local: torch.Tensor = t.to_local()  # type: ignore[attr-defined]
+            local = t.to_local()  # type: ignore[attr-defined]
         return local
     return t
 
