@@ -578,3 +578,14 @@ def test_map_check_flags_an_entry_listed_twice() -> None:
     t = sharded((4,), ((0,), (2,)), ((2,), (2,)), ranks=[0, 0])       # tiles, but names one entry twice
     assert MapCheck({"t": t}, 1).map_faults() == [
         MapFault("t", 0, "rank 0's entry 't' is listed twice in the index (also under 't')")]
+
+
+def test_the_daemon_refuses_to_commit_pieces_that_do_not_tile(geo_daemon: Any) -> None:
+    """A step whose pieces overlap must never become the latest committed step (retention could
+    then delete the good ones before it); the ranks are told why."""
+    finals = save_step(geo_daemon, "refused", 1, [
+        [("w", "float32", [5, 4], block(5, 4, 0), piece([8, 4], [0, 0]))],
+        [("w", "float32", [4, 4], block(4, 4, 50), piece([8, 4], [4, 0]))]])
+    assert [f["op"] for f in finals] == ["failed", "failed"], finals
+    assert "do not tile" in finals[0]["reason"] and "'w'" in finals[0]["reason"], finals
+    assert not (step_path(geo_daemon, "refused") / "index.json").exists()
