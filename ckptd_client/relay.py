@@ -59,11 +59,18 @@ class StoreRelay:
             self._saves[seq] = RelayedSave(seq, step, time.monotonic() + self.timeout, resolve)
 
     def publish(self, seq: int, outcome: str) -> None:
-        """``outcome`` is ``ok:<digest>`` or ``fail:<reason>`` for this rank."""
-        self.store.set(store_keys.rank_outcome(self.job, seq, self.rank), outcome)
+        """``outcome`` is ``ok:<digest>`` or ``fail:<reason>`` for this rank. Never raises: with the
+        store gone (rank 0 died) the save is settled by the disk instead."""
+        try:
+            self.store.set(store_keys.rank_outcome(self.job, seq, self.rank), outcome)
+            lost = None
+        except Exception as e:
+            lost = f"{type(e).__name__}: {e}"
         with self._lock:
             if seq in self._saves:
                 self._saves[seq].own_published = True
+                if lost is not None and self._saves[seq].lost is None:
+                    self._saves[seq].lost = lost
         self._wake.set()
 
     def _run(self) -> None:
