@@ -16,9 +16,10 @@ A shard whose write raises leaves nothing behind (the tier removes its partial b
 ``commit`` must make the step visible atomically and last: a reader never sees a step
 that is not complete. ``abort`` is best effort and never touches a committed step.
 
-Reading entry points (status, the save checks): ``is_committed``, ``latest_committed``,
-``written_bytes``. Every method is a coroutine: a tier does its blocking I/O on its own
-threads (or with async I/O), never on the caller's event loop.
+At shutdown, ``withdraw_commits`` settles commits still running (a drain that ran out of
+time reports their true outcome). Reading entry points (status, the save checks):
+``is_committed``, ``latest_committed``, ``written_bytes``. Every method is a coroutine: a tier
+does its blocking I/O on its own threads (or with async I/O), never on the caller's event loop.
 """
 from __future__ import annotations
 
@@ -64,6 +65,12 @@ class StorageTier(ABC):
     @abstractmethod
     async def commit(self, job: str, step: int, world_size: int, digests: Mapping[int, str]) -> None:
         """Check every rank's shard against its digest, then publish the step atomically."""
+
+    async def withdraw_commits(self) -> None:
+        """(Shutdown) make every commit in flight final now: one not yet published never will be,
+        one publishing right now is waited for; afterwards ``is_committed`` tells the truth.
+        A tier whose commit is a single atomic call with nothing left running needs nothing."""
+        return None
 
     @abstractmethod
     async def abort(self, job: str, step: int, ranks: Collection[int]) -> None:
