@@ -11,9 +11,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
-@dataclass(frozen=True)
+@dataclass
 class Counters:
-    """Totals since the daemon started (Prometheus counters; ``stats`` in status)."""
+    """Totals since the daemon started (Prometheus counters; ``stats`` in status). The step table
+    keeps the one live instance and hands out copies."""
     saves_started: int = 0
     saves_durable: int = 0
     saves_failed: int = 0

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Generic, TypeVar
 
@@ -158,17 +158,6 @@ def awaits_commit(st: Step[Any]) -> bool:
 
 # ---- the table -------------------------------------------------------------------------
 
-@dataclass
-class Totals:
-    saves_started: int = 0
-    saves_durable: int = 0
-    saves_failed: int = 0
-    steps_committed: int = 0
-    steps_failed: int = 0
-    bytes_raw: int = 0
-    bytes_stored: int = 0
-
-
 class StepTable(Generic[W]):
     """Every open step, every shard write still running (also of ended steps), and the totals.
 
@@ -178,7 +167,7 @@ class StepTable(Generic[W]):
         self.clock = clock
         self.steps: dict[tuple[str, int], Step[W]] = {}
         self.writing: dict[tuple[str, int, int], tuple[Step[W], Shard[W]]] = {}
-        self.totals = Totals()
+        self.totals = Counters()
         self.last_committed: dict[str, LastCommit] = {}
 
     def begin(self, waiter: W, job: str, step: int, rank: int, world_size: int, mode: CommitMode,
@@ -225,7 +214,7 @@ class StepTable(Generic[W]):
         return [st.step for st in list(self.steps.values()) if st.job == job]
 
     def counters(self) -> Counters:
-        return Counters(**asdict(self.totals))
+        return replace(self.totals)
 
     def step_views(self) -> tuple[StepView, ...]:
         now = self.clock()
