@@ -29,8 +29,8 @@ import pytest
 
 from ckptd.core import protocol
 from ckptd.core.errors import FormatError
-from ckptd.core.global_index import LOCAL, SHARDED, GlobalTensor, Piece, geometry_faults
-from ckptd.core.map_check import MapCheck, MapFault, region_text, tiling_faults, uncovered_block
+from ckptd.core.global_index import LOCAL, SHARDED, GlobalTensor, Piece
+from ckptd.core.map_check import MapCheck, MapFault, geometry_faults, region_text, tiling_faults, uncovered_block
 from ckptd.core.reader import StepReader, verify_step
 from ckptd.core.regions import Region, coverage_faults
 from ckptd.core.schema import digest_bytes, index_digest
@@ -494,7 +494,7 @@ def grid_tiling(shape: tuple[int, ...], cuts: list[list[int]]) -> list[Region]:
 
 def test_zero_d_tensor() -> None:
     assert tiling_faults(sharded((), ((), ())), 1) == []
-    assert geometry_faults({"t": sharded((), ((), ()))}) == []
+    assert geometry_faults({"t": sharded((), ((), ()))}, 1) == []
     missing = tiling_faults(sharded((), ), 2)
     assert missing == ["regions cover 0 of 1 elements: a piece is missing; no piece holds the whole tensor; "
                        "no piece from ranks 0, 1"]
@@ -531,7 +531,7 @@ def test_3d_tiling_exact_overlap_and_gap() -> None:
     blocks = grid_tiling(shape, [[1], [2, 3], [4]])
     assert len(blocks) == 12
     whole = sharded(shape, *((r.offsets, r.sizes) for r in blocks))
-    assert tiling_faults(whole, 12) == [] and geometry_faults({"t": whole}) == []
+    assert tiling_faults(whole, 12) == [] and geometry_faults({"t": whole}, 12) == []
     gone = blocks[7]
     gap = sharded(shape, *((r.offsets, r.sizes) for r in blocks if r != gone),
                   ranks=[i for i in range(12) if i != 7])

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 import ckptd_client
-from ckptd.core.global_index import LOCAL, SHARDED, geometry_faults, parse_tensor_map
+from ckptd.core.global_index import LOCAL, SHARDED, parse_tensor_map
+from ckptd.core.map_check import geometry_faults
 from ckptd.core.names import step_dir
 from ckptd.core.reader import StepReader, verify_step
 from ckptd.core.regions import Region, coverage_faults
@@ -283,7 +284,7 @@ def tree_get(node: Any, *keys: Any) -> Any:
 def open_step(root: Path, job: str, step: int) -> tuple[StepReader, dict[str, Any]]:
     reader = StepReader(step_dir(str(root), job, step))
     tmap = parse_tensor_map(reader.index["tensors"], reader.world_size)
-    assert geometry_faults(tmap) == []
+    assert geometry_faults(tmap, reader.world_size) == []
     return reader, tmap
 
 

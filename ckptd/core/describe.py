@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .global_index import SHARDED
-from .map_check import region_text, tiling_faults
+from .map_check import geometry_faults, region_text
 from .reader import StepReader
 from .regions import Region
 from .schema import DTYPE_ITEMSIZE
@@ -36,8 +36,7 @@ def describe_step(reader: StepReader) -> dict[str, Any]:
         "ranks": ranks, "per_rank_keys": per_rank,
         "tensors": {name: {**t.to_json(ws), "nbytes": math.prod(t.shape) * DTYPE_ITEMSIZE[t.dtype]}
                     for name, t in sorted(tensors.items())},
-        "geometry_faults": [f"tensor {name!r}: {f}" for name, t in sorted(tensors.items())
-                            for f in tiling_faults(t, ws)],
+        "geometry_faults": geometry_faults(tensors, ws),
     }
 
 

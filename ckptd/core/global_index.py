@@ -23,7 +23,7 @@ from typing import Any
 
 from .errors import FormatError
 from .names import validate_tensor_name
-from .regions import Region, coverage_faults
+from .regions import Region
 from .schema import DTYPE_ITEMSIZE, Manifest, TensorEntry
 
 SHARDED, LOCAL = "sharded", "local"
@@ -57,7 +57,8 @@ class GlobalTensor:
         return out
 
 
-def _fingerprint(entry: TensorEntry) -> tuple[Any, ...]:
+def fingerprint(entry: TensorEntry) -> tuple[Any, ...]:
+    """What makes two saved copies byte-identical, known without reading them (chunk checksums)."""
     return (entry.dtype, tuple(entry.shape), tuple((c.codec, c.raw_len, c.checksum) for c in entry.chunks))
 
 
@@ -82,7 +83,7 @@ def build_tensor_map(manifests: Sequence[Manifest]) -> tuple[dict[str, GlobalTen
         if key in out:
             raise FormatError(f"tensor {key!r} is sharded on some ranks and a plain tensor on others")
         first = held[0][0]
-        prints = {_fingerprint(e) for e, _ in held}
+        prints = {fingerprint(e) for e, _ in held}
         shapes = {(e.dtype, tuple(e.shape)) for e, _ in held}
         out[key] = GlobalTensor(key, first.dtype, tuple(first.shape), LOCAL,
                                 tuple(Piece(rank, e.name, Region.whole(e.shape)) for e, rank in held),
@@ -161,17 +162,3 @@ def parse_tensor_map(obj: Any, world_size: int) -> dict[str, GlobalTensor]:
 def _uints(v: Any, limit: int = 64) -> bool:
     return isinstance(v, list) and len(v) <= limit and all(type(x) is int and x >= 0 for x in v)
 
-
-def geometry_faults(tensors: dict[str, GlobalTensor]) -> list[str]:
-    """Every sharded tensor's distinct regions in bounds, disjoint and covering it; local copies whole."""
-    faults = []
-    for name, t in tensors.items():
-        if t.kind == SHARDED:       # one region held by several replicas counts once
-            distinct = {p.region: p for p in reversed(t.pieces)}
-            for f in coverage_faults(t.shape, [(f"rank {p.rank}", r) for r, p in distinct.items()]):
-                faults.append(f"tensor {name!r}: {f}")
-        else:
-            for p in t.pieces:
-                if p.region != Region.whole(t.shape):
-                    faults.append(f"tensor {name!r}: rank {p.rank} holds {p.region.to_json()}, not the whole tensor")
-    return faults

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .global_index import SHARDED, GlobalTensor, Piece
+from .global_index import SHARDED, GlobalTensor, Piece, fingerprint
 from .regions import Region, coverage_faults
 from .schema import Manifest, TensorEntry
 
@@ -109,13 +109,14 @@ def tiling_faults(t: GlobalTensor, world_size: int) -> list[str]:
     return faults
 
 
+def geometry_faults(tensors: dict[str, GlobalTensor], world_size: int) -> list[str]:
+    """``tiling_faults`` of every tensor of a map, each naming its tensor (commit, inspect, verify)."""
+    return [f"tensor {name!r}: {f}" for name, t in sorted(tensors.items()) for f in tiling_faults(t, world_size)]
+
+
 def _ranks(ranks: Sequence[int], limit: int = 16) -> str:
     text = ", ".join(map(str, ranks[:limit]))
     return text + (f" and {len(ranks) - limit} more" if len(ranks) > limit else "")
-
-
-def _fingerprint(e: TensorEntry) -> tuple[Any, ...]:
-    return e.dtype, tuple(e.shape), tuple((c.codec, c.raw_len, c.checksum) for c in e.chunks)
 
 
 class MapCheck:
@@ -192,8 +193,8 @@ class MapCheck:
                 what = "copy (marked same on every rank)"
             else:
                 continue
-            first = self._copies.setdefault((t.name, p.region), (m.rank, _fingerprint(e)))
-            if first[1] != _fingerprint(e):
+            first = self._copies.setdefault((t.name, p.region), (m.rank, fingerprint(e)))
+            if first[1] != fingerprint(e):
                 out.append(MapFault(t.name, m.rank, f"rank {m.rank}'s {what} differs from rank {first[0]}'s"))
         return out
 

@@ -169,12 +169,6 @@ def parse_request(msg: dict[str, Any]) -> tuple[int, Request]:
     return req, typ(**values)
 
 
-def check_request(msg: dict[str, Any]) -> dict[str, Any]:
-    """Validate a request's op, ``req`` and field types (raise ProtocolError); return it unchanged."""
-    parse_request(msg)
-    return msg
-
-
 def parse_layout(tensors: list[Any], slot_size: int) -> list[TensorLayout]:
     """A save's tensor layout, checked against its slot: names, dtypes, shapes, bounds (ValueError).
     An optional sixth element places the tensor as a piece of a sharded global tensor."""

@@ -11,8 +11,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 
 @dataclass(frozen=True)
 class Region:
@@ -100,28 +98,3 @@ def coverage_faults(shape: Sequence[int], regions: Sequence[tuple[str, Region]])
         faults.append(f"regions cover {covered} of {math.prod(shape)} elements: a piece is missing")
     return faults
 
-
-def copy_block(src: memoryview, src_region: Region, dst: memoryview, dst_region: Region, part: Region,
-               itemsize: int) -> None:
-    """Copy the elements of ``part`` from ``src`` (row-major bytes of ``src_region``) into ``dst``
-    (row-major bytes of ``dst_region``); both regions contain ``part``. One strided numpy copy."""
-    if part.numel == 0:
-        return
-    if not part.sizes:                      # 0-d: one element
-        dst[:itemsize] = src[:itemsize]
-        return
-    s_rel, d_rel = part.relative_to(src_region), part.relative_to(dst_region)
-    a = _as_array(src, src_region.sizes, itemsize)
-    b = _as_array(dst, dst_region.sizes, itemsize)
-    b[_index(d_rel, itemsize)] = a[_index(s_rel, itemsize)]
-
-
-def _as_array(buf: memoryview, sizes: Sequence[int], itemsize: int) -> np.ndarray:
-    """Bytes viewed as an array whose last axis counts bytes (so any dtype, even 16-byte ones)."""
-    return np.frombuffer(buf, dtype=np.uint8, count=math.prod(sizes) * itemsize).reshape(
-        *sizes[:-1], sizes[-1] * itemsize)
-
-
-def _index(r: Region, itemsize: int) -> tuple[slice, ...]:
-    lead = tuple(slice(o, o + n) for o, n in zip(r.offsets[:-1], r.sizes[:-1], strict=True))
-    return (*lead, slice(r.offsets[-1] * itemsize, (r.offsets[-1] + r.sizes[-1]) * itemsize))

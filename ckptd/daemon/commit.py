@@ -26,7 +26,8 @@ from typing import Any
 
 from ckptd.core import storage
 from ckptd.core.errors import FormatError
-from ckptd.core.global_index import build_tensor_map, geometry_faults
+from ckptd.core.global_index import build_tensor_map
+from ckptd.core.map_check import geometry_faults
 from ckptd.core.names import INDEX_NAME, rank_manifest_name
 from ckptd.core.schema import MAX_MANIFEST_BYTES, digest_bytes, encode_json, make_index, parse_manifest
 
@@ -123,7 +124,7 @@ def write_index(step_path: str, job: str, step: int, world_size: int, digests: d
         tensors, per_rank = build_tensor_map(manifests)
     except FormatError as e:        # ranks that disagree about one tensor: not a loadable step
         raise CommitError(f"cannot commit step {step}: {e}") from None
-    faults = geometry_faults(tensors)
+    faults = geometry_faults(tensors, world_size)
     if faults:    # pieces that overlap or leave a gap: committing would make a broken step the latest
         more = f" (and {len(faults) - 1} more)" if len(faults) > 1 else ""
         raise CommitError(f"cannot commit step {step}: the ranks' pieces do not tile their tensors: {faults[0]}{more}")
