@@ -65,8 +65,10 @@ def make_dirs(path: str) -> None:
         fsync_dir(os.path.dirname(d))
 
 
-def atomic_write(path: str, data: bytes) -> None:
-    """Write ``path`` so a crash leaves either the old file or the whole new one, durably."""
+def atomic_write(path: str, data: bytes, publish: Callable[[Callable[[], None]], None] | None = None) -> None:
+    """Write ``path`` so a crash leaves either the old file or the whole new one, durably.
+    ``publish``, if given, runs the rename (it may refuse by raising, e.g. a withdrawn commit);
+    the temp file is removed on any failure."""
     tmp = f"{path}.tmp.{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
     try:
@@ -78,7 +80,10 @@ def atomic_write(path: str, data: bytes) -> None:
         raise
     os.close(fd)
     try:
-        os.rename(tmp, path)
+        if publish is None:
+            os.rename(tmp, path)
+        else:
+            publish(lambda: os.rename(tmp, path))
     except BaseException:
         _unlink_quietly(tmp)
         raise

@@ -17,7 +17,6 @@ is in place, or it never will be, whatever the commit's thread does afterwards.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -30,6 +29,7 @@ from ckptd.core.global_index import build_tensor_map
 from ckptd.core.map_check import geometry_faults
 from ckptd.core.names import INDEX_NAME, rank_manifest_name
 from ckptd.core.schema import MAX_MANIFEST_BYTES, digest_bytes, encode_json, make_index, parse_manifest
+from ckptd.daemon.retention import remove_files, stray_temps
 
 
 class CommitError(Exception):
@@ -71,29 +71,6 @@ class PublishGate:
             raise CommitWithdrawn("the commit was withdrawn (the daemon is shutting down) before it started")
 
 
-def publish_file(path: str, data: bytes, gate: PublishGate) -> None:
-    """storage.atomic_write with the rename under ``gate``: tmp, fsync, rename (unless withdrawn),
-    fsync the directory. A withdrawn or failed publish removes its temp file."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    fd = storage.open_for_write(tmp)
-    try:
-        storage.write_all(fd, [data])
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    os.close(fd)
-    try:
-        gate.publish(lambda: os.rename(tmp, path))
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    storage.fsync_dir(os.path.dirname(path) or ".")
-
-
 def write_index(step_path: str, job: str, step: int, world_size: int, digests: dict[int, str],
                 gate: PublishGate | None = None) -> dict[str, Any]:
     """Verify every rank's manifest against its digest, merge them into the global tensor map, then
@@ -130,14 +107,9 @@ def write_index(step_path: str, job: str, step: int, world_size: int, digests: d
         raise CommitError(f"cannot commit step {step}: the ranks' pieces do not tile their tensors: {faults[0]}{more}")
     # A writer killed mid-rename (an earlier attempt of this step) leaves manifest temp files:
     # they must not survive inside a committed step.
-    for name in os.listdir(step_path):
-        if name.startswith("rank-") and ".json.tmp." in name:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(step_path, name))
+    remove_files(stray_temps(step_path))
     index = make_index(job, step, world_size, ranks, time.time(),
                        {name: t.to_json(world_size) for name, t in tensors.items()}, per_rank)
-    if gate is None:
-        storage.atomic_write(os.path.join(step_path, INDEX_NAME), encode_json(index))
-    else:
-        publish_file(os.path.join(step_path, INDEX_NAME), encode_json(index), gate)
+    storage.atomic_write(os.path.join(step_path, INDEX_NAME), encode_json(index),
+                         None if gate is None else gate.publish)
     return index
