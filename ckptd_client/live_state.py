@@ -15,12 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptd.core.tree import join_path
+
 from .errors import CheckpointError
 from .state import is_stateful
-
-
-def join(path: str, key: Any) -> str:
-    return f"{path}/{key}" if path else str(key)
 
 
 def live_tensors(values: Mapping[Any, Any]) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -37,19 +35,19 @@ def live_tensors(values: Mapping[Any, Any]) -> tuple[dict[str, torch.Tensor], li
             return
         elif isinstance(obj, dict):
             if "state" in obj and "param_groups" in obj:
-                lazy.append(join(path, "state") + "/")
+                lazy.append(join_path(path, "state") + "/")
             for k, v in obj.items():
-                walk(v, join(path, k))
+                walk(v, join_path(path, k))
         elif isinstance(obj, (list, tuple)):
             for i, v in enumerate(obj):
-                walk(v, join(path, i))
+                walk(v, join_path(path, i))
         elif is_stateful(obj):
             walk(obj.state_dict(), path)
         elif isinstance(obj, np.ndarray):
             found[path] = torch.from_numpy(np.ascontiguousarray(obj))
 
     for k, v in values.items():
-        walk(v, join("", k))
+        walk(v, join_path("", k))
     return found, lazy
 
 
@@ -63,10 +61,10 @@ def tensor_leaves(node: Any, path: str, out: list[tuple[str, str]]) -> None:
     elif tag == "d" and isinstance(value, list):
         for item in value:
             if isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int)):
-                tensor_leaves(item[1], join(path, item[0]), out)
+                tensor_leaves(item[1], join_path(path, item[0]), out)
     elif tag in ("l", "t") and isinstance(value, list):
         for i, v in enumerate(value):
-            tensor_leaves(v, join(path, i), out)
+            tensor_leaves(v, join_path(path, i), out)
 
 
 def tree_items(node: Any) -> list[list[Any]] | None:

@@ -40,12 +40,12 @@ from ckptd.core.errors import ChecksumError, FormatError
 from ckptd.core.global_index import LOCAL, GlobalTensor
 from ckptd.core.reader import StepReader
 from ckptd.core.regions import Region
-from ckptd.core.tree import decode_tree
+from ckptd.core.tree import decode_tree, join_path
 
 from . import store_keys
 from .dtensor import is_dtensor, local_region, local_tensor, sharded_model_of
 from .errors import CheckpointError
-from .live_state import fqn_keyed, join, live_tensors, rekey_by_position, tensor_leaves, tree_items
+from .live_state import fqn_keyed, live_tensors, rekey_by_position, tensor_leaves, tree_items
 from .reshard import DTYPES, Need, ReadAt, ReadStats, StepFiles, decodable_into, read_needs, tensor_bytes
 from .state import RNGState, apply_state
 
@@ -305,7 +305,7 @@ class _Restore:
         saved_paths: set[str] = set()
         for k, (src, sub) in subtrees.items():
             leaves: list[tuple[str, str]] = []
-            tensor_leaves(sub, join("", k), leaves)
+            tensor_leaves(sub, join_path("", k), leaves)
             for path, name in leaves:
                 saved_paths.add(path)
                 need, target = self.need(path, name, src, live.get(path), copy_back)

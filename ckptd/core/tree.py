@@ -29,11 +29,11 @@ def encode_tree(obj: Any, on_tensor: Callable[[str, Any], str], on_other: Callab
             if not isinstance(k, (str, int)) or isinstance(k, bool):
                 raise TypeError(f"cannot store dict key {k!r} of type {type(k).__name__} at "
                                 f"{path or '<root>'}: keys must be str or int")
-            items.append([k, encode_tree(v, on_tensor, on_other, is_tensor, _join(path, k))])
+            items.append([k, encode_tree(v, on_tensor, on_other, is_tensor, join_path(path, k))])
         return {"d": items}
     if isinstance(obj, (list, tuple)):
         tag = "t" if isinstance(obj, tuple) else "l"
-        return {tag: [encode_tree(v, on_tensor, on_other, is_tensor, _join(path, i)) for i, v in enumerate(obj)]}
+        return {tag: [encode_tree(v, on_tensor, on_other, is_tensor, join_path(path, i)) for i, v in enumerate(obj)]}
     return encode_tree(on_other(path, obj), on_tensor, on_other, is_tensor, path)
 
 
@@ -57,6 +57,7 @@ def decode_tree(node: Any, tensor: Callable[[str], Any]) -> Any:
     raise FormatError(f"malformed state tree node: {str(node)[:80]}")
 
 
-def _join(path: str, key: Any) -> str:
+def join_path(path: str, key: Any) -> str:
+    """A child's key path: how tensors are named on save (and found again on restore)."""
     return f"{path}/{key}" if path else str(key)
 
