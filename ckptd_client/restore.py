@@ -80,7 +80,7 @@ def agree_step(store: Any, job: str, n: int, rank: int, step: int | None) -> int
     return None if value < 0 else value
 
 
-def load_shard(step_path: str, rank: int, world_size: int, threads: int,
+def load_shard(reader: StepReader, rank: int, world_size: int, threads: int,
                targets: dict[str, torch.Tensor] | None = None) -> Any:
     """(Format-1 steps) Decode this rank's tensors (in parallel) and rebuild its state tree;
     checksums are verified.
@@ -88,8 +88,8 @@ def load_shard(step_path: str, rank: int, world_size: int, threads: int,
     ``targets``: tensors of the live state by name; a CPU, contiguous one of the saved dtype and
     shape is decoded into directly (already-touched memory, no second copy) — fresh memory
     would cost a page fault per 4 KiB, which dominates decoding on large states."""
+    step_path = reader.path
     try:
-        reader = StepReader(step_path)
         if reader.world_size != world_size:
             raise CheckpointError(f"{step_path} was saved by {reader.world_size} ranks; this job has {world_size}: "
                                   "a format-1 step has no tensor map and cannot be resharded")
@@ -185,7 +185,7 @@ def restore_state(step_path: str, state: dict[str, Any], *, rank: int, world_siz
 def _restore_v1(files: StepFiles, state: dict[str, Any], rank: int, world_size: int, threads: int) -> None:
     """A format-1 step: this rank's own shard at the same world size, exactly as before format 2."""
     targets, _ = live_tensors({k: v for k, v in state.items()})
-    loaded = load_shard(files.path, rank, world_size, threads, targets)
+    loaded = load_shard(files.reader, rank, world_size, threads, targets)
     if not isinstance(loaded, dict):
         raise CheckpointError(f"{files.path}: rank {rank}'s state tree is not a dict")
     _apply(state, loaded, None)
