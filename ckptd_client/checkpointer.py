@@ -15,6 +15,7 @@ from ckptd.core.names import INDEX_NAME, job_dir, step_dir, step_dir_name
 from ckptd.core.protocol import CommitMode, EventOp
 from ckptd.core.reader import latest_committed
 
+from . import bucket_restore
 from .connection import DaemonConnection
 from .errors import CheckpointError, NotDelivered
 from .handle import CloseReport, SaveHandle, wait_all
@@ -322,18 +323,28 @@ class Checkpointer:
         loaded: restore again, e.g. from an older ``step``. Nothing is unpickled.
         ``ckptd_client.load_tensor`` reads one tensor (or a slice) without a state."""
         self.fence()
+        staged = bucket_restore.stage(self.socket_path, self.job, step, self.rank, self.world_size)
         if step is None:
-            step = self.latest_step()
+            step = staged.step if staged.bucket else self.latest_step()
             if self.world_size > 1 and self.store is not None:
                 self._restores += 1
                 step = agree_step(self.store, self.job, self._restores, self.rank, step)
             if step is None:
                 return None
+        if staged.bucket and staged.step != step:     # ranks agreed on another step than the newest here
+            bucket_restore.stage(self.socket_path, self.job, step, self.rank, self.world_size)
         path = step_dir(self._root(), self.job, step)
         if not os.path.isdir(path):
             raise CheckpointError(f"step {step} of job {self.job!r} does not exist under {self._root()}")
-        restore_state(path, state, rank=self.rank, world_size=self.world_size, threads=self.restore_threads,
-                      per_rank=per_rank)
+        try:
+            restore_state(path, state, rank=self.rank, world_size=self.world_size, threads=self.restore_threads,
+                          per_rank=per_rank)
+        except CheckpointError:       # staged for this rank only, but it reads other ranks' data: stage all
+            if not (staged.bucket and bucket_restore.lacks_data(path)):
+                raise
+            bucket_restore.stage(self.socket_path, self.job, step, self.rank, self.world_size, all_ranks=True)
+            restore_state(path, state, rank=self.rank, world_size=self.world_size, threads=self.restore_threads,
+                          per_rank=per_rank)
         return step
 
     # ---- lifetime ----------------------------------------------------------

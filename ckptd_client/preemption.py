@@ -43,7 +43,7 @@ from collections.abc import Iterable
 from types import FrameType
 from typing import Any
 
-from . import store_keys
+from . import bucket_restore, store_keys
 from .checkpointer import Checkpointer
 from .errors import CheckpointError
 from .modes import WhenBusy
@@ -57,11 +57,13 @@ class PreemptionHandler:
     ``checkpointer``: the job's ``Checkpointer``. ``signals``: signals that mean "preempted"
     (default SIGTERM). ``timeout``: seconds to wait for the commit (None: no limit; the
     scheduler's SIGKILL is the real limit). ``sync_every``/``margin``: multi-rank agreement,
-    see the module docstring.
+    see the module docstring. ``bucket_timeout``: with a daemon that has a bucket, rank 0 then
+    waits this long for the step to be committed in the bucket and logs whether it was.
     """
 
     def __init__(self, checkpointer: Checkpointer, signals: Iterable[int] = (signal.SIGTERM,), *,
-                 timeout: float | None = None, sync_every: int = 1, margin: int = 2) -> None:
+                 timeout: float | None = None, sync_every: int = 1, margin: int = 2,
+                 bucket_timeout: float = 30.0) -> None:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("PreemptionHandler must be created in the main thread (signal handlers live there)")
         if sync_every < 1 or margin < 1:
@@ -76,6 +78,8 @@ class PreemptionHandler:
         self.signal_received: int | None = None      # the signal number, once one arrived
         self.saved_step: int | None = None           # the step committed on preemption
         self.error: str | None = None                # why that checkpoint failed, if it did
+        self.bucket_timeout = bucket_timeout         # rank 0: seconds to get the step into the bucket (0: don't)
+        self.in_bucket: bool | None = None           # rank 0 with a bucket: whether that step reached it
         self.stop_step: int | None = None            # multi-rank: the agreed step
         self._handling = False
         self._done = False
@@ -154,6 +158,7 @@ class PreemptionHandler:
                 handle.wait(self.timeout)
             self.saved_step = step
             log.warning("ckptd: preemption checkpoint of step %d committed in %.2fs", step, time.monotonic() - t0)
+            self._flush(step)
         except (CheckpointError, OSError) as e:
             self.error = str(e)
             log.error("ckptd: preemption checkpoint of step %d failed: %s", step, e)
@@ -164,6 +169,19 @@ class PreemptionHandler:
                 log.warning("ckptd: an earlier save did not commit before preemption: %s", e)
             self._handling = False
             self._done = True
+
+    def _flush(self, step: int) -> None:
+        """Rank 0: have the daemon upload the step to its bucket now (nodes and disks may not come back)."""
+        if self.ckpt.rank != 0 or self.bucket_timeout <= 0:
+            return
+        ok, detail = bucket_restore.flush(self.ckpt.socket_path, self.ckpt.job, step, self.bucket_timeout)
+        if bucket_restore.NO_BUCKET in detail:
+            return
+        self.in_bucket = ok
+        if ok:
+            log.warning("ckptd: preemption checkpoint of step %d is committed in the bucket", step)
+        else:
+            log.error("ckptd: preemption checkpoint of step %d did not reach the bucket: %s", step, detail)
 
     # ---- lifetime -------------------------------------------------------------
 

@@ -225,6 +225,9 @@ SERVE_FLAGS = {"--root": "root", "--socket": "socket", "--socket-mode": "socket_
                "--keep-last": "retention.keep_last", "--keep-every": "retention.keep_every",
                "--abandoned-after": "retention.abandoned_after", "--metrics-address": "metrics.address",
                "--debug-write-delay": "debug.write_delay"}
+SERVE_FLAGS.update({f"--s3-{k.replace('_', '-')}": f"s3.{k}" for k in (
+    "url", "endpoint", "region", "concurrency", "part_size", "keep_last", "queue_depth", "retry_max_interval")})
+SERVE_FLAGS["--debug-upload-delay"] = "debug.upload_delay"
 
 
 def test_flags_come_from_the_definition():

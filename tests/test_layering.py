@@ -32,9 +32,13 @@ RANKS = {
     "ckptd.daemon.slot_pool": 4,
     "ckptd.daemon.steps": 5,       # step coordination and client sessions
     "ckptd.daemon.session": 5,
+    "ckptd.daemon.uploader": 4,    # object-storage tier: uploads, staging, its facade for the server
+    "ckptd.daemon.stage": 4,
+    "ckptd.daemon.s3_tier": 4,
     "ckptd.daemon.server": 6,      # lifecycle and op table: wires everything together
     "ckptd.cli": 7,
     "ckptd.launch": 7,
+    "ckptd.s3_local": 7,           # a local SeaweedFS for tests, benchmarks and `make demo-s3`
     "ckptd.__main__": 8,
 }
 CLIENT_MAY_IMPORT = ("ckptd", "ckptd.core")   # besides ckptd_client itself
@@ -149,6 +153,9 @@ def test_the_daemon_imports_only_its_declared_dependencies() -> None:
     runtime = declared("")
     used = third_party("ckptd")
     assert "torch" not in used, "the daemon must not import torch (torch comes with the client extra)"
+    s3 = declared("s3")          # the object-storage tier's client (an extra: only s3-enabled daemons need it)
+    assert s3 <= used, f"s3 extra declares {sorted(s3 - used)} that ckptd does not import"
+    used -= s3
     undeclared = used - runtime
     assert not undeclared, f"ckptd imports {sorted(undeclared)} without declaring them in dependencies"
     unused = runtime - used

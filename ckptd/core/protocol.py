@@ -22,7 +22,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, fields
 from enum import Enum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, get_args
 
 from .errors import FormatError, ProtocolError
 from .names import _short, validate_tensor_name
@@ -44,6 +44,8 @@ class Op(str, Enum):
     REPORT = "report"
     INFO = "info"
     STATUS = "status"
+    STAGE = "stage"            # object-storage tier: fetch a step from the bucket into the local root
+    FLUSH = "flush"            # object-storage tier: get a committed step into the bucket now
 
 
 class EventOp(str, Enum):
@@ -62,7 +64,6 @@ class CommitMode(str, Enum):
 
 COMMIT_MODES = tuple(m.value for m in CommitMode)
 _JSON = (dict, list, str, int, float, bool, type(None))
-_NUMBER = (int, float)
 
 
 # ---- typed requests ------------------------------------------------------------------
@@ -130,10 +131,26 @@ class Status:
     op: ClassVar[Op] = Op.STATUS
 
 
-Request = Hello | Resize | Save | Commit | Abort | Report | Info | Status
-REQUEST_TYPES: dict[str, type] = {t.op.value: t for t in (Hello, Resize, Save, Commit, Abort, Report, Info, Status)}
+@dataclass(frozen=True)
+class Stage:            # no hello needed; reply: step (None: no committed step anywhere), source, fetched_bytes
+    job: str
+    step: Any           # int, or None: the newest committed step, local or in the bucket
+    reader: Any = None  # [rank, world_size] restoring: own data file if the saved world matches; None: all
+    op: ClassVar[Op] = Op.STAGE
+
+
+@dataclass(frozen=True)
+class Flush:            # wait up to timeout s for step (None: newest local) to be in the bucket; reply: uploaded
+    job: str
+    step: Any
+    timeout: float
+    op: ClassVar[Op] = Op.FLUSH
+
+
+Request = Hello | Resize | Save | Commit | Abort | Report | Info | Status | Stage | Flush
+REQUEST_TYPES: dict[str, type] = {t.op.value: t for t in get_args(Request)}
 # Field → JSON type of each request's required fields (also what the fuzz tests draw from).
-_WIRE_TYPES: dict[str, Any] = {"str": str, "int": int, "float": _NUMBER, "Any": _JSON,
+_WIRE_TYPES: dict[str, Any] = {"str": str, "int": int, "float": (int, float), "Any": _JSON,
                                "list[Any]": list, "dict[str, Any]": dict}
 REQUEST_FIELDS: dict[str, dict[str, Any]] = {
     op: {f.name: _WIRE_TYPES[str(f.type)] for f in fields(t) if f.default is MISSING}

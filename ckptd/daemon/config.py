@@ -33,6 +33,7 @@ else:  # pragma: no cover - Python 3.10
 from ckptd.core.codec import CODECS
 from ckptd.core.protocol import DEFAULT_SOCKET
 from ckptd.daemon.retention import RetentionPolicy
+from ckptd.daemon.s3_settings import S3Settings
 from ckptd.daemon.spec import (
     ENV_PREFIX,
     Flag,
@@ -171,6 +172,7 @@ class Settings:
         "info", choices=LOG_LEVELS, doc="Log level: `debug`, `info`, `warning`, `error`.")
     retention: RetentionSettings = table(RetentionSettings)
     metrics: MetricsSettings = table(MetricsSettings)
+    s3: S3Settings = table(S3Settings)
 
     def to_daemon_config(self, debug: DebugSettings | None = None) -> DaemonConfig:
         """What the daemon reads: these values in the shapes its parts take."""
@@ -183,7 +185,8 @@ class Settings:
             write=WriteSettings(codec=self.codec, level=self.level, chunk_bytes=self.chunk_size,
                                 debug_write_delay=debug.write_delay),
             allowed_uids=frozenset(self.allowed_users) or None, allowed_gids=frozenset(self.allowed_groups) or None,
-            drain_grace=self.drain_grace, retention=self.retention.policy(), metrics_address=self.metrics.address)
+            drain_grace=self.drain_grace, retention=self.retention.policy(), metrics_address=self.metrics.address,
+            s3=self.s3, debug_upload_delay=debug.upload_delay)
 
 
 @dataclass(frozen=True)
@@ -193,6 +196,8 @@ class DebugSettings:
         0.0, parse=parse_duration, flags=(Flag("--debug-write-delay", metavar="SECONDS"),),
         doc="TEST ONLY: sleep this many seconds before writing each chunk, so a test can kill the daemon "
             "while a step is being written.")
+    upload_delay: float = setting(0.0, parse=parse_duration, flags=(Flag("--debug-upload-delay", metavar="SECONDS"),),
+                                  doc="TEST ONLY: sleep this many seconds before uploading each file to the bucket.")
 
 
 KEYS: dict[str, Key] = {k.name: k for k in walk(Settings)}
@@ -222,6 +227,8 @@ class DaemonConfig:
     socket_group: int | None = None              # chgrp of a socket the daemon binds itself
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
     metrics_address: tuple[str, int] | None = None  # (host, port) of /metrics; None: off
+    s3: S3Settings = field(default_factory=S3Settings)  # s3.url None: no object-storage tier
+    debug_upload_delay: float = 0.0
 
 
 # ---- loading ------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.fs_tier import FsTier, Retention
 from ckptd.daemon.metrics import DaemonMetrics
 from ckptd.daemon.runtime import RequestError, TaskSet, bounded, describe_error
+from ckptd.daemon.s3_tier import ObjectTier, bucket_ops
 from ckptd.daemon.session import Session, peer_allowed, peer_of, refuse
 from ckptd.daemon.slot_pool import SlotPool
 from ckptd.daemon.snapshot import DaemonSnapshot
@@ -75,8 +76,9 @@ class Daemon:
         self.steps: StepCoordinator[Session] = StepCoordinator(
             self.tier, Session.event, step_timeout=config.step_timeout,
             on_durable=self._durable, on_committed=self._committed, withdraw_commits=self.tier.withdraw_commits)
-        self.retention = Retention(self.tier, config.retention, self.tasks, self.steps.open_steps,
-                                   self.metrics.gc_done)
+        self.s3 = ObjectTier.create(config, self.root, self.tasks, self.metrics.registry)   # None: no bucket
+        self.retention = Retention(self.tier, config.retention, self.tasks, lambda job: self.steps.open_steps(job)
+                                   + (self.s3.pending(job) if self.s3 else []), self.metrics.gc_done)
         self.notifier = systemd.Notifier()
         self.requests = Requests(self)
         self._stopped: asyncio.Event | None = None
@@ -103,6 +105,8 @@ class Daemon:
     def _committed(self, job: str, step: int, latency_s: float) -> None:
         self.metrics.step_committed(latency_s)
         self.retention.schedule(job)
+        if self.s3:
+            self.s3.committed(job, step)
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -164,6 +168,8 @@ class Daemon:
         accept = self.tasks.spawn(self._accept_loop(sock), "accept loop")
         sweeper = self.tasks.spawn(self._sweep_loop(), "step timeout sweep")
         notifier = self.tasks.spawn(self._notify_loop(), "systemd notify loop")
+        if self.s3:
+            self.s3.start()
         self.notifier.ready(self.snapshot().status_line())
         try:
             await self._stopped.wait()
@@ -171,7 +177,10 @@ class Daemon:
             sweeper.cancel()
             self.notifier.stopping(f"draining {len(self.steps.writes)} saves in flight",
                                    extend_s=self.config.drain_grace + 30)
+            t_drain = loop.time()
             await self.drain()
+            if self.s3:          # the newest committed step gets what is left of the grace to reach the bucket
+                await self.s3.finish(self.config.drain_grace - (loop.time() - t_drain))
             await self.events.wait(5)       # committed/failed events of the drain reach their clients
             notifier.cancel()
             for s in list(self.sessions):
@@ -268,7 +277,7 @@ class Requests:
         self.d = daemon
         self.table: dict[type, Callable[[Session, Any], Awaitable[Reply]]] = {
             Hello: self.hello, Resize: self.resize, Save: self.save, Commit: self.commit, Abort: self.abort,
-            Report: self.report, Info: self.info, Status: self.status,
+            Report: self.report, Info: self.info, Status: self.status, **bucket_ops(daemon.s3),
         }
 
     async def dispatch(self, session: Session, msg: dict[str, Any]) -> None:
@@ -309,7 +318,7 @@ class Requests:
         progress = {(w.job, w.step, w.rank): await tier.written_bytes(ShardRef(w.job, w.step, w.rank, w.world_size))
                     for w in snap.shard_writes}
         latest = {job: await tier.latest_committed(job) for job in snap.jobs()}
-        return snap.status(progress, latest), []
+        return {**snap.status(progress, latest), **({"uploads": self.d.s3.status()} if self.d.s3 else {})}, []
 
     async def hello(self, session: Session, h: Hello) -> Reply:
         if session.job is not None:

@@ -1,0 +1,289 @@
+"""The second level of the two-level commit: committed local steps go to the bucket in the background.
+
+A step commits locally exactly as without a bucket; then ``committed`` queues it here. One
+upload per job runs at a time: the step's manifests and data files (multipart, parallel), then
+its ``index.json`` LAST, so a step is committed in the bucket only once every file it names is
+there; an upload killed halfway leaves a prefix without an index, which readers ignore and the
+next upload's bucket retention removes. Nothing here blocks a save or a local commit.
+
+Queue policy (uploads falling behind): per job at most ``queue_depth`` steps wait behind the one
+uploading; a commit that finds the queue full drops the oldest waiting step (counted as
+skipped in status and metrics), so the newest committed step is always uploaded. A failed
+upload is retried with exponential backoff and jitter until it succeeds or a newer step
+waits (then it is skipped). At start, the newest committed local step of each job newer than
+the bucket's newest is queued again (an upload a killed daemon left unfinished is redone).
+
+Call order: ``start`` once (on the event loop), ``committed`` after each local commit,
+``flush`` when a step must reach the bucket now (preemption), ``finish`` at shutdown.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from ckptd.core.names import INDEX_NAME, job_dir, step_dir, validate_job
+from ckptd.core.reader import latest_committed
+from ckptd.daemon.runtime import TaskSet, describe_error
+from ckptd.daemon.s3_store import Bucket, BucketError
+
+log = logging.getLogger("ckptd")
+T = TypeVar("T")
+
+
+async def in_thread(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on a daemon thread: an upload stuck in the network never holds up the exit."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    def run() -> None:
+        try:
+            result = fn()
+        except BaseException as e:    # handed to the awaiting task
+            loop.call_soon_threadsafe(settle, None, e)
+            return
+        loop.call_soon_threadsafe(settle, result, None)
+    threading.Thread(target=run, name="ckptd-upload", daemon=True).start()
+    return await fut
+
+
+@dataclass
+class JobUploads:
+    """One job's uploads (what status and metrics show)."""
+    uploading: int | None = None
+    queued: deque[int] = field(default_factory=deque)
+    in_bucket: int | None = None          # newest step this daemon uploaded or found committed there
+    uploaded: int = 0
+    skipped: int = 0
+    failures: int = 0
+    bytes: int = 0
+    last_error: str | None = None
+    last_seconds: float | None = None     # local commit → bucket commit of the last upload
+
+    def view(self) -> dict[str, Any]:
+        return {"uploading": self.uploading, "queued": list(self.queued), "in_bucket": self.in_bucket,
+                "uploaded": self.uploaded, "skipped": self.skipped, "failures": self.failures, "bytes": self.bytes,
+                "last_error": self.last_error, "last_seconds": self.last_seconds}
+
+
+class Uploader:
+    def __init__(self, bucket: Bucket, root: str, tasks: TaskSet, *, debug_delay: float = 0.0) -> None:
+        self.bucket, self.root, self.tasks = bucket, root, tasks
+        self.settings = bucket.settings
+        self.debug_delay = debug_delay            # TEST ONLY: seconds slept before each file
+        self.jobs: dict[str, JobUploads] = {}
+        self.problem: str | None = None           # the start check's error, if any
+        self._workers: dict[str, asyncio.Task[None]] = {}
+        self._committed_at: dict[tuple[str, int], float] = {}
+        self._changed = asyncio.Event()
+        self._stopped = False
+
+    # ---- entry points ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.tasks.spawn(self._resume(), "upload resume scan")
+
+    def committed(self, job: str, step: int) -> None:
+        if self._stopped:
+            return
+        self._committed_at[(job, step)] = time.monotonic()
+        j = self.jobs.setdefault(job, JobUploads())
+        if step == j.uploading or step in j.queued or (j.in_bucket is not None and step <= j.in_bucket):
+            return
+        j.queued.append(step)
+        while len(j.queued) > self.settings.queue_depth:
+            dropped = j.queued.popleft()
+            j.skipped += 1
+            log.warning("upload skipped: uploads are behind, a newer step is queued",
+                        extra={"ctx": {"job": job, "step": dropped, "newer": step}})
+        if job not in self._workers:
+            self._workers[job] = self.tasks.spawn(self._work(job), f"uploads of {job}")
+
+    def pending(self, job: str) -> list[int]:
+        """Steps local retention must spare: uploading or queued."""
+        j = self.jobs.get(job)
+        if j is None:
+            return []
+        return ([j.uploading] if j.uploading is not None else []) + list(j.queued)
+
+    async def flush(self, job: str, step: int | None, timeout: float) -> tuple[bool, str]:
+        """Wait up to ``timeout`` s for ``step`` (default: the job's newest committed local step) to be
+        committed in the bucket, queueing it first if needed; (made it, what happened)."""
+        if step is None:
+            info = latest_committed(job_dir(self.root, job))
+            if info is None:
+                return False, f"job {job!r} has no committed local step"
+            step = info.step
+        j = self.jobs.setdefault(job, JobUploads())
+        if j.in_bucket is None or j.in_bucket < step:
+            self.committed(job, step)
+        deadline = time.monotonic() + timeout
+        while not (j.in_bucket is not None and j.in_bucket >= step):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False, f"step {step} not in the bucket after {timeout:g}s" + (
+                    f" (last error: {j.last_error})" if j.last_error else "")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
+            except asyncio.TimeoutError:
+                pass
+        return True, f"step {step} is committed in the bucket"
+
+    async def finish(self, timeout: float) -> None:
+        """Shutdown: uploads running get ``timeout`` s to complete; logs, per job, whether the
+        newest committed step made it to the bucket."""
+        self._stopped = True
+        jobs = [(job, j.uploading or (j.queued[-1] if j.queued else None)) for job, j in self.jobs.items()]
+        for job, step in jobs:
+            if step is None:
+                continue
+            ok, what = await self.flush(job, step, max(0.0, timeout))
+            (log.info if ok else log.error)("upload at shutdown " + ("done" if ok else "did not finish"),
+                                            extra={"ctx": {"job": job, "step": step, "detail": what}})
+
+    def status(self) -> dict[str, Any]:
+        return {"url": self.bucket.url, "problem": self.problem,
+                "jobs": {job: j.view() for job, j in sorted(self.jobs.items())}}
+
+    # ---- work -----------------------------------------------------------------------------
+
+    async def _resume(self) -> None:
+        try:
+            await in_thread(self.bucket.check)
+            self.problem = None
+        except BucketError as e:
+            self.problem = str(e)
+            log.error("bucket unusable; local saves go on, uploads retry", extra={"ctx": {"error": str(e)}})
+        try:
+            names = sorted(os.listdir(self.root))
+        except OSError:
+            return
+        for job in names:
+            try:
+                validate_job(job)
+                info = latest_committed(job_dir(self.root, job))
+            except (ValueError, OSError):
+                continue
+            if info is None:
+                continue
+            newest = await self._bucket_latest(job)
+            j = self.jobs.setdefault(job, JobUploads())
+            j.in_bucket = newest if j.in_bucket is None else max(j.in_bucket, newest or -1)
+            if newest is None or info.step > newest:
+                log.info("upload resumed after restart", extra={"ctx": {"job": job, "step": info.step,
+                                                                        "bucket_newest": newest}})
+                self.committed(job, info.step)
+
+    async def _bucket_latest(self, job: str) -> int | None:
+        delay = 1.0
+        while True:
+            try:
+                return await in_thread(lambda: self.bucket.latest(job))
+            except BucketError as e:
+                self.problem = str(e)
+                await asyncio.sleep(self._backoff(delay))
+                delay *= 2
+
+    def _backoff(self, delay: float) -> float:
+        return min(delay, self.settings.retry_max_interval) * random.uniform(0.5, 1.0)
+
+    async def _work(self, job: str) -> None:
+        j = self.jobs[job]
+        try:
+            while j.queued:
+                step = j.queued.popleft()
+                j.uploading = step
+                try:
+                    await self._upload(job, step, j)
+                finally:
+                    j.uploading = None
+                    self._changed.set()
+        finally:
+            self._workers.pop(job, None)
+
+    async def _upload(self, job: str, step: int, j: JobUploads) -> None:
+        delay = 1.0
+        while True:
+            t0 = time.monotonic()
+            try:
+                nbytes = await in_thread(lambda: self._upload_step(job, step))
+            except (BucketError, OSError) as e:
+                j.failures += 1
+                j.last_error = describe_error(e) if isinstance(e, OSError) else str(e)
+                if not os.path.exists(os.path.join(step_dir(self.root, job, step), INDEX_NAME)):
+                    j.skipped += 1
+                    log.warning("upload skipped: the local step is gone", extra={"ctx": {"job": job, "step": step}})
+                    return
+                if j.queued:
+                    j.skipped += 1
+                    log.warning("upload failed; a newer step is queued, skipping this one",
+                                extra={"ctx": {"job": job, "step": step, "error": j.last_error}})
+                    return
+                wait = self._backoff(delay)
+                log.warning("upload failed; retrying", extra={"ctx": {"job": job, "step": step,
+                                                                     "error": j.last_error, "retry_in_s": wait}})
+                await asyncio.sleep(wait)
+                delay *= 2
+                continue
+            since = self._committed_at.pop((job, step), t0)
+            j.in_bucket = max(step, j.in_bucket if j.in_bucket is not None else -1)
+            j.uploaded += 1
+            j.bytes += nbytes
+            j.last_error = None
+            j.last_seconds = time.monotonic() - since
+            self.problem = None
+            log.info("uploaded", extra={"ctx": {"job": job, "step": step, "bytes": nbytes,
+                                                "upload_s": round(time.monotonic() - t0, 3),
+                                                "since_commit_s": round(j.last_seconds, 3)}})
+            self._changed.set()
+            try:
+                await in_thread(lambda: self._bucket_retention(job, step))
+            except BucketError as e:
+                log.warning("bucket retention failed", extra={"ctx": {"job": job, "error": str(e)}})
+            return
+
+    def _upload_step(self, job: str, step: int) -> int:
+        """Every file of the committed local step, index.json last; bytes uploaded."""
+        path = step_dir(self.root, job, step)
+        index = os.path.join(path, INDEX_NAME)
+        with open(index, "rb") as f:      # read first: a step without an index is not committed
+            index_bytes = f.read()
+        files = sorted((n for n in os.listdir(path) if n.startswith("rank-") and ".tmp" not in n),
+                       key=lambda n: (n.endswith(".data"), n))
+        total = 0
+        for name in files:
+            if self.debug_delay:
+                time.sleep(self.debug_delay)
+            total += self.bucket.upload_file(os.path.join(path, name), self.bucket.step_key(job, step, name))
+        if self.debug_delay:
+            time.sleep(self.debug_delay)
+        self.bucket.put_bytes(self.bucket.step_key(job, step, INDEX_NAME), index_bytes)
+        return total + len(index_bytes)
+
+    def _bucket_retention(self, job: str, newest: int) -> None:
+        """Keep the newest ``keep_last`` committed steps; drop prefixes older than ``newest``
+        that never got an index (uploads killed or skipped halfway)."""
+        committed, partial = self.bucket.steps(job)
+        keep = self.settings.keep_last
+        doomed = committed[:-keep] if keep and len(committed) > keep else []
+        doomed += [s for s in partial if s < newest]
+        for step in doomed:
+            self.bucket.delete_step(job, step)
+            log.info("bucket retention removed step", extra={"ctx": {"job": job, "step": step}})
+
