@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from ckptd import __version__
+from ckptd import __version__, bucket_cli
 from ckptd.core import protocol
 from ckptd.core.describe import describe_step, render_step
 from ckptd.core.errors import ProtocolError
@@ -70,7 +70,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     if args.check_config:
         print(settings.render())
-        return 0
+        problem = bucket_cli.check_bucket(settings.settings.s3)
+        if problem:
+            print(f"ckptd serve: s3: {problem}", file=sys.stderr)
+        return 1 if problem else 0
     logs.setup(settings["log_format"], settings["log_level"])
     for w in settings.warnings:
         logging.getLogger("ckptd").warning(w)
@@ -154,6 +157,8 @@ def _dir_bytes(path: str) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    if args.root.startswith("s3://"):
+        return bucket_cli.ls_bucket(args)
     if not os.path.isdir(args.root):
         print(f"ckptd ls: {args.root}: no such directory", file=sys.stderr)
         return 2
@@ -184,6 +189,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                          "raw_bytes": raw, "stored_bytes": stored, "sizes_verified": verified,
                          "ratio": round(raw / stored, 3) if raw and stored else None,
                          "age_s": round(now - os.stat(info.path).st_mtime, 1)})
+    bucket_cli.add_tiers(rows, args)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -194,13 +200,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for r in rows:
         raw_text = _size(r["raw_bytes"]) + ("" if r["sizes_verified"] else "*") if r["raw_bytes"] is not None else "-"
         print(f"{r['job'][:20]:20s} {r['step']:>10d} {r['state']:12s} {_size(r['bytes_on_disk']):>11s} "
-              f"{raw_text:>11s} {format(r['ratio'], '.3f') if r['ratio'] else '-':>6} {_age(r['age_s']):>7s}")
+              f"{raw_text:>11s} {format(r['ratio'], '.3f') if r['ratio'] else '-':>6} "
+              f"{_age(r['age_s']) if r['age_s'] is not None else '-':>7s}"
+              + (f"  {r['tiers']}" if "tiers" in r else ""))
     if any(r["raw_bytes"] is not None and not r["sizes_verified"] for r in rows):
         print("* format-1 step: sizes from an index with no digest (unverified; `ckptd verify` checks the data)")
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    if args.step_dir.startswith("s3://"):
+        return bucket_cli.verify_bucket(args)
     try:
         faults = verify_step(args.step_dir, progress=None if args.quiet else (lambda m: print(m, file=sys.stderr)))
     except (ValueError, OSError, EOFError) as e:     # e.g. an index or manifest over its size limit
@@ -276,16 +286,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("ls", help="list steps", description="List steps, committed or not, with sizes and ratios.")
-    s.add_argument("root")
+    s.add_argument("root", help="checkpoint root, or a bucket: s3://bucket/prefix")
     s.add_argument("job", nargs="?")
     s.add_argument("--json", action="store_true")
+    bucket_cli.add_bucket_flags(s)
     s.set_defaults(func=cmd_ls)
 
     s = sub.add_parser("verify", help="check every checksum and the geometry of a step", description=(
         "Verify every manifest digest and chunk checksum, and (format 2) that the index's tensor map agrees "
         "with the manifests and its sharded tensors' pieces tile them exactly; exit 1 on any fault."))
-    s.add_argument("step_dir")
+    s.add_argument("step_dir", help="a step directory, or one in a bucket: s3://bucket/prefix/<job>/step-<N>")
     s.add_argument("-q", "--quiet", action="store_true")
+    bucket_cli.add_bucket_flags(s)
     s.set_defaults(func=cmd_verify)
 
     s = sub.add_parser("inspect", help="list a step's tensors and how they are split", description=(

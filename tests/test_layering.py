@@ -37,6 +37,7 @@ RANKS = {
     "ckptd.daemon.s3_tier": 4,
     "ckptd.daemon.server": 6,      # lifecycle and op table: wires everything together
     "ckptd.cli": 7,
+    "ckptd.bucket_cli": 7,         # the CLI's object-storage commands
     "ckptd.launch": 7,
     "ckptd.s3_local": 7,           # a local SeaweedFS for tests, benchmarks and `make demo-s3`
     "ckptd.__main__": 8,

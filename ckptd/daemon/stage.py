@@ -46,12 +46,12 @@ class Stager:
                 step = max(candidates)
             lock = self._locks.setdefault((job, step), asyncio.Lock())
             async with lock:      # ranks of one node staging one step: each file is fetched once
-                fetched = await in_thread(lambda: self._stage(job, step, reader))
+                fetched = await in_thread(lambda: self.fetch(job, step, reader))
         except (BucketError, FormatError, OSError, ValueError) as e:
             raise RequestError(f"cannot stage step {step} of {job!r} from {self.bucket.url}: {e}") from None
         return {"step": step, "source": "bucket" if fetched else "local", "fetched_bytes": fetched}
 
-    def _stage(self, job: str, step: int, reader: tuple[int, int] | None) -> int:
+    def fetch(self, job: str, step: int, reader: tuple[int, int] | None) -> int:
         path = step_dir(self.root, job, step)
         index_path = os.path.join(path, INDEX_NAME)
         local = os.path.isfile(index_path)

@@ -1,0 +1,126 @@
+"""The command line's object-storage side: ``ckptd ls|verify s3://...``, the tier column of
+``ckptd ls ROOT``, and the bucket check of ``ckptd serve --check-config``.
+
+The bucket's endpoint and region come from the same settings as the daemon's (config file,
+``CKPTD_S3_*``, or ``--s3-endpoint``); credentials from the standard AWS chain.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from typing import Any
+
+from ckptd.core import protocol
+from ckptd.core.errors import ProtocolError
+from ckptd.core.names import parse_step_dir_name, validate_job
+from ckptd.core.reader import Fault, verify_step
+from ckptd.daemon.config import ConfigError, load_settings
+from ckptd.daemon.s3_settings import S3Settings
+from ckptd.daemon.s3_store import Bucket, BucketError
+from ckptd.daemon.stage import Stager
+
+
+def add_bucket_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--s3-endpoint", help="S3 endpoint of a non-AWS store (default: s3.endpoint of the config)")
+    parser.add_argument("--config", help="TOML config file for the [s3] settings (default: as serve)")
+
+
+def s3_settings(args: argparse.Namespace, url: str | None = None) -> S3Settings:
+    cli: dict[str, object] = {"s3.url": url} if url else {}
+    if getattr(args, "s3_endpoint", None):
+        cli["s3.endpoint"] = args.s3_endpoint
+    return load_settings(getattr(args, "config", None), cli=cli, require_root=False).settings.s3
+
+
+def check_bucket(s3: S3Settings) -> str | None:
+    """Why the configured bucket is unusable (credentials, missing bucket, unreachable), or None."""
+    if s3.url is None:
+        return None
+    try:
+        Bucket(s3).check()
+    except BucketError as e:
+        return str(e)
+    return None
+
+
+def ls_bucket(args: argparse.Namespace) -> int:
+    try:
+        bucket = Bucket(s3_settings(args, args.root))
+        jobs = [validate_job(args.job)] if args.job else bucket.jobs()
+        rows = []
+        for job in jobs:
+            committed, partial = bucket.steps(job)
+            rows += [(job, s, "in bucket") for s in committed] + [(job, s, "incomplete") for s in partial]
+    except (BucketError, ConfigError, ValueError) as e:
+        print(f"ckptd ls: {e}", file=sys.stderr)
+        return 2
+    if not rows:
+        print("no checkpoints")
+    for job, step, state in sorted(rows):
+        print(f"{job[:20]:20s} {step:>10d} {state}")
+    return 0
+
+
+def verify_bucket(args: argparse.Namespace) -> int:
+    """Download ``s3://bucket/prefix/<job>/step-<N>`` to a temp dir and verify it there."""
+    url, job, step_name = args.step_dir.rstrip("/").rsplit("/", 2)
+    step = parse_step_dir_name(step_name)
+    try:
+        if step is None or not url.startswith("s3://"):
+            raise ValueError(f"expected s3://bucket[/prefix]/<job>/step-<N>, got {args.step_dir!r}")
+        bucket = Bucket(s3_settings(args, url))
+        with tempfile.TemporaryDirectory(prefix="ckptd-verify-") as tmp:
+            if not bucket.exists(bucket.step_key(job, step, "index.json")):
+                faults = [Fault(args.step_dir, None, "not committed in the bucket (no index.json)")]
+            else:
+                fetched = Stager(bucket, tmp).fetch(job, step, None)
+                if not args.quiet:
+                    print(f"downloaded {fetched} bytes", file=sys.stderr)
+                faults = verify_step(os.path.join(tmp, job, step_name))
+    except (BucketError, ConfigError, ValueError, OSError) as e:
+        faults = [Fault(args.step_dir, None, str(e))]
+    for f in faults:
+        print(f"FAULT {f}")
+    if faults:
+        print(f"{args.step_dir}: {len(faults)} fault(s)")
+        return 1
+    print(f"{args.step_dir}: OK")
+    return 0
+
+
+def add_tiers(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """With a bucket configured: each row's ``tiers`` (local / uploading / in bucket), and a row
+    for each step only the bucket has."""
+    try:
+        settings = load_settings(getattr(args, "config", None), require_root=False)
+        s3 = s3_settings(args)
+    except ConfigError:
+        return
+    if s3.url is None:
+        return
+    uploading: dict[str, set[int]] = {}
+    try:
+        st = protocol.request_once(settings["socket"], {"op": "status"}, timeout=5)
+        for job, j in (st.get("uploads") or {}).get("jobs", {}).items():
+            uploading[job] = {s for s in [j.get("uploading"), *j.get("queued", [])] if s is not None}
+    except (OSError, RuntimeError, ProtocolError):
+        pass          # no daemon here: local and bucket only
+    bucket = Bucket(s3)
+    jobs = sorted({r["job"] for r in rows} | ({args.job} if args.job else set()))
+    for job in jobs:
+        try:
+            in_bucket = set(bucket.steps(job)[0])
+        except BucketError as e:
+            print(f"ckptd ls: {e}", file=sys.stderr)
+            in_bucket = set()
+        for r in (r for r in rows if r["job"] == job):
+            where = ["local"] + (["uploading"] if r["step"] in uploading.get(job, ()) else []) \
+                + (["in bucket"] if r["step"] in in_bucket else [])
+            r["tiers"] = ", ".join(where)
+        local = {r["step"] for r in rows if r["job"] == job}
+        rows += [{"job": job, "step": s, "state": "committed", "bytes_on_disk": 0, "raw_bytes": None,
+                  "stored_bytes": None, "sizes_verified": True, "ratio": None, "age_s": None, "tiers": "in bucket"}
+                 for s in sorted(in_bucket - local)]
+    rows.sort(key=lambda r: (r["job"], r["step"]))
