@@ -49,6 +49,8 @@ def stage(socket_path: str, job: str, step: int | None, rank: int, world_size: i
     got = reply.get("step")
     if got is not None and type(got) is not int:
         raise CheckpointError(f"restore from the bucket: bad step {got!r} in the daemon's reply")
+    if reply.get("warning"):
+        log.warning("ckptd: the bucket could not be listed; restoring from local files: %s", reply["warning"])
     if reply.get("source") == "bucket":
         log.warning("ckptd: step %s of %s fetched from the bucket (%s bytes)", got, job, reply.get("fetched_bytes"))
     return Staged(True, got, reply.get("source"))

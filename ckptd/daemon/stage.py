@@ -13,6 +13,7 @@ is not committed locally. Data files come with parallel ranged GETs, only for th
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from typing import Any
 
@@ -24,6 +25,8 @@ from ckptd.core.schema import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES, digest_bytes,
 from ckptd.daemon.runtime import RequestError
 from ckptd.daemon.s3_store import Bucket, BucketError
 from ckptd.daemon.uploader import in_thread
+
+log = logging.getLogger("ckptd")
 
 
 class Stager:
@@ -39,7 +42,14 @@ class Stager:
         try:
             if step is None:
                 local = latest_committed(job_dir(self.root, job)) if os.path.isdir(job_dir(self.root, job)) else None
-                remote = await in_thread(lambda: self.bucket.latest(job))
+                try:
+                    remote = await in_thread(lambda: self.bucket.latest(job))
+                except BucketError as e:      # the bucket is away: what this node has is all there is
+                    if local is None:
+                        raise
+                    log.warning("bucket not listed; restoring the newest local step",
+                                extra={"ctx": {"job": job, "step": local.step, "error": str(e)}})
+                    return {"step": local.step, "source": "local", "warning": str(e)}
                 candidates = [s for s in (local.step if local else None, remote) if s is not None]
                 if not candidates:
                     return {"step": None, "source": None}
