@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 # What `make lint` (and so `make test`) checks with ruff and mypy: the whole tree.
 CHECKED := ckptd ckptd_client tests benchmarks examples
 
-.PHONY: demo test lint bench bench-sharded install install-test clean
+.PHONY: demo demo-s3 test lint bench bench-sharded bench-s3 install install-test clean
 
 # Daemon + client (the client extra brings torch; the daemon alone needs only `pip install ckptd`).
 $(VENV)/.installed: pyproject.toml
@@ -33,6 +33,11 @@ install-test: $(VENV)/.installed-test
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
+# The demo with the object-storage tier: a local SeaweedFS (from the test extra), a bucket, the
+# daemon uploading each commit; shows the step committed in the bucket and restores from it.
+demo-s3: $(VENV)/.installed-test
+	$(PY) examples/demo_s3.py
+
 # Lint and type check; `make test` runs them first and stops on any error.
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check $(CHECKED)
@@ -51,6 +56,10 @@ bench: $(VENV)/.installed-bench
 # writes benchmarks/results/sharded.md and .json.
 bench-sharded: $(VENV)/.installed-bench
 	$(PY) benchmarks/sharded_bench.py
+
+# The object-storage tier vs boto3 against a local SeaweedFS; writes benchmarks/results/s3.md and .json.
+bench-s3: $(VENV)/.installed-bench
+	flock /tmp/ckptd-bench.lock $(PY) benchmarks/s3_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache

@@ -32,6 +32,7 @@ from ckptd.core.names import INDEX_NAME, step_dir
 from ckptd.daemon.s3_settings import S3Settings
 from ckptd.daemon.s3_store import Bucket
 from ckptd.s3_local import SeaweedServer, start_seaweed
+from ckptd_client import bucket_restore
 
 from test_acceptance import assert_same_tensors, finish, launch
 
@@ -236,3 +237,30 @@ def test_daemon_without_bucket_refuses_bucket_ops(daemon):
         with pytest.raises(RuntimeError, match="no object-storage tier"):
             protocol.request_once(str(daemon.socket), msg)
 
+
+
+def test_retention_per_tier_and_flush(seaweed, daemon_factory):
+    """keep 1 step locally, 2 in the bucket; the flush op waits for each step to be committed there."""
+    bucket = make_bucket(seaweed)
+    b = bucket_of(seaweed, bucket)
+    d = daemon_factory(*s3_args(seaweed, bucket, "--s3-keep-last", "2"), "--keep-last", "1", env=seaweed.env())
+    for step in (1, 2, 3):
+        save(d.socket, step, seed=step)
+        assert bucket_restore.flush(str(d.socket), JOB, step, 60) == (True, f"step {step} is committed in the bucket")
+    wait_for(lambda: b.steps(JOB) == ([2, 3], []), "bucket retention down to 2 steps")
+    wait_for(lambda: sorted(p.name for p in (d.root / JOB).iterdir()) == ["step-000000000003"], "local retention")
+    got, state = restore(d.socket, 2)      # not local any more: staged from the bucket
+    assert got == 2
+    assert_state(state, 2)
+
+
+def test_preemption_flushes_the_step_to_the_bucket(seaweed, daemon_factory):
+    bucket = make_bucket(seaweed)
+    d = daemon_factory(*s3_args(seaweed, bucket), env=seaweed.env())
+    ck = ckptd_client.Checkpointer(JOB, socket=str(d.socket))
+    with ckptd_client.PreemptionHandler(ck, signals=(signal.SIGUSR1,), bucket_timeout=60) as preempt:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert preempt.should_stop(5, state_of(5))
+    ck.close()
+    assert preempt.saved_step == 5 and preempt.in_bucket is True
+    assert bucket_of(seaweed, bucket).steps(JOB) == ([5], [])

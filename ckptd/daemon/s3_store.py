@@ -4,10 +4,10 @@ Why obstore (the Rust ``object_store`` crate): transfers run in Rust without the
 multipart uploads and parallel ranged GETs keep the daemon's Python threads free, and it
 retries throttling, 5xx and connection errors with jittered exponential backoff itself. Its
 multipart upload beat boto3's ``upload_file`` of the same bytes (benchmarks/s3_bench.py) and
-its ranged GETs were ~2.5x faster than boto3's ``download_file`` here. Integrity: every
-request carries its SHA-256 (``checksum_algorithm``), which the server checks; sizes are
-checked after each upload; what is downloaded is checked by the format's own digests
-(index digest, manifest digests, chunk checksums: see stage.py and the reader).
+its ranged GETs were ~2.5x faster than boto3's ``download_file`` here. Integrity: requests
+are signed with their payload's SHA-256 (SigV4 signed payload), which the server checks
+against the body; sizes are checked after each upload; what is downloaded is checked by the
+format's own digests (index digest, manifest digests, chunk checksums: stage.py, the reader).
 
 Credentials, in the standard AWS order: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` /
 ``AWS_SESSION_TOKEN``; else the shared credentials file (``AWS_SHARED_CREDENTIALS_FILE`` or
@@ -24,6 +24,7 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import obstore
@@ -97,8 +98,7 @@ class Bucket:
         options: Any = {"connect_timeout": "5s", "timeout": "300s"}
         if settings.endpoint and settings.endpoint.startswith("http://"):
             options["allow_http"] = True
-        config: Any = {"region": settings.region, "checksum_algorithm": "SHA256",
-                                  **load_credentials(env)}
+        config: Any = {"region": settings.region, **load_credentials(env)}
         if settings.endpoint:
             config["endpoint"] = settings.endpoint
         retry: Any = {"max_retries": 6, "retry_timeout": timedelta(seconds=120),
@@ -168,11 +168,9 @@ class Bucket:
         size = os.path.getsize(path)
         s = self.settings
 
-        def put() -> None:
-            with open(path, "rb") as f:
-                obstore.put(self.store, key, f, use_multipart=size > s.part_size, chunk_size=s.part_size,
-                            max_concurrency=s.concurrency)
-        self._call(f"upload {key}", put)
+        # A Path: obstore reads the file in Rust, without the GIL.
+        self._call(f"upload {key}", obstore.put, self.store, key, Path(path), use_multipart=size > s.part_size,
+                   chunk_size=s.part_size, max_concurrency=s.concurrency)
         stored = self._call(f"head {key}", obstore.head, self.store, key)["size"]
         if stored != size:
             raise BucketError(f"upload {key}: the bucket holds {stored} bytes, the file has {size}")
