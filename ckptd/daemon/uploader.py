@@ -29,8 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ckptd.core.names import INDEX_NAME, job_dir, step_dir, validate_job
+from ckptd.core import storage
+from ckptd.core.errors import FormatError
+from ckptd.core.names import INDEX_NAME, job_dir, rank_data_name, rank_manifest_name, step_dir, validate_job
 from ckptd.core.reader import latest_committed
+from ckptd.core.schema import MAX_INDEX_BYTES, parse_index
 from ckptd.daemon.runtime import TaskSet, describe_error
 from ckptd.daemon.s3_store import Bucket, BucketError
 
@@ -60,6 +63,10 @@ async def in_thread(fn: Callable[[], T]) -> T:
         loop.call_soon_threadsafe(settle, result, None)
     threading.Thread(target=run, name="ckptd-upload", daemon=True).start()
     return await fut
+
+
+class IncompleteStep(Exception):
+    """The local step lacks files (it was staged from the bucket for one rank): never uploaded."""
 
 
 @dataclass
@@ -223,6 +230,12 @@ class Uploader:
             t0 = time.monotonic()
             try:
                 nbytes = await in_thread(lambda: self._upload_step(job, step))
+            except (IncompleteStep, FormatError, ValueError) as e:
+                j.skipped += 1
+                j.last_error = str(e)
+                log.warning("upload skipped: the local step is not whole", extra={"ctx": {"job": job, "step": step,
+                                                                                         "error": str(e)}})
+                return
             except (BucketError, OSError) as e:
                 j.failures += 1
                 j.last_error = describe_error(e) if isinstance(e, OSError) else str(e)
@@ -262,10 +275,12 @@ class Uploader:
         """Every file of the committed local step, index.json last; bytes uploaded."""
         path = step_dir(self.root, job, step)
         index = os.path.join(path, INDEX_NAME)
-        with open(index, "rb") as f:      # read first: a step without an index is not committed
-            index_bytes = f.read()
-        files = sorted((n for n in os.listdir(path) if n.startswith("rank-") and ".tmp" not in n),
-                       key=lambda n: (n.endswith(".data"), n))
+        index_bytes = storage.read_limited(index, MAX_INDEX_BYTES)   # first: without it, not committed
+        world = parse_index(index_bytes, job=job, step=step)["world_size"]
+        files = [rank_manifest_name(r) for r in range(world)] + [rank_data_name(r) for r in range(world)]
+        missing = [n for n in files if not os.path.isfile(os.path.join(path, n))]
+        if missing:          # staged here for one rank's restore: never publish a partial step
+            raise IncompleteStep(f"step {step} lacks {missing[0]} here (staged for a restore); not uploaded")
         total = 0
         for name in files:
             if self.debug_delay:
