@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -37,16 +38,21 @@ def weed_binary() -> str:
 
 
 def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``n`` distinct loopback ports free now, below Linux's ephemeral range (32768 up), so that no
+    outgoing connection takes one while the server is down for a restart on the same ports."""
+    rng = random.Random()
+    ports: list[int] = []
+    while len(ports) < n:
+        port = rng.randrange(20000, 32000)
+        if port in ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+    return ports
 
 
 @dataclass
@@ -79,6 +85,8 @@ class SeaweedServer:
                f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}",
                f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer_grpc']}",
                f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3_grpc']}", f"-s3.config={config}",
+               "-s3.port.iceberg=0", "-s3.port.lance=0",     # on by default, on fixed ports
+               "-s3.autoCreateBucket=false",                 # a missing bucket stays missing, as on AWS
                "-master.volumeSizeLimitMB=1024", "-volume.max=0", "-metricsPort=0"]
         log = open(self.dir / "weed.log", "ab")
         try:
@@ -92,7 +100,8 @@ class SeaweedServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"weed exited with {self.proc.returncode}; see {self.dir / 'weed.log'}")
+                tail = (self.dir / "weed.log").read_text(errors="replace")[-1500:]
+                raise RuntimeError(f"weed exited with {self.proc.returncode}; {self.dir / 'weed.log'} ends:\n{tail}")
             try:
                 urllib.request.urlopen(self.endpoint + "/", timeout=2).close()
                 return
