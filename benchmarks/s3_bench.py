@@ -6,7 +6,8 @@
    reported as the ratio ckptd / boto3 (≥ 1: ckptd's uploads are at least as fast).
 2. Local commit → bucket commit: a daemon with the S3 tier saves a state of ``--commit-mib``; the
    daemon's own ``last_seconds`` (local index.json published → bucket index.json written) is
-   taken, and the peer is boto3 ``upload_file`` of the same step's files one after the other.
+   taken, and the peer is boto3 ``upload_file`` of the same step's files one after the other
+   (after a warm-up round that is not counted: SeaweedFS grows its first volumes).
 
 Run: ``make bench-s3`` (under ``flock /tmp/ckptd-bench.lock``). Writes benchmarks/results/s3.md/.json.
 """
@@ -46,7 +47,7 @@ def throughput(bucket: Bucket, s3: Any, name: str, path: Path, rounds: int, part
     size = path.stat().st_size
     cfg = TransferConfig(multipart_threshold=part, multipart_chunksize=part, max_concurrency=conc)
     out: dict[str, list[float]] = {"ckptd": [], "boto3": []}
-    for r in range(rounds):
+    for r in range(-1, rounds):         # round -1: warm-up, not counted
         order = ["ckptd", "boto3"] if r % 2 == 0 else ["boto3", "ckptd"]
         for method in order:
             t0 = time.perf_counter()
@@ -54,8 +55,10 @@ def throughput(bucket: Bucket, s3: Any, name: str, path: Path, rounds: int, part
                 bucket.upload_file(str(path), f"tp/ckptd-{r}")
             else:
                 s3.upload_file(str(path), name, f"ckpt/tp/boto3-{r}", Config=cfg)
-            out[method].append(size / MiB / (time.perf_counter() - t0))
-            print(f"  round {r} {method}: {out[method][-1]:.0f} MiB/s", flush=True)
+            rate = size / MiB / (time.perf_counter() - t0)
+            print(f"  round {r} {method}: {rate:.0f} MiB/s" + (" (warm-up)" if r < 0 else ""), flush=True)
+            if r >= 0:
+                out[method].append(rate)
     return out
 
 
@@ -70,22 +73,24 @@ def commit_to_bucket(srv: Any, name: str, s3: Any, work: Path, mib: int, rounds:
     try:
         ck = ckptd_client.Checkpointer("bench", socket=str(d.socket))
         state = {"w": torch.randn(mib * MiB // 4)}
-        for r in range(rounds):
-            step = r + 1
+        for r in range(-1, rounds):       # round -1: warm-up (the server grows its first volumes), not counted
+            step = r + 2
             ck.save(step, state).wait(600)
             while True:
                 up = protocol.request_once(str(d.socket), {"op": "status"})["uploads"]["jobs"].get("bench", {})
                 if up.get("in_bucket") == step:
                     break
                 time.sleep(0.05)
-            out["ckptd"].append(up["last_seconds"])
             step_path = work / "root" / "bench" / f"step-{step:012d}"
             t0 = time.perf_counter()
             for f in sorted(step_path.iterdir(), key=lambda p: p.name == "index.json"):
                 s3.upload_file(str(f), name, f"peer/step-{step}/{f.name}", Config=cfg)
+            if r < 0:
+                continue
+            out["ckptd"].append(up["last_seconds"])
             out["boto3"].append(time.perf_counter() - t0)
-            print(f"  round {r}: ckptd commit→bucket {out['ckptd'][-1]:.2f}s, boto3 upload {out['boto3'][-1]:.2f}s",
-                  flush=True)
+            print(f"  round {r}: ckptd commit→bucket {up['last_seconds']:.2f}s, boto3 upload "
+                  f"{time.perf_counter() - t0:.2f}s", flush=True)
         ck.close()
     finally:
         d.stop()
@@ -97,7 +102,7 @@ def main() -> None:
     p.add_argument("--mib", type=int, default=256, help="file size of the throughput comparison")
     p.add_argument("--commit-mib", type=int, default=1024, help="state size of the commit-to-bucket timing")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--commit-rounds", type=int, default=2)
+    p.add_argument("--commit-rounds", type=int, default=3, help="after one warm-up round")
     p.add_argument("--part-mib", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--out", default=str(RESULTS / "s3"))

@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 from ckptd.core import protocol
@@ -63,7 +64,7 @@ def ls_bucket(args: argparse.Namespace) -> int:
     return 0
 
 
-def verify_bucket(args: argparse.Namespace) -> int:
+def bucket_faults(args: argparse.Namespace, progress: Callable[[str], None] | None) -> list[Fault]:
     """Download ``s3://bucket/prefix/<job>/step-<N>`` to a temp dir and verify it there."""
     url, job, step_name = args.step_dir.rstrip("/").rsplit("/", 2)
     step = parse_step_dir_name(step_name)
@@ -76,18 +77,12 @@ def verify_bucket(args: argparse.Namespace) -> int:
                 faults = [Fault(args.step_dir, None, "not committed in the bucket (no index.json)")]
             else:
                 fetched = Stager(bucket, tmp).fetch(job, step, None)
-                if not args.quiet:
-                    print(f"downloaded {fetched} bytes", file=sys.stderr)
-                faults = verify_step(os.path.join(tmp, job, step_name))
+                if progress:
+                    progress(f"downloaded {fetched} bytes")
+                faults = verify_step(os.path.join(tmp, job, step_name), progress)
     except (BucketError, ConfigError, ValueError, OSError) as e:
         faults = [Fault(args.step_dir, None, str(e))]
-    for f in faults:
-        print(f"FAULT {f}")
-    if faults:
-        print(f"{args.step_dir}: {len(faults)} fault(s)")
-        return 1
-    print(f"{args.step_dir}: OK")
-    return 0
+    return faults
 
 
 def add_tiers(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:

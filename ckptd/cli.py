@@ -209,10 +209,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    if args.step_dir.startswith("s3://"):
-        return bucket_cli.verify_bucket(args)
+    progress = None if args.quiet else (lambda m: print(m, file=sys.stderr))
     try:
-        faults = verify_step(args.step_dir, progress=None if args.quiet else (lambda m: print(m, file=sys.stderr)))
+        faults = (bucket_cli.bucket_faults(args, progress) if args.step_dir.startswith("s3://")
+                  else verify_step(args.step_dir, progress=progress))
     except (ValueError, OSError, EOFError) as e:     # e.g. an index or manifest over its size limit
         faults = [Fault(args.step_dir, None, str(e))]
     for f in faults:

@@ -361,15 +361,16 @@ def test_wrong_field_types(fd_daemon, op, data):
     goods: dict[str, dict[str, Any]] = {
         "hello": hello, "resize": {"slot_bytes": 4096}, "save": save_msg(), "commit": {"step": 1, "digests": {}},
         "abort": {"step": 1, "reason": "r"}, "report": {"step": 1, "stall_s": 0.1, "fence_s": 0.0},
-        "info": {}, "status": {}}
+        "info": {}, "status": {}, "stage": {"job": "j", "step": None},
+        "flush": {"job": "j", "step": None, "timeout": 1.0}}
     good = goods[op]
     msg = {**good, "op": op, "req": 1}
     fields = sorted(protocol.REQUEST_FIELDS[op]) + ["req"]
     field = data.draw(st.sampled_from(fields))
-    if field == "tree" or data.draw(st.booleans()):      # any JSON value is a valid tree
+    typ = protocol.REQUEST_FIELDS[op].get(field, int)
+    if typ == protocol.REQUEST_FIELDS["save"]["tree"] or data.draw(st.booleans()):   # any JSON value is valid
         del msg[field]
     else:
-        typ = protocol.REQUEST_FIELDS[op].get(field, int)
         msg[field] = data.draw(json_values.filter(
             lambda v: not isinstance(v, typ) or (typ is int and isinstance(v, bool))))
     replies = exchange(fd_daemon, frame(msg))
