@@ -11,6 +11,7 @@
 # mypy: disable-error-code="union-attr,index,operator"
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -149,12 +150,16 @@ def test_daemon_killed_mid_upload_leaves_no_bucket_step_and_a_restart_redoes_it(
     env = seaweed.env()
     b = bucket_of(seaweed, bucket)
     root = tmp / "root"
-    d = daemon_factory(*s3_args(seaweed, bucket, "--debug-upload-delay", "1"), name="a", root=root, env=env)
+    d = daemon_factory(*s3_args(seaweed, bucket, "--debug-upload-delay", "5"), name="a", root=root, env=env)
     save(d.socket, 1, seed=1)
     wait_for(lambda: b.steps(JOB)[0] == [1], "step 1 in the bucket")
     save(d.socket, 2, seed=2)
     # Step 2 is committed locally; its upload is under way (its manifest is in the bucket, its index is not).
     wait_for(lambda: b.names(f"{JOB}/step-000000000002/"), "the first file of step 2 in the bucket")
+    listing = cli("ls", str(root), "--json", "--s3-endpoint", seaweed.endpoint,
+                  env={**env, "CKPTD_S3_URL": f"s3://{bucket}/ckpt", "CKPTD_SOCKET": str(d.socket)})
+    assert [(r["step"], r["tiers"]) for r in json.loads(listing.stdout)] == [
+        (1, "local, in bucket"), (2, "local, uploading")], listing.stdout   # (the upload sleeps 5 s per file)
     d.kill(signal.SIGKILL)
     assert (root / JOB / "step-000000000002" / INDEX_NAME).exists()
     assert b.steps(JOB) == ([1], [2])
