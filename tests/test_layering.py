@@ -21,6 +21,7 @@ RANKS = {
     "ckptd.core": 1,               # names, errors, protocol, codec, storage, schema, tree, reader, tier
     # daemon mechanisms: each imports only ckptd.core. A daemon module not listed here ranks as one.
     "ckptd.daemon": 2,
+    "ckptd.hf": 2,                 # Hugging Face safetensors export/import: imports only ckptd.core (checked below)
     "ckptd.daemon.logs": 2,
     "ckptd.daemon.systemd": 2,
     "ckptd.daemon.metrics": 2,
@@ -37,7 +38,7 @@ RANKS = {
     "ckptd.launch": 7,
     "ckptd.__main__": 8,
 }
-CLIENT_MAY_IMPORT = ("ckptd", "ckptd.core")   # besides ckptd_client itself
+CLIENT_MAY_IMPORT = ("ckptd", "ckptd.core", "ckptd.hf")   # besides ckptd_client itself
 
 
 def modules(package: str) -> dict[str, Path]:
@@ -108,8 +109,17 @@ def test_no_module_imports_a_higher_one() -> None:
                     mine, theirs = rank(name), rank(target)
                     if mine is not None and theirs is not None and theirs > mine:
                         bad.append(f"{name} (rank {mine}) imports {target} (rank {theirs})")
-            elif in_room(target, "ckptd") and not (target == "ckptd" or in_room(target, "ckptd.core")):
+            elif in_room(target, "ckptd") and not any(in_room(target, r) if r != "ckptd" else target == r
+                                                      for r in CLIENT_MAY_IMPORT):
                 bad.append(f"{name} imports {target}: the client may import only {', '.join(CLIENT_MAY_IMPORT)}")
+    assert not bad, "\n".join(bad)
+
+
+def test_hf_imports_only_core() -> None:
+    """ckptd.hf is shared by the CLI and the client, so it stays torch-free and daemon-free."""
+    bad = [f"{name} imports {t}" for name, path in ALL.items() if in_room(name, "ckptd.hf")
+           for t in imports(name, path) if in_room(t, "ckptd") and not (t == "ckptd" or in_room(t, "ckptd.core")
+                                                                          or in_room(t, "ckptd.hf"))]
     assert not bad, "\n".join(bad)
 
 

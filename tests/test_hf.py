@@ -1,0 +1,185 @@
+"""Hugging Face safetensors export and import (issue 8, acceptance 1-3).
+
+Real 2- and 4-rank gloo groups save through a real daemon; ``ckptd export`` / ``ckptd import`` run
+as the CLI in subprocesses; the results are read back by safetensors, huggingface_hub and
+transformers (a tiny LlamaConfig made here: nothing is downloaded).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import hf_worker
+import pytest
+import sharded_trainer as st
+import torch
+from safetensors.torch import load_file
+
+from ckptd.launch import spawn_daemon
+
+WORKER = Path(hf_worker.__file__)
+MB = 10**6
+
+
+def ckptd(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def base() -> Iterator[Path]:
+    path = Path(f"/tmp/ckt-hf-{os.getpid()}")
+    path.mkdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def saved(base: Path) -> dict[str, Path]:
+    """A 2-rank DDP and a 2-rank FSDP2 checkpoint of the tiny Llama, and each one's full weights."""
+    daemon = spawn_daemon(base / "root", base / "d.sock")
+    try:
+        for layout in ("ddp", "fsdp"):
+            out = st.run_group(2, "save", "--layout", layout, "--socket", str(base / "d.sock"), "--job", layout,
+                               "--ref", str(base / f"{layout}.ref"), script=WORKER)
+            assert "COMMITTED 1" in out[0]
+    finally:
+        daemon.stop()
+    return {layout: base / "root" / layout / "step-000000000001" for layout in ("ddp", "fsdp")}
+
+
+def llama(state: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
+    from transformers import LlamaForCausalLM
+    m = LlamaForCausalLM(hf_worker.llama_config())
+    if state is not None:
+        m.load_state_dict(state, strict=True)
+    return m
+
+
+def assert_bit_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want) or sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert torch.equal(got[k].contiguous().view(torch.uint8), v.contiguous().view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
+def test_export_matches_huggingface_hub(saved: dict[str, Path], base: Path, layout: str) -> None:
+    from huggingface_hub import load_torch_model, save_torch_state_dict
+    from transformers import LlamaForCausalLM
+    ref = load_file(base / f"{layout}.ref")
+    model = llama(ref)
+    out = base / f"export-{layout}"
+    r = ckptd("export", str(saved[layout]), str(out), "--max-shard-size", "1MB")
+    assert r.returncode == 0, r.stderr
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 2 and sorted(p.name for p in out.iterdir()) == [*files, "model.safetensors.index.json"]
+    assert set(index) == {"metadata", "weight_map"} and set(index["metadata"]) == {"total_size"}
+    assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in ref.values())
+    assert list(index["weight_map"]) == list(model.state_dict())          # the model's names, in its order
+    got: dict[str, torch.Tensor] = {}
+    for f in files:
+        shard = load_file(out / f)
+        assert all(index["weight_map"][k] == f for k in shard)
+        got.update(shard)
+    assert_bit_equal(got, ref)
+    # The same layout, byte for byte in the index, as huggingface_hub's own writer.
+    hub = base / f"hub-{layout}"
+    hub.mkdir()
+    save_torch_state_dict(model.state_dict(), hub, max_shard_size="1MB")
+    assert (hub / "model.safetensors.index.json").read_bytes() == (out / "model.safetensors.index.json").read_bytes()
+    for f in files:
+        assert sorted(load_file(hub / f)) == sorted(load_file(out / f))
+    fresh = llama()
+    load_torch_model(fresh, out, strict=True)
+    assert_bit_equal(fresh.state_dict(), ref)
+    hf_worker.llama_config().save_pretrained(out)
+    loaded = LlamaForCausalLM.from_pretrained(out)
+    assert_bit_equal(loaded.state_dict(), ref)
+    # One shard: a plain model.safetensors, no index, as huggingface_hub writes it.
+    one = base / f"one-{layout}"
+    assert ckptd("export", str(saved[layout]), str(one)).returncode == 0
+    assert [p.name for p in one.iterdir()] == ["model.safetensors"]
+    assert_bit_equal(load_file(one / "model.safetensors"), ref)
+
+
+def test_export_options_and_refusals(saved: dict[str, Path], base: Path) -> None:
+    import ckptd_client
+    ref = load_file(base / "fsdp.ref")
+    out = base / "opts"
+    rename = base / "rename.json"
+    rename.write_text(json.dumps({"lm_head.weight": "output.weight"}))
+    r = ckptd_client.export_hf(saved["fsdp"], out, dtype="bfloat16", rename=rename, max_shard_size="1MiB")
+    got = {}
+    for f in r.files:
+        got.update(load_file(out / f))
+    assert "output.weight" in got and "lm_head.weight" not in got
+    assert torch.equal(got.pop("output.weight").view(torch.int16), ref["lm_head.weight"].bfloat16().view(torch.int16))
+    for k, v in got.items():
+        assert v.dtype == torch.bfloat16 and torch.equal(v.view(torch.int16), ref[k].bfloat16().view(torch.int16)), k
+    # Refused: an existing OUT without --force (untouched), a --select with no tensors, a bad size.
+    before = sorted(p.name for p in out.iterdir())
+    r2 = ckptd("export", str(saved["fsdp"]), str(out))
+    assert r2.returncode == 1 and "exists" in r2.stderr and sorted(p.name for p in out.iterdir()) == before
+    assert ckptd("export", str(saved["fsdp"]), str(out), "--force").returncode == 0
+    assert [p.name for p in out.iterdir()] == ["model.safetensors"]
+    r3 = ckptd("export", str(saved["fsdp"]), str(base / "none"), "--select", "nothing")
+    assert r3.returncode == 1 and "no tensors under 'nothing'" in r3.stderr and not (base / "none").exists()
+    # Optimizer state exported on request: its own names, no model tensors.
+    r4 = ckptd_client.export_hf(saved["fsdp"], base / "optim", select="optim/state")
+    assert r4.tensors > 0 and not any(p.name.startswith(".") for p in base.iterdir())
+
+
+def test_bfloat16_conversion_matches_torch() -> None:
+    import numpy as np
+
+    from ckptd.hf.layout import convert
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(100_000, generator=g) * 10.0 ** torch.randint(-40, 38, (100_000,), generator=g),
+                   torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 3.4028235e38, -3.4028235e38, 1e-45,
+                                 1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-8 + 2**-20])])   # ties round to even
+    for src in (torch.float32, torch.float16, torch.float64):
+        t = x.to(src)
+        raw = np.frombuffer(t.numpy().tobytes(), dtype=np.uint8)
+        name = str(src).removeprefix("torch.")
+        got = convert(raw, name, "bfloat16").view(np.uint16)
+        assert np.array_equal(got, t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)), name
+    bf = x.to(torch.bfloat16)
+    raw = np.frombuffer(bf.view(torch.int16).numpy().tobytes(), dtype=np.uint8)
+    assert np.array_equal(convert(raw, "bfloat16", "float16").view(np.float16), bf.to(torch.float16).numpy())
+
+
+def test_export_peak_rss_is_bounded_by_shards_not_the_model(base: Path) -> None:
+    """Acceptance 2: a 4-rank FSDP2 checkpoint of 64 MB exported with 1 MB shards in a fresh process."""
+    daemon = spawn_daemon(base / "root4", base / "d4.sock")
+    try:
+        out = st.run_group(4, "save", "--model", "mlp", "--layout", "fsdp", "--socket", str(base / "d4.sock"),
+                           "--job", "mlp", "--ref", str(base / "mlp.ref"), script=WORKER)
+        assert "COMMITTED 1" in out[0]
+    finally:
+        daemon.stop()
+    ref = load_file(base / "mlp.ref")
+    model_bytes = sum(v.numel() * v.element_size() for v in ref.values())
+    assert model_bytes > 60 * MB
+    code = ("import resource, sys; from ckptd.cli import main; import numpy, zstandard, xxhash; "
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+            f"rc = main(['export', {str(base / 'root4/mlp/step-000000000001')!r}, {str(base / 'mlp-out')!r}, "
+            "'--max-shard-size', '1MB', '--threads', '4']); "
+            "print('RSS', before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    before_kib, after_kib = (int(x) for x in r.stdout.split("RSS")[1].split())
+    grown = (after_kib - before_kib) * 1024
+    print(f"export peak RSS: {before_kib / 1024:.0f} MiB after imports, {after_kib / 1024:.0f} MiB peak, "
+          f"model {model_bytes / MB:.0f} MB")
+    # Shards are 1 MB and the largest tensor 1 MB; decode buffers (4 MiB chunks, 4 threads) add a few MB.
+    assert grown < model_bytes / 4, f"export grew RSS by {grown / MB:.1f} MB for a {model_bytes / MB:.0f} MB model"
+    got = {}
+    for f in json.loads((base / "mlp-out/model.safetensors.index.json").read_text())["weight_map"].values():
+        got.update(load_file(base / "mlp-out" / f))
+    assert_bit_equal(got, ref)
