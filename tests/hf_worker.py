@@ -37,7 +37,7 @@ def build(model: str, seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(int(os.environ.get("HF_MLP_LAYERS", "64")))])
 
 
-def blocks(m: torch.nn.Module) -> list[torch.nn.Module]:
+def blocks(m: Any) -> list[torch.nn.Module]:
     return list(m.model.layers) if hasattr(m, "model") else list(m)
 
 
@@ -54,11 +54,11 @@ def wrap(m: torch.nn.Module, layout: str) -> torch.nn.Module:
     return m
 
 
-def full_weights(m: torch.nn.Module, layout: str) -> dict[str, torch.Tensor]:
+def full_weights(m: Any, layout: str) -> dict[str, torch.Tensor]:
     """Every tensor of the model's state dict, whole, under its canonical name (collective)."""
     if layout == "fsdp":
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        sd = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        sd: dict[str, Any] = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
         sd = (m.module if layout == "ddp" else m).state_dict()
     return {k: v.detach().clone().contiguous() for k, v in sd.items()}

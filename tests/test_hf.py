@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import hf_worker
 import pytest
@@ -183,3 +185,110 @@ def test_export_peak_rss_is_bounded_by_shards_not_the_model(base: Path) -> None:
     for f in json.loads((base / "mlp-out/model.safetensors.index.json").read_text())["weight_map"].values():
         got.update(load_file(base / "mlp-out" / f))
     assert_bit_equal(got, ref)
+
+
+@pytest.fixture(scope="module")
+def hub_dir(base: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A tiny Llama written by huggingface_hub.save_torch_state_dict in 1 MB shards, and its weights."""
+    from huggingface_hub import save_torch_state_dict
+    torch.manual_seed(7)
+    sd = {k: v.clone() for k, v in llama().state_dict().items()}
+    path = base / "hub-src"
+    path.mkdir()
+    save_torch_state_dict(sd, path, max_shard_size="1MB")
+    assert len(list(path.glob("model-*.safetensors"))) >= 2
+    return path, sd
+
+
+def test_import_restores_bit_exact_at_any_layout(hub_dir: tuple[Path, dict[str, torch.Tensor]], base: Path) -> None:
+    hub, sd = hub_dir
+    root = base / "imported"
+    r = ckptd("import", str(hub), str(root), "llama", "--step", "5")
+    assert r.returncode == 0, r.stderr
+    assert ckptd("verify", str(root / "llama/step-000000000005")).returncode == 0
+    for world, layout in ((2, "fsdp"), (0, "plain")):
+        ref = base / f"imported-{layout}.ref"
+        out = st.run_group(world, "restore", "--layout", layout, "--root", str(root), "--job", "llama",
+                           "--ref", str(ref), script=WORKER)
+        assert "RESTORED 5" in out[0]
+        assert_bit_equal(load_file(ref), sd)
+    # The direct path: each FSDP2 rank reads its own slices from the HF directory.
+    ref = base / "direct.ref"
+    st.run_group(2, "direct", "--layout", "fsdp", "--hf", str(hub), "--ref", str(ref), script=WORKER)
+    assert_bit_equal(load_file(ref), sd)
+    # A single model.safetensors (no index) imports too, and restores into a plain model in this process.
+    from huggingface_hub import save_torch_state_dict
+
+    import ckptd_client
+    single = base / "hub-single"
+    single.mkdir()
+    save_torch_state_dict(sd, single)
+    assert [p.name for p in single.iterdir()] == ["model.safetensors"]
+    ckptd_client.import_hf(single, root, "single", 0)
+    model = llama()
+    ck = ckptd_client.Checkpointer("single", socket="/nonexistent/ckptd.sock", root=str(root), rank=0, world_size=1)
+    assert ck.restore({"model": model}) == 0
+    assert_bit_equal(model.state_dict(), sd)
+    # Importing over an existing step is refused.
+    again = ckptd("import", str(hub), str(root), "llama", "--step", "5")
+    assert again.returncode == 1 and "exists already" in again.stderr
+
+
+def _header(obj: dict[str, object]) -> bytes:
+    body = json.dumps(obj).encode()
+    return struct.pack("<Q", len(body)) + body
+
+
+def _hostile_cases(hub: Path) -> dict[str, tuple[Callable[[Path], None], str]]:
+    shards = sorted(p.name for p in hub.glob("model-*.safetensors"))
+
+    def edit_index(fn: Callable[[dict[str, Any]], None]) -> Callable[[Path], None]:
+        def apply(d: Path) -> None:
+            obj = json.loads((d / "model.safetensors.index.json").read_text())
+            fn(obj)
+            (d / "model.safetensors.index.json").write_text(json.dumps(obj))
+        return apply
+
+    def set_first(value: str) -> Callable[[dict[str, Any]], None]:
+        def fn(obj: dict[str, Any]) -> None:
+            obj["weight_map"][next(iter(obj["weight_map"]))] = value
+        return fn
+
+    def write(name: str, data: bytes) -> Callable[[Path], None]:
+        return lambda d: (d / name).write_bytes(data)
+
+    one = {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}
+    return {
+        "truncated header": (write(shards[0], struct.pack("<Q", 10_000) + b'{"w":'), "runs past the end"),
+        "header over the limit": (write(shards[0], struct.pack("<Q", 2**40)), "exceeds the"),
+        "header not JSON": (write(shards[0], struct.pack("<Q", 4) + b"{no}"), "not valid JSON"),
+        "offsets past the end": (write(shards[0], _header(one) + b"\0" * 8), "run past the end of the data"),
+        "overlapping offsets": (write(shards[0], _header(
+            {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+             "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}) + b"\0" * 12), "overlaps"),
+        "size does not match shape": (write(shards[0], _header(
+            {"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}) + b"\0" * 8), "needs 12"),
+        "unknown dtype": (write(shards[0], _header(
+            {"a": {"dtype": "F128", "shape": [1], "data_offsets": [0, 16]}}) + b"\0" * 16), "unsupported dtype"),
+        "index naming ../x": (edit_index(set_first("../x.safetensors")), "invalid file name"),
+        "index naming an absolute path": (edit_index(set_first("/etc/passwd")), "invalid file name"),
+        "missing shard": (lambda d: (d / shards[-1]).unlink(), "missing"),
+        "extra shard": (write(f"model-00009-of-{len(shards):05d}.safetensors", b""), "does not name"),
+        "shard lacks an indexed tensor": (edit_index(lambda o: o["weight_map"].update({"ghost": shards[0]})),
+                                          "lacks it"),
+        "shard is a link": (lambda d: ((d / shards[0]).unlink(), (d / shards[0]).symlink_to(hub / shards[0])),
+                            "cannot open"),
+    }
+
+
+def test_import_refuses_hostile_inputs(hub_dir: tuple[Path, dict[str, torch.Tensor]], base: Path) -> None:
+    hub, _ = hub_dir
+    root = base / "hostile-root"
+    for i, (what, (spoil, message)) in enumerate(_hostile_cases(hub).items()):
+        d = base / f"hostile-{i}"
+        shutil.copytree(hub, d)
+        spoil(d)
+        r = ckptd("import", str(d), str(root), "bad", "--step", str(i))
+        assert r.returncode == 1, what
+        assert message in r.stderr and r.stderr.startswith("ckptd import: "), (what, r.stderr)
+        assert not (root / "bad" / f"step-{i:012d}").exists(), what
