@@ -234,12 +234,12 @@ def test_import_restores_bit_exact_at_any_layout(hub_dir: tuple[Path, dict[str, 
     assert again.returncode == 1 and "exists already" in again.stderr
 
 
-def _header(obj: dict[str, object]) -> bytes:
+def _header(obj: Any) -> bytes:
     body = json.dumps(obj).encode()
     return struct.pack("<Q", len(body)) + body
 
 
-def _hostile_cases(hub: Path) -> dict[str, tuple[Callable[[Path], None], str]]:
+def _hostile_cases(hub: Path) -> dict[str, tuple[Callable[[Path], Any], str]]:
     shards = sorted(p.name for p in hub.glob("model-*.safetensors"))
 
     def edit_index(fn: Callable[[dict[str, Any]], None]) -> Callable[[Path], None]:
@@ -254,8 +254,12 @@ def _hostile_cases(hub: Path) -> dict[str, tuple[Callable[[Path], None], str]]:
             obj["weight_map"][next(iter(obj["weight_map"]))] = value
         return fn
 
-    def write(name: str, data: bytes) -> Callable[[Path], None]:
+    def write(name: str, data: bytes) -> Callable[[Path], Any]:
         return lambda d: (d / name).write_bytes(data)
+
+    def relink(d: Path) -> None:
+        (d / shards[0]).unlink()
+        (d / shards[0]).symlink_to(hub / shards[0])
 
     one = {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}
     return {
@@ -276,8 +280,7 @@ def _hostile_cases(hub: Path) -> dict[str, tuple[Callable[[Path], None], str]]:
         "extra shard": (write(f"model-00009-of-{len(shards):05d}.safetensors", b""), "does not name"),
         "shard lacks an indexed tensor": (edit_index(lambda o: o["weight_map"].update({"ghost": shards[0]})),
                                           "lacks it"),
-        "shard is a link": (lambda d: ((d / shards[0]).unlink(), (d / shards[0]).symlink_to(hub / shards[0])),
-                            "cannot open"),
+        "shard is a link": (relink, "cannot open"),
     }
 
 
