@@ -10,7 +10,8 @@ the root), ``plain`` (one process). Modes:
   writes the full weights (canonical names) to ``--ref`` with safetensors.
 - ``restore``: a fresh model (another seed) in ``--layout``, ``Checkpointer.restore({"model": m})``
   from ``--root``/``--job`` (no daemon), then the full weights to ``--ref``.
-- ``direct``: the same through ``ckptd_client.load_hf(model, --hf)``.
+  Given ``--hf``, then another fresh model loaded by ``ckptd_client.load_hf(model, --hf)`` (each
+  rank reading its own slices), its full weights to ``--ref`` + ``.direct``.
 """
 from __future__ import annotations
 
@@ -72,9 +73,16 @@ def loss_of(m: torch.nn.Module, model: str, rank: int) -> torch.Tensor:
     return m(torch.randn(4, 512, generator=g)).square().mean()
 
 
+def dump(full: dict[str, torch.Tensor], path: str, rank: int) -> None:
+    from safetensors.torch import save_file
+    if rank == 0:
+        save_file(full, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=("save", "restore", "direct"))
+    p.add_argument("mode", choices=("save", "restore"))
     p.add_argument("--model", default="llama")
     p.add_argument("--layout", default="plain")
     p.add_argument("--root")
@@ -87,8 +95,6 @@ def main() -> None:
     if world > 0:
         torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
                                              rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    from safetensors.torch import save_file
-
     import ckptd_client
     m = wrap(build(a.model, 0 if a.mode == "save" else 1), a.layout)
     if a.mode == "save":
@@ -100,16 +106,15 @@ def main() -> None:
         ck.save(1, state).wait(120)
         print("COMMITTED 1", flush=True)
         ck.close()
-    elif a.mode == "restore":
+    else:
         ck = ckptd_client.Checkpointer(a.job, socket="/nonexistent/ckptd.sock", root=a.root,
                                        rank=rank if world else 0, world_size=max(1, world))
         print("RESTORED", ck.restore({"model": m}), flush=True)
-    else:
+    dump(full_weights(m, a.layout), a.ref, rank)
+    if a.hf:
+        m = wrap(build(a.model, 2), a.layout)
         ckptd_client.load_hf(m, a.hf)
-    full = full_weights(m, a.layout)
-    if rank == 0:
-        save_file(full, a.ref + ".tmp")
-        os.replace(a.ref + ".tmp", a.ref)
+        dump(full_weights(m, a.layout), a.ref + ".direct", rank)
     if world > 0:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -77,7 +79,7 @@ def test_export_matches_huggingface_hub(saved: dict[str, Path], base: Path, layo
     model = llama(ref)
     out = base / f"export-{layout}"
     r = ckptd("export", str(saved[layout]), str(out), "--max-shard-size", "1MB")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0 and r.stderr == "", r.stderr           # no progress bar when not a terminal
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) >= 2 and sorted(p.name for p in out.iterdir()) == [*files, "model.safetensors.index.json"]
@@ -156,8 +158,9 @@ def test_bfloat16_conversion_matches_torch() -> None:
     assert np.array_equal(convert(raw, "bfloat16", "float16").view(np.float16), bf.to(torch.float16).numpy())
 
 
-def test_export_peak_rss_is_bounded_by_shards_not_the_model(base: Path) -> None:
-    """Acceptance 2: a 4-rank FSDP2 checkpoint of 64 MB exported with 1 MB shards in a fresh process."""
+@pytest.fixture(scope="module")
+def mlp_step(base: Path) -> Path:
+    """A 4-rank FSDP2 checkpoint of 64 square Linear(512) layers (67 MB), full weights in mlp.ref."""
     daemon = spawn_daemon(base / "root4", base / "d4.sock")
     try:
         out = st.run_group(4, "save", "--model", "mlp", "--layout", "fsdp", "--socket", str(base / "d4.sock"),
@@ -165,12 +168,17 @@ def test_export_peak_rss_is_bounded_by_shards_not_the_model(base: Path) -> None:
         assert "COMMITTED 1" in out[0]
     finally:
         daemon.stop()
+    return base / "root4/mlp/step-000000000001"
+
+
+def test_export_peak_rss_is_bounded_by_shards_not_the_model(mlp_step: Path, base: Path) -> None:
+    """Acceptance 2: the 4-rank FSDP2 checkpoint exported with 1 MB shards in a fresh process."""
     ref = load_file(base / "mlp.ref")
     model_bytes = sum(v.numel() * v.element_size() for v in ref.values())
     assert model_bytes > 60 * MB
     code = ("import resource, sys; from ckptd.cli import main; import numpy, zstandard, xxhash; "
             "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
-            f"rc = main(['export', {str(base / 'root4/mlp/step-000000000001')!r}, {str(base / 'mlp-out')!r}, "
+            f"rc = main(['export', {str(mlp_step)!r}, {str(base / 'mlp-out')!r}, "
             "'--max-shard-size', '1MB', '--threads', '4']); "
             "print('RSS', before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -208,14 +216,13 @@ def test_import_restores_bit_exact_at_any_layout(hub_dir: tuple[Path, dict[str, 
     assert ckptd("verify", str(root / "llama/step-000000000005")).returncode == 0
     for world, layout in ((2, "fsdp"), (0, "plain")):
         ref = base / f"imported-{layout}.ref"
+        direct = ("--hf", str(hub)) if layout == "fsdp" else ()      # then also load_hf straight from the HF dir
         out = st.run_group(world, "restore", "--layout", layout, "--root", str(root), "--job", "llama",
-                           "--ref", str(ref), script=WORKER)
+                           "--ref", str(ref), *direct, script=WORKER)
         assert "RESTORED 5" in out[0]
         assert_bit_equal(load_file(ref), sd)
-    # The direct path: each FSDP2 rank reads its own slices from the HF directory.
-    ref = base / "direct.ref"
-    st.run_group(2, "direct", "--layout", "fsdp", "--hf", str(hub), "--ref", str(ref), script=WORKER)
-    assert_bit_equal(load_file(ref), sd)
+    # The direct path: each FSDP2 rank read its own slices from the HF directory.
+    assert_bit_equal(load_file(f"{base / 'imported-fsdp.ref'}.direct"), sd)
     # A single model.safetensors (no index) imports too, and restores into a plain model in this process.
     from huggingface_hub import save_torch_state_dict
 
@@ -295,3 +302,31 @@ def test_import_refuses_hostile_inputs(hub_dir: tuple[Path, dict[str, torch.Tens
         assert r.returncode == 1, what
         assert message in r.stderr and r.stderr.startswith("ckptd import: "), (what, r.stderr)
         assert not (root / "bad" / f"step-{i:012d}").exists(), what
+
+
+def test_killed_export_leaves_nothing_at_out(mlp_step: Path, base: Path) -> None:
+    """SIGKILL while the export writes (its temporary directory exists): OUT never appears."""
+    out = base / "killed-out"
+    proc = subprocess.Popen([sys.executable, "-m", "ckptd", "export", str(mlp_step), str(out), "--max-shard-size",
+                             "1MB", "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while proc.poll() is None and not list(base.glob(".killed-out.tmp-*/model-00002-of-*")):
+            time.sleep(0.001)                    # until the second shard is being written
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the export finished before it could be killed"
+    assert not out.exists()
+    assert list(base.glob(".killed-out.tmp-*"))           # the half-written work is hidden beside OUT
+
+
+def test_export_refuses_a_corrupt_chunk(saved: dict[str, Path], base: Path) -> None:
+    step = base / "corrupt/ddp/step-000000000001"
+    shutil.copytree(saved["ddp"], step)
+    data = step / "rank-00000.data"
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0xFF                                   # inside the first model tensor
+    data.write_bytes(bytes(raw))
+    r = ckptd("export", str(step), str(base / "corrupt-out"))
+    assert r.returncode == 1 and "checksum" in r.stderr and not (base / "corrupt-out").exists()
+    assert not list(base.glob(".corrupt-out.tmp-*"))
