@@ -332,3 +332,51 @@ def test_export_refuses_a_corrupt_chunk(saved: dict[str, Path], base: Path) -> N
     r = ckptd("export", str(step), str(base / "corrupt-out"))
     assert r.returncode == 1 and "checksum" in r.stderr and not (base / "corrupt-out").exists()
     assert not list(base.glob(".corrupt-out.tmp-*"))
+
+
+def test_split_matches_huggingface_hub_rule_for_rule() -> None:
+    """Greedy fill in key order; a tensor over the limit alone in its shard, placed where it is met."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    from ckptd.hf.layout import OutTensor, split
+    g = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        sizes = torch.randint(1, 40, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+        sd = {f"t{i}": torch.zeros(n, dtype=torch.float32) for i, n in enumerate(sizes)}
+        limit = int(torch.randint(8, 200, (1,), generator=g))
+        hub = split_torch_state_dict_into_shards(sd, max_shard_size=limit)
+        ours = split([OutTensor(k, k, "float32", "float32", tuple(v.shape)) for k, v in sd.items()], limit)
+        assert {f: [t.name for t in ts] for f, ts in ours.files.items()} == hub.filename_to_tensors, trial
+        assert ours.total_size == hub.metadata["total_size"]
+
+
+def test_names_sizes_and_progress() -> None:
+    import io
+
+    from ckptd.hf.layout import canonical_name, parse_size
+    from ckptd.hf.progress import Progress
+    assert canonical_name("module._orig_mod.layers.0._checkpoint_wrapped_module.w1.weight") == "layers.0.w1.weight"
+    assert canonical_name("_fsdp_wrapped_module.embed.weight") == "embed.weight"
+    assert (parse_size("5GB"), parse_size("1MB"), parse_size("2MiB"), parse_size(1234)) == (5 * 10**9, MB, 2**21, 1234)
+    for bad in ("5XB", "-1MB", "0", "MB"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    out = io.StringIO()
+    bar = Progress("export x", 200, enabled=True, stream=out)
+    bar.update(200)
+    bar.close()
+    assert "100.0%" in out.getvalue() and out.getvalue().endswith("\n")
+    quiet = io.StringIO()
+    Progress("export x", 200, stream=quiet).close()       # StringIO is not a terminal
+    assert quiet.getvalue() == ""
+
+
+def test_load_hf_strict_names_the_mismatch(hub_dir: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    import ckptd_client
+    hub, sd = hub_dir
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ckptd_client.CheckpointError, match="does not match the model: missing \\['weight', 'bias'\\]"):
+        ckptd_client.load_hf(model, hub)
+    m = llama()
+    assert ckptd_client.load_hf(m, hub) == []
+    assert_bit_equal(m.state_dict(), sd)
