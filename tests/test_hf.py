@@ -293,16 +293,23 @@ def _hostile_cases(hub: Path) -> dict[str, tuple[Callable[[Path], Any], str]]:
     }
 
 
-def test_import_refuses_hostile_inputs(hub_dir: tuple[Path, dict[str, torch.Tensor]], base: Path) -> None:
+def test_import_refuses_hostile_inputs(hub_dir: tuple[Path, dict[str, torch.Tensor]], base: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Each case through the CLI's entry point in this process (one through a real subprocess)."""
+    from ckptd.cli import main
     hub, _ = hub_dir
     root = base / "hostile-root"
     for i, (what, (spoil, message)) in enumerate(_hostile_cases(hub).items()):
         d = base / f"hostile-{i}"
         shutil.copytree(hub, d)
         spoil(d)
-        r = ckptd("import", str(d), str(root), "bad", "--step", str(i))
-        assert r.returncode == 1, what
-        assert message in r.stderr and r.stderr.startswith("ckptd import: "), (what, r.stderr)
+        if i == 0:
+            r = ckptd("import", str(d), str(root), "bad", "--step", str(i))
+            rc, err = r.returncode, r.stderr
+        else:
+            rc, err = main(["import", str(d), str(root), "bad", "--step", str(i)]), capsys.readouterr().err
+        assert rc == 1, what
+        assert message in err and err.startswith("ckptd import: "), (what, err)
         assert not (root / "bad" / f"step-{i:012d}").exists(), what
 
 
