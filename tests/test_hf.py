@@ -28,6 +28,8 @@ from ckptd.launch import spawn_daemon
 
 WORKER = Path(hf_worker.__file__)
 MB = 10**6
+GROUP_TIMEOUT = 600        # a hung rank group is killed after this (a safety net on a loaded machine, not a limit)
+pytestmark = pytest.mark.timeout(900)
 
 
 def ckptd(*args: str) -> subprocess.CompletedProcess[str]:
@@ -49,7 +51,7 @@ def saved(base: Path) -> dict[str, Path]:
     try:
         for layout in ("ddp", "fsdp"):
             out = st.run_group(2, "save", "--layout", layout, "--socket", str(base / "d.sock"), "--job", layout,
-                               "--ref", str(base / f"{layout}.ref"), script=WORKER)
+                               "--ref", str(base / f"{layout}.ref"), script=WORKER, timeout=GROUP_TIMEOUT)
             assert "COMMITTED 1" in out[0]
     finally:
         daemon.stop()
@@ -164,7 +166,8 @@ def mlp_step(base: Path) -> Path:
     daemon = spawn_daemon(base / "root4", base / "d4.sock")
     try:
         out = st.run_group(4, "save", "--model", "mlp", "--layout", "fsdp", "--socket", str(base / "d4.sock"),
-                           "--job", "mlp", "--ref", str(base / "mlp.ref"), script=WORKER)
+                           "--job", "mlp", "--ref", str(base / "mlp.ref"), script=WORKER,
+                           timeout=GROUP_TIMEOUT)
         assert "COMMITTED 1" in out[0]
     finally:
         daemon.stop()
@@ -220,7 +223,7 @@ def test_import_restores_bit_exact_at_any_layout(hub_dir: tuple[Path, dict[str, 
         ref = base / f"imported-{layout}.ref"
         direct = ("--hf", str(hub)) if layout == "fsdp" else ()      # then also load_hf straight from the HF dir
         out = st.run_group(world, "restore", "--layout", layout, "--root", str(root), "--job", "llama",
-                           "--ref", str(ref), *direct, script=WORKER)
+                           "--ref", str(ref), *direct, script=WORKER, timeout=GROUP_TIMEOUT)
         assert "RESTORED 5" in out[0]
         assert_bit_equal(load_file(ref), sd)
     # The direct path: each FSDP2 rank read its own slices from the HF directory.

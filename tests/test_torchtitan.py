@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from ckptd.launch import DaemonProcess, spawn_daemon
 
 WORKER = Path(__file__).with_name("titan_worker.py")
+pytestmark = pytest.mark.timeout(900)         # four rank groups importing torchtitan, on a small machine
 
 
 @pytest.fixture
@@ -32,15 +33,15 @@ def losses(out: str) -> dict[int, str]:
 
 def test_sigkill_resume_matches_uninterrupted_run(daemon: DaemonProcess, tmp: Path) -> None:
     common = ("--socket", str(daemon.socket), "--folder", str(tmp / "titan"), "--steps", "4", "--interval", "2")
-    ref = st.run_group(2, *common, "--job", "ref", script=WORKER, timeout=300)
+    ref = st.run_group(2, *common, "--job", "ref", script=WORKER, timeout=600)
     want = losses(ref[0])
     assert sorted(want) == [1, 2, 3, 4]
-    killed = st.finish(st.launch(2, *common, "--job", "run", "--kill-at", "3", script=WORKER), 300, expect_rc=-9)
+    killed = st.finish(st.launch(2, *common, "--job", "run", "--kill-at", "3", script=WORKER), 600, expect_rc=-9)
     assert "KILLED 3" in killed[0] and losses(killed[0]) == {k: want[k] for k in (1, 2, 3)}
     steps = sorted(p.name for p in (tmp / "root/run").iterdir())
     assert steps == ["step-000000000002"] and (tmp / "root/run" / steps[0] / "index.json").exists()
     resumed = st.run_group(2, *common, "--job", "run", "--hf-last", "--dump", str(tmp / "final.safetensors"),
-                           script=WORKER, timeout=300)
+                           script=WORKER, timeout=600)
     assert st.lines(resumed[0], "START") == [["2"]]
     assert losses(resumed[0]) == {3: want[3], 4: want[4]}
     # last_save_in_hf: the final model, exported as Hugging Face safetensors, equals the live one.
@@ -51,7 +52,7 @@ def test_sigkill_resume_matches_uninterrupted_run(daemon: DaemonProcess, tmp: Pa
     # initial_load_in_hf: a new job starts from that directory (imported as its step 0, model only).
     shutil.copytree(tmp / "titan/step-4", tmp / "hf-init")
     fresh = st.run_group(2, *common, "--job", "fine-tune", "--steps", "0", "--hf-init", str(tmp / "hf-init"),
-                         "--dump", str(tmp / "init.safetensors"), script=WORKER, timeout=300)
+                         "--dump", str(tmp / "init.safetensors"), script=WORKER, timeout=600)
     assert st.lines(fresh[0], "START") == [["0"]]
     loaded = load_file(tmp / "init.safetensors")
     assert all(torch.equal(loaded[k], final[k]) for k in final)
