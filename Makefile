@@ -21,6 +21,8 @@ $(VENV)/.installed: pyproject.toml
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -q -e '.[client,test]'
+	# torchtitan for tests/test_torchtitan.py, without its dependency list (the test extra has what it imports).
+	$(PIP) install -q --no-deps 'torchtitan==0.3.0'
 	touch $@
 
 $(VENV)/.installed-bench: $(VENV)/.installed

@@ -1,4 +1,4 @@
-"""Command line: ``ckptd serve | ls | verify | inspect | status | gc``."""
+"""Command line: ``ckptd serve | ls | verify | inspect | status | gc | export | import``."""
 from __future__ import annotations
 
 import argparse
@@ -19,6 +19,7 @@ from ckptd.daemon.config import DEBUG_KEYS, DEFAULT_CONFIG_PATH, KEYS, ConfigErr
 from ckptd.daemon.retention import collect_root
 from ckptd.daemon.server import Daemon, describe_error, tune_allocator
 from ckptd.daemon.spec import Key
+from ckptd.hf import commands as hf_commands
 
 
 def _size(n: float) -> str:
@@ -328,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-v", "--verbose", action="store_true", help="also list what is kept and why")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_gc)
+
+    hf_commands.add_parsers(sub)      # export, import (Hugging Face safetensors)
     return p
 
 

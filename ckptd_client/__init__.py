@@ -21,6 +21,7 @@ except ModuleNotFoundError as e:
 from .checkpointer import Checkpointer
 from .errors import CheckpointError
 from .handle import CloseReport, SaveHandle
+from .hf import ExportResult, ImportResult, export_hf, import_hf, load_hf
 from .lazy import load_tensor
 from .modes import WhenBusy
 from .preemption import PreemptionHandler
@@ -28,4 +29,4 @@ from .reshard import ReadStats
 from .state import RNGState
 
 __all__ = ["Checkpointer", "SaveHandle", "CloseReport", "CheckpointError", "RNGState", "PreemptionHandler", "WhenBusy",
-           "load_tensor", "ReadStats"]
+           "load_tensor", "ReadStats", "export_hf", "import_hf", "load_hf", "ExportResult", "ImportResult"]

@@ -57,7 +57,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(world: int, *args: str) -> list[subprocess.Popen[str]]:
+def launch(world: int, *args: str, script: Path = HERE) -> list[subprocess.Popen[str]]:
     """``world`` rank processes of this script (one group, fresh port); world 0 = one process, no group.
 
     The ranks share one process group of their own (led by rank 0), so ``kill_all`` signals them
@@ -68,7 +68,7 @@ def launch(world: int, *args: str) -> list[subprocess.Popen[str]]:
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_PORT": str(port),
                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         leader = procs[0].pid if procs else 0
-        procs.append(subprocess.Popen([sys.executable, str(HERE), *args], env=env, text=True,
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       preexec_fn=functools.partial(os.setpgid, 0, leader)))
     return procs
@@ -101,8 +101,8 @@ def finish(procs: list[subprocess.Popen[str]], timeout: float = 180, expect_rc: 
     return outs
 
 
-def run_group(world: int, *args: str, timeout: float = 180, expect_rc: int = 0) -> list[str]:
-    return finish(launch(world, *args), timeout, expect_rc)
+def run_group(world: int, *args: str, timeout: float = 180, expect_rc: int = 0, script: Path = HERE) -> list[str]:
+    return finish(launch(world, *args, script=script), timeout, expect_rc)
 
 
 def lines(out: str, tag: str) -> list[list[str]]:

@@ -50,6 +50,18 @@ def validate_tensor_name(name: object) -> str:
     return name
 
 
+_FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}\Z")
+
+
+def validate_file_name(name: object) -> str:
+    """A file name read from disk (a Hugging Face index's shard names): one plain name inside its
+    directory — letters, digits, ``._-``, no leading dot, no separator — so it can never escape it."""
+    if not isinstance(name, str) or not _FILE_RE.match(name):
+        raise ValueError(f"invalid file name {_short(name)}: a plain name of 1-255 of [A-Za-z0-9._-], "
+                         "starting with a letter or digit (no directories)")
+    return name
+
+
 def check_tree_depth(tree: Any, limit: int = MAX_TREE_DEPTH) -> None:
     """Raise ValueError if a JSON state tree nests deeper than ``limit`` (checked without recursion)."""
     stack = [(tree, 1)]

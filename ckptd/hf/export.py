@@ -1,0 +1,144 @@
+"""``ckptd export``: a committed step → a Hugging Face sharded safetensors directory, streaming.
+
+Tensors are consolidated one at a time (``consolidate.StepSource``: any world size, any
+sharding) and written straight into their output shard after its header (known up front from
+the plan), so memory holds one tensor and its decode buffers, never the model. Everything is
+written into a temporary directory next to OUT, fsynced, then renamed into place: a killed
+export leaves no half directory at OUT (only a hidden ``.OUT.tmp-*`` beside it).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ckptd.core import storage
+from ckptd.core.errors import FormatError
+
+from .consolidate import StepSource
+from .layout import (
+    EXPORT_DTYPES,
+    FLOAT_DTYPES,
+    INDEX_FILE,
+    OutTensor,
+    Plan,
+    canonical_name,
+    convert,
+    load_rename,
+    parse_size,
+    split,
+)
+from .progress import Progress
+from .safetensors_io import build_header, st_dtype
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    out: str
+    files: tuple[str, ...]          # safetensors files written, in order
+    tensors: int
+    total_size: int                 # bytes of tensor data (the index's metadata.total_size)
+
+
+def plan_export(source: StepSource, select: str, dtype: str | None, rename: Mapping[str, str],
+                max_shard_size: int) -> Plan:
+    """Which checkpoint tensors go out under which names and dtypes, split into shards."""
+    prefix = select.strip("/") + "/"
+    keys = source.key_order(prefix)
+    if not keys:
+        chosen = select.strip("/")
+        tops = sorted({k.split("/", 1)[0] for k in source.tensors})
+        raise FormatError(f"no tensors under {chosen!r} in {source.reader.path}; its top-level entries with "
+                          f"tensors are {tops} (pick one with --select)")
+    out: list[OutTensor] = []
+    seen: dict[str, str] = {}
+    for key in keys:
+        t = source.tensors[key]
+        name = canonical_name(key[len(prefix):].replace("/", "."))
+        name = rename.get(name, name)
+        if name in seen:
+            raise FormatError(f"tensors {seen[name]!r} and {key!r} would both be exported as {name!r}")
+        seen[name] = key
+        to = dtype if dtype is not None and t.dtype in FLOAT_DTYPES else t.dtype
+        st_dtype(to)        # refuses a dtype safetensors cannot hold, before anything is written
+        out.append(OutTensor(key, name, t.dtype, to, t.shape))
+    unused = set(rename) - {canonical_name(k[len(prefix):].replace("/", ".")) for k in keys}
+    if unused:
+        raise FormatError(f"--rename names {len(unused)} tensors the checkpoint does not have, "
+                          f"e.g. {sorted(unused)[0]!r}")
+    return split(out, max_shard_size)
+
+
+def export_hf(step_dir: str | os.PathLike[str], out: str | os.PathLike[str], *,
+              max_shard_size: int | str = "5GB", select: str = "model", dtype: str | None = None,
+              rename: Mapping[str, str] | str | os.PathLike[str] | None = None, threads: int = 4,
+              force: bool = False, progress: bool | None = None) -> ExportResult:
+    """Write the committed step ``step_dir``'s ``select`` entry (default ``model``) to ``out`` as
+    Hugging Face safetensors shards (see README, "Export to Hugging Face"). ``dtype``: convert
+    floating tensors (``bfloat16``, ``float16``, ``float32``); ``rename``: a mapping (or a JSON file
+    of one) from canonical names to exported names; ``progress``: None = on a terminal only.
+    Raises FileExistsError when ``out`` exists (unless ``force``), FormatError for a bad step."""
+    out_path = os.path.abspath(os.fspath(out))
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(EXPORT_DTYPES)}")
+    if isinstance(rename, (str, os.PathLike)):
+        rename = load_rename(os.fspath(rename))
+    if os.path.lexists(out_path) and not force:
+        raise FileExistsError(f"{out_path} exists; pass force=True (--force) to replace it")
+    limit = parse_size(max_shard_size)
+    with StepSource(os.fspath(step_dir)) as source:
+        plan = plan_export(source, select, dtype, rename or {}, limit)
+        parent = os.path.dirname(out_path)
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_path)}.tmp-", dir=parent)
+        bar = Progress(f"export {os.path.basename(out_path)}", plan.total_size, progress)
+        try:
+            os.chmod(tmp, 0o755)
+            with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptd-export") as pool:
+                for name, tensors in plan.files.items():
+                    _write_file(source, os.path.join(tmp, name), tensors, pool, bar)
+            if plan.sharded:
+                storage.atomic_write(os.path.join(tmp, INDEX_FILE), plan.index_json())
+            storage.fsync_dir(tmp)
+            _publish(tmp, out_path, force)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            bar.close()
+    return ExportResult(out_path, tuple(plan.files), sum(len(t) for t in plan.files.values()), plan.total_size)
+
+
+def _write_file(source: StepSource, path: str, tensors: list[OutTensor], pool: ThreadPoolExecutor,
+                bar: Progress) -> None:
+    header, order = build_header([(t.name, t.dtype, t.shape) for t in tensors], {"format": "pt"})
+    by_name = {t.name: t for t in tensors}
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        storage.write_all(fd, [header])
+        for name, _ in order:            # data order: the header's offsets follow it
+            t = by_name[name]
+            data = convert(source.read_whole(t.key, pool), t.src_dtype, t.dtype)
+            storage.write_all(fd, [memoryview(data)])  # type: ignore[arg-type]
+            bar.update(t.nbytes)
+            del data
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: str, out: str, force: bool) -> None:
+    """Rename the finished ``tmp`` to ``out``; with ``force`` an existing ``out`` is moved aside first
+    and removed only once the new directory is in place."""
+    parent = os.path.dirname(out)
+    old = None
+    if force and os.path.lexists(out):
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=parent)
+        os.rename(out, os.path.join(old, "x"))
+    os.rename(tmp, out)
+    storage.fsync_dir(parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,59 @@
+"""The torchtitan checkpoint manager (issue 8, acceptance 4): torchtitan's llama3 debug model trained
+on CPU by 2 FSDP2 gloo ranks (tests/titan_worker.py says how and why its own loop), SIGKILLed after
+a commit, resumed in new processes: the remaining steps' losses equal an uninterrupted run's bit
+for bit. The resumed run's last save goes out as Hugging Face safetensors (last_save_in_hf), and a
+new job starts from that directory (initial_load_in_hf, through ckptd import)."""
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sharded_trainer as st
+import torch
+from safetensors.torch import load_file
+
+from ckptd.launch import DaemonProcess, spawn_daemon
+
+WORKER = Path(__file__).with_name("titan_worker.py")
+pytestmark = pytest.mark.timeout(900)         # four rank groups importing torchtitan, on a small machine
+
+
+@pytest.fixture
+def daemon(tmp: Path) -> Iterator[DaemonProcess]:
+    d = spawn_daemon(tmp / "root", tmp / "d.sock")
+    yield d
+    d.stop()
+
+
+def losses(out: str) -> dict[int, str]:
+    return {int(w[0]): w[1] for w in st.lines(out, "LOSS")}
+
+
+def test_sigkill_resume_matches_uninterrupted_run(daemon: DaemonProcess, tmp: Path) -> None:
+    common = ("--socket", str(daemon.socket), "--folder", str(tmp / "titan"), "--steps", "4", "--interval", "2")
+    ref = st.run_group(2, *common, "--job", "ref", script=WORKER, timeout=600)
+    want = losses(ref[0])
+    assert sorted(want) == [1, 2, 3, 4]
+    killed = st.finish(st.launch(2, *common, "--job", "run", "--kill-at", "3", script=WORKER), 600, expect_rc=-9)
+    assert "KILLED 3" in killed[0] and losses(killed[0]) == {k: want[k] for k in (1, 2, 3)}
+    steps = sorted(p.name for p in (tmp / "root/run").iterdir())
+    assert steps == ["step-000000000002"] and (tmp / "root/run" / steps[0] / "index.json").exists()
+    resumed = st.run_group(2, *common, "--job", "run", "--hf-last", "--dump", str(tmp / "final.safetensors"),
+                           script=WORKER, timeout=600)
+    assert st.lines(resumed[0], "START") == [["2"]]
+    assert losses(resumed[0]) == {3: want[3], 4: want[4]}
+    # last_save_in_hf: the final model, exported as Hugging Face safetensors, equals the live one.
+    final = load_file(tmp / "final.safetensors")
+    exported = load_file(tmp / "titan/step-4/model.safetensors")
+    assert sorted(exported) == sorted(final)
+    assert all(torch.equal(exported[k], final[k]) for k in final)
+    # initial_load_in_hf: a new job starts from that directory (imported as its step 0, model only).
+    shutil.copytree(tmp / "titan/step-4", tmp / "hf-init")
+    fresh = st.run_group(2, *common, "--job", "fine-tune", "--steps", "0", "--hf-init", str(tmp / "hf-init"),
+                         "--dump", str(tmp / "init.safetensors"), script=WORKER, timeout=600)
+    assert st.lines(fresh[0], "START") == [["0"]]
+    loaded = load_file(tmp / "init.safetensors")
+    assert all(torch.equal(loaded[k], final[k]) for k in final)
+    assert (tmp / "root/fine-tune/step-000000000000/index.json").exists()
