@@ -81,8 +81,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"ckptd serve: {e}", file=sys.stderr)
         return 1
     tune_allocator()
-    daemon = Daemon(config)
     try:
+        daemon = Daemon(config)
         import uvloop
         uvloop.run(daemon.serve(listen_sock))
     except (RuntimeError, OSError) as e:

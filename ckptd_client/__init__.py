@@ -22,10 +22,11 @@ from .checkpointer import Checkpointer
 from .errors import CheckpointError
 from .handle import CloseReport, SaveHandle
 from .lazy import load_tensor
+from .memory_restore import RestoreInfo
 from .modes import WhenBusy
 from .preemption import PreemptionHandler
 from .reshard import ReadStats
 from .state import RNGState
 
 __all__ = ["Checkpointer", "SaveHandle", "CloseReport", "CheckpointError", "RNGState", "PreemptionHandler", "WhenBusy",
-           "load_tensor", "ReadStats"]
+           "load_tensor", "ReadStats", "RestoreInfo"]

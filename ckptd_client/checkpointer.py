@@ -18,6 +18,7 @@ from ckptd.core.reader import latest_committed
 from .connection import DaemonConnection
 from .errors import CheckpointError, NotDelivered
 from .handle import CloseReport, SaveHandle, wait_all
+from .memory_restore import STORAGE, MemoryUnavailable, RestoreInfo, restore_from_memory
 from .modes import AUTO, WhenBusy, parse_when_busy, resolve_commit_mode
 from .overlap import OverlapCopies, fence_list, parse_overlap
 from .relay import StoreRelay
@@ -64,7 +65,7 @@ class Checkpointer:
                  rank: int | None = None, world_size: int | None = None, store: Any = None,
                  num_slots: int = 2, commit: CommitMode | str = AUTO, commit_timeout: float = 600.0,
                  restore_threads: int | None = None, overlap: bool | str = True,
-                 when_busy: WhenBusy | str = WhenBusy.BLOCK) -> None:
+                 when_busy: WhenBusy | str = WhenBusy.BLOCK, memory: bool = True) -> None:
         self.job = names.validate_job(job)
         self.socket_path = socket or protocol.default_socket_path()
         self.root = os.path.abspath(root) if root else None
@@ -88,6 +89,8 @@ class Checkpointer:
         self._restores = 0
         self._relay: StoreRelay | None = None
         self._closed = False
+        self.memory = memory                           # restore asks the daemon's memory tier first
+        self.last_restore: RestoreInfo | None = None   # the source (memory, peer, storage) of the last restore
 
     @property
     def slots(self) -> list[ClientSlot]:
@@ -320,7 +323,12 @@ class Checkpointer:
         lacks, a dtype or global-shape mismatch, a missing piece, a corrupt chunk. Tensors are
         decoded straight into ``state``, so a restore that fails can leave ``state`` partly
         loaded: restore again, e.g. from an older ``step``. Nothing is unpickled.
-        ``ckptd_client.load_tensor`` reads one tensor (or a slice) without a state."""
+        ``ckptd_client.load_tensor`` reads one tensor (or a slice) without a state.
+
+        Memory first (``memory=True``, the default): when the daemon still holds the step in memory
+        (or fetches it from a peer daemon), the raw bytes are copied from its memfd, checksums
+        checked, no storage read; at the same world size and with no DTensor in ``state`` only.
+        Otherwise, or on any doubt, storage. ``last_restore`` says which (and why not memory)."""
         self.fence()
         if step is None:
             step = self.latest_step()
@@ -329,11 +337,24 @@ class Checkpointer:
                 step = agree_step(self.store, self.job, self._restores, self.rank, step)
             if step is None:
                 return None
+        started, fallback = time.monotonic(), "memory restore off (memory=False)"
+        if self.memory:
+            try:
+                self.last_restore = restore_from_memory(self.socket_path, self.job, step, self.rank, self.world_size,
+                                                        state, self.restore_threads)
+                log.info("ckptd: restored step %d from %s in %.3fs", step, self.last_restore.source,
+                         self.last_restore.seconds)
+                return step
+            except MemoryUnavailable as e:
+                fallback = str(e)
         path = step_dir(self._root(), self.job, step)
         if not os.path.isdir(path):
             raise CheckpointError(f"step {step} of job {self.job!r} does not exist under {self._root()}")
         restore_state(path, state, rank=self.rank, world_size=self.world_size, threads=self.restore_threads,
                       per_rank=per_rank)
+        self.last_restore = RestoreInfo(step, STORAGE, time.monotonic() - started, fallback=fallback)
+        log.info("ckptd: restored step %d from storage in %.3fs (memory tier: %s)", step,
+                 self.last_restore.seconds, fallback)
         return step
 
     # ---- lifetime ----------------------------------------------------------

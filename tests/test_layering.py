@@ -32,6 +32,12 @@ RANKS = {
     "ckptd.daemon.slot_pool": 4,
     "ckptd.daemon.steps": 5,       # step coordination and client sessions
     "ckptd.daemon.session": 5,
+    "ckptd.daemon.peer_settings": 2,   # memory tier / peer settings (config gathers them)
+    "ckptd.daemon.memory_store": 2,
+    "ckptd.daemon.memory_tier": 4,     # memory tier in front of the file system tier
+    "ckptd.daemon.peers": 4,           # peer listener and links (memory_store only)
+    "ckptd.daemon.replicate": 4,
+    "ckptd.daemon.recovery": 5,        # wires memory tier, peers and replication for the server
     "ckptd.daemon.server": 6,      # lifecycle and op table: wires everything together
     "ckptd.cli": 7,
     "ckptd.launch": 7,

@@ -44,6 +44,7 @@ class Op(str, Enum):
     REPORT = "report"
     INFO = "info"
     STATUS = "status"
+    MEMORY_FETCH = "memory_fetch"
 
 
 class EventOp(str, Enum):
@@ -130,8 +131,20 @@ class Status:
     op: ClassVar[Op] = Op.STATUS
 
 
-Request = Hello | Resize | Save | Commit | Abort | Report | Info | Status
-REQUEST_TYPES: dict[str, type] = {t.op.value: t for t in (Hello, Resize, Save, Commit, Abort, Report, Info, Status)}
+@dataclass(frozen=True)
+class MemoryFetch:
+    """A restore from the daemon's memory (no hello needed): the reply has the held shard's layout
+    (``core.held.HeldMeta``) and its memfd; the shard stays pinned until this connection closes."""
+    job: str
+    rank: int
+    world_size: int
+    step: Any = None            # None: the newest committed step
+    op: ClassVar[Op] = Op.MEMORY_FETCH
+
+
+Request = Hello | Resize | Save | Commit | Abort | Report | Info | Status | MemoryFetch
+REQUEST_TYPES: dict[str, type] = {t.op.value: t for t in (Hello, Resize, Save, Commit, Abort, Report, Info, Status,
+                                                          MemoryFetch)}
 # Field → JSON type of each request's required fields (also what the fuzz tests draw from).
 _WIRE_TYPES: dict[str, Any] = {"str": str, "int": int, "float": _NUMBER, "Any": _JSON,
                                "list[Any]": list, "dict[str, Any]": dict}
