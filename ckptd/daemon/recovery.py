@@ -7,6 +7,7 @@ what status and metrics show (:class:`MemoryView`).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Hashable
@@ -24,6 +25,7 @@ from ckptd.daemon.replicate import Replicator, ReplicaView
 from ckptd.daemon.runtime import RequestError, TaskSet
 
 log = logging.getLogger("ckptd")
+SETTLE_INTERVAL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,16 @@ class Recovery:
                                                      "targets": self.replicator.targets if self.replicator else []}})
         if self.replicator is not None:
             self.tasks.spawn(self.replicator.run(), "replication")
+        if self.store.enabled:
+            self.tasks.spawn(self._settle_loop(), "memory tier commit check")
+
+    async def _settle_loop(self) -> None:
+        """Steps whose commit this daemon does not see (another node's leader committed them, or a
+        replica's) become committed here once their index.json is in place; then older ones go."""
+        while True:
+            await asyncio.sleep(SETTLE_INTERVAL_S)
+            for job in sorted({h.job for h in self.store.entries.values() if not h.committed}):
+                self._trim(job)
 
     async def stop(self) -> None:
         if self.server is not None:
