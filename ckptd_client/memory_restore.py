@@ -32,7 +32,7 @@ from .reshard import DTYPES, decodable_into, tensor_bytes
 from .restore import _apply
 
 MEMORY, PEER, STORAGE = "memory", "peer", "storage"
-MAX_READ = 1 << 30            # bytes per preadv call (Linux moves at most ~2 GiB per call)
+TASK_BYTES = 64 << 20         # a restore thread's share of a tensor at a time
 
 
 class MemoryUnavailable(Exception):
@@ -51,18 +51,23 @@ class RestoreInfo:
     fallback: str | None = None
 
 
-def _read_into(fd: int, t: TensorLayout, out: torch.Tensor, sums: tuple[str, ...], chunk: int) -> None:
-    view = tensor_bytes(out)
-    got = 0
-    while got < t.nbytes:
-        n = os.preadv(fd, [view[got:min(t.nbytes, got + MAX_READ)]], t.offset + got)
-        if n <= 0:
-            raise MemoryUnavailable(f"held shard ended early at tensor {t.name!r}")
-        got += n
-    try:
-        verify(view, sums, chunk, f"memory copy of tensor {t.name!r}")
-    except ChecksumError as e:
-        raise MemoryUnavailable(f"corrupt: {e}") from None
+def _read_into(fd: int, t: TensorLayout, view: memoryview, sums: tuple[str, ...], chunk: int, first: int,
+               last: int) -> None:
+    """Chunks ``first``..``last`` of tensor ``t``: each read from the memfd into ``view`` (the live
+    tensor's bytes) and checksummed at once, while it is still in the CPU's cache."""
+    for i in range(first, last):
+        s = i * chunk
+        n = min(chunk, t.nbytes - s)
+        got = 0
+        while got < n:
+            k = os.preadv(fd, [view[s + got:s + n]], t.offset + s + got)
+            if k <= 0:
+                raise MemoryUnavailable(f"held shard ended early at tensor {t.name!r}")
+            got += k
+        try:
+            verify(view[s:s + n], sums[i:i + 1], chunk, f"memory copy of tensor {t.name!r} chunk {i}")
+        except ChecksumError as e:
+            raise MemoryUnavailable(f"corrupt: {e}") from None
 
 
 def _fetch(socket_path: str, job: str, step: int, rank: int, world_size: int) -> tuple[Any, HeldMeta, int, str]:
@@ -114,6 +119,7 @@ def restore_from_memory(socket_path: str, job: str, step: int, rank: int, world_
         if any(p not in saved and not any(p.startswith(x) for x in lazy) for p in live):
             raise MemoryUnavailable("the state has tensors the held step lacks")
         tensors: dict[str, torch.Tensor] = {}
+        chunk = max(8, meta.chunk_bytes - meta.chunk_bytes % 8)     # as codec.chunk_ranges cuts them
         with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptd-memrestore") as pool:
             futures = []
             for name in dict.fromkeys(names):
@@ -124,7 +130,9 @@ def restore_from_memory(socket_path: str, job: str, step: int, rank: int, world_
                 out = target if target is not None and decodable_into(target, t.dtype, t.shape) else \
                     torch.empty(t.shape, dtype=DTYPES[t.dtype])
                 tensors[name] = out
-                futures.append(pool.submit(_read_into, fd, t, out, sums, meta.chunk_bytes))
+                view, per_task = tensor_bytes(out), max(1, TASK_BYTES // chunk)
+                futures += [pool.submit(_read_into, fd, t, view, sums, chunk, i, min(i + per_task, len(sums)))
+                            for i in range(0, len(sums), per_task)]
             for f in futures:
                 f.result()
         try:

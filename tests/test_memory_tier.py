@@ -164,6 +164,6 @@ def test_budget_evicts_oldest_first_never_a_pinned_step(daemon_factory):
     assert "evicted=3" in cli.stdout and "job=budget step=5 committed" in cli.stdout, cli.stdout
     remove_data_files(d.root, "budget")
     target = zeros_like(states[5])
-    assert ck.restore(target) == 5 and ck.last_restore.source == "memory"
+    assert ck.restore(target) == 5 and ck.last_restore.source == "memory" and ck.last_restore.step == 5
     assert_equal(states[5], target)
     ck.close()
