@@ -212,7 +212,8 @@ def test_many_ranks_one_daemon_local_commit(daemon, tmp):
 
 def test_restore_reads_only_its_own_shard(daemon):
     """Two ranks (two clients in one process, local commit); rank 0 restores with rank 1's files gone."""
-    cks = [ckptd_client.Checkpointer("own", socket=str(daemon.socket), rank=r, world_size=2) for r in range(2)]
+    cks = [ckptd_client.Checkpointer("own", socket=str(daemon.socket), rank=r, world_size=2, memory=False)
+           for r in range(2)]       # storage restores (the memory tier would serve rank 1 without its files)
     states: list[dict[str, Any]] = [{"w": torch.full((100,), float(r)), "r": r} for r in range(2)]
     handles = [ck.save(1, st) for ck, st in zip(cks, states, strict=False)]
     for h in handles:
