@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +140,7 @@ def test_budget_evicts_oldest_first_never_a_pinned_step(daemon_factory):
     """Acceptance 4: with room for two 2 MiB shards and 3 steps wanted, saving a third evicts the
     oldest; a step a restore holds open is never evicted (a shard that cannot fit is not held);
     `ckptd status` shows all of it."""
-    d = daemon_factory("--memory-budget", "5MiB", "--memory-steps", "3")
+    d = daemon_factory("--memory-budget", "5MiB", "--memory-steps", "3", "--metrics-address", "127.0.0.1:0")
     ck = ckptd_client.Checkpointer("budget", socket=str(d.socket))
     states = {s: state_of(s, mib=2) for s in (1, 2, 3, 4, 5)}
     for s in (1, 2, 3):
@@ -162,6 +163,8 @@ def test_budget_evicts_oldest_first_never_a_pinned_step(daemon_factory):
                          capture_output=True, text=True)
     assert cli.returncode == 0, cli.stdout + cli.stderr
     assert "evicted=3" in cli.stdout and "job=budget step=5 committed" in cli.stdout, cli.stdout
+    scrape = urllib.request.urlopen(f"http://{status(d.socket)['metrics']}/metrics", timeout=10).read().decode()
+    assert "ckptd_memory_evicted_shards_total 3.0" in scrape and "ckptd_memory_budget_bytes 5.24288e+06" in scrape
     remove_data_files(d.root, "budget")
     target = zeros_like(states[5])
     assert ck.restore(target) == 5 and ck.last_restore.source == "memory" and ck.last_restore.step == 5

@@ -189,3 +189,38 @@ def test_replica_corrupted_in_transit_is_detected_and_storage_used(nodes, daemon
         ck2.close()
     finally:
         proxy.close()
+
+
+def test_peer_settings_are_checked_at_start(tmp):
+    """Peers need a secret and this node in the list; the memory tier must be on."""
+    from ckptd.daemon.config import ConfigError, load_settings
+    secret = secret_file(tmp / "s", "x" * 32)
+    me, other = "127.0.0.1:7465", "127.0.0.2:7465"
+    base = {"root": str(tmp), "peers.listen": me, "peers.peers": f"{me},{other}"}
+    ok = load_settings(cli={**base, "peers.secret_file": str(secret)}, env={})
+    assert ok["peers.peers"] == [me, other] and ok["peers.replicas"] == 1
+    with pytest.raises(ConfigError, match="secret_file"):
+        load_settings(cli=base, env={})
+    with pytest.raises(ConfigError, match="not in the list"):
+        load_settings(cli={**base, "peers.secret_file": str(secret), "peers.peers": other}, env={})
+    with pytest.raises(ConfigError, match="memory.steps is 0"):
+        load_settings(cli={**base, "peers.secret_file": str(secret), "memory.steps": "0"}, env={})
+    with pytest.raises(ConfigError, match="host:port"):
+        load_settings(cli={**base, "peers.peers": "nonsense"}, env={})
+
+
+def test_replication_is_paced_by_the_bandwidth_limit(daemon_factory, tmp):
+    """3 MiB at `peers.bandwidth = 512KiB` (a one-second burst, then 512 KiB/s) cannot be replicated
+    in under 4 s, and the step commits without waiting for it (its log line comes first)."""
+    addrs = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    secret = secret_file(tmp / "secret", "pace-secret-0123456789abcdef")
+    daemon_factory(*peer_args(addrs[0], addrs, secret), name="a")
+    b = daemon_factory(*peer_args(addrs[1], addrs, secret, "--peer-bandwidth", "512KiB"), name="b")
+    ck = ckptd_client.Checkpointer("pace", socket=str(b.socket))
+    t0 = time.monotonic()
+    ck.save(1, state_of(5, mib=3)).wait(60)
+    ck.close()
+    wait_for(lambda: held_steps(b.socket)[0]["replicated"], "replication")
+    assert time.monotonic() - t0 >= 4.0
+    log = b.log_text()
+    assert log.index("committed job=pace step=1") < log.index("replicated job=pace step=1")

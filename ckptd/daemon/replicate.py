@@ -33,16 +33,15 @@ class TokenBucket:
         self.tokens, self.last = float(rate), clock()
 
     async def take(self, n: int) -> None:
+        """Before sending ``n`` bytes: wait until the bucket has paid for them (it may run into debt
+        for a piece larger than a burst; the wait then covers the debt)."""
         if self.rate <= 0:
             return
-        while True:
-            now = self.clock()
-            self.tokens = min(float(self.rate), self.tokens + (now - self.last) * self.rate)
-            self.last = now
-            if self.tokens >= min(n, self.rate):
-                self.tokens -= n           # may go negative for a piece over the burst: later ones wait
-                return
-            await asyncio.sleep((min(n, self.rate) - self.tokens) / self.rate)
+        now = self.clock()
+        self.tokens = min(float(self.rate), self.tokens + (now - self.last) * self.rate) - n
+        self.last = now
+        if self.tokens < 0:
+            await asyncio.sleep(-self.tokens / self.rate)
 
 
 def targets(peers: list[str], me: str, k: int, jump: int) -> list[str]:
