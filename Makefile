@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 # What `make lint` (and so `make test`) checks with ruff and mypy: the whole tree.
 CHECKED := ckptd ckptd_client tests benchmarks examples
 
-.PHONY: demo test lint bench bench-sharded install install-test clean
+.PHONY: demo test lint bench bench-sharded bench-memory install install-test clean
 
 # Daemon + client (the client extra brings torch; the daemon alone needs only `pip install ckptd`).
 $(VENV)/.installed: pyproject.toml
@@ -51,6 +51,11 @@ bench: $(VENV)/.installed-bench
 # writes benchmarks/results/sharded.md and .json.
 bench-sharded: $(VENV)/.installed-bench
 	$(PY) benchmarks/sharded_bench.py
+
+# Restore of a 1 GiB shard from the daemon's memory tier vs storage vs DCP load vs a plain memcpy;
+# writes benchmarks/results/memory_restore.md and .json.
+bench-memory: $(VENV)/.installed-bench
+	$(PY) benchmarks/memory_restore_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache

@@ -120,8 +120,11 @@ def main() -> int:
     rows = [[m, fmt(med[m] * 1e3, 1, " ms"), fmt(gib / med[m], 2, " GiB/s"), fmt(med[m] / med["memcpy"], 2, "×"),
              fmt(min(times[m]) * 1e3, 1, " ms"), fmt(max(times[m]) * 1e3, 1, " ms")] for m in METHODS]
     ratio = med["ckptd memory"] / med["memcpy"]
+    paired = median([m / c for m, c in zip(times["ckptd memory"], times["memcpy"], strict=True)])
     head = [["memory-tier restore ÷ plain memcpy", fmt(ratio, 2, "×"), f"≤ {TARGET:g}×",
              "**met**" if ratio <= TARGET else "**not met**"],
+            ["the same, paired by round (median of each round's ratio)", fmt(paired, 2, "×"), f"≤ {TARGET:g}×",
+             "**met**" if paired <= TARGET else "**not met**"],
             ["memory-tier restore ÷ ckptd storage restore (warm cache)",
              fmt(med["ckptd memory"] / med["ckptd storage"], 3, "×"), "—", ""],
             ["memory-tier restore ÷ ckptd storage restore (cold cache)",
@@ -148,7 +151,7 @@ def main() -> int:
         "`(cold)` drops the step's data files from the page cache first (`posix_fadvise`).",
     ]) + "\n"
     res: dict[str, Any] = {"machine": info, "mib": a.mib, "rounds": a.rounds, "times_s": times, "median_s": med,
-                           "ratio_memory_to_memcpy": ratio, "wall_s": wall}
+                           "ratio_memory_to_memcpy": ratio, "ratio_paired": paired, "wall_s": wall}
     write_results(RESULTS / "memory_restore", res, md)
     return 0
 

@@ -5,24 +5,29 @@ with the rank's held shard — the raw bytes the trainer saved, in a memfd passe
 plus its layout, state tree and per-chunk checksums — after checking that the shard is the one
 the committed index.json records (its manifest digest). A daemon that lost it (a replacement
 node) fetches it from a peer daemon's memory first. Here each tensor is read straight into the
-live tensor (``preadv`` from the memfd: one kernel copy, no page-table setup for a mapping), every
-chunk's xxh3 checksum is checked, and only then is the state tree applied. Anything else —
+live tensor (the memfd mapped read-only, copied a cache-sized piece at a time on the restore
+threads), each piece's bytes fed to its chunk's xxh3 while still in cache, every chunk's
+checksum checked, and only then is the state tree applied. Anything else —
 no daemon, a step not held, a resharding restore, a DTensor state, a checksum mismatch — raises
 :class:`MemoryUnavailable` with the reason, and the caller reads storage.
 """
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+import xxhash
 
 from ckptd.core import protocol
-from ckptd.core.errors import ChecksumError, FormatError, ProtocolError
-from ckptd.core.held import HeldMeta, verify
+from ckptd.core.errors import FormatError, ProtocolError
+from ckptd.core.held import HeldMeta
 from ckptd.core.schema import TensorLayout
 from ckptd.core.tree import decode_tree, join_path
 
@@ -33,6 +38,7 @@ from .restore import _apply
 
 MEMORY, PEER, STORAGE = "memory", "peer", "storage"
 TASK_BYTES = 64 << 20         # a restore thread's share of a tensor at a time
+PIECE = 512 << 10             # read and hashed at once: fits a core's L2 cache
 
 
 class MemoryUnavailable(Exception):
@@ -51,23 +57,21 @@ class RestoreInfo:
     fallback: str | None = None
 
 
-def _read_into(fd: int, t: TensorLayout, view: memoryview, sums: tuple[str, ...], chunk: int, first: int,
+def _read_into(base: int, t: TensorLayout, out: torch.Tensor, sums: tuple[str, ...], chunk: int, first: int,
                last: int) -> None:
-    """Chunks ``first``..``last`` of tensor ``t``: each read from the memfd into ``view`` (the live
-    tensor's bytes) and checksummed at once, while it is still in the CPU's cache."""
+    """Chunks ``first``..``last`` of tensor ``t``: copied from the mapped memfd (at address ``base``)
+    into ``out`` a cache-sized piece at a time, each piece hashed while it is still in the CPU's cache."""
+    view, dst = tensor_bytes(out), out.data_ptr()
     for i in range(first, last):
-        s = i * chunk
-        n = min(chunk, t.nbytes - s)
-        got = 0
-        while got < n:
-            k = os.preadv(fd, [view[s + got:s + n]], t.offset + s + got)
-            if k <= 0:
-                raise MemoryUnavailable(f"held shard ended early at tensor {t.name!r}")
-            got += k
-        try:
-            verify(view[s:s + n], sums[i:i + 1], chunk, f"memory copy of tensor {t.name!r} chunk {i}")
-        except ChecksumError as e:
-            raise MemoryUnavailable(f"corrupt: {e}") from None
+        start, end = i * chunk, min((i + 1) * chunk, t.nbytes)
+        h = xxhash.xxh3_64()
+        for pos in range(start, end, PIECE):
+            n = min(PIECE, end - pos)
+            ctypes.memmove(dst + pos, base + t.offset + pos, n)      # ctypes drops the GIL
+            h.update(view[pos:pos + n])
+        if h.hexdigest() != sums[i]:
+            raise MemoryUnavailable(f"corrupt: memory copy of tensor {t.name!r}: chunk {i} (bytes {start}..{end}) "
+                                    "fails its checksum")
 
 
 def _fetch(socket_path: str, job: str, step: int, rank: int, world_size: int) -> tuple[Any, HeldMeta, int, str]:
@@ -120,21 +124,35 @@ def restore_from_memory(socket_path: str, job: str, step: int, rank: int, world_
             raise MemoryUnavailable("the state has tensors the held step lacks")
         tensors: dict[str, torch.Tensor] = {}
         chunk = max(8, meta.chunk_bytes - meta.chunk_bytes % 8)     # as codec.chunk_ranges cuts them
-        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptd-memrestore") as pool:
-            futures = []
-            for name in dict.fromkeys(names):
-                if name not in layout:
-                    raise MemoryUnavailable(f"tensor {name!r} of the held state tree is not in its layout")
-                t, sums = layout[name]
-                target = live.get(name)
-                out = target if target is not None and decodable_into(target, t.dtype, t.shape) else \
-                    torch.empty(t.shape, dtype=DTYPES[t.dtype])
-                tensors[name] = out
-                view, per_task = tensor_bytes(out), max(1, TASK_BYTES // chunk)
-                futures += [pool.submit(_read_into, fd, t, view, sums, chunk, i, min(i + per_task, len(sums)))
-                            for i in range(0, len(sums), per_task)]
-            for f in futures:
-                f.result()
+        size = os.fstat(fd).st_size
+        if size < meta.nbytes:
+            raise MemoryUnavailable(f"held shard is {size} bytes, its layout needs {meta.nbytes}")
+        mm = mmap.mmap(fd, max(size, 1), mmap.MAP_SHARED, mmap.PROT_READ)
+        mapped = np.frombuffer(mm, dtype=np.uint8)
+        base = mapped.ctypes.data
+        try:
+            with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptd-memrestore") as pool:
+                futures: list[Future[None]] = []
+                try:
+                    for name in dict.fromkeys(names):
+                        if name not in layout:
+                            raise MemoryUnavailable(f"tensor {name!r} of the held state tree is not in its layout")
+                        t, sums = layout[name]
+                        target = live.get(name)
+                        out = target if target is not None and decodable_into(target, t.dtype, t.shape) else \
+                            torch.empty(t.shape, dtype=DTYPES[t.dtype])
+                        tensors[name] = out
+                        per = max(1, TASK_BYTES // chunk)
+                        futures += [pool.submit(_read_into, base, t, out, sums, chunk, i, min(i + per, len(sums)))
+                                    for i in range(0, len(sums), per)]
+                    for f in futures:
+                        f.result()
+                finally:
+                    for f in futures:       # (on failure: the ones not started never run)
+                        f.cancel()
+        finally:                            # every copy has ended here (the pool was shut down)
+            del mapped
+            mm.close()
         try:
             loaded = {k: decode_tree(sub, tensors.__getitem__) for k, sub in wanted}
         except (FormatError, KeyError) as e:
