@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_acceptance import assert_same_tensors, finish, launch
+from test_acceptance import assert_same_tensors, finish, kill_after_commit, launch
 
 import ckptd_client
 from ckptd.core import protocol
@@ -60,14 +59,7 @@ def test_sigkilled_trainer_restores_from_memory_reading_no_data(daemon, tmp):
     args = ("--steps", "18", "--every", "3", "--step-sleep", "0.05")
     finish(launch(2, [daemon.socket], "reference", tmp / "ref", *args))
     kill_after = random.Random().choice([3, 6, 9])
-    procs = launch(2, [daemon.socket], "crashy", tmp / "crash", *args)
-    for line in procs[0].stdout:
-        if line.startswith("COMMITTED") and int(line.split()[1]) >= kill_after:
-            break
-    for p in procs:
-        p.send_signal(signal.SIGKILL)
-    for p in procs:
-        p.wait(timeout=30)
+    kill_after_commit(launch(2, [daemon.socket], "crashy", tmp / "crash", *args), kill_after)
     assert remove_data_files(daemon.root, "crashy") >= 2
     outs = finish(launch(2, [daemon.socket], "crashy", tmp / "crash", *args))
     for out in outs:
