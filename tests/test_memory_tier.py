@@ -110,6 +110,8 @@ def test_restore_needs_the_committed_step_and_same_world(daemon):
         protocol.request_once(str(daemon.socket), protocol.to_wire(protocol.MemoryFetch("world", 0, 2, 1), 1))
     with pytest.raises(RuntimeError, match="not committed"):
         protocol.request_once(str(daemon.socket), protocol.to_wire(protocol.MemoryFetch("world", 0, 1, 7), 1))
+    with pytest.raises(RuntimeError, match="invalid job name"):
+        protocol.request_once(str(daemon.socket), protocol.to_wire(protocol.MemoryFetch("../world", 0, 1), 1))
     fresh = ckptd_client.Checkpointer("world", socket=str(daemon.socket), memory=False)
     target = zeros_like(state)
     assert fresh.restore(target) == 1 and fresh.last_restore.source == "storage"

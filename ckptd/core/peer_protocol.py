@@ -3,8 +3,8 @@
 TCP, one connection per exchange stream. A frame is a 16-byte header — ``b"CP"``, the version
 (u16), the JSON length (u32), the payload length (u64), big-endian — then a UTF-8 JSON object
 with an ``op``, then that many payload bytes (a held shard's raw bytes; ``ckptd.core.held``).
-JSON bodies are at most 16 MiB; a payload is at most what the receiver agreed to take
-(``limit``), checked before a byte of it is read. See FORMAT.md, "Peer protocol".
+JSON bodies are at most 16 MiB (4 KiB before the handshake is done); a payload is at most
+what the receiver agreed to take (``limit``), checked before a byte of it is read. See FORMAT.md, "Peer protocol".
 
 Handshake, before anything else, both ways (a shared secret, never sent):
 
@@ -35,6 +35,7 @@ PEER_VERSION = 1
 PEER_MAGIC = b"CP"
 PEER_HEADER = struct.Struct(">2sHIQ")
 MAX_PEER_JSON = 16 * 1024 * 1024
+MAX_HANDSHAKE_JSON = 4096           # what an unauthenticated side may send
 PIECE = 4 * 1024 * 1024
 HANDSHAKE_TIMEOUT_S = 10.0
 _CLIENT, _SERVER = b"ckptd-peer client", b"ckptd-peer server"
@@ -72,7 +73,8 @@ async def send(writer: asyncio.StreamWriter, msg: dict[str, Any], payload: Any =
     await writer.drain()
 
 
-async def recv(reader: asyncio.StreamReader, limit: int = 0) -> tuple[dict[str, Any], int]:
+async def recv(reader: asyncio.StreamReader, limit: int = 0, max_json: int = MAX_PEER_JSON
+               ) -> tuple[dict[str, Any], int]:
     """(message, payload length); the payload is not read yet (``recv_payload`` or ``skip``).
     ProtocolError for bad magic, version, sizes or JSON; a payload over ``limit`` is refused."""
     try:
@@ -84,7 +86,7 @@ async def recv(reader: asyncio.StreamReader, limit: int = 0) -> tuple[dict[str, 
         raise ProtocolError(f"bad peer frame magic {magic!r}: not a ckptd peer")
     if version != PEER_VERSION:
         raise ProtocolError(f"peer speaks protocol version {version}, this daemon {PEER_VERSION}")
-    if jlen > MAX_PEER_JSON or plen > limit:
+    if jlen > max_json or plen > limit:
         raise ProtocolError(f"peer frame too large ({jlen} bytes of JSON, {plen} of payload; limit {limit})")
     try:
         msg = json.loads(await reader.readexactly(jlen))
@@ -118,7 +120,7 @@ async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
     """Authenticate a connecting peer and prove ourselves; returns the name it gave. AuthError if not."""
     ns = secrets.token_hex(32)
     await send(writer, {"op": "challenge", "nonce": ns})
-    msg, _ = await asyncio.wait_for(recv(reader), HANDSHAKE_TIMEOUT_S)
+    msg, _ = await asyncio.wait_for(recv(reader, max_json=MAX_HANDSHAKE_JSON), HANDSHAKE_TIMEOUT_S)
     if msg.get("op") != "auth":
         raise AuthError("peer did not authenticate")
     nc, their = _nonce(msg), msg.get("mac")
@@ -133,12 +135,12 @@ async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
 async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes,
                            node: str) -> None:
     """Answer the server's challenge and check its proof; AuthError if it fails either way."""
-    msg, _ = await asyncio.wait_for(recv(reader), HANDSHAKE_TIMEOUT_S)
+    msg, _ = await asyncio.wait_for(recv(reader, max_json=MAX_HANDSHAKE_JSON), HANDSHAKE_TIMEOUT_S)
     if msg.get("op") != "challenge":
         raise AuthError("peer sent no challenge")
     ns, nc = _nonce(msg), secrets.token_hex(32)
     await send(writer, {"op": "auth", "nonce": nc, "node": node, "mac": mac(secret, _CLIENT, ns, nc)})
-    msg, _ = await asyncio.wait_for(recv(reader), HANDSHAKE_TIMEOUT_S)
+    msg, _ = await asyncio.wait_for(recv(reader, max_json=MAX_HANDSHAKE_JSON), HANDSHAKE_TIMEOUT_S)
     if msg.get("op") == "refused":
         raise AuthError("the peer refused our authentication (wrong shared secret?)")
     theirs = msg.get("mac")

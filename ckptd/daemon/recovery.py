@@ -15,6 +15,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
+from ckptd.core import names
 from ckptd.core.protocol import MemoryFetch
 from ckptd.core.tier import StorageTier
 from ckptd.daemon.config import DaemonConfig
@@ -117,6 +118,7 @@ class Recovery:
 
     async def fetch(self, conn: Hashable, m: MemoryFetch) -> tuple[dict[str, Any], list[int]]:
         """``memory_fetch``: the shard's layout and a descriptor of its memfd (pinned until ``release``)."""
+        names.validate_job(m.job)          # (ValueError: an error reply) before it names any path
         if m.step is not None and (type(m.step) is not int or m.step < 0):
             raise RequestError("memory_fetch: step must be a non-negative integer or null")
         if not 0 <= m.rank < m.world_size <= 1 << 20:
