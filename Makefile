@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 # What `make lint` (and so `make test`) checks with ruff and mypy: the whole tree.
 CHECKED := ckptd ckptd_client tests benchmarks examples
 
-.PHONY: demo demo-s3 test lint bench bench-sharded bench-s3 install install-test clean
+.PHONY: demo demo-s3 test lint bench bench-sharded bench-s3 bench-memory install install-test clean
 
 # Daemon + client (the client extra brings torch; the daemon alone needs only `pip install ckptd`).
 $(VENV)/.installed: pyproject.toml
@@ -62,6 +62,11 @@ bench-sharded: $(VENV)/.installed-bench
 # The object-storage tier vs boto3 against a local SeaweedFS; writes benchmarks/results/s3.md and .json.
 bench-s3: $(VENV)/.installed-bench
 	flock /tmp/ckptd-bench.lock $(PY) benchmarks/s3_bench.py
+
+# Restore of a 1 GiB shard from the daemon's memory tier vs storage vs DCP load vs a plain memcpy;
+# writes benchmarks/results/memory_restore.md and .json.
+bench-memory: $(VENV)/.installed-bench
+	$(PY) benchmarks/memory_restore_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache

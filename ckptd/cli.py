@@ -16,6 +16,7 @@ from ckptd.core.names import validate_job
 from ckptd.core.reader import Fault, StepReader, list_steps, verify_step
 from ckptd.daemon import logs, systemd
 from ckptd.daemon.config import DEBUG_KEYS, DEFAULT_CONFIG_PATH, KEYS, ConfigError, load_settings
+from ckptd.daemon.recovery import memory_lines
 from ckptd.daemon.retention import collect_root
 from ckptd.daemon.server import Daemon, describe_error, tune_allocator
 from ckptd.daemon.spec import Key
@@ -85,8 +86,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"ckptd serve: {e}", file=sys.stderr)
         return 1
     tune_allocator()
-    daemon = Daemon(config)
     try:
+        daemon = Daemon(config)
         import uvloop
         uvloop.run(daemon.serve(listen_sock))
     except (RuntimeError, OSError) as e:
@@ -269,6 +270,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     print("last committed step per job:" + ("" if last else " none"))
     for job, info in sorted(last.items()):
         print(f"  {job}: {info['step'] if info['step'] is not None else '-'}")
+    for line in memory_lines(st.get("memory")):
+        print(line)
     return 0
 
 

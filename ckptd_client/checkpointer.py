@@ -19,6 +19,7 @@ from . import bucket_restore
 from .connection import DaemonConnection
 from .errors import CheckpointError, NotDelivered
 from .handle import CloseReport, SaveHandle, wait_all
+from .memory_restore import STORAGE, MemoryUnavailable, RestoreInfo, restore_from_memory
 from .modes import AUTO, WhenBusy, parse_when_busy, resolve_commit_mode
 from .overlap import OverlapCopies, fence_list, parse_overlap
 from .relay import StoreRelay
@@ -65,7 +66,7 @@ class Checkpointer:
                  rank: int | None = None, world_size: int | None = None, store: Any = None,
                  num_slots: int = 2, commit: CommitMode | str = AUTO, commit_timeout: float = 600.0,
                  restore_threads: int | None = None, overlap: bool | str = True,
-                 when_busy: WhenBusy | str = WhenBusy.BLOCK) -> None:
+                 when_busy: WhenBusy | str = WhenBusy.BLOCK, memory: bool = True) -> None:
         self.job = names.validate_job(job)
         self.socket_path = socket or protocol.default_socket_path()
         self.root = os.path.abspath(root) if root else None
@@ -89,6 +90,8 @@ class Checkpointer:
         self._restores = 0
         self._relay: StoreRelay | None = None
         self._closed = False
+        self.memory = memory                           # restore asks the daemon's memory tier first
+        self.last_restore: RestoreInfo | None = None   # the source (memory, peer, storage) of the last restore
 
     @property
     def slots(self) -> list[ClientSlot]:
@@ -321,18 +324,34 @@ class Checkpointer:
         lacks, a dtype or global-shape mismatch, a missing piece, a corrupt chunk. Tensors are
         decoded straight into ``state``, so a restore that fails can leave ``state`` partly
         loaded: restore again, e.g. from an older ``step``. Nothing is unpickled.
-        ``ckptd_client.load_tensor`` reads one tensor (or a slice) without a state."""
+        ``ckptd_client.load_tensor`` reads one tensor (or a slice) without a state.
+
+        Memory first (``memory=True``, the default): when the daemon still holds the step in memory
+        (or fetches it from a peer daemon), the raw bytes are copied from its memfd, checksums
+        checked, no storage read; at the same world size and with no DTensor in ``state`` only.
+        Otherwise, or on any doubt, storage. ``last_restore`` says which (and why not memory)."""
         self.fence()
-        staged = bucket_restore.stage(self.socket_path, self.job, step, self.rank, self.world_size)
-        if step is None:
+        staged: bucket_restore.Staged | None = None
+        if step is None:                # the newest committed step, here or in the bucket
+            staged = bucket_restore.stage(self.socket_path, self.job, None, self.rank, self.world_size)
             step = staged.step if staged.bucket else self.latest_step()
             if self.world_size > 1 and self.store is not None:
                 self._restores += 1
                 step = agree_step(self.store, self.job, self._restores, self.rank, step)
             if step is None:
                 return None
-        if staged.bucket and staged.step != step:     # ranks agreed on another step than the newest here
-            bucket_restore.stage(self.socket_path, self.job, step, self.rank, self.world_size)
+        started, fallback = time.monotonic(), "memory restore off (memory=False)"
+        if self.memory:
+            try:
+                self.last_restore = restore_from_memory(self.socket_path, self.job, step, self.rank, self.world_size,
+                                                        state, self.restore_threads)
+                log.info("ckptd: restored step %d from %s in %.3fs", step, self.last_restore.source,
+                         self.last_restore.seconds)
+                return step
+            except MemoryUnavailable as e:
+                fallback = str(e)
+        if staged is None or (staged.bucket and staged.step != step):   # not staged yet, or ranks agreed on another
+            staged = bucket_restore.stage(self.socket_path, self.job, step, self.rank, self.world_size)
         path = step_dir(self._root(), self.job, step)
         if not os.path.isdir(path):
             raise CheckpointError(f"step {step} of job {self.job!r} does not exist under {self._root()}")
@@ -345,6 +364,9 @@ class Checkpointer:
             bucket_restore.stage(self.socket_path, self.job, step, self.rank, self.world_size, all_ranks=True)
             restore_state(path, state, rank=self.rank, world_size=self.world_size, threads=self.restore_threads,
                           per_rank=per_rank)
+        self.last_restore = RestoreInfo(step, STORAGE, time.monotonic() - started, fallback=fallback)
+        log.info("ckptd: restored step %d from storage in %.3fs (memory tier: %s)", step,
+                 self.last_restore.seconds, fallback)
         return step
 
     # ---- lifetime ----------------------------------------------------------

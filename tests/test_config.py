@@ -224,7 +224,10 @@ SERVE_FLAGS = {"--root": "root", "--socket": "socket", "--socket-mode": "socket_
                "--drain-grace": "drain_grace", "--log-format": "log_format", "--log-level": "log_level",
                "--keep-last": "retention.keep_last", "--keep-every": "retention.keep_every",
                "--abandoned-after": "retention.abandoned_after", "--metrics-address": "metrics.address",
-               "--debug-write-delay": "debug.write_delay"}
+               "--debug-write-delay": "debug.write_delay",
+               "--memory-steps": "memory.steps", "--memory-budget": "memory.budget", "--peer-listen": "peers.listen",
+               "--peer": "peers.peers", "--peer-name": "peers.name", "--peer-secret-file": "peers.secret_file",
+               "--peer-replicas": "peers.replicas", "--peer-jump": "peers.jump", "--peer-bandwidth": "peers.bandwidth"}
 SERVE_FLAGS.update({f"--s3-{k.replace('_', '-')}": f"s3.{k}" for k in (
     "url", "endpoint", "region", "concurrency", "part_size", "keep_last", "queue_depth", "retry_max_interval")})
 SERVE_FLAGS["--debug-upload-delay"] = "debug.upload_delay"

@@ -36,6 +36,12 @@ RANKS = {
     "ckptd.daemon.uploader": 4,    # object-storage tier: uploads, staging, its facade for the server
     "ckptd.daemon.stage": 4,
     "ckptd.daemon.s3_tier": 4,
+    "ckptd.daemon.peer_settings": 2,   # memory tier / peer settings (config gathers them)
+    "ckptd.daemon.memory_store": 2,
+    "ckptd.daemon.memory_tier": 4,     # memory tier in front of the file system tier
+    "ckptd.daemon.peers": 4,           # peer listener and links (memory_store only)
+    "ckptd.daemon.replicate": 4,
+    "ckptd.daemon.recovery": 5,        # wires memory tier, peers and replication for the server
     "ckptd.daemon.server": 6,      # lifecycle and op table: wires everything together
     "ckptd.cli": 7,
     "ckptd.bucket_cli": 7,         # the CLI's object-storage commands

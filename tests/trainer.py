@@ -84,6 +84,8 @@ def main() -> int:
     start = ckpt.restore(state) or 0
     if start:
         print(f"RESTORED {start}", flush=True)
+        assert ckpt.last_restore is not None
+        print(f"RESTORE_SOURCE {ckpt.last_restore.source} {ckpt.last_restore.fallback or ''}", flush=True)
     assert state["meta"]["step"] == start
     pending: list[ckptd_client.SaveHandle] = []
     for step in range(start, a.steps):

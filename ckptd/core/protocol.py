@@ -46,6 +46,7 @@ class Op(str, Enum):
     STATUS = "status"
     STAGE = "stage"            # object-storage tier: fetch a step from the bucket into the local root
     FLUSH = "flush"            # object-storage tier: get a committed step into the bucket now
+    MEMORY_FETCH = "memory_fetch"
 
 
 class EventOp(str, Enum):
@@ -147,7 +148,16 @@ class Flush:            # wait up to timeout s for step (None: newest local) to 
     op: ClassVar[Op] = Op.FLUSH
 
 
-Request = Hello | Resize | Save | Commit | Abort | Report | Info | Status | Stage | Flush
+@dataclass(frozen=True)
+class MemoryFetch:      # no hello; reply: the held shard's layout (core.held.HeldMeta) + its memfd, pinned till close
+    job: str
+    rank: int
+    world_size: int
+    step: Any = None            # None: the newest committed step
+    op: ClassVar[Op] = Op.MEMORY_FETCH
+
+
+Request = Hello | Resize | Save | Commit | Abort | Report | Info | Status | Stage | Flush | MemoryFetch
 REQUEST_TYPES: dict[str, type] = {t.op.value: t for t in get_args(Request)}
 # Field → JSON type of each request's required fields (also what the fuzz tests draw from).
 _WIRE_TYPES: dict[str, Any] = {"str": str, "int": int, "float": (int, float), "Any": _JSON,
@@ -312,18 +322,6 @@ class FrameReceiver:
             raise ProtocolError(f"expected {n} file descriptors, received {len(self.fds)}")
         taken, self.fds = self.fds[:n], self.fds[n:]
         return taken
-
-
-async def read_frame_async(loop: Any, sock: socket.socket) -> dict[str, Any] | None:
-    """Daemon side: next message from a non-blocking socket, or None at a clean end of stream."""
-    header = await recv_exact_async(loop, sock, HEADER.size)
-    if header is None:
-        return None
-    length = parse_header(header)
-    body = await recv_exact_async(loop, sock, length)
-    if body is None:
-        raise ProtocolError("connection closed inside a frame body")
-    return decode_body(body)
 
 
 async def recv_exact_async(loop: Any, sock: socket.socket, n: int) -> bytes | None:

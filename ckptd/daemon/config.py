@@ -32,6 +32,7 @@ else:  # pragma: no cover - Python 3.10
 
 from ckptd.core.codec import CODECS
 from ckptd.core.protocol import DEFAULT_SOCKET
+from ckptd.daemon.peer_settings import MemorySettings, PeerSettings, check_peers
 from ckptd.daemon.retention import RetentionPolicy
 from ckptd.daemon.s3_settings import S3Settings
 from ckptd.daemon.spec import (
@@ -173,6 +174,8 @@ class Settings:
     retention: RetentionSettings = table(RetentionSettings)
     metrics: MetricsSettings = table(MetricsSettings)
     s3: S3Settings = table(S3Settings)
+    memory: MemorySettings = table(MemorySettings)
+    peers: PeerSettings = table(PeerSettings)
 
     def to_daemon_config(self, debug: DebugSettings | None = None) -> DaemonConfig:
         """What the daemon reads: these values in the shapes its parts take."""
@@ -186,7 +189,8 @@ class Settings:
                                 debug_write_delay=debug.write_delay),
             allowed_uids=frozenset(self.allowed_users) or None, allowed_gids=frozenset(self.allowed_groups) or None,
             drain_grace=self.drain_grace, retention=self.retention.policy(), metrics_address=self.metrics.address,
-            s3=self.s3, debug_upload_delay=debug.upload_delay)
+            s3=self.s3, debug_upload_delay=debug.upload_delay,
+            memory=self.memory, peers=self.peers)
 
 
 @dataclass(frozen=True)
@@ -229,6 +233,8 @@ class DaemonConfig:
     metrics_address: tuple[str, int] | None = None  # (host, port) of /metrics; None: off
     s3: S3Settings = field(default_factory=S3Settings)  # s3.url None: no object-storage tier
     debug_upload_delay: float = 0.0
+    memory: MemorySettings = field(default_factory=MemorySettings)
+    peers: PeerSettings = field(default_factory=PeerSettings)
 
 
 # ---- loading ------------------------------------------------------------------------------------
@@ -358,6 +364,7 @@ def _check_consistency(s: Effective, require_root: bool) -> None:
             f"{src['retention.abandoned_after']}: retention.abandoned_after: "
             f"{c.retention.abandoned_after:g}s is shorter than step_timeout ({c.step_timeout:g}s); "
             "a slow step still being written could be removed")
+    check_peers(c.memory, c.peers, src, ConfigError)
     if c.socket_mode & 0o007 and not (c.allowed_users or c.allowed_groups):
         raise ConfigError(
             f"{src['socket_mode']}: socket_mode: {c.socket_mode:04o} lets every local user connect; "

@@ -73,7 +73,36 @@ class _DaemonCollector(Collector):
             last_time.add_metric([job], info.unix)
         yield last_step
         yield last_time
+        yield from _memory_metrics(snap.memory)
         yield InfoMetricFamily("ckptd_build", "ckptd version.", value={"version": snap.version})
+
+
+_MEMORY_COUNTERS = {
+    "held": "Shards that became resident in the memory tier (own and peers' replicas).",
+    "evicted": "Shards evicted from the memory tier by its budget.",
+    "skipped": "Shards not held because they did not fit the memory budget.",
+    "served": "Restores served from the memory tier (from a peer's copy included).",
+    "corrupt": "Held or received shards that failed their checksums (never served).",
+}
+
+
+def _memory_metrics(m: Any) -> Iterable[Any]:
+    """The memory tier and peer copies (recovery.MemoryView), when the daemon has them."""
+    if m is None:
+        return
+    yield GaugeMetricFamily("ckptd_memory_bytes", "Bytes held by the memory tier.", value=m.used)
+    yield GaugeMetricFamily("ckptd_memory_budget_bytes", "The memory tier's budget (memory.budget).", value=m.budget)
+    yield GaugeMetricFamily("ckptd_memory_shards", "Shards held by the memory tier.", value=len(m.held))
+    for key, doc in _MEMORY_COUNTERS.items():
+        yield CounterMetricFamily(f"ckptd_memory_{key}_shards", doc, value=getattr(m.totals, key))
+    held = m.to_json()["held"]
+    yield GaugeMetricFamily("ckptd_memory_replicated_steps", "Steps held here whose own shards all have K + 1 "
+                            "copies in memory.", value=sum(1 for s in held if s["replicated"]))
+    yield CounterMetricFamily("ckptd_peer_refused", "Peer connections refused (failed authentication).",
+                              value=m.peers_refused)
+    yield CounterMetricFamily("ckptd_peer_replication_failures", "Shard copies to a peer that failed.",
+                              value=m.replication_failures)
+    yield CounterMetricFamily("ckptd_peer_sent_bytes", "Bytes of shards copied to peers.", value=m.replicated_bytes)
 
 
 class DaemonMetrics:

@@ -21,13 +21,14 @@ from typing import Any
 from ckptd import __version__
 from ckptd.core import names, protocol
 from ckptd.core.errors import FormatError
-from ckptd.core.protocol import Abort, Commit, CommitMode, Hello, Info, Report, Resize, Save, Status
+from ckptd.core.protocol import Abort, Commit, CommitMode, Hello, Info, MemoryFetch, Report, Resize, Save, Status
 from ckptd.core.tier import ShardRef, ShardWritten
 from ckptd.daemon import systemd
 from ckptd.daemon.commit import CommitError
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.fs_tier import FsTier, Retention
 from ckptd.daemon.metrics import DaemonMetrics
+from ckptd.daemon.recovery import Recovery
 from ckptd.daemon.runtime import RequestError, TaskSet, bounded, describe_error
 from ckptd.daemon.s3_tier import ObjectTier, bucket_ops
 from ckptd.daemon.session import Session, peer_allowed, peer_of, refuse
@@ -73,8 +74,9 @@ class Daemon:
         self.tier = FsTier(self.root, config.write, config.threads, self.io_pool)
         self.slots = SlotPool(config.slot_memory_limit, self.io_pool)
         self.metrics = DaemonMetrics(self.snapshot)
+        self.recovery = Recovery(config, self.tier, self.root, self.io_pool)   # memory tier, peer copies
         self.steps: StepCoordinator[Session] = StepCoordinator(
-            self.tier, Session.event, step_timeout=config.step_timeout,
+            self.recovery.tier, Session.event, step_timeout=config.step_timeout,
             on_durable=self._durable, on_committed=self._committed, withdraw_commits=self.tier.withdraw_commits)
         self.s3 = ObjectTier.create(config, self.root, self.tasks, self.metrics.registry)   # None: no bucket
         self.retention = Retention(self.tier, config.retention, self.tasks, lambda job: self.steps.open_steps(job)
@@ -97,7 +99,7 @@ class Daemon:
             steps=self.steps.step_views(), shard_writes=self.steps.shard_views(),
             slot_bytes_in_use=self.slots.in_use, slot_memory_limit=self.slots.limit,
             last_committed=dict(self.steps.last_committed),
-            metrics_address=f"{address[0]}:{address[1]}" if address else None)
+            metrics_address=f"{address[0]}:{address[1]}" if address else None, memory=self.recovery.view())
 
     def _durable(self, result: ShardWritten) -> None:
         self.metrics.shard_durable(result.raw_bytes, result.stored_bytes, result.seconds)
@@ -151,6 +153,7 @@ class Daemon:
             host, port = self.metrics.serve(self.config.metrics_address)
             log.info("metrics", extra={"ctx": {"address": f"{host}:{port}", "path": "/metrics"}})
         sock = listen_sock or self.bind()
+        await self.recovery.start()
         if listen_sock is not None:
             self.socket_path = systemd.socket_path(listen_sock)
             if self.socket_path != self.config.socket_path:
@@ -191,6 +194,7 @@ class Daemon:
                 await tasks.cancel_all()
         finally:
             sock.close()
+            await self.recovery.stop()
             self.metrics.close()
             self.notifier.close()
             if listen_sock is None:
@@ -199,6 +203,7 @@ class Daemon:
                 except FileNotFoundError:
                     pass
             self.tier.close()
+            self.recovery.close()
             self.io_pool.shutdown(wait=False, cancel_futures=True)
 
     def stop(self) -> None:
@@ -264,6 +269,7 @@ class Daemon:
             await session.serve(self.requests.dispatch)
         finally:
             self.sessions.discard(session)
+            self.recovery.release(session)
             self.slots.release(session.slots)
             session.slots = []
             session.close()
@@ -277,7 +283,8 @@ class Requests:
         self.d = daemon
         self.table: dict[type, Callable[[Session, Any], Awaitable[Reply]]] = {
             Hello: self.hello, Resize: self.resize, Save: self.save, Commit: self.commit, Abort: self.abort,
-            Report: self.report, Info: self.info, Status: self.status, **bucket_ops(daemon.s3),
+            Report: self.report, Info: self.info, Status: self.status, MemoryFetch: daemon.recovery.fetch,
+            **bucket_ops(daemon.s3),
         }
 
     async def dispatch(self, session: Session, msg: dict[str, Any]) -> None:

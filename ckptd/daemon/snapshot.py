@@ -86,6 +86,7 @@ class DaemonSnapshot:
     slot_memory_limit: int
     last_committed: Mapping[str, LastCommit] = field(default_factory=dict)
     metrics_address: str | None = None
+    memory: Any = None           # recovery.MemoryView: the memory tier and peer copies
 
     def status_line(self) -> str:
         """One line for systemd's STATUS= (``systemctl status``)."""
@@ -115,7 +116,8 @@ class DaemonSnapshot:
         return {"root": self.root, "version": self.version, "pid": self.pid, "sessions": sessions,
                 "steps": steps, "stats": self.counters.as_dict(), "slot_bytes_in_use": self.slot_bytes_in_use,
                 "slot_memory_limit": self.slot_memory_limit, "saves": saves, "last_committed": last,
-                "socket": self.socket, "draining": self.draining, "metrics": self.metrics_address}
+                "socket": self.socket, "draining": self.draining, "metrics": self.metrics_address,
+                "memory": self.memory.to_json() if self.memory is not None else None}
 
     def jobs(self) -> list[str]:
         """Every job with a session, a step in flight or a commit here."""

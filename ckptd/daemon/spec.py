@@ -342,3 +342,28 @@ def show_address(v: tuple[str, int] | None) -> str:
         return '""'
     host, port = v
     return f'"[{host}]:{port}"' if ":" in host else f'"{host}:{port}"'
+
+
+def peer_address(v: Any) -> str:
+    """A peer daemon's ``"host:port"`` (``"[v6]:port"``), kept as written: it names the node in ``peers``."""
+    if not isinstance(v, str):
+        raise ValueError(f"must be \"host:port\", got {v!r}")
+    s = v.strip()
+    m = re.fullmatch(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):(\d+)", s)
+    if not m or not 0 < int(m.group(1)) <= 65535:
+        raise ValueError(f"{v!r} is not \"host:port\" (e.g. \"10.0.0.7:7465\")")
+    return s
+
+
+def optional_peer_address(v: Any) -> str | None:
+    """A peer address, or ``""``: off."""
+    if v is None or (isinstance(v, str) and v.strip().lower() in ("", "off")):
+        return None
+    return peer_address(v)
+
+
+def optional_path(v: Any) -> str | None:
+    """A path, or ``""``: unset."""
+    if v is None or v == "":
+        return None
+    return path(v)

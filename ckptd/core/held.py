@@ -1,0 +1,112 @@
+"""A shard held in memory (the daemon's memory tier, a peer's replica): what describes its bytes.
+
+The bytes are the rank's raw slot bytes, exactly as the trainer copied them (no codec), so a
+restore is a copy. They are tied to the committed step by ``digest``: the SHA-256 of the
+rank's manifest, which the step's index.json records (``ranks[r].manifest_digest``); a held
+shard is served only while that digest matches the committed index. Their integrity is checked
+with xxh3-64 per chunk of raw bytes (``checksums``, the algorithm the format uses for stored
+chunks), computed from the slot while the codec read it, and checked again by whoever loads or
+receives them. Nothing here is trusted from the wire: :func:`HeldMeta.from_wire` validates names,
+layout bounds, sizes and checksum counts.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from .codec import chunk_ranges
+from .errors import ChecksumError, FormatError
+from .names import validate_job
+from .protocol import parse_layout
+from .schema import TensorLayout
+
+MAX_HELD_BYTES = 1 << 40          # one rank's shard; anything larger on the wire is refused
+MIN_CHUNK, MAX_CHUNK = 64 * 1024, 1 << 30
+
+
+def raw_checksums(data: memoryview | bytes, chunk_bytes: int) -> tuple[str, ...]:
+    """xxh3-64 (hex) of each ``chunk_bytes`` piece of one tensor's bytes ``data``."""
+    view = memoryview(data)
+    return tuple(xxhash.xxh3_64_hexdigest(view[s:s + n]) for s, n in chunk_ranges(len(view), chunk_bytes))
+
+
+def layout_checksums(data: memoryview, layout: Sequence[TensorLayout],
+                     chunk_bytes: int) -> tuple[tuple[str, ...], ...]:
+    """Each tensor's chunk checksums, the tensors placed in ``data`` by ``layout``."""
+    return tuple(raw_checksums(data[t.offset:t.offset + t.nbytes], chunk_bytes) for t in layout)
+
+
+def verify(data: memoryview | bytes, checksums: tuple[str, ...], chunk_bytes: int, what: str) -> None:
+    """ChecksumError naming the first chunk of one tensor's bytes ``data`` whose checksum differs."""
+    view = memoryview(data)
+    spans = chunk_ranges(len(view), chunk_bytes)
+    if len(spans) != len(checksums):
+        raise ChecksumError(f"{what}: {len(checksums)} checksums for {len(spans)} chunks")
+    for i, ((s, n), want) in enumerate(zip(spans, checksums, strict=True)):
+        if xxhash.xxh3_64_hexdigest(view[s:s + n]) != want:
+            raise ChecksumError(f"{what}: chunk {i} (bytes {s}..{s + n}) fails its checksum: corrupt copy")
+
+
+@dataclass(frozen=True)
+class HeldMeta:
+    """Everything about a held shard but its bytes (``nbytes`` of them)."""
+    job: str
+    step: int
+    rank: int
+    world_size: int
+    digest: str                       # the rank's manifest digest, as index.json records it
+    nbytes: int
+    chunk_bytes: int
+    checksums: tuple[tuple[str, ...], ...]     # per tensor of ``layout``, per chunk
+    layout: tuple[TensorLayout, ...]
+    tree: Any
+
+    @property
+    def what(self) -> str:
+        return f"job {self.job!r} step {self.step} rank {self.rank}"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"job": self.job, "step": self.step, "rank": self.rank, "world_size": self.world_size,
+                "digest": self.digest, "nbytes": self.nbytes, "chunk_bytes": self.chunk_bytes,
+                "checksums": [list(c) for c in self.checksums], "tensors": [t.to_wire() for t in self.layout],
+                "tree": self.tree}
+
+    @classmethod
+    def from_wire(cls, msg: dict[str, Any]) -> HeldMeta:
+        """Validated; FormatError says what is wrong."""
+        try:
+            job = validate_job(msg.get("job"))
+        except (ValueError, TypeError) as e:
+            raise FormatError(f"held shard: {e}") from None
+        ints: list[int] = []
+        for k in ("step", "rank", "world_size", "nbytes", "chunk_bytes"):
+            v = msg.get(k)
+            if type(v) is not int or v < 0:
+                raise FormatError(f"held shard: {k} must be an integer ≥ 0")
+            ints.append(v)
+        step, rank, world, nbytes, chunk = ints
+        if not (0 <= rank < world <= 1 << 20 and nbytes <= MAX_HELD_BYTES and MIN_CHUNK <= chunk <= MAX_CHUNK):
+            raise FormatError(f"held shard: bad rank {rank} / world size {world} / size {nbytes} / chunk {chunk}")
+        digest, sums, tensors = msg.get("digest"), msg.get("checksums"), msg.get("tensors")
+        if not (isinstance(digest, str) and digest.startswith("sha256:") and len(digest) == 71):
+            raise FormatError("held shard: bad manifest digest")
+        if not isinstance(tensors, list):
+            raise FormatError("held shard: tensors must be a list")
+        try:
+            layout = parse_layout(tensors, nbytes)
+        except ValueError as e:
+            raise FormatError(f"held shard: {e}") from None
+        if not (isinstance(sums, list) and len(sums) == len(layout) and all(
+                isinstance(c, list) and len(c) == len(chunk_ranges(t.nbytes, chunk))
+                and all(isinstance(x, str) and len(x) == 16 for x in c) for c, t in zip(sums, layout, strict=True))):
+            raise FormatError("held shard: checksums do not match its tensors")
+        return cls(job, step, rank, world, digest, nbytes, chunk, tuple(tuple(c) for c in sums), tuple(layout),
+                   msg.get("tree"))
+
+
+def span(layout: Sequence[TensorLayout]) -> int:
+    """Bytes of a slot a layout uses (its tensors' furthest end)."""
+    return max((t.offset + t.nbytes for t in layout), default=0)

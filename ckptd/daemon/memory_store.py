@@ -1,0 +1,221 @@
+"""The daemon's memory tier store: shards held in memfds, a byte budget, eviction, pins.
+
+Each held shard is one memfd with the rank's raw slot bytes (``ckptd.core.held``), from this
+daemon's own writes (``local``) or a peer's replica (``replica``). Rules:
+
+- Every byte counts against ``budget`` from the moment it is reserved (before the copy).
+- Per job the newest ``steps`` steps known committed are kept, plus any newer step still in
+  flight; older ones go as soon as a newer step is known committed.
+- Under the budget, the oldest shards go first (by step, then arrival), never a pinned one
+  (a restore is reading it); a shard that does not fit even after every evictable one would
+  go is not held at all (the step is still written to storage as always).
+
+Single-threaded: called on the daemon's event loop only (the copies run on threads, on
+memfds that are reserved here and not yet visible).
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ckptd.core.held import HeldMeta
+
+log = logging.getLogger("ckptd")
+LOCAL, REPLICA = "local", "replica"
+
+
+def new_memfd(name: str, nbytes: int) -> tuple[int, mmap.mmap]:
+    """A memfd of ``nbytes`` (at least a page), allocated up front, mapped read-write."""
+    size = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, mm
+
+
+@dataclass(eq=False)
+class Held:
+    """One shard in memory. ``meta`` is None while its bytes are being copied in."""
+    job: str
+    step: int
+    rank: int
+    nbytes: int
+    origin: str
+    fd: int = -1
+    mm: mmap.mmap | None = None
+    meta: HeldMeta | None = None
+    committed: bool = False
+    pins: int = 0
+    gone: bool = False            # evicted or dropped: closed once unpinned
+    arrived: float = field(default_factory=time.monotonic)
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return self.job, self.step, self.rank
+
+    def close(self) -> None:
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:
+                pass              # a view is still alive on a thread; the mapping goes with it
+            self.mm = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+@dataclass(frozen=True)
+class HeldView:
+    job: str
+    step: int
+    rank: int
+    nbytes: int
+    origin: str
+    committed: bool
+    pins: int
+
+
+@dataclass
+class MemoryTotals:
+    held: int = 0                 # shards that became resident
+    evicted: int = 0              # shards evicted by the budget
+    skipped: int = 0              # shards not held: they did not fit the budget
+    served: int = 0               # restores served from memory
+    corrupt: int = 0              # held or received shards that failed their checksums
+
+
+class MemoryStore:
+    """Held shards by (job, step, rank); see the module docstring."""
+
+    def __init__(self, budget: int, steps: int) -> None:
+        self.budget = budget
+        self.steps = steps
+        self.used = 0
+        self.entries: dict[tuple[str, int, int], Held] = {}
+        self.totals = MemoryTotals()
+
+    @property
+    def enabled(self) -> bool:
+        return self.steps > 0 and self.budget > 0
+
+    # ---- reserving and adding -----------------------------------------------------------
+
+    def reserve(self, job: str, step: int, rank: int, nbytes: int, origin: str) -> Held | None:
+        """Budget for a shard about to be copied in (evicting the oldest as needed); None: not held."""
+        if not self.enabled:
+            return None
+        old = self.entries.get((job, step, rank))
+        if old is not None and old.pins == 0:
+            self._remove(old)
+        elif old is not None:
+            return None           # a restore reads the old copy: keep it, hold no second one
+        need = max(mmap.PAGESIZE, nbytes)
+        victims = sorted((h for h in self.entries.values() if h.pins == 0 and h.meta is not None),
+                         key=lambda h: (h.step, h.arrived))
+        free = self.budget - self.used
+        if free + sum(h.nbytes for h in victims) < need:
+            self.totals.skipped += 1
+            log.warning("not held in memory: over the memory budget",
+                        extra={"ctx": {"job": job, "step": step, "rank": rank, "bytes": nbytes,
+                                       "budget": self.budget, "used": self.used}})
+            return None
+        for h in victims:
+            if free >= need:
+                break
+            log.info("evicted from memory", extra={"ctx": {"job": h.job, "step": h.step, "rank": h.rank,
+                                                           "bytes": h.nbytes, "reason": "memory budget"}})
+            self.totals.evicted += 1
+            free += h.nbytes
+            self._remove(h)
+        held = Held(job, step, rank, need, origin)
+        self.entries[held.key] = held
+        self.used += need
+        return held
+
+    def filled(self, held: Held, meta: HeldMeta) -> None:
+        """Its bytes are in and checked: it may be served (once its step is committed and verified)."""
+        if held.gone:
+            held.close()
+            return
+        held.meta = meta
+        self.totals.held += 1
+
+    def cancel(self, held: Held) -> None:
+        """A reservation whose copy failed or whose step ended."""
+        if self.entries.get(held.key) is held:
+            self._remove(held)
+        else:
+            held.close()
+
+    # ---- lifecycle of steps -----------------------------------------------------------
+
+    def committed(self, job: str, step: int) -> None:
+        for h in self.entries.values():
+            if h.job == job and h.step == step:
+                h.committed = True
+
+    def drop_step(self, job: str, step: int, ranks: object = None) -> None:
+        """A failed step: its shards are of no use."""
+        for h in [h for h in self.entries.values() if h.job == job and h.step == step
+                  and (ranks is None or h.rank in ranks)]:       # type: ignore[operator]
+            self._remove(h)
+
+    def trim(self, job: str, is_committed: Callable[[str, int], bool]) -> None:
+        """Keep the newest ``steps`` committed steps of ``job`` and anything newer (see above)."""
+        mine = [h for h in self.entries.values() if h.job == job and h.meta is not None]
+        for h in mine:
+            if not h.committed and is_committed(job, h.step):
+                h.committed = True
+        kept = sorted({h.step for h in mine if h.committed}, reverse=True)[: self.steps]
+        if not kept:
+            return
+        for h in mine:
+            if h.step < kept[-1] or (h.step < kept[0] and not h.committed):
+                if h.pins == 0:
+                    self._remove(h)
+
+    # ---- serving ---------------------------------------------------------------------
+
+    def get(self, job: str, step: int, rank: int) -> Held | None:
+        h = self.entries.get((job, step, rank))
+        return h if h is not None and h.meta is not None and not h.gone else None
+
+    def pin(self, held: Held) -> None:
+        held.pins += 1
+
+    def unpin(self, held: Held) -> None:
+        held.pins -= 1
+        if held.pins == 0 and held.gone:
+            held.close()
+
+    def corrupt(self, held: Held) -> None:
+        self.totals.corrupt += 1
+        self._remove(held)
+
+    def _remove(self, held: Held) -> None:
+        if self.entries.get(held.key) is held:
+            del self.entries[held.key]
+            self.used -= held.nbytes
+        held.gone = True
+        if held.pins == 0 and held.meta is not None:
+            held.close()          # (one still being copied into is closed by whoever copies: cancel/filled)
+
+    def views(self) -> tuple[HeldView, ...]:
+        return tuple(HeldView(h.job, h.step, h.rank, h.nbytes, h.origin, h.committed, h.pins)
+                     for h in sorted(list(self.entries.values()), key=lambda h: h.key) if h.meta is not None)
+
+    def close(self) -> None:
+        for h in list(self.entries.values()):
+            h.pins = 0
+            self._remove(h)
+            h.close()

@@ -1,0 +1,180 @@
+"""The memory tier: a storage tier in front of another that keeps each shard's raw bytes resident.
+
+``write_shard`` copies the slot into a daemon-owned memfd on a thread *while* the inner tier
+(the file system) encodes and writes the same slot; the slot is released to the trainer only
+once both have read it, so a save costs the trainer nothing more (the copy is faster than the
+codec). The copy becomes servable when the inner write is durable (its manifest digest names
+it); ``commit``/``abort`` mark or drop it. Serving (``serve``) hands a committed shard out only
+after checking that its manifest digest is the one the committed index.json records for that
+rank; the client then checks every chunk's checksum as it loads (``ckptd_client.memory_restore``).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from concurrent.futures import Executor
+from typing import Any
+
+import numpy as np
+
+from ckptd.core.errors import FormatError
+from ckptd.core.held import HeldMeta, layout_checksums, span
+from ckptd.core.names import step_dir
+from ckptd.core.reader import StepReader
+from ckptd.core.schema import TensorLayout
+from ckptd.core.tier import ShardRef, ShardWritten, StorageTier
+from ckptd.daemon.memory_store import LOCAL, Held, MemoryStore, new_memfd
+from ckptd.daemon.runtime import RequestError, describe_error
+
+log = logging.getLogger("ckptd")
+COPY_PIECE = 64 * 1024 * 1024
+
+
+def _both(released: Callable[[], None]) -> Callable[[], None]:
+    """``released`` once both readers of a slot (the copy and the inner tier) have called this."""
+    lock, left = threading.Lock(), [2]
+
+    def one() -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            released()
+    return one
+
+
+def copy_in(held: Held, data: memoryview, layout: Sequence[TensorLayout], chunk_bytes: int
+            ) -> tuple[tuple[str, ...], ...]:
+    """(I/O thread) Copy the slot's used bytes into the held memfd and checksum them there."""
+    n = span(layout)
+    assert held.mm is not None
+    dst = np.frombuffer(held.mm, dtype=np.uint8, count=n)
+    src = np.frombuffer(data, dtype=np.uint8, count=n)
+    for s in range(0, n, COPY_PIECE):       # numpy drops the GIL for the copy; pieces keep caches warm
+        np.copyto(dst[s:s + COPY_PIECE], src[s:s + COPY_PIECE])
+    del dst, src
+    view = memoryview(held.mm)
+    try:
+        return layout_checksums(view, layout, chunk_bytes)
+    finally:
+        view.release()
+
+
+class MemoryTier(StorageTier):
+    """``inner`` plus resident copies in ``store``. ``on_held`` hears of each shard made servable
+    (peer replication queues it)."""
+
+    def __init__(self, inner: StorageTier, store: MemoryStore, root: str, chunk_bytes: int, pool: Executor,
+                 on_held: Callable[[Held], None] = lambda h: None) -> None:
+        self.inner, self.store, self.root = inner, store, root
+        self.chunk_bytes, self.pool, self.on_held = chunk_bytes, pool, on_held
+
+    async def write_shard(self, ref: ShardRef, data: memoryview, layout: Sequence[TensorLayout], tree: Any, *,
+                          released: Callable[[], None], abandoned: Callable[[], bool]) -> ShardWritten:
+        nbytes = span(layout)
+        held = self.store.reserve(ref.job, ref.step, ref.rank, nbytes, LOCAL)
+        if held is None:
+            return await self.inner.write_shard(ref, data, layout, tree, released=released, abandoned=abandoned)
+        loop = asyncio.get_running_loop()
+        both = _both(released)
+
+        def copy() -> tuple[tuple[str, ...], ...]:
+            try:
+                held.fd, held.mm = new_memfd(f"ckptd-mem-{ref.job}-{ref.step}-r{ref.rank}", nbytes)
+                return copy_in(held, data, layout, self.chunk_bytes)
+            finally:
+                both()
+        copying = loop.run_in_executor(self.pool, copy)
+        try:
+            result = await self.inner.write_shard(ref, data, layout, tree, released=both, abandoned=abandoned)
+        except BaseException:
+            await asyncio.gather(copying, return_exceptions=True)
+            self.store.cancel(held)
+            raise
+        try:
+            sums = await copying
+        except Exception as e:    # the copy failed (ENOMEM): the shard is durable all the same
+            log.warning("not held in memory: copy failed", extra={"ctx": {"job": ref.job, "step": ref.step,
+                                                                          "rank": ref.rank,
+                                                                          "error": describe_error(e)}})
+            self.store.cancel(held)
+            return result
+        self.store.filled(held, HeldMeta(ref.job, ref.step, ref.rank, ref.world_size, result.digest, nbytes,
+                                         self.chunk_bytes, sums, tuple(layout), tree))
+        if held.meta is not None:
+            self.store.trim(ref.job, self._committed_now)
+            self.on_held(held)
+        return result
+
+    def _committed_now(self, job: str, step: int) -> bool:
+        return os.path.isfile(os.path.join(step_dir(self.root, job, step), "index.json"))
+
+    async def commit(self, job: str, step: int, world_size: int, digests: Mapping[int, str]) -> None:
+        await self.inner.commit(job, step, world_size, digests)
+        self.store.committed(job, step)
+        self.store.trim(job, self._committed_now)
+
+    async def withdraw_commits(self) -> None:
+        await self.inner.withdraw_commits()
+
+    async def abort(self, job: str, step: int, ranks: Collection[int]) -> None:
+        self.store.drop_step(job, step, set(ranks))
+        await self.inner.abort(job, step, ranks)
+
+    async def is_committed(self, job: str, step: int) -> bool:
+        return await self.inner.is_committed(job, step)
+
+    async def latest_committed(self, job: str) -> int | None:
+        return await self.inner.latest_committed(job)
+
+    async def written_bytes(self, ref: ShardRef) -> int:
+        return await self.inner.written_bytes(ref)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    # ---- serving -------------------------------------------------------------------------
+
+    async def committed_digest(self, job: str, step: int | None, rank: int, world_size: int) -> tuple[int, str]:
+        """(step, rank's manifest digest) of the committed step (the newest when ``step`` is None),
+        read from index.json; RequestError when there is none or it was saved by another world."""
+        if step is None:
+            step = await self.inner.latest_committed(job)
+            if step is None:
+                raise RequestError(f"no committed step of job {job!r}")
+        path = step_dir(self.root, job, step)
+        try:
+            reader = await asyncio.get_running_loop().run_in_executor(self.pool, StepReader, path)
+        except (FormatError, OSError) as e:
+            raise RequestError(f"step {step} of job {job!r} is not committed: {e}") from None
+        if reader.world_size != world_size:
+            raise RequestError(f"step {step} was saved by {reader.world_size} ranks, this job has {world_size}: "
+                               "a restore at another world size reads storage")
+        return step, str(reader.index["ranks"][rank]["manifest_digest"])
+
+    async def serve(self, job: str, step: int | None, rank: int, world_size: int,
+                    fetch_peer: Callable[[str, int, int, str], Awaitable[Held | None]] | None
+                    ) -> tuple[Held, str]:
+        """The committed shard (pinned: ``store.unpin`` it when the client is done) and where it came
+        from (``memory`` or ``peer``); RequestError saying why not (the client reads storage)."""
+        if not self.store.enabled:
+            raise RequestError("the memory tier is off on this daemon (memory_steps = 0)")
+        step, digest = await self.committed_digest(job, step, rank, world_size)
+        held, source = self.store.get(job, step, rank), "memory"
+        if held is not None and held.meta is not None and held.meta.digest != digest:
+            log.warning("held shard is not the committed one; dropped",
+                        extra={"ctx": {"job": job, "step": step, "rank": rank}})
+            self.store.drop_step(job, step, {rank})
+            held = None
+        if held is None and fetch_peer is not None:
+            held, source = await fetch_peer(job, step, rank, digest), "peer"
+        if held is None or held.meta is None:
+            raise RequestError(f"step {step} rank {rank} of job {job!r} is not in memory here"
+                               + (" nor on any peer" if fetch_peer is not None else ""))
+        self.store.committed(job, step)
+        self.store.pin(held)
+        self.store.totals.served += 1
+        return held, source

@@ -1,0 +1,80 @@
+"""Settings of the memory tier and of peer copies (``[memory]``, ``[peers]``); config.py gathers them."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ckptd.daemon.spec import (
+    Flag,
+    integer,
+    listof,
+    optional_path,
+    optional_peer_address,
+    parse_size,
+    peer_address,
+    setting,
+    show_size,
+)
+
+
+def _default_memory_budget() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """``[memory]``: the memory tier (recent committed steps kept resident for fast restores)."""
+    steps: int = setting(
+        1, parse=integer(0, 64), flags=(Flag("--memory-steps"),),
+        doc="Newest committed steps per job kept in the daemon's memory after they are written, as raw bytes, "
+            "so a restarted trainer restores by a memory copy; `0` turns the memory tier off (and peer copies).")
+    budget: int = setting(
+        factory=_default_memory_budget, parse=parse_size, show=show_size, default_doc="a quarter of RAM",
+        flags=(Flag("--memory-budget"),),
+        doc="Most bytes the memory tier holds on this node, own shards and peers' replicas together; the "
+            "oldest shards are evicted first (never one a restore is reading), and a shard that cannot fit "
+            "is not held (storage serves it).")
+
+
+@dataclass(frozen=True)
+class PeerSettings:
+    """``[peers]``: copies of this node's shards in other nodes' daemons' memory."""
+    listen: str | None = setting(
+        None, parse=optional_peer_address, default_doc="off", flags=(Flag("--peer-listen"),),
+        doc="TCP `\"host:port\"` this daemon accepts peer daemons on; `\"\"` is off. The port must be open "
+            "between the nodes (see the systemd unit's IPAddressAllow).")
+    peers: list[str] = setting(
+        factory=list, parse=listof(peer_address), repeat=True, flags=(Flag("--peer"),),
+        doc="Every node's peer address, in the same order on every node (this node included).")
+    name: str | None = setting(
+        None, parse=optional_peer_address, default_doc="`listen`", flags=(Flag("--peer-name"),),
+        doc="This node's entry in `peers`, when it differs from `listen` (e.g. listen on `0.0.0.0:7465`).")
+    secret_file: str | None = setting(
+        None, parse=optional_path, flags=(Flag("--peer-secret-file"),),
+        doc="File holding the shared secret peers authenticate with (HMAC challenge both ways); it must be "
+            "owned by root or the daemon's user and readable by nobody else, or the daemon refuses to start.")
+    replicas: int = setting(
+        1, parse=integer(1, 16), flags=(Flag("--peer-replicas"),),
+        doc="K: peer daemons each of this node's shards is copied to (a step is *replicated* with K + 1 "
+            "copies in memory).")
+    jump: int = setting(
+        1, parse=integer(1, 1 << 16), flags=(Flag("--peer-jump"),),
+        doc="Copies of the node at position i of `peers` go to positions i + j·jump (j = 1..K): a jump of "
+            "a rack's node count puts them in other racks.")
+    bandwidth: int = setting(
+        1024**3, parse=parse_size, show=show_size, flags=(Flag("--peer-bandwidth"),),
+        doc="Bytes per second this node sends to peers at most (token bucket); `0` is unlimited.")
+
+
+def check_peers(memory: MemorySettings, p: PeerSettings, src: dict[str, str], error: type[Exception]) -> None:
+    """Raise ``error`` when these settings cannot start a daemon."""
+    if p.listen is None and not p.peers:
+        return
+    if memory.steps == 0:
+        raise error(f"{src['peers.listen']}: peers: peer copies live in the memory tier; memory.steps is 0")
+    if p.secret_file is None:
+        raise error(f"{src['peers.secret_file']}: peers.secret_file: peers need a shared secret file")
+    me = p.name or p.listen
+    if p.peers and me not in p.peers:
+        raise error(f"{src['peers.peers']}: peers.peers: this node ({me}) is not in the list; set peers.name "
+                    "to its entry")

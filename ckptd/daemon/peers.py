@@ -1,0 +1,214 @@
+"""Peer copies: this daemon's listener for other daemons, and its side of fetching from them.
+
+A peer is another node's ckptd daemon, from the configured ``peers`` list. Every connection
+starts with the mutual HMAC handshake (``ckptd.core.peer_protocol``); a peer that fails it is
+refused and logged (never the secret). A received replica is reserved against this daemon's
+memory budget before a byte of it is read, and is kept only if every chunk's checksum matches.
+Replication (sending our shards out, in the background) is ``replicate.py``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import stat
+from collections.abc import Callable
+from typing import Any
+
+from ckptd.core import peer_protocol as pp
+from ckptd.core.errors import ChecksumError, FormatError, ProtocolError
+from ckptd.core.held import MAX_HELD_BYTES, HeldMeta, verify
+from ckptd.daemon.memory_store import REPLICA, Held, MemoryStore, new_memfd
+from ckptd.daemon.runtime import describe_error
+
+log = logging.getLogger("ckptd")
+CONNECT_TIMEOUT_S = 10.0
+MIN_SECRET_BYTES = 16
+
+
+def load_secret(path: str) -> bytes:
+    """The shared secret: a file only its owner (root or this daemon's user) may read. RuntimeError
+    (the daemon does not start) if not."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise RuntimeError(f"peer secret file {path}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise RuntimeError(f"peer secret file {path}: not a regular file")
+    if st.st_mode & 0o077:
+        raise RuntimeError(f"peer secret file {path} is readable or writable by group or others "
+                         f"(mode {stat.S_IMODE(st.st_mode):04o}); chmod 600 it")
+    if st.st_uid not in (0, os.geteuid()):
+        raise RuntimeError(f"peer secret file {path} belongs to uid {st.st_uid}, not root or this daemon's user")
+    with open(path, "rb") as f:
+        secret = f.read(4096).strip()
+    if len(secret) < MIN_SECRET_BYTES:
+        raise RuntimeError(f"peer secret file {path}: the secret must be at least {MIN_SECRET_BYTES} bytes")
+    return secret
+
+
+def split_address(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+async def receive_held(store: MemoryStore, reader: asyncio.StreamReader, msg: dict[str, Any], plen: int,
+                       origin: str) -> Held | None:
+    """A held shard's payload, after its ``msg``: reserved, read into a memfd, checksummed.
+    None (payload skipped) when it does not fit the budget; ChecksumError/FormatError when bad."""
+    meta = HeldMeta.from_wire(msg)
+    if meta.nbytes != plen:
+        raise FormatError(f"{meta.what}: payload of {plen} bytes for a shard of {meta.nbytes}")
+    held = store.reserve(meta.job, meta.step, meta.rank, meta.nbytes, origin)
+    if held is None:
+        await pp.skip(reader, plen)
+        return None
+    try:
+        held.fd, mm = await asyncio.get_running_loop().run_in_executor(
+            None, new_memfd, f"ckptd-mem-{meta.job}-{meta.step}-r{meta.rank}", meta.nbytes)
+        held.mm = mm
+        view = memoryview(mm)
+        try:
+            await pp.recv_payload(reader, view[:plen])
+            for t, sums in zip(meta.layout, meta.checksums, strict=True):
+                verify(view[t.offset:t.offset + t.nbytes], sums, meta.chunk_bytes, f"{meta.what} tensor {t.name!r}")
+        finally:
+            view.release()
+    except ChecksumError:
+        store.totals.corrupt += 1
+        store.cancel(held)
+        raise
+    except BaseException:
+        store.cancel(held)
+        raise
+    store.filled(held, meta)
+    return held
+
+
+class PeerServer:
+    """Serves other daemons: ``put`` (keep a replica of their shard) and ``get`` (send one we hold)."""
+
+    def __init__(self, store: MemoryStore, secret: bytes, trim: Callable[[str], None],
+                 refused: Callable[[], None]) -> None:
+        self.store, self.secret, self.trim, self.refused = store, secret, trim, refused
+        self.server: asyncio.base_events.Server | None = None
+        self.address: tuple[str, int] | None = None
+
+    async def start(self, host: str, port: int) -> tuple[str, int]:
+        self.server = await asyncio.start_server(self._serve, host, port, limit=pp.PIECE * 2)
+        self.address = self.server.sockets[0].getsockname()[:2]
+        return self.address
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        remote = writer.get_extra_info("peername")
+        where = f"{remote[0]}:{remote[1]}" if isinstance(remote, tuple) else str(remote)
+        try:
+            node = await pp.server_handshake(reader, writer, self.secret)
+        except (pp.AuthError, ProtocolError, asyncio.TimeoutError, OSError) as e:
+            self.refused()
+            log.warning("peer refused", extra={"ctx": {"remote": where, "reason": describe_error(e)}})
+            writer.close()
+            return
+        try:
+            while True:
+                msg, plen = await pp.recv(reader, MAX_HELD_BYTES)
+                if msg["op"] == "put":
+                    await self._put(reader, writer, msg, plen, node)
+                elif msg["op"] == "get" and plen == 0:
+                    await self._get(writer, msg)
+                else:
+                    raise ProtocolError(f"unknown peer request {str(msg['op'])[:40]!r}")
+        except ProtocolError as e:
+            if "closed the connection" not in str(e):
+                log.warning("peer connection dropped", extra={"ctx": {"remote": where, "node": node,
+                                                                      "reason": describe_error(e)}})
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def _put(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, msg: dict[str, Any],
+                   plen: int, node: str) -> None:
+        try:
+            held = await receive_held(self.store, reader, msg, plen, REPLICA)
+        except (ChecksumError, FormatError) as e:
+            log.warning("replica refused", extra={"ctx": {"node": node, "reason": describe_error(e)}})
+            await pp.send(writer, {"op": "error", "reason": str(e)[:500]})
+            if isinstance(e, FormatError):
+                raise ProtocolError(str(e)) from None
+            return
+        if held is None:
+            await pp.send(writer, {"op": "error", "reason": "over this peer's memory budget"})
+            return
+        assert held.meta is not None
+        log.info("replica held", extra={"ctx": {"job": held.job, "step": held.step, "rank": held.rank,
+                                                "bytes": held.meta.nbytes, "from": node}})
+        self.trim(held.job)
+        await pp.send(writer, {"op": "ok"})
+
+    async def _get(self, writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
+        job, step, rank, digest = msg.get("job"), msg.get("step"), msg.get("rank"), msg.get("digest")
+        held = self.store.get(job, step, rank) if isinstance(job, str) and type(step) is int \
+            and type(rank) is int else None
+        if held is None or held.meta is None or held.mm is None or held.meta.digest != digest:
+            await pp.send(writer, {"op": "missing"})
+            return
+        self.store.pin(held)
+        try:
+            await pp.send(writer, {"op": "held", **held.meta.to_wire()}, memoryview(held.mm)[:held.meta.nbytes])
+        finally:
+            self.store.unpin(held)
+
+
+class PeerLink:
+    """One authenticated connection to a peer (client side)."""
+
+    def __init__(self, address: str, secret: bytes, node: str) -> None:
+        self.address, self.secret, self.node = address, secret, node
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def open(self) -> PeerLink:
+        host, port = split_address(self.address)
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port, limit=pp.PIECE * 2), CONNECT_TIMEOUT_S)
+        self.reader, self.writer = reader, writer
+        try:
+            await pp.client_handshake(reader, writer, self.secret, self.node)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+    async def put(self, held: Held, throttle: Callable[[int], Any] | None) -> None:
+        """Send a held shard; ProtocolError with the peer's reason if it does not keep it."""
+        assert self.reader is not None and self.writer is not None and held.meta is not None and held.mm is not None
+        view = memoryview(held.mm)[:held.meta.nbytes]
+        try:
+            await pp.send(self.writer, {"op": "put", **held.meta.to_wire()}, view, throttle)
+        finally:
+            view.release()
+        reply, _ = await pp.recv(self.reader)
+        if reply.get("op") != "ok":
+            raise ProtocolError(f"peer {self.address} did not keep the replica: {reply.get('reason', reply['op'])}")
+
+    async def get(self, store: MemoryStore, job: str, step: int, rank: int, digest: str) -> Held | None:
+        """The peer's copy, checked (ChecksumError if corrupt), held in ``store``; None if it has none."""
+        assert self.reader is not None and self.writer is not None
+        await pp.send(self.writer, {"op": "get", "job": job, "step": step, "rank": rank, "digest": digest})
+        msg, plen = await pp.recv(self.reader, MAX_HELD_BYTES)
+        if msg.get("op") != "held":
+            return None
+        if (msg.get("job"), msg.get("step"), msg.get("rank"), msg.get("digest")) != (job, step, rank, digest):
+            raise ProtocolError(f"peer {self.address} answered with another shard")
+        return await receive_held(store, self.reader, msg, plen, "peer")

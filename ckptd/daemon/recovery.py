@@ -1,0 +1,171 @@
+"""Recovery without storage, wired together: the memory tier, the peer listener, replication.
+
+The server builds one :class:`Recovery`; it gives the step coordinator its tier (the memory tier
+in front of the file system, or the file system alone when ``memory.steps`` is 0), answers
+``memory_fetch`` requests, pins what a client is reading until its connection closes, and says
+what status and metrics show (:class:`MemoryView`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Hashable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+from ckptd.core import names
+from ckptd.core.protocol import MemoryFetch
+from ckptd.core.tier import StorageTier
+from ckptd.daemon.config import DaemonConfig
+from ckptd.daemon.memory_store import Held, HeldView, MemoryStore, MemoryTotals
+from ckptd.daemon.memory_tier import MemoryTier
+from ckptd.daemon.peers import PeerServer, load_secret, split_address
+from ckptd.daemon.replicate import Replicator, ReplicaView
+from ckptd.daemon.runtime import RequestError, TaskSet
+
+log = logging.getLogger("ckptd")
+SETTLE_INTERVAL_S = 0.5
+
+
+@dataclass(frozen=True)
+class MemoryView:
+    """The memory tier and peer copies in ``status`` and metrics."""
+    steps: int
+    budget: int
+    used: int
+    totals: MemoryTotals
+    held: tuple[HeldView, ...]
+    replicas: tuple[ReplicaView, ...]
+    k: int
+    peer_address: str | None
+    peers_refused: int
+    replication_failures: int
+    replicated_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        copies = {(r.job, r.step, r.rank): r.copies for r in self.replicas}
+        steps: dict[tuple[str, int], dict[str, Any]] = {}
+        for h in self.held:
+            s = steps.setdefault((h.job, h.step), {"job": h.job, "step": h.step, "committed": h.committed,
+                                                   "ranks": {}, "bytes": 0})
+            s["ranks"][str(h.rank)] = {"origin": h.origin, "bytes": h.nbytes, "pinned": h.pins,
+                                       "copies": copies.get((h.job, h.step, h.rank))}
+            s["bytes"] += h.nbytes
+            s["committed"] = s["committed"] and h.committed
+        for s in steps.values():
+            own = [r["copies"] for r in s["ranks"].values() if r["copies"] is not None]
+            s["replicated"] = bool(own) and self.k > 0 and all(c >= self.k + 1 for c in own)
+        return {"steps_per_job": self.steps, "budget_bytes": self.budget, "used_bytes": self.used,
+                "held": sorted(steps.values(), key=lambda s: (s["job"], s["step"])),
+                "totals": vars(self.totals).copy(), "replicas_k": self.k, "peer_address": self.peer_address,
+                "peers_refused": self.peers_refused, "replication_failures": self.replication_failures,
+                "replicated_bytes": self.replicated_bytes}
+
+
+class Recovery:
+    def __init__(self, config: DaemonConfig, fs: StorageTier, root: str, pool: Executor) -> None:
+        self.config = config
+        self.store = MemoryStore(config.memory.budget, config.memory.steps)
+        p = config.peers
+        self.secret = load_secret(p.secret_file) if p.secret_file and (p.listen or p.peers) else None
+        self.replicator: Replicator | None = None
+        if self.secret is not None and p.peers:
+            self.replicator = Replicator(self.store, list(p.peers), p.name or p.listen or "", p.replicas, p.jump,
+                                         self.secret, p.bandwidth)
+        self.memory = MemoryTier(fs, self.store, root, config.write.chunk_bytes, pool,
+                                 on_held=self.replicator.offer if self.replicator else lambda h: None)
+        self.tier: StorageTier = self.memory if self.store.enabled else fs
+        self.server: PeerServer | None = None
+        self.refused = 0
+        self.tasks = TaskSet()
+        self.reading: dict[Hashable, list[Held]] = {}   # connection → shards it was handed
+
+    async def start(self) -> None:
+        p = self.config.peers
+        if p.listen is not None and self.secret is not None:
+            self.server = PeerServer(self.store, self.secret, self._trim, self._refused)
+            host, port = await self.server.start(*split_address(p.listen))
+            log.info("peer listener", extra={"ctx": {"address": f"{host}:{port}", "peers": list(p.peers),
+                                                     "targets": self.replicator.targets if self.replicator else []}})
+        if self.replicator is not None:
+            self.tasks.spawn(self.replicator.run(), "replication")
+        if self.store.enabled:
+            self.tasks.spawn(self._settle_loop(), "memory tier commit check")
+
+    async def _settle_loop(self) -> None:
+        """Steps whose commit this daemon does not see (another node's leader committed them, or a
+        replica's) become committed here once their index.json is in place; then older ones go."""
+        while True:
+            await asyncio.sleep(SETTLE_INTERVAL_S)
+            for job in sorted({h.job for h in self.store.entries.values() if not h.committed}):
+                self._trim(job)
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop()
+        await self.tasks.cancel_all()
+
+    def close(self) -> None:
+        self.store.close()
+
+    def _refused(self) -> None:
+        self.refused += 1
+
+    def _trim(self, job: str) -> None:
+        self.store.trim(job, self.memory._committed_now)
+
+    async def fetch(self, conn: Hashable, m: MemoryFetch) -> tuple[dict[str, Any], list[int]]:
+        """``memory_fetch``: the shard's layout and a descriptor of its memfd (pinned until ``release``)."""
+        names.validate_job(m.job)          # (ValueError: an error reply) before it names any path
+        if m.step is not None and (type(m.step) is not int or m.step < 0):
+            raise RequestError("memory_fetch: step must be a non-negative integer or null")
+        if not 0 <= m.rank < m.world_size <= 1 << 20:
+            raise RequestError(f"bad rank {m.rank} / world size {m.world_size}")
+        fetch_peer = self.replicator.fetch if self.replicator is not None else None
+        held, source = await self.memory.serve(m.job, m.step, m.rank, m.world_size, fetch_peer)
+        self.reading.setdefault(conn, []).append(held)
+        assert held.meta is not None
+        log.info("restore from memory", extra={"ctx": {"job": m.job, "step": held.step, "rank": m.rank,
+                                                        "bytes": held.meta.nbytes, "source": source}})
+        return {**held.meta.to_wire(), "source": source}, [os.dup(held.fd)]
+
+    def release(self, conn: Hashable) -> None:
+        """The connection closed: the shards it read may be evicted again."""
+        for held in self.reading.pop(conn, []):
+            self.store.unpin(held)
+
+    def view(self) -> MemoryView:
+        r = self.replicator
+        address = self.server.address if self.server is not None else None
+        return MemoryView(self.store.steps if self.store.enabled else 0, self.store.budget, self.store.used,
+                          MemoryTotals(**vars(self.store.totals)), self.store.views(),
+                          r.views() if r is not None else (), self.config.peers.replicas if r is not None else 0,
+                          f"{address[0]}:{address[1]}" if address else None, self.refused,
+                          r.failures if r is not None else 0, r.sent_bytes if r is not None else 0)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def memory_lines(mem: dict[str, Any] | None) -> list[str]:
+    """``ckptd status``'s memory section, from the status reply's ``memory`` object."""
+    if not mem or not mem.get("steps_per_job"):
+        return ["memory tier: off"]
+    t = mem["totals"]
+    out = [f"memory tier: {_mib(mem['used_bytes'])} of {_mib(mem['budget_bytes'])} held, newest "
+           f"{mem['steps_per_job']} committed step(s) per job; held={t['held']} evicted={t['evicted']} "
+           f"not-held={t['skipped']} served={t['served']} corrupt={t['corrupt']}"]
+    if mem.get("peer_address") or mem.get("replicas_k"):
+        out.append(f"peers: listening on {mem.get('peer_address') or '-'}, K={mem['replicas_k']}, "
+                   f"refused={mem['peers_refused']} replication failures={mem['replication_failures']} "
+                   f"sent {_mib(mem['replicated_bytes'])}")
+    for s in mem["held"]:
+        ranks = ", ".join(f"{r}:{v['origin']}" + (f" {v['copies']} copies" if v["copies"] is not None else "")
+                          + (" pinned" if v["pinned"] else "") for r, v in sorted(s["ranks"].items()))
+        level = "replicated, " if s["replicated"] else ""
+        out.append(f"  job={s['job']} step={s['step']} {level}{'committed' if s['committed'] else 'not committed'}"
+                   f" {_mib(s['bytes'])} ranks {ranks}")
+    return out

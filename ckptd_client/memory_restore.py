@@ -1,0 +1,164 @@
+"""Restoring from the daemon's memory tier: a copy out of a memfd, no storage read, no decoding.
+
+``Checkpointer.restore`` asks its daemon first (``memory_fetch``, FORMAT.md): the daemon answers
+with the rank's held shard — the raw bytes the trainer saved, in a memfd passed with SCM_RIGHTS,
+plus its layout, state tree and per-chunk checksums — after checking that the shard is the one
+the committed index.json records (its manifest digest). A daemon that lost it (a replacement
+node) fetches it from a peer daemon's memory first. Here each tensor is read straight into the
+live tensor (the memfd mapped read-only, copied a cache-sized piece at a time on the restore
+threads), each piece's bytes fed to its chunk's xxh3 while still in cache, every chunk's
+checksum checked, and only then is the state tree applied. Anything else —
+no daemon, a step not held, a resharding restore, a DTensor state, a checksum mismatch — raises
+:class:`MemoryUnavailable` with the reason, and the caller reads storage.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from ckptd.core import protocol
+from ckptd.core.errors import FormatError, ProtocolError
+from ckptd.core.held import HeldMeta
+from ckptd.core.schema import TensorLayout
+from ckptd.core.tree import decode_tree, join_path
+
+from .dtensor import is_dtensor
+from .live_state import live_tensors, tensor_leaves, tree_items
+from .reshard import DTYPES, decodable_into, tensor_bytes
+from .restore import _apply
+
+MEMORY, PEER, STORAGE = "memory", "peer", "storage"
+TASK_BYTES = 64 << 20         # a restore thread's share of a tensor at a time
+PIECE = 512 << 10             # read and hashed at once: fits a core's L2 cache
+
+
+class MemoryUnavailable(Exception):
+    """The memory tier cannot serve this restore; the message says why (storage is used)."""
+
+
+@dataclass(frozen=True)
+class RestoreInfo:
+    """How the last ``restore`` went: ``source`` is ``memory`` (this node's daemon), ``peer`` (a
+    peer daemon's copy, through this node's daemon) or ``storage``; ``fallback`` says why memory
+    was not used."""
+    step: int
+    source: str
+    seconds: float
+    raw_bytes: int = 0
+    fallback: str | None = None
+
+
+def _read_into(base: int, t: TensorLayout, out: torch.Tensor, sums: tuple[str, ...], chunk: int, first: int,
+               last: int) -> None:
+    """Chunks ``first``..``last`` of tensor ``t``: copied from the mapped memfd (at address ``base``)
+    into ``out`` a cache-sized piece at a time, each piece hashed while it is still in the CPU's cache."""
+    view, dst = tensor_bytes(out), out.data_ptr()
+    for i in range(first, last):
+        start, end = i * chunk, min((i + 1) * chunk, t.nbytes)
+        h = xxhash.xxh3_64()
+        for pos in range(start, end, PIECE):
+            n = min(PIECE, end - pos)
+            ctypes.memmove(dst + pos, base + t.offset + pos, n)      # ctypes drops the GIL
+            h.update(view[pos:pos + n])
+        if h.hexdigest() != sums[i]:
+            raise MemoryUnavailable(f"corrupt: memory copy of tensor {t.name!r}: chunk {i} (bytes {start}..{end}) "
+                                    "fails its checksum")
+
+
+def _fetch(socket_path: str, job: str, step: int, rank: int, world_size: int) -> tuple[Any, HeldMeta, int, str]:
+    """(connection, meta, memfd, source); the daemon keeps the shard pinned while the connection is open."""
+    try:
+        sock = protocol.connect(socket_path, timeout=5.0)
+    except ConnectionError as e:
+        raise MemoryUnavailable(str(e)) from None
+    try:
+        sock.settimeout(300.0)          # a replacement node may first fetch the shard from a peer
+        protocol.send_frame(sock, protocol.to_wire(protocol.MemoryFetch(job, rank, world_size, step), 1))
+        rx = protocol.FrameReceiver(sock)
+        reply = rx.read()
+        if reply is None or reply.get("op") != "ok":
+            raise MemoryUnavailable(str((reply or {}).get("reason", "the daemon closed the connection"))[:500])
+        fd = rx.take_fds(1)[0]
+        meta = HeldMeta.from_wire(reply)
+        if (meta.job, meta.step, meta.rank, meta.world_size) != (job, step, rank, world_size):
+            os.close(fd)
+            raise MemoryUnavailable(f"the daemon answered with another shard ({meta.what})")
+        source = PEER if reply.get("source") == PEER else MEMORY
+        return sock, meta, fd, source
+    except (OSError, ProtocolError, FormatError) as e:
+        sock.close()
+        raise MemoryUnavailable(f"memory fetch failed: {e}") from None
+    except BaseException:
+        sock.close()
+        raise
+
+
+def restore_from_memory(socket_path: str, job: str, step: int, rank: int, world_size: int,
+                        state: dict[str, Any], threads: int) -> RestoreInfo:
+    """Load ``step`` into ``state`` from the daemon's memory (see the module docstring)."""
+    started = time.monotonic()
+    live, lazy = live_tensors(state)
+    if any(is_dtensor(t) for t in live.values()):
+        raise MemoryUnavailable("a sharded (DTensor) state restores from storage")
+    sock, meta, fd, source = _fetch(socket_path, job, step, rank, world_size)
+    try:
+        layout = {t.name: (t, sums) for t, sums in zip(meta.layout, meta.checksums, strict=True)}
+        items = tree_items(meta.tree)
+        if items is None:
+            raise MemoryUnavailable("the held state tree is not a dict")
+        wanted = [(k, sub) for k, sub in items if k in state]
+        leaves: list[tuple[str, str]] = []
+        for k, sub in wanted:
+            tensor_leaves(sub, join_path("", k), leaves)
+        names, saved = [name for _, name in leaves], {path for path, _ in leaves}
+        if any(p not in saved and not any(p.startswith(x) for x in lazy) for p in live):
+            raise MemoryUnavailable("the state has tensors the held step lacks")
+        tensors: dict[str, torch.Tensor] = {}
+        chunk = max(8, meta.chunk_bytes - meta.chunk_bytes % 8)     # as codec.chunk_ranges cuts them
+        size = os.fstat(fd).st_size
+        if size < meta.nbytes:
+            raise MemoryUnavailable(f"held shard is {size} bytes, its layout needs {meta.nbytes}")
+        mm = mmap.mmap(fd, max(size, 1), mmap.MAP_SHARED, mmap.PROT_READ)
+        mapped = np.frombuffer(mm, dtype=np.uint8)
+        base = mapped.ctypes.data
+        try:
+            with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptd-memrestore") as pool:
+                futures: list[Future[None]] = []
+                try:
+                    for name in dict.fromkeys(names):
+                        if name not in layout:
+                            raise MemoryUnavailable(f"tensor {name!r} of the held state tree is not in its layout")
+                        t, sums = layout[name]
+                        target = live.get(name)
+                        out = target if target is not None and decodable_into(target, t.dtype, t.shape) else \
+                            torch.empty(t.shape, dtype=DTYPES[t.dtype])
+                        tensors[name] = out
+                        per = max(1, TASK_BYTES // chunk)
+                        futures += [pool.submit(_read_into, base, t, out, sums, chunk, i, min(i + per, len(sums)))
+                                    for i in range(0, len(sums), per)]
+                    for f in futures:
+                        f.result()
+                finally:
+                    for f in futures:       # (on failure: the ones not started never run)
+                        f.cancel()
+        finally:                            # every copy has ended here (the pool was shut down)
+            del mapped
+            mm.close()
+        try:
+            loaded = {k: decode_tree(sub, tensors.__getitem__) for k, sub in wanted}
+        except (FormatError, KeyError) as e:
+            raise MemoryUnavailable(f"bad held state tree: {e}") from None
+    finally:
+        os.close(fd)
+        sock.close()                 # unpins the shard on the daemon
+    _apply(state, loaded, None)
+    return RestoreInfo(step, source, time.monotonic() - started, sum(t.nbytes for t in meta.layout))

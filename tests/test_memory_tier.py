@@ -1,0 +1,166 @@
+"""The daemon's memory tier: restores served from its memory (no storage read), checksummed, budgeted."""
+# mypy: disable-error-code="union-attr,index,operator"
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_acceptance import assert_same_tensors, finish, kill_after_commit, launch
+
+import ckptd_client
+from ckptd.core import protocol
+
+MiB = 1024 * 1024
+
+
+def status(sock: Path) -> dict[str, Any]:
+    return protocol.request_once(str(sock), {"op": "status"})
+
+
+def remove_data_files(root: Path, job: str) -> int:
+    """Delete every data file of the job's committed steps: a restore can then only come from memory."""
+    gone = 0
+    for data in root.glob(f"{job}/step-*/rank-*.data"):
+        if (data.parent / "index.json").exists():
+            data.unlink()
+            gone += 1
+    return gone
+
+
+def state_of(seed: int, mib: int = 1) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(mib * MiB // 4, generator=g), "b": torch.randn(100, generator=g).bfloat16(),
+            "i": torch.arange(7), "meta": {"seed": seed, "name": "x"}}
+
+
+def zeros_like(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {} for k, v in state.items()}
+
+
+def assert_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
+    for k, v in a.items():
+        if isinstance(v, torch.Tensor):
+            assert v.dtype == b[k].dtype and torch.equal(v, b[k]), k
+        else:
+            assert v == b[k], k
+
+
+def test_sigkilled_trainer_restores_from_memory_reading_no_data(daemon, tmp):
+    """Acceptance 1: two DDP ranks SIGKILLed after a commit; every data file of the job is deleted;
+    the restarted run restores from the daemon's memory and ends bit-identical to an uninterrupted run."""
+    args = ("--steps", "18", "--every", "3", "--step-sleep", "0.05")
+    finish(launch(2, [daemon.socket], "reference", tmp / "ref", *args))
+    kill_after = random.Random().choice([3, 6, 9])
+    kill_after_commit(launch(2, [daemon.socket], "crashy", tmp / "crash", *args), kill_after)
+    assert remove_data_files(daemon.root, "crashy") >= 2
+    outs = finish(launch(2, [daemon.socket], "crashy", tmp / "crash", *args))
+    for out in outs:
+        restored = [line for line in out.splitlines() if line.startswith("RESTORED")]
+        assert restored and int(restored[0].split()[1]) >= kill_after, out
+        assert "RESTORE_SOURCE memory" in out, out
+    for rank in range(2):
+        assert_same_tensors(tmp / f"ref.rank{rank}.safetensors", tmp / f"crash.rank{rank}.safetensors")
+    assert status(daemon.socket)["memory"]["totals"]["served"] >= 2
+
+
+def _memfd_of(pid: int, name: str) -> Path:
+    for link in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            if os.readlink(link).startswith(f"/memfd:{name} "):
+                return link
+        except OSError:
+            continue
+    raise AssertionError(f"no memfd {name} in daemon {pid}")
+
+
+def test_corrupt_memory_is_detected_and_storage_used(daemon):
+    """Acceptance 3 (in memory): a byte flipped in the daemon's held copy fails its checksum; the
+    restore reads storage instead and is exact, and says so."""
+    ck = ckptd_client.Checkpointer("flip", socket=str(daemon.socket))
+    state = state_of(1)
+    ck.save(4, state).wait(60)
+    held = _memfd_of(daemon.proc.pid, "ckptd-mem-flip-4-r0")
+    with open(held, "r+b") as f:          # the daemon's own memfd, through /proc
+        f.seek(12345)
+        byte = f.read(1)
+        f.seek(12345)
+        f.write(bytes([byte[0] ^ 0x10]))
+    target = zeros_like(state)
+    assert ck.restore(target) == 4
+    assert ck.last_restore.source == "storage" and "checksum" in ck.last_restore.fallback
+    assert_equal(state, target)
+    ck.close()
+
+
+def test_restore_needs_the_committed_step_and_same_world(daemon):
+    """Memory serves only what index.json commits, at the same world size; otherwise storage, with the reason."""
+    ck = ckptd_client.Checkpointer("world", socket=str(daemon.socket))
+    state = state_of(2)
+    ck.save(1, state).wait(60)
+    ck.close()
+    with pytest.raises(RuntimeError, match="saved by 1 ranks"):
+        protocol.request_once(str(daemon.socket), protocol.to_wire(protocol.MemoryFetch("world", 0, 2, 1), 1))
+    with pytest.raises(RuntimeError, match="not committed"):
+        protocol.request_once(str(daemon.socket), protocol.to_wire(protocol.MemoryFetch("world", 0, 1, 7), 1))
+    with pytest.raises(RuntimeError, match="invalid job name"):
+        protocol.request_once(str(daemon.socket), protocol.to_wire(protocol.MemoryFetch("../world", 0, 1), 1))
+    fresh = ckptd_client.Checkpointer("world", socket=str(daemon.socket), memory=False)
+    target = zeros_like(state)
+    assert fresh.restore(target) == 1 and fresh.last_restore.source == "storage"
+    assert_equal(state, target)
+
+
+def _pin(sock: Path, job: str, step: int) -> socket.socket:
+    """A memory_fetch left open: the daemon keeps that shard pinned until this connection closes."""
+    conn = protocol.connect(str(sock))
+    protocol.send_frame(conn, protocol.to_wire(protocol.MemoryFetch(job, 0, 1, step), 1))
+    rx = protocol.FrameReceiver(conn)
+    reply = rx.read()
+    assert reply["op"] == "ok", reply
+    for fd in rx.take_fds(1):
+        os.close(fd)
+    return conn
+
+
+def test_budget_evicts_oldest_first_never_a_pinned_step(daemon_factory):
+    """Acceptance 4: with room for two 2 MiB shards and 3 steps wanted, saving a third evicts the
+    oldest; a step a restore holds open is never evicted (a shard that cannot fit is not held);
+    `ckptd status` shows all of it."""
+    d = daemon_factory("--memory-budget", "5MiB", "--memory-steps", "3", "--metrics-address", "127.0.0.1:0")
+    ck = ckptd_client.Checkpointer("budget", socket=str(d.socket))
+    states = {s: state_of(s, mib=2) for s in (1, 2, 3, 4, 5)}
+    for s in (1, 2, 3):
+        ck.save(s, states[s]).wait(60)
+    mem = status(d.socket)["memory"]
+    assert [h["step"] for h in mem["held"]] == [2, 3], mem
+    assert mem["totals"]["evicted"] == 1 and mem["used_bytes"] <= mem["budget_bytes"] == 5 * MiB
+    assert "evicted from memory job=budget step=1" in d.log_text()
+
+    pin = _pin(d.socket, "budget", 2)          # a restore reads step 2: it must stay
+    ck.save(4, states[4]).wait(60)             # evicts 3 (the only unpinned), not 2
+    mem = status(d.socket)["memory"]
+    assert [h["step"] for h in mem["held"]] == [2, 4], mem
+    assert mem["held"][0]["ranks"]["0"]["pinned"] == 1
+    ck.save(5, states[5]).wait(60)             # evicts 4; 2 still pinned
+    assert [h["step"] for h in status(d.socket)["memory"]["held"]] == [2, 5]
+    pin.close()
+
+    cli = subprocess.run([sys.executable, "-m", "ckptd", "status", "--socket", str(d.socket)],
+                         capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    assert "evicted=3" in cli.stdout and "job=budget step=5 committed" in cli.stdout, cli.stdout
+    scrape = urllib.request.urlopen(f"http://{status(d.socket)['metrics']}/metrics", timeout=10).read().decode()
+    assert "ckptd_memory_evicted_shards_total 3.0" in scrape and "ckptd_memory_budget_bytes 5.24288e+06" in scrape
+    remove_data_files(d.root, "budget")
+    target = zeros_like(states[5])
+    assert ck.restore(target) == 5 and ck.last_restore.source == "memory" and ck.last_restore.step == 5
+    assert_equal(states[5], target)
+    ck.close()
