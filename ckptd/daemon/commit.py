@@ -20,14 +20,16 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ckptd.core import storage
 from ckptd.core.errors import FormatError
-from ckptd.core.global_index import build_tensor_map
+from ckptd.core.global_index import build_from_records
 from ckptd.core.map_check import geometry_faults
 from ckptd.core.names import INDEX_NAME, rank_manifest_name
+from ckptd.core.rank_record import RankRecord, summarize
+from ckptd.core.rank_table import SMALL_INDEX_BYTES, side_files
 from ckptd.core.schema import MAX_MANIFEST_BYTES, digest_bytes, encode_json, make_index, parse_manifest
 from ckptd.daemon.retention import remove_files, stray_temps
 
@@ -72,9 +74,11 @@ class PublishGate:
 
 
 def write_index(step_path: str, job: str, step: int, world_size: int, digests: dict[int, str],
-                gate: PublishGate | None = None) -> dict[str, Any]:
-    """Verify every rank's manifest against its digest, merge them into the global tensor map, then
-    publish index.json atomically (under ``gate`` when given: see PublishGate)."""
+                gate: PublishGate | None = None, records: Sequence[RankRecord] | None = None) -> dict[str, Any]:
+    """Merge every rank's record into the global tensor map, then publish the lean side files and
+    index.json atomically (under ``gate`` when given: see PublishGate). ``records`` (one per rank,
+    in rank order, reported by the daemons that wrote the shards) spare reading every manifest;
+    without them each manifest is read and checked against its digest here."""
     if gate is not None:
         gate.check()
     if sorted(digests) != list(range(world_size)):
@@ -82,23 +86,12 @@ def write_index(step_path: str, job: str, step: int, world_size: int, digests: d
         raise CommitError(f"cannot commit step {step}: no durable shard from ranks {missing}")
     if os.path.exists(os.path.join(step_path, INDEX_NAME)):
         raise CommitError(f"step {step} is already committed")
-    ranks, manifests = [], []
-    for rank in range(world_size):
-        path = os.path.join(step_path, rank_manifest_name(rank))
-        try:
-            data = storage.read_limited(path, MAX_MANIFEST_BYTES)
-        except (OSError, ValueError) as e:   # ValueError: over the size limit or not a regular file
-            raise CommitError(f"rank {rank} manifest unreadable: {e}") from None
-        if digest_bytes(data) != digests[rank]:
-            raise CommitError(f"rank {rank} manifest {path} does not match the digest it reported durable")
-        m = parse_manifest(data, job=job, step=step, rank=rank)
-        if m.world_size != world_size:
-            raise CommitError(f"rank {rank} saved with world size {m.world_size}, step has {world_size}")
-        ranks.append({"rank": rank, "manifest_digest": digests[rank],
-                      "raw_bytes": m.raw_bytes, "stored_bytes": m.stored_bytes})
-        manifests.append(m)
+    if records is None:
+        records = [_read_record(step_path, job, step, world_size, rank, digests[rank]) for rank in range(world_size)]
+    elif [r.rank for r in records] != list(range(world_size)) or any(r.digest != digests[r.rank] for r in records):
+        raise CommitError(f"cannot commit step {step}: the rank records do not match the durable digests")
     try:
-        tensors, per_rank = build_tensor_map(manifests)
+        tensors, per_rank = build_from_records(records)
     except FormatError as e:        # ranks that disagree about one tensor: not a loadable step
         raise CommitError(f"cannot commit step {step}: {e}") from None
     faults = geometry_faults(tensors, world_size)
@@ -108,8 +101,27 @@ def write_index(step_path: str, job: str, step: int, world_size: int, digests: d
     # A writer killed mid-rename (an earlier attempt of this step) leaves manifest temp files:
     # they must not survive inside a committed step.
     remove_files(stray_temps(step_path))
-    index = make_index(job, step, world_size, ranks, time.time(),
+    index = make_index(job, step, world_size, [r.index_entry() for r in records], time.time(),
                        {name: t.to_json(world_size) for name, t in tensors.items()}, per_rank)
-    storage.atomic_write(os.path.join(step_path, INDEX_NAME), encode_json(index),
+    body = encode_json(index)
+    if len(body) > SMALL_INDEX_BYTES:   # readers read a smaller index whole; a larger one by its side files
+        # The side files first (any left by an earlier attempt are overwritten): index.json is last.
+        storage.write_files_durably(step_path, side_files(index, records))
+    storage.atomic_write(os.path.join(step_path, INDEX_NAME), body,
                          None if gate is None else gate.publish)
     return index
+
+
+def _read_record(step_path: str, job: str, step: int, world_size: int, rank: int, digest: str) -> RankRecord:
+    """A rank's record from its manifest on disk, checked against the digest it reported durable."""
+    path = os.path.join(step_path, rank_manifest_name(rank))
+    try:
+        data = storage.read_limited(path, MAX_MANIFEST_BYTES)
+    except (OSError, ValueError) as e:   # ValueError: over the size limit or not a regular file
+        raise CommitError(f"rank {rank} manifest unreadable: {e}") from None
+    if digest_bytes(data) != digest:
+        raise CommitError(f"rank {rank} manifest {path} does not match the digest it reported durable")
+    m = parse_manifest(data, job=job, step=step, rank=rank)
+    if m.world_size != world_size:
+        raise CommitError(f"rank {rank} saved with world size {m.world_size}, step has {world_size}")
+    return summarize(m, digest)

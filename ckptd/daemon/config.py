@@ -181,7 +181,7 @@ class Settings:
             root=self.root, socket_path=self.socket, socket_mode=self.socket_mode, socket_group=self.socket_group,
             threads=self.threads, step_timeout=self.step_timeout, slot_memory_limit=self.slot_memory_limit,
             write=WriteSettings(codec=self.codec, level=self.level, chunk_bytes=self.chunk_size,
-                                debug_write_delay=debug.write_delay),
+                                debug_write_delay=debug.write_delay, debug_commit_delay=debug.commit_delay),
             allowed_uids=frozenset(self.allowed_users) or None, allowed_gids=frozenset(self.allowed_groups) or None,
             drain_grace=self.drain_grace, retention=self.retention.policy(), metrics_address=self.metrics.address)
 
@@ -193,6 +193,10 @@ class DebugSettings:
         0.0, parse=parse_duration, flags=(Flag("--debug-write-delay", metavar="SECONDS"),),
         doc="TEST ONLY: sleep this many seconds before writing each chunk, so a test can kill the daemon "
             "while a step is being written.")
+    commit_delay: float = setting(
+        0.0, parse=parse_duration, flags=(Flag("--debug-commit-delay", metavar="SECONDS"),),
+        doc="TEST ONLY: sleep this many seconds before a commit writes its index, so a test can time "
+            "out a COMMIT request that still commits.")
 
 
 KEYS: dict[str, Key] = {k.name: k for k in walk(Settings)}
