@@ -64,12 +64,15 @@ class StoreWaiter:
     def __init__(self, store: Any) -> None:
         self.store = store
         self._clone: Any = None
-        self.can_clone = _clone(store) is not None
+        self.can_clone = True         # until a clone() fails
 
     def wait(self, keys: Sequence[str], timeout: float) -> bool:
         """True once every key exists; False after ``timeout`` seconds. Raises if the store is gone."""
         if timeout <= 0:
             return bool(self.store.check(list(keys)))
+        if self._clone is None and self.can_clone:
+            self._clone = _clone(self.store)
+            self.can_clone = self._clone is not None
         if not self.can_clone:
             end = time.monotonic() + timeout
             while not self.store.check(list(keys)):
@@ -77,8 +80,6 @@ class StoreWaiter:
                     return False
                 time.sleep(min(max(0.0, end - time.monotonic()), 0.2 + 0.3 * random.random()))
             return True
-        if self._clone is None:
-            self._clone = _clone(self.store)
         try:
             self._clone.wait(list(keys), timedelta(seconds=timeout))
             return True
@@ -118,7 +119,7 @@ class StoreRelay:
         self.nodes = -(-world_size // self.node_size)
         self.node = rank // self.node_size
         self._commit, self._abort, self._on_disk = commit, abort, on_disk
-        self._own = _clone(store) or store          # the relay's own connection: never blocks the trainer's
+        self._own = store       # short requests; the blocking waits run on a cloned connection
         self._waiter = StoreWaiter(store)
         self._saves: dict[int, RelayedSave] = {}
         self._lock = threading.Lock()
@@ -262,16 +263,14 @@ class StoreRelay:
                         + ([store_keys.save_result(self.job, s.seq - KEEP_RESULTS)] if s.seq > KEEP_RESULTS else []))
 
     def _delete_keys(self) -> None:
-        """Key deletion off the commit's path, on a connection of its own."""
-        store = None
+        """Key deletion off the commit's path."""
         while True:
             keys = self._trash.get()
             if keys is None:
                 return
-            store = store or _clone(self.store) or self.store
             for k in keys:
                 try:
-                    store.delete_key(k)
+                    self.store.delete_key(k)
                 except Exception:
                     break
 

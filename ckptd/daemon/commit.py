@@ -5,8 +5,11 @@ The commit protocol (also in FORMAT.md):
    fsync dir); the daemon then reports the rank DURABLE with the manifest's sha256;
 2. when all ``world_size`` ranks are durable — counted by this daemon (``local`` mode)
    or gathered by rank 0's client through the job's c10d store and sent in a COMMIT
-   (``relay`` mode) — the daemon serving rank 0 checks every manifest's digest on disk
-   and writes ``index.json`` (tmp, fsync, rename, fsync dir). Its presence is the commit;
+   (``relay`` mode) — the daemon serving rank 0 checks every manifest's digest on disk (in
+   parallel), builds the global tensor map from the ranks' records (the manifests' summaries
+   their daemons sent with DURABLE; read from the manifests only when a record is missing),
+   writes the lean side files of a large index, then ``index.json`` (tmp, fsync, rename,
+   fsync dir). Its presence is the commit;
 3. any failure before that abandons the step: no index is written, the waiting ranks are
    told why, and the files this daemon wrote for it are removed.
 
@@ -21,6 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckptd.core import storage
@@ -32,6 +36,8 @@ from ckptd.core.rank_record import RankRecord, summarize
 from ckptd.core.rank_table import SMALL_INDEX_BYTES, side_files
 from ckptd.core.schema import MAX_MANIFEST_BYTES, digest_bytes, encode_json, make_index, parse_manifest
 from ckptd.daemon.retention import remove_files, stray_temps
+
+CHECK_THREADS = 16
 
 
 class CommitError(Exception):
@@ -88,8 +94,10 @@ def write_index(step_path: str, job: str, step: int, world_size: int, digests: d
         raise CommitError(f"step {step} is already committed")
     if records is None:
         records = [_read_record(step_path, job, step, world_size, rank, digests[rank]) for rank in range(world_size)]
-    elif [r.rank for r in records] != list(range(world_size)) or any(r.digest != digests[r.rank] for r in records):
-        raise CommitError(f"cannot commit step {step}: the rank records do not match the durable digests")
+    else:
+        if [r.rank for r in records] != list(range(world_size)) or any(r.digest != digests[r.rank] for r in records):
+            raise CommitError(f"cannot commit step {step}: the rank records do not match the durable digests")
+        check_manifests(step_path, digests)
     try:
         tensors, per_rank = build_from_records(records)
     except FormatError as e:        # ranks that disagree about one tensor: not a loadable step
@@ -112,8 +120,7 @@ def write_index(step_path: str, job: str, step: int, world_size: int, digests: d
     return index
 
 
-def _read_record(step_path: str, job: str, step: int, world_size: int, rank: int, digest: str) -> RankRecord:
-    """A rank's record from its manifest on disk, checked against the digest it reported durable."""
+def _manifest_bytes(step_path: str, rank: int, digest: str) -> bytes:
     path = os.path.join(step_path, rank_manifest_name(rank))
     try:
         data = storage.read_limited(path, MAX_MANIFEST_BYTES)
@@ -121,6 +128,21 @@ def _read_record(step_path: str, job: str, step: int, world_size: int, rank: int
         raise CommitError(f"rank {rank} manifest unreadable: {e}") from None
     if digest_bytes(data) != digest:
         raise CommitError(f"rank {rank} manifest {path} does not match the digest it reported durable")
+    return data
+
+
+def check_manifests(step_path: str, digests: dict[int, str]) -> None:
+    """Every manifest is there (visible on this node: a shared file system) and hashes to its digest,
+    checked by a pool of threads (reads and hashing run outside the GIL); CommitError names the
+    lowest failing rank. The records already hold what the index needs: nothing is parsed here."""
+    ranks = sorted(digests)
+    with ThreadPoolExecutor(min(CHECK_THREADS, max(1, len(ranks))), thread_name_prefix="ckptd-commit") as pool:
+        list(pool.map(lambda r: _manifest_bytes(step_path, r, digests[r]), ranks))
+
+
+def _read_record(step_path: str, job: str, step: int, world_size: int, rank: int, digest: str) -> RankRecord:
+    """A rank's record from its manifest on disk, checked against the digest it reported durable."""
+    data = _manifest_bytes(step_path, rank, digest)
     m = parse_manifest(data, job=job, step=step, rank=rank)
     if m.world_size != world_size:
         raise CommitError(f"rank {rank} saved with world size {m.world_size}, step has {world_size}")
