@@ -83,7 +83,8 @@ def main() -> int:
     phases["save_s"], t = time.monotonic() - t, time.monotonic()
     if a.restore:
         def restore(r: int) -> None:
-            live = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in state(r, 0).items()}
+            live: dict[str, Any] = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0)
+                                    for k, v in state(r, 0).items()}
             t0 = time.time()
             try:
                 got = ckpts[r].restore(live)
