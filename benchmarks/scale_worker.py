@@ -42,6 +42,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--restore", action="store_true")
+    ap.add_argument("--workers", type=int, default=1, help="worker processes of this job: each step starts together")
     ap.add_argument("--share-store", action="store_true",
                     help="one store connection for all ranks of this process (tests: fewer connects)")
     a = ap.parse_args()
@@ -52,6 +53,13 @@ def main() -> int:
         return dist.TCPStore(host, int(port), a.world, is_master=False, timeout=timedelta(seconds=a.timeout * 3),
                              wait_for_workers=False)
     shared = connect() if a.share_store else None
+    sync = connect()
+
+    def barrier(name: str) -> None:
+        """Every worker process reaches ``name`` before any goes on (the ranks save at once)."""
+        if sync.add(f"bench/{a.job}/{name}", 1) == a.workers:
+            sync.set(f"bench/{a.job}/{name}/go", "1")
+        sync.wait([f"bench/{a.job}/{name}/go"], timedelta(seconds=a.timeout * 10))
 
     def client() -> Any:      # one store connection per rank, as each rank's own process would have
         return shared or connect()
@@ -59,17 +67,20 @@ def main() -> int:
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "8"))
     phases: dict[str, float] = {}
     t = time.monotonic()
+    pool = ThreadPoolExecutor(16)
+    stores = dict(zip(ranks, pool.map(lambda _: client(), ranks), strict=True))
     ckpts = {r: ckptd_client.Checkpointer(a.job, socket=sockets[(r // per_node) % len(sockets)], root=a.root,
-                                          rank=r, world_size=a.world, store=client(), commit="relay",
+                                          rank=r, world_size=a.world, store=stores[r], commit="relay",
                                           commit_timeout=a.timeout, overlap=False) for r in ranks}
     out: dict[int, dict[str, Any]] = {r: {"rank": r, "steps": []} for r in ranks}
-    pool = ThreadPoolExecutor(16)
     list(pool.map(lambda r: ckpts[r].prepare(state(r, 0)), ranks))    # connect and get slots up front
     phases["start_s"], t = time.monotonic() - t, time.monotonic()
     for step in range(1, a.steps + 1):
+        barrier(f"save-{step}")
+        started = time.time()
         handles = {r: ck.save(step, state(r, step)) for r, ck in ckpts.items()}
 
-        def settle(r: int, step: int = step, handles: dict[int, Any] = handles) -> None:
+        def settle(r: int, step: int = step, handles: dict[int, Any] = handles, started: float = started) -> None:
             h = handles[r]
             err = None
             try:
@@ -78,7 +89,8 @@ def main() -> int:
                 err = str(e)
             resolved = time.time()
             durable = None if h.durable_s is None else time.time() - (time.monotonic() - h.started - h.durable_s)
-            out[r]["steps"].append({"step": step, "durable": durable, "resolved": resolved, "error": err})
+            out[r]["steps"].append({"step": step, "started": started, "durable": durable, "resolved": resolved,
+                                    "error": err})
         list(pool.map(settle, ranks))
     phases["save_s"], t = time.monotonic() - t, time.monotonic()
     if a.restore:
@@ -91,9 +103,10 @@ def main() -> int:
                 want = state(r, a.steps)
                 ok = got == a.steps and all(torch.equal(live[k], want[k]) for k in ("w", "shared")) \
                     and live["step"] == a.steps
-                out[r]["restore"] = {"ok": ok, "seconds": time.time() - t0}
+                out[r]["restore"] = {"ok": ok, "started": t0, "ended": time.time()}
             except Exception as e:
                 out[r]["restore"] = {"ok": False, "error": str(e)}
+        barrier("restore")
         # Rank 0 first: the others' blocking get of its choice must not hold a shared connection.
         if first == 0:
             restore(0)
@@ -108,5 +121,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.getcwd())
     sys.exit(main())
