@@ -224,7 +224,8 @@ SERVE_FLAGS = {"--root": "root", "--socket": "socket", "--socket-mode": "socket_
                "--drain-grace": "drain_grace", "--log-format": "log_format", "--log-level": "log_level",
                "--keep-last": "retention.keep_last", "--keep-every": "retention.keep_every",
                "--abandoned-after": "retention.abandoned_after", "--metrics-address": "metrics.address",
-               "--debug-write-delay": "debug.write_delay"}
+               "--debug-write-delay": "debug.write_delay",
+               "--debug-commit-delay": "debug.commit_delay"}
 
 
 def test_flags_come_from_the_definition():
