@@ -162,7 +162,7 @@ class StoreRelay:
             try:
                 outcome = self._settle(s)
             except Exception as e:      # the store is gone (rank 0 died) or refused: the disk decides
-                outcome = self._by_disk(s, 2 * self.timeout, f"{type(e).__name__}: {e}")
+                outcome = self._by_disk(s, 2.0, f"{type(e).__name__}: {e}")
             with self._lock:
                 self._saves.pop(s.seq, None)
             s.resolve(outcome)
