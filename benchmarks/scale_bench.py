@@ -88,9 +88,11 @@ def run_once(code: Path, ranks: int, daemons: int, timeout: float) -> dict[str, 
             log = open(area / f"d{i}.log", "wb")
             procs.append(subprocess.Popen([sys.executable, "-m", "ckptd", "serve", "--root", str(root), "--socket",
                                            str(area / f"d{i}.sock"), "--log-level", "warning"],
-                                          stdout=log, stderr=subprocess.STDOUT, env=env))
+                                          stdout=log, stderr=subprocess.STDOUT, env=env, cwd=code))
         for i in range(daemons):
             while not (area / f"d{i}.sock").exists():
+                if procs[i].poll() is not None:
+                    raise RuntimeError(f"daemon {i} exited: {(area / f'd{i}.log').read_text()[-2000:]}")
                 time.sleep(0.05)
         sampler = CpuSampler(store.pid)
         sampler.start()
@@ -99,7 +101,7 @@ def run_once(code: Path, ranks: int, daemons: int, timeout: float) -> dict[str, 
                                      str(ranks), "--ranks", f"{i * per}:{(i + 1) * per}", "--socket",
                                      str(area / f"d{i}.sock"), "--root", str(root), "--steps", "2", "--timeout",
                                      str(timeout), "--restore", "--workers", str(daemons)],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True, cwd=code)
                    for i in range(daemons)]
         lines: list[dict[str, Any]] = []
         for w in workers:
@@ -146,7 +148,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=300.0, help="the Checkpointers' commit_timeout")
     ap.add_argument("--before", type=Path, help="a checkout of the code to compare against")
-    ap.add_argument("--after", type=Path, default=REPO)
+    ap.add_argument("--after", type=Path, default=REPO,
+                    help="the code under test (default this checkout; a snapshot keeps edits out of a long run)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "scale.json")
     a = ap.parse_args()
     codes = [("after", a.after)] + ([("before", a.before)] if a.before else [])
