@@ -188,14 +188,12 @@ class StoreRelay:
     def _publish_node(self, s: RelayedSave) -> None:
         """Node leader: gather the members' outcomes, publish the node's one record, count it."""
         keys = [store_keys.rank_outcome(self.job, s.seq, r) for r in self.members(self.node)]
-        self._waiter.wait(keys, self._at(s, 0.7))
-        values: list[str] = []
-        for r, k in zip(self.members(self.node), keys, strict=True):
-            if self._own.check([k]):
-                values.append(self._own.get(k).decode())
-            else:
-                values.append(f"fail:rank {r} never reported its outcome within {0.7 * self.timeout:g}s "
-                              f"(its process or node is gone?)")
+        if self._waiter.wait(keys, self._at(s, 0.7)):
+            values = [v.decode() for v in multi_get(self._own, keys)]
+        else:                   # someone is missing: which (one key at a time, on this failure path only)
+            values = [self._own.get(k).decode() if self._own.check([k]) else
+                      f"fail:rank {r} never reported its outcome within {0.7 * self.timeout:g}s "
+                      f"(its process or node is gone?)" for r, k in zip(self.members(self.node), keys, strict=True)]
         self._own.set(store_keys.node_record(self.job, s.seq, self.node), json.dumps(values))
         self._trash.put(keys)
         if self._own.add(store_keys.node_count(self.job, s.seq), 1) == self.nodes:
