@@ -75,7 +75,7 @@ class CpuSampler(threading.Thread):
         return (after[0][1] - before[-1][1]) / (after[0][0] - before[-1][0])
 
 
-def run_once(code: Path, ranks: int, daemons: int, timeout: float) -> dict[str, Any]:
+def run_once(code: Path, ranks: int, daemons: int, timeout: float, share_store: bool = False) -> dict[str, Any]:
     area = Path(tempfile.mkdtemp(prefix="ckscale-", dir="/tmp"))
     env = {**os.environ, "PYTHONPATH": str(code), "LOCAL_WORLD_SIZE": str(ranks // daemons)}
     store = subprocess.Popen([sys.executable, "-c", STORE_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -101,7 +101,8 @@ def run_once(code: Path, ranks: int, daemons: int, timeout: float) -> dict[str, 
         workers = [subprocess.Popen([sys.executable, str(WORKER), "--store", f"127.0.0.1:{port}", "--world",
                                      str(ranks), "--ranks", f"{i * per}:{(i + 1) * per}", "--socket",
                                      str(area / f"d{i}.sock"), "--root", str(root), "--steps", "2", "--timeout",
-                                     str(timeout), "--restore", "--workers", str(daemons)],
+                                     str(timeout), "--restore", "--workers", str(daemons),
+                                     *(["--share-store"] if share_store else [])],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True, cwd=code)
                    for i in range(daemons)]
         lines: list[dict[str, Any]] = []
@@ -199,6 +200,9 @@ def main() -> int:
     ap.add_argument("--after", type=Path, default=REPO,
                     help="the code under test (default this checkout; a snapshot keeps edits out of a long run)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "scale.json")
+    ap.add_argument("--share-store", action="store_true",
+                    help="the ranks of a worker share one store connection for their short requests (fewer "
+                         "connects to set up; each relay still waits on its own clone)")
     ap.add_argument("--markdown-only", action="store_true", help="rewrite the .md from the .json and exit")
     a = ap.parse_args()
     if a.markdown_only:
@@ -215,7 +219,7 @@ def main() -> int:
             for name, code in (codes if rnd % 2 == 0 else codes[::-1]):
                 t = time.monotonic()
                 print(f"[{n} ranks, round {rnd + 1}, {name}] ...", file=sys.stderr, flush=True)
-                res = {"code": name, "round": rnd + 1, **run_once(code, n, a.daemons, a.timeout),
+                res = {"code": name, "round": rnd + 1, **run_once(code, n, a.daemons, a.timeout, a.share_store),
                        "run_s": round(time.monotonic() - t, 1)}
                 print(json.dumps(res), file=sys.stderr, flush=True)
                 results.append(res)
