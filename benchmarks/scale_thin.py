@@ -42,7 +42,7 @@ from ckptd.core.reader import StepReader
 from ckptd.core.schema import Manifest, TensorEntry, digest_bytes, encode_json
 from ckptd.daemon.commit import write_index
 from ckptd_client import store_keys
-from ckptd_client.relay import StoreRelay
+from ckptd_client.relay import StoreRelay, node_member
 
 
 def tiny_manifest(job: str, step: int, rank: int, world: int) -> Manifest:
@@ -106,7 +106,7 @@ def main() -> int:
         def publish_node(node: int) -> None:
             c = clients[node % len(clients)]
             members = outcomes[node * a.node_size: (node + 1) * a.node_size]
-            c.set(store_keys.node_record(job, 1, node), json.dumps(members))
+            c.set(store_keys.node_record(job, 1, node), json.dumps([node_member(v) for v in members]))
             if c.add(store_keys.node_count(job, 1), 1) == nodes:
                 c.set(store_keys.nodes_ready(job, 1), "1")
             with lock:

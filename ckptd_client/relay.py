@@ -194,7 +194,8 @@ class StoreRelay:
             values = [self._own.get(k).decode() if self._own.check([k]) else
                       f"fail:rank {r} never reported its outcome within {0.7 * self.timeout:g}s "
                       f"(its process or node is gone?)" for r, k in zip(self.members(self.node), keys, strict=True)]
-        self._own.set(store_keys.node_record(self.job, s.seq, self.node), json.dumps(values))
+        # Parsed here, once per node: rank 0 then decodes one JSON document per node, not one per rank.
+        self._own.set(store_keys.node_record(self.job, s.seq, self.node), json.dumps([node_member(v) for v in values]))
         self._trash.put(keys)
         if self._own.add(store_keys.node_count(self.job, s.seq), 1) == self.nodes:
             self._own.set(store_keys.nodes_ready(self.job, s.seq), "1")
@@ -207,8 +208,8 @@ class StoreRelay:
                        if not self._own.check([k])]
             reason = self._describe_missing(missing)
             return self._fail(s, reason)
-        values = [v for raw in multi_get(self._own, node_keys) for v in json.loads(raw)]
-        failures = [f"rank {r}: {v[5:]}" for r, v in enumerate(values) if not v.startswith("ok:")]
+        values: list[dict[str, Any]] = [v for raw in multi_get(self._own, node_keys) for v in json.loads(raw)]
+        failures = [f"rank {r}: {v.get('fail')}" for r, v in enumerate(values) if "ok" not in v]
         if len(values) != self.world_size:
             failures.append(f"the node records list {len(values)} ranks, the world has {self.world_size}")
         if failures:
@@ -283,18 +284,29 @@ class StoreRelay:
             self._trash_thread.join(timeout=5)
 
 
-def _split(values: list[str]) -> tuple[dict[int, str], list[Any] | None]:
-    """(digests, records or None) of the ranks' ``ok:`` outcomes; records only if every rank sent one."""
+def node_member(value: str) -> dict[str, Any]:
+    """A rank's outcome as its node record lists it: ``{"ok": record or digest}`` or ``{"fail": reason}``."""
+    if value.startswith("ok:{"):
+        try:
+            return {"ok": json.loads(value[3:])}
+        except ValueError:
+            return {"fail": "its daemon's record is not JSON"}
+    if value.startswith("ok:"):
+        return {"ok": value[3:]}
+    return {"fail": value.removeprefix("fail:")}
+
+
+def _split(values: list[dict[str, Any]]) -> tuple[dict[int, str], list[Any] | None]:
+    """(digests, records or None) of the ranks' ``ok`` outcomes; records only if every rank sent one."""
     digests: dict[int, str] = {}
     records: list[Any] | None = []
     for r, v in enumerate(values):
-        body = v[3:]
-        if body.startswith("{"):
-            obj = json.loads(body)
-            digests[r] = str(obj.get("digest"))
+        ok = v["ok"]
+        if isinstance(ok, dict):
+            digests[r] = str(ok.get("digest"))
             if records is not None:
-                records.append(obj)
+                records.append(ok)
         else:
-            digests[r] = body
+            digests[r] = str(ok)
             records = None
     return digests, records

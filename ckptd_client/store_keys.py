@@ -8,7 +8,8 @@ ranks: change it here or nowhere. The key space, all under ``ckptd/<job>/``:
     one rank's outcome of save number ``seq`` (``ok:<manifest digest>`` or ``fail:<reason>``);
     its node's leader deletes them once it has published the node record. See relay.py.
 ``ckptd/<job>/<seq>/n<node>``
-    a node leader's record of save ``seq``: its members' outcomes, in rank order (JSON list);
+    a node leader's record of save ``seq``: its members' outcomes, in rank order (JSON list of
+    ``{"ok": record or digest}`` / ``{"fail": reason}``);
 ``ckptd/<job>/<seq>/nodes``
     how many node records of save ``seq`` are published (``add``);
 ``ckptd/<job>/<seq>/ready``

@@ -82,13 +82,16 @@ def build_from_records(records: Sequence[RankRecord]) -> tuple[dict[str, GlobalT
                                   f"{held[0][1]} saved {first.dtype}{first.global_shape}")
         out[key] = GlobalTensor(key, first.dtype, tuple(first.global_shape), SHARDED,
                                 tuple(Piece(rank, e.name, e.region()) for e, rank in held))
+    wholes: dict[tuple[int, ...], Region] = {}
     for key, held in local.items():
         if key in out:
             raise FormatError(f"tensor {key!r} is sharded on some ranks and a plain tensor on others")
         first = held[0][0]
         prints = {(e.dtype, e.shape, e.fp) for e, _ in held}
+        region = wholes.setdefault(first.shape, Region.whole(first.shape))
         out[key] = GlobalTensor(key, first.dtype, tuple(first.shape), LOCAL,
-                                tuple(Piece(rank, e.name, Region.whole(e.shape)) for e, rank in held),
+                                tuple(Piece(rank, e.name, region if e.shape == first.shape else Region.whole(e.shape))
+                                      for e, rank in held),
                                 same=len(prints) == 1 and len(held) == len(records))
     return out, per_rank_keys(records, out)
 

@@ -12,6 +12,7 @@ them. Records come off the wire, so ``parse_record`` validates them like a manif
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -95,6 +96,16 @@ def summarize(m: Manifest, digest: str) -> RankRecord:
                       tuple((k, short_hash(v)) for k, v in top_level(m.tree)))
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _name_fault(name: Any) -> str | None:
+    """Why a tensor name is refused (None: valid); cached, as every rank of a job repeats the names."""
+    try:
+        validate_tensor_name(name)
+        return None
+    except ValueError as e:
+        return str(e)
+
+
 def _req(cond: bool, what: str) -> None:
     if not cond:
         raise FormatError(what)
@@ -115,12 +126,10 @@ def parse_record(obj: Any, rank: int) -> RankRecord:
     for t in obj["t"]:
         _req(isinstance(t, list) and len(t) == 7, f"{where}: malformed tensor entry")
         name, dtype, shape, key, gshape, offsets, fp = t
-        try:
-            validate_tensor_name(name)
-            if key is not None:
-                validate_tensor_name(key)
-        except ValueError as e:
-            raise FormatError(f"{where}: {e}") from None
+        fault = (_name_fault(name) if isinstance(name, str) else "a tensor name must be a string") \
+            or (None if key is None else _name_fault(key) if isinstance(key, str) else "a key must be a string")
+        if fault:
+            raise FormatError(f"{where}: {fault}")
         _req(name not in seen, f"{where}: duplicate tensor {name!r}")
         seen.add(name)
         validate_shape(dtype, shape)

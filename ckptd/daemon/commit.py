@@ -136,8 +136,19 @@ def check_manifests(step_path: str, digests: dict[int, str]) -> None:
     checked by a pool of threads (reads and hashing run outside the GIL); CommitError names the
     lowest failing rank. The records already hold what the index needs: nothing is parsed here."""
     ranks = sorted(digests)
-    with ThreadPoolExecutor(min(CHECK_THREADS, max(1, len(ranks))), thread_name_prefix="ckptd-commit") as pool:
-        list(pool.map(lambda r: _manifest_bytes(step_path, r, digests[r]), ranks))
+    k = max(1, min(CHECK_THREADS, len(ranks)))
+
+    def check(part: list[int]) -> tuple[int, CommitError] | None:
+        for r in part:          # a slice per thread: one task each, not one per rank
+            try:
+                _manifest_bytes(step_path, r, digests[r])
+            except CommitError as e:
+                return r, e
+        return None
+    with ThreadPoolExecutor(k, thread_name_prefix="ckptd-commit") as pool:
+        failed = [f for f in pool.map(check, [ranks[i::k] for i in range(k)]) if f is not None]
+    if failed:
+        raise min(failed, key=lambda f: f[0])[1]
 
 
 def _read_record(step_path: str, job: str, step: int, world_size: int, rank: int, digest: str) -> RankRecord:
