@@ -41,6 +41,7 @@ from datetime import timedelta
 from typing import Any
 
 from . import store_keys
+from .errors import NoReply
 
 CHUNK = 1024            # keys per multi_get/check: one huge request is slower than chunks
 KEEP_RESULTS = 3        # a save's result key is deleted this many saves later
@@ -218,8 +219,10 @@ class StoreRelay:
         digests, records = _split(values)
         try:
             self._commit(s.step, digests, records, max(1.0, self.timeout))
-        except Exception as e:      # timed out, refused or the daemon is gone: the commit may still land
+        except NoReply as e:        # the daemon is still committing, maybe: the disk decides, for up to 2 T
             outcome = self._by_disk(s, 2.0, f"COMMIT failed: {e}")
+        except Exception as e:      # refused (it settled by the disk first) or the daemon is gone: final now
+            outcome = self._by_disk(s, 0.0, f"COMMIT failed: {e}")
         else:
             outcome = None
         self._finish(s, "committed" if outcome is None else f"failed:{outcome}")
