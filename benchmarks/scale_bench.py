@@ -169,7 +169,6 @@ def markdown(machine: dict[str, Any], results: list[dict[str, Any]], thin: dict[
                   "|---|---|" + "---|" * len(COLUMNS)]
         for r in rows:
             lines.append(f"| {r['code']} | {r['round']} | " + " | ".join(str(r.get(k)) for k, _ in COLUMNS) + " |")
-        lines += [f"Note: {r['notes']}" for r in rows if r.get("notes")]
         med = {code: {k: statistics.median(x[k] for x in rows if x["code"] == code and x.get(k) is not None)
                       for k, _ in COLUMNS[:-1]
                       if any(x["code"] == code and x.get(k) is not None for x in rows)}
@@ -178,6 +177,7 @@ def markdown(machine: dict[str, Any], results: list[dict[str, Any]], thin: dict[
             ratios = [f"{med['after'][k] / med['before'][k]:.2f}" if med["before"].get(k) and k in med["after"]
                       else "–" for k, _ in COLUMNS[:-1]]
             lines.append("| **after ÷ before** | | " + " | ".join(ratios) + " | |")
+        lines += [""] + [f"Note ({r['code']}): {r['notes']}" for r in rows if r.get("notes")]
         lines.append("")
     if issue_before:
         lines += ["The issue's own measurement of the old relay (its harness, a quieter machine): " + "; ".join(
