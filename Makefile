@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 # What `make lint` (and so `make test`) checks with ruff and mypy: the whole tree.
 CHECKED := ckptd ckptd_client tests benchmarks examples
 
-.PHONY: demo demo-s3 test lint bench bench-sharded bench-s3 bench-memory install install-test clean
+.PHONY: demo demo-s3 test lint bench bench-sharded bench-s3 bench-memory bench-scale install install-test clean
 
 # Daemon + client (the client extra brings torch; the daemon alone needs only `pip install ckptd`).
 $(VENV)/.installed: pyproject.toml
@@ -70,3 +70,8 @@ bench-memory: $(VENV)/.installed-bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache
+
+# Commit and restore at scale: N simulated ranks (real Checkpointers) over 8 real daemons and one
+# real TCPStore; BEFORE=<checkout> compares with older code. Writes benchmarks/results/scale.json.
+bench-scale: $(VENV)/.installed-bench
+	flock /tmp/ckptd-bench.lock $(PY) benchmarks/scale_bench.py --ranks $(or $(RANKS),1024) $(if $(BEFORE),--before $(BEFORE))

@@ -1,6 +1,7 @@
 """The training-side manager, ``Checkpointer``: saves go through the daemon, restores straight to storage."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -59,6 +60,9 @@ class Checkpointer:
     needs no daemon). ``rank``/``world_size``/``store`` default from torch.distributed.
     ``commit``: ``auto`` relays completion through the c10d store when world_size > 1 and
     a store exists (ranks may span daemons), else the daemon counts ranks itself (``local``).
+    ``commit_timeout``: how long a relayed save may take from ``save`` to its commit (the
+    relay's waits derive from it); ``local_world_size``: ranks per node, the relay's fan-in
+    group (default ``$LOCAL_WORLD_SIZE``, as torchrun sets it, else 8).
     ``overlap`` (True, False or ``"manual"``), ``when_busy``: see ``save``.
     """
 
@@ -66,7 +70,8 @@ class Checkpointer:
                  rank: int | None = None, world_size: int | None = None, store: Any = None,
                  num_slots: int = 2, commit: CommitMode | str = AUTO, commit_timeout: float = 600.0,
                  restore_threads: int | None = None, overlap: bool | str = True,
-                 when_busy: WhenBusy | str = WhenBusy.BLOCK, memory: bool = True) -> None:
+                 when_busy: WhenBusy | str = WhenBusy.BLOCK, memory: bool = True,
+                 local_world_size: int | None = None) -> None:
         self.job = names.validate_job(job)
         self.socket_path = socket or protocol.default_socket_path()
         self.root = os.path.abspath(root) if root else None
@@ -78,6 +83,8 @@ class Checkpointer:
         self.store = store if store is not None else d_store
         self.commit_mode = resolve_commit_mode(commit, self.world_size, self.store is not None)
         self.commit_timeout = commit_timeout
+        # Ranks per node (one daemon each): the relay's fan-in groups (relay.py).
+        self.local_world_size = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or 8
         self.num_slots = num_slots
         self.restore_threads = restore_threads or max(1, len(os.sched_getaffinity(0)))
         self.overlap = parse_overlap(overlap)
@@ -121,7 +128,9 @@ class Checkpointer:
             h.durable_s = time.monotonic() - h.started
             h.raw_bytes, h.stored_bytes = msg.get("raw_bytes", 0), msg.get("stored_bytes", 0)
             if self._relay is not None:
-                self._relay.publish(h.seq, f"ok:{msg['digest']}")
+                record = msg.get("record")
+                ok = json.dumps(record, separators=(",", ":")) if isinstance(record, dict) else msg["digest"]
+                self._relay.publish(h.seq, f"ok:{ok}")
         elif op is EventOp.COMMITTED:
             self._finish(h, None)
         elif op is EventOp.FAILED:
@@ -265,7 +274,8 @@ class Checkpointer:
         if self._relay is None:
             self._relay = StoreRelay(self.store, self.job, self.rank, self.world_size, self.commit_timeout,
                                      self._session.commit, self._session.abort,
-                                     lambda step: _has_index(self.root, self.job, step))
+                                     lambda step: _has_index(self.root, self.job, step),
+                                     node_size=self.local_world_size)
         return self._relay
 
     def wait(self, timeout: float | None = None) -> None:

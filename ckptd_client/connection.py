@@ -13,7 +13,7 @@ from ckptd.core import protocol
 from ckptd.core.errors import ProtocolError
 from ckptd.core.protocol import EventOp
 
-from .errors import CheckpointError, NotDelivered
+from .errors import CheckpointError, NoReply, NotDelivered
 
 log = logging.getLogger("ckptd_client")
 
@@ -76,7 +76,7 @@ class DaemonConnection:
         try:
             reply = fut.result(timeout if timeout is not None else self.timeout)
         except TimeoutError:
-            raise CheckpointError(f"ckptd at {self.socket_path} did not answer {op} in time") from None
+            raise NoReply(f"ckptd at {self.socket_path} did not answer {op} in time") from None
         finally:
             with self._lock:
                 self._pending.pop(req, None)

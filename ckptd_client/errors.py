@@ -7,3 +7,7 @@ class CheckpointError(RuntimeError):
 
 class NotDelivered(CheckpointError):
     """A request that never reached the daemon (the connection was already gone)."""
+
+
+class NoReply(CheckpointError):
+    """A request the daemon did not answer in time: it may still be carried out (a slow commit)."""

@@ -1,149 +1,315 @@
-"""Cross-daemon commit through the job's c10d store (ranks spread over several nodes).
+"""Cross-daemon commit through the job's c10d store: a two-level fan-in, no polling.
 
-Each rank publishes ``ok:<manifest digest>`` or ``fail:<reason>`` under its outcome key
-(``store_keys.rank_outcome``) once its daemon reports it durable (or failed). Rank 0 gathers
-all of them, asks its daemon to COMMIT with the digests (or to ABORT), and publishes
-``committed`` or ``failed:<reason>`` under the save's result key for the others.
+Ranks are grouped into nodes of ``node_size`` consecutive ranks (torchrun's LOCAL_WORLD_SIZE:
+one node, one daemon). For save number ``seq`` (every key in store_keys.py):
 
-When the store or the commit request fails (rank 0 died, the store went with it, the COMMIT
-timed out on a slow file system), the step may still commit, or already have: from then on the
-save is settled by the disk only — committed as soon as its index.json exists, failed when the
-commit timeout runs out without one. A handle never reports failure for a committed step.
+1. each rank publishes its outcome: ``ok:<rank record JSON>`` (its daemon's DURABLE report:
+   digest, sizes, what the tensor map needs; ``ok:<digest>`` from a daemon without records) or
+   ``fail:<reason>``;
+2. each node's first rank (the node leader) blocks until its members' outcomes are there (a
+   store ``wait`` on a cloned store connection: no polling), publishes ONE node record (the
+   members' outcomes, in order), deletes the members' keys and bumps the save's counter with
+   ``add``; the leader whose ``add`` completes the count sets the save's ``ready`` key;
+3. rank 0 blocks on ``ready``, fetches the node records with ``multi_get`` in chunks of
+   ``CHUNK`` keys, and asks its daemon to COMMIT with every rank's record (so the daemon builds
+   the index without reading every manifest back) — or to ABORT, naming the failed ranks — then
+   publishes ``committed`` or ``failed:<reason>`` under the save's result key;
+4. every other rank blocks on the result key.
+
+The store's server does O(1) work per rank and save, and rank 0 O(nodes). The keys of save
+``seq`` are deleted by rank 0 after it resolved it, except the result (deleted ``KEEP_RESULTS``
+saves later, when every rank has long read it).
+
+Timeouts derive from ``timeout`` (the Checkpointer's ``commit_timeout``, T) from the save's
+start: node leaders wait for their members until 0.7 T (a missing member fails the save, named),
+rank 0 for the node records until 0.85 T (a missing node fails the save, named: its ranks and
+node number). Rank 0's COMMIT request gets T; a COMMIT that times out or a lost store leaves
+the save to the disk: committed as soon as its index.json exists, failed when none appeared
+by 2 T. Followers wait for the result until 2 T plus a margin, then the disk decides too. So a
+handle never reports failure for a committed step unless its commit outlived 2 T.
 """
 from __future__ import annotations
 
+import json
+import queue
+import random
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
 
 from . import store_keys
+from .errors import NoReply
 
-POLL_S = 0.01
+CHUNK = 1024            # keys per multi_get/check: one huge request is slower than chunks
+KEEP_RESULTS = 3        # a save's result key is deleted this many saves later
+DISK_POLL_S = 0.2       # how often the disk is looked at while it decides
 
 
 @dataclass
 class RelayedSave:
     seq: int
     step: int
-    deadline: float
+    start: float
     resolve: Callable[[str | None], None]      # None: committed; str: failure reason
-    own_published: bool = False
-    lost: str | None = None                    # why the store/commit path failed: the disk decides now
+    published: threading.Event = field(default_factory=threading.Event)
 
 
-# What one poll of a save yields: False (not decided yet), None (committed), or the failure reason.
-Outcome = Literal[False] | None | str
+class StoreWaiter:
+    """Blocking waits on store keys without polling: ``wait`` on a cloned connection (a timed-out
+    wait leaves its connection out of step, so that clone is dropped). Stores that cannot be
+    cloned are polled slowly, with jitter."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self._clone: Any = None
+        self.can_clone = True         # until a clone() fails
+
+    def wait(self, keys: Sequence[str], timeout: float) -> bool:
+        """True once every key exists; False after ``timeout`` seconds. Raises if the store is gone."""
+        if timeout <= 0:
+            return bool(self.store.check(list(keys)))
+        if self._clone is None and self.can_clone:
+            self._clone = _clone(self.store)
+            self.can_clone = self._clone is not None
+        if not self.can_clone:
+            end = time.monotonic() + timeout
+            while not self.store.check(list(keys)):
+                if time.monotonic() >= end:
+                    return False
+                time.sleep(min(max(0.0, end - time.monotonic()), 0.2 + 0.3 * random.random()))
+            return True
+        try:
+            self._clone.wait(list(keys), timedelta(seconds=timeout))
+            return True
+        except Exception:
+            self._clone = None
+            if self.store.check(list(keys)):        # raises if the store itself is gone
+                return True
+            return False
+
+
+def _clone(store: Any) -> Any:
+    try:
+        return store.clone()
+    except Exception:        # no clone() (a store type without it): the waiter polls instead
+        return None
+
+
+def multi_get(store: Any, keys: Sequence[str]) -> list[bytes]:
+    out: list[bytes] = []
+    for i in range(0, len(keys), CHUNK):
+        out += store.multi_get(list(keys[i: i + CHUNK]))
+    return out
 
 
 class StoreRelay:
-    """Polls the store on its own thread; ``resolve`` of each tracked save runs there too."""
+    """Runs the fan-in on its own thread, one save after the other, in order; ``resolve`` of each
+    tracked save runs there too. ``commit(step, digests, records, timeout)`` and ``abort`` go to
+    this rank's daemon (rank 0 only); ``on_disk(step)`` says whether the step's index.json exists."""
 
     def __init__(self, store: Any, job: str, rank: int, world_size: int, timeout: float,
-                 commit: Callable[[int, dict[int, str]], None], abort: Callable[[int, str], None],
-                 on_disk: Callable[[int], bool] = lambda step: False) -> None:
+                 commit: Callable[[int, dict[int, str], list[Any] | None, float], None],
+                 abort: Callable[[int, str], None],
+                 on_disk: Callable[[int], bool] = lambda step: False, node_size: int = 8) -> None:
         self.store, self.job, self.rank, self.world_size = store, job, rank, world_size
         self.timeout = timeout
-        self._commit, self._abort = commit, abort
-        self._on_disk = on_disk                 # is the step's index.json there?
+        self.node_size = max(1, min(node_size, world_size))
+        self.nodes = -(-world_size // self.node_size)
+        self.node = rank // self.node_size
+        self._commit, self._abort, self._on_disk = commit, abort, on_disk
+        self._own = store       # short requests; the blocking waits run on a cloned connection
+        self._waiter = StoreWaiter(store)
         self._saves: dict[int, RelayedSave] = {}
         self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self._queue: queue.Queue[RelayedSave | None] = queue.Queue()
+        self._trash: queue.Queue[list[str] | None] = queue.Queue()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="ckptd-client-relay", daemon=True)
         self._thread.start()
+        self._trash_thread = threading.Thread(target=self._delete_keys, name="ckptd-client-relay-gc", daemon=True)
+        self._trash_thread.start()
+
+    def members(self, node: int) -> range:
+        return range(node * self.node_size, min((node + 1) * self.node_size, self.world_size))
 
     def track(self, seq: int, step: int, resolve: Callable[[str | None], None]) -> None:
+        s = RelayedSave(seq, step, time.monotonic(), resolve)
         with self._lock:
-            self._saves[seq] = RelayedSave(seq, step, time.monotonic() + self.timeout, resolve)
+            self._saves[seq] = s
+        self._queue.put(s)
 
     def publish(self, seq: int, outcome: str) -> None:
-        """``outcome`` is ``ok:<digest>`` or ``fail:<reason>`` for this rank. Never raises: with the
-        store gone (rank 0 died) the save is settled by the disk instead."""
+        """``outcome`` is ``ok:<record or digest>`` or ``fail:<reason>`` for this rank. Never raises:
+        with the store gone (rank 0 died) the save is settled by the disk instead."""
         try:
             self.store.set(store_keys.rank_outcome(self.job, seq, self.rank), outcome)
-            lost = None
-        except Exception as e:
-            lost = f"{type(e).__name__}: {e}"
+        except Exception:
+            pass            # the waits below find the store gone and leave the save to the disk
         with self._lock:
-            if seq in self._saves:
-                self._saves[seq].own_published = True
-                if lost is not None and self._saves[seq].lost is None:
-                    self._saves[seq].lost = lost
-        self._wake.set()
+            s = self._saves.get(seq)
+        if s is not None:
+            s.published.set()
+
+    # ---- the relay thread ------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._closed:
-            self._wake.wait(POLL_S)
-            self._wake.clear()
-            with self._lock:
-                saves = sorted(self._saves.values(), key=lambda s: s.seq)
-            for s in saves:
-                outcome: Outcome = False
-                if s.lost is None:
-                    try:
-                        outcome = self._leader_step(s) if self.rank == 0 else self._follower_step(s)
-                    except Exception as e:  # store gone (rank 0 died), commit refused or timed out
-                        s.lost = f"{type(e).__name__}: {e}"
-                if outcome is False:
-                    if (s.lost is not None or time.monotonic() > s.deadline) and self._on_disk(s.step):
-                        outcome = None
-                        if self.rank == 0:
-                            self._publish_quietly(s, "committed")
-                    elif time.monotonic() > s.deadline:
-                        outcome = s.lost or f"timed out after {self.timeout:g}s waiting for the other ranks' commit"
-                        if self.rank == 0:
-                            self._publish_quietly(s, f"failed:{outcome}")
-                    else:
-                        continue
-                with self._lock:
-                    self._saves.pop(s.seq, None)
-                s.resolve(outcome)
-
-    def _leader_step(self, s: RelayedSave) -> Outcome:
-        if not s.own_published:
-            return False
-        keys = [store_keys.rank_outcome(self.job, s.seq, r) for r in range(self.world_size)]
-        if not self.store.check(keys):
-            return False
-        values = [self.store.get(k).decode() for k in keys]
-        failures = [f"rank {r}: {v[5:]}" for r, v in enumerate(values) if not v.startswith("ok:")]
-        if failures:
-            reason = "; ".join(failures)
+        while True:
+            s = self._queue.get()
+            if s is None:
+                return
             try:
-                self._abort(s.step, reason)
-            finally:
-                self._finish(s, f"failed:{reason}")
-            return reason
-        # A failing COMMIT request raises: the daemon may still publish the index, so the outcome is
-        # left to the disk (above), and the others are told only once it is known.
-        self._commit(s.step, {r: v[3:] for r, v in enumerate(values)})
-        self._finish(s, "committed")
-        return None
+                outcome = self._settle(s)
+            except Exception as e:      # the store is gone (rank 0 died) or refused: the disk decides
+                outcome = self._by_disk(s, 2.0, f"{type(e).__name__}: {e}")
+            with self._lock:
+                self._saves.pop(s.seq, None)
+            s.resolve(outcome)
 
-    def _publish_quietly(self, s: RelayedSave, result: str) -> None:
+    def _at(self, s: RelayedSave, fraction: float) -> float:
+        """Seconds left until ``fraction`` of the timeout after the save started."""
+        return s.start + fraction * self.timeout - time.monotonic()
+
+    def _settle(self, s: RelayedSave) -> str | None:
+        s.published.wait(max(0.0, self._at(s, 0.7)))
+        if self.rank == self.node * self.node_size:
+            self._publish_node(s)
+        if self.rank == 0:
+            return self._lead(s)
+        key = store_keys.save_result(self.job, s.seq)
+        if not self._waiter.wait([key], self._at(s, 2.0) + 5.0):
+            return self._by_disk(s, 0.0, f"timed out after {2 * self.timeout:g}s waiting for rank 0's commit")
+        result = self._own.get(key).decode()
+        if result == "committed":
+            return None
+        return self._by_disk(s, 0.0, result.removeprefix("failed:"))
+
+    def _publish_node(self, s: RelayedSave) -> None:
+        """Node leader: gather the members' outcomes, publish the node's one record, count it."""
+        keys = [store_keys.rank_outcome(self.job, s.seq, r) for r in self.members(self.node)]
+        if self._waiter.wait(keys, self._at(s, 0.7)):
+            values = [v.decode() for v in multi_get(self._own, keys)]
+        else:                   # someone is missing: which (one key at a time, on this failure path only)
+            values = [self._own.get(k).decode() if self._own.check([k]) else
+                      f"fail:rank {r} never reported its outcome within {0.7 * self.timeout:g}s "
+                      f"(its process or node is gone?)" for r, k in zip(self.members(self.node), keys, strict=True)]
+        # Parsed here, once per node: rank 0 then decodes one JSON document per node, not one per rank.
+        self._own.set(store_keys.node_record(self.job, s.seq, self.node), json.dumps([node_member(v) for v in values]))
+        self._trash.put(keys)
+        if self._own.add(store_keys.node_count(self.job, s.seq), 1) == self.nodes:
+            self._own.set(store_keys.nodes_ready(self.job, s.seq), "1")
+
+    def _lead(self, s: RelayedSave) -> str | None:
+        """Rank 0: wait for every node's record, then commit or abort, and publish the result."""
+        node_keys = [store_keys.node_record(self.job, s.seq, n) for n in range(self.nodes)]
+        if not self._waiter.wait([store_keys.nodes_ready(self.job, s.seq)], self._at(s, 0.85)):
+            missing = [n for i in range(0, self.nodes, CHUNK) for n, k in enumerate(node_keys[i: i + CHUNK], i)
+                       if not self._own.check([k])]
+            reason = self._describe_missing(missing)
+            return self._fail(s, reason)
+        values: list[dict[str, Any]] = [v for raw in multi_get(self._own, node_keys) for v in json.loads(raw)]
+        failures = [f"rank {r}: {v.get('fail')}" for r, v in enumerate(values) if "ok" not in v]
+        if len(values) != self.world_size:
+            failures.append(f"the node records list {len(values)} ranks, the world has {self.world_size}")
+        if failures:
+            return self._fail(s, "; ".join(failures[:8]) + (f" (and {len(failures) - 8} more)" if len(failures) > 8
+                                                            else ""))
+        digests, records = _split(values)
         try:
-            self._finish(s, result)
-        except Exception:       # the store is gone: the others settle by the disk as well
-            pass
+            self._commit(s.step, digests, records, max(1.0, self.timeout))
+        except NoReply as e:        # the daemon is still committing, maybe: the disk decides, for up to 2 T
+            outcome = self._by_disk(s, 2.0, f"COMMIT failed: {e}")
+        except Exception as e:      # refused (it settled by the disk first) or the daemon is gone: final now
+            outcome = self._by_disk(s, 0.0, f"COMMIT failed: {e}")
+        else:
+            outcome = None
+        self._finish(s, "committed" if outcome is None else f"failed:{outcome}")
+        return outcome
+
+    def _describe_missing(self, missing: list[int]) -> str:
+        named = ", ".join(f"node {n} (ranks {self.members(n)[0]}-{self.members(n)[-1]})" for n in missing[:8])
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        return (f"{named}{more} never published {'its' if len(missing) == 1 else 'their'} record within "
+                f"{0.85 * self.timeout:g}s (node lost, or its ranks never saved)")
+
+    def _fail(self, s: RelayedSave, reason: str) -> str | None:
+        try:
+            self._abort(s.step, reason)
+        except Exception:
+            pass            # the daemon is gone: its step is gone with it
+        outcome = self._by_disk(s, 0.0, reason)    # (committed only if an index is there after all)
+        self._finish(s, "committed" if outcome is None else f"failed:{outcome}")
+        return outcome
+
+    def _by_disk(self, s: RelayedSave, until: float, reason: str) -> str | None:
+        """Committed (None) once the step's index.json exists, up to ``until`` × timeout after the
+        save started (looked at once when that is past); else ``reason``."""
+        while True:
+            if self._on_disk(s.step):
+                return None
+            if self._at(s, until) <= 0 or self._closed:
+                return reason
+            time.sleep(DISK_POLL_S)
 
     def _finish(self, s: RelayedSave, result: str) -> None:
-        self.store.set(store_keys.save_result(self.job, s.seq), result)
-        for r in range(self.world_size):
-            try:
-                self.store.delete_key(store_keys.rank_outcome(self.job, s.seq, r))
-            except Exception:
-                pass
+        """Publish the result (best effort: without a store the followers settle by the disk), then
+        hand this save's keys and an old result to the deleting thread."""
+        try:
+            self._own.set(store_keys.save_result(self.job, s.seq), result)
+        except Exception:
+            return
+        self._trash.put([store_keys.node_record(self.job, s.seq, n) for n in range(self.nodes)]
+                        + [store_keys.node_count(self.job, s.seq), store_keys.nodes_ready(self.job, s.seq)]
+                        + ([store_keys.save_result(self.job, s.seq - KEEP_RESULTS)] if s.seq > KEEP_RESULTS else []))
 
-    def _follower_step(self, s: RelayedSave) -> Outcome:
-        key = store_keys.save_result(self.job, s.seq)
-        if not self.store.check([key]):
-            return False
-        result = self.store.get(key).decode()
-        return None if result == "committed" else result.removeprefix("failed:")
+    def _delete_keys(self) -> None:
+        """Key deletion off the commit's path."""
+        while True:
+            keys = self._trash.get()
+            if keys is None:
+                return
+            for k in keys:
+                try:
+                    self.store.delete_key(k)
+                except Exception:
+                    break
 
     def close(self) -> None:
         self._closed = True
-        self._wake.set()
-        self._thread.join(timeout=5)
+        self._queue.put(None)
+        self._trash.put(None)
+        with self._lock:
+            busy = bool(self._saves)
+        if not busy:        # a save still waiting on the store ends at its own deadline (daemon thread)
+            self._thread.join(timeout=5)
+            self._trash_thread.join(timeout=5)
+
+
+def node_member(value: str) -> dict[str, Any]:
+    """A rank's outcome as its node record lists it: ``{"ok": record or digest}`` or ``{"fail": reason}``."""
+    if value.startswith("ok:{"):
+        try:
+            return {"ok": json.loads(value[3:])}
+        except ValueError:
+            return {"fail": "its daemon's record is not JSON"}
+    if value.startswith("ok:"):
+        return {"ok": value[3:]}
+    return {"fail": value.removeprefix("fail:")}
+
+
+def _split(values: list[dict[str, Any]]) -> tuple[dict[int, str], list[Any] | None]:
+    """(digests, records or None) of the ranks' ``ok`` outcomes; records only if every rank sent one."""
+    digests: dict[int, str] = {}
+    records: list[Any] | None = []
+    for r, v in enumerate(values):
+        ok = v["ok"]
+        if isinstance(ok, dict):
+            digests[r] = str(ok.get("digest"))
+            if records is not None:
+                records.append(ok)
+        else:
+            digests[r] = str(ok)
+            records = None
+    return digests, records

@@ -1,6 +1,7 @@
 """This rank's connection to its daemon and the shared-memory slots the daemon lent it."""
 from __future__ import annotations
 
+import json
 import os
 import threading
 from typing import Any
@@ -37,12 +38,18 @@ class DaemonSession:
         conn = self.conn
         return conn if conn is not None and not conn.lost else None
 
-    def commit(self, step: int, digests: dict[int, str]) -> None:
-        """(Relay, rank 0) every rank is durable: ask this daemon to write the step's index."""
+    def commit(self, step: int, digests: dict[int, str], records: list[Any] | None = None,
+               timeout: float | None = None) -> None:
+        """(Relay, rank 0) every rank is durable: ask this daemon to write the step's index, from
+        every rank's record when given (dropped when they would not fit one frame: the daemon then
+        reads the manifests), waiting ``timeout`` seconds for its answer."""
         conn = self.conn
         if conn is None:
             raise NotDelivered(f"not connected to ckptd at {self.socket_path}")
-        conn.request(protocol.Commit(step=step, digests={str(r): d for r, d in digests.items()}))
+        wire = {str(r): d for r, d in digests.items()}
+        if records is not None and len(json.dumps(records)) + len(json.dumps(wire)) > protocol.MAX_FRAME_BYTES - 4096:
+            records = None
+        conn.request(protocol.Commit(step=step, digests=wire, records=records), timeout)
 
     def abort(self, step: int, reason: str) -> None:
         """(Relay, rank 0) some rank failed: let this daemon drop the step (if it is still there)."""

@@ -6,7 +6,14 @@ ranks: change it here or nowhere. The key space, all under ``ckptd/<job>/``:
 
 ``ckptd/<job>/<seq>/r<rank>``
     one rank's outcome of save number ``seq`` (``ok:<manifest digest>`` or ``fail:<reason>``);
-    rank 0 deletes them once it has published the result. See relay.py.
+    its node's leader deletes them once it has published the node record. See relay.py.
+``ckptd/<job>/<seq>/n<node>``
+    a node leader's record of save ``seq``: its members' outcomes, in rank order (JSON list of
+    ``{"ok": record or digest}`` / ``{"fail": reason}``);
+``ckptd/<job>/<seq>/nodes``
+    how many node records of save ``seq`` are published (``add``);
+``ckptd/<job>/<seq>/ready``
+    set by the node leader whose record completed the count; rank 0 waits on it.
 ``ckptd/<job>/<seq>/result``
     rank 0's verdict on save ``seq``: ``committed`` or ``failed:<reason>``.
 ``ckptd/<job>/restore/<n>``
@@ -30,6 +37,21 @@ def _job(job: str) -> str:
 def rank_outcome(job: str, seq: int, rank: int) -> str:
     """Where ``rank`` publishes how save ``seq`` went on its daemon."""
     return f"{_job(job)}/{seq}/r{rank}"
+
+
+def node_record(job: str, seq: int, node: int) -> str:
+    """Where ``node``'s leader publishes its members' outcomes of save ``seq``."""
+    return f"{_job(job)}/{seq}/n{node}"
+
+
+def node_count(job: str, seq: int) -> str:
+    """The counter of save ``seq``'s published node records."""
+    return f"{_job(job)}/{seq}/nodes"
+
+
+def nodes_ready(job: str, seq: int) -> str:
+    """Set once every node record of save ``seq`` is published."""
+    return f"{_job(job)}/{seq}/ready"
 
 
 def save_result(job: str, seq: int) -> str:

@@ -16,15 +16,18 @@ loader's position, RNG streams): restoring them at another world size needs the 
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import FormatError
 from .names import validate_tensor_name
+from .rank_record import RankRecord, RecordEntry, fingerprint, summarize
 from .regions import Region
-from .schema import DTYPE_ITEMSIZE, Manifest, TensorEntry
+from .schema import DTYPE_ITEMSIZE, Manifest
+
+__all__ = ["LOCAL", "SHARDED", "GlobalTensor", "Piece", "build_from_records", "build_tensor_map", "fingerprint",
+           "parse_tensor_map", "per_rank_keys"]
 
 SHARDED, LOCAL = "sharded", "local"
 
@@ -57,18 +60,18 @@ class GlobalTensor:
         return out
 
 
-def fingerprint(entry: TensorEntry) -> tuple[Any, ...]:
-    """What makes two saved copies byte-identical, known without reading them (chunk checksums)."""
-    return (entry.dtype, tuple(entry.shape), tuple((c.codec, c.raw_len, c.checksum) for c in entry.chunks))
-
-
 def build_tensor_map(manifests: Sequence[Manifest]) -> tuple[dict[str, GlobalTensor], list[str]]:
     """(tensor map, per-rank top-level keys) of a step from all its rank manifests, in rank order."""
-    sharded: dict[str, list[tuple[TensorEntry, int]]] = {}
-    local: dict[str, list[tuple[TensorEntry, int]]] = {}
-    for m in manifests:
-        for e in m.tensors:
-            (sharded if e.global_shape is not None else local).setdefault(e.key, []).append((e, m.rank))
+    return build_from_records([summarize(m, "") for m in manifests])
+
+
+def build_from_records(records: Sequence[RankRecord]) -> tuple[dict[str, GlobalTensor], list[str]]:
+    """(tensor map, per-rank top-level keys) of a step from every rank's record, in rank order."""
+    sharded: dict[str, list[tuple[RecordEntry, int]]] = {}
+    local: dict[str, list[tuple[RecordEntry, int]]] = {}
+    for rec in records:
+        for e in rec.entries:
+            (sharded if e.global_shape is not None else local).setdefault(e.key, []).append((e, rec.rank))
     out: dict[str, GlobalTensor] = {}
     for key, held in sharded.items():
         first = held[0][0]
@@ -79,38 +82,34 @@ def build_tensor_map(manifests: Sequence[Manifest]) -> tuple[dict[str, GlobalTen
                                   f"{held[0][1]} saved {first.dtype}{first.global_shape}")
         out[key] = GlobalTensor(key, first.dtype, tuple(first.global_shape), SHARDED,
                                 tuple(Piece(rank, e.name, e.region()) for e, rank in held))
+    wholes: dict[tuple[int, ...], Region] = {}
     for key, held in local.items():
         if key in out:
             raise FormatError(f"tensor {key!r} is sharded on some ranks and a plain tensor on others")
         first = held[0][0]
-        prints = {fingerprint(e) for e, _ in held}
-        shapes = {(e.dtype, tuple(e.shape)) for e, _ in held}
+        prints = {(e.dtype, e.shape, e.fp) for e, _ in held}
+        region = wholes.setdefault(first.shape, Region.whole(first.shape))
         out[key] = GlobalTensor(key, first.dtype, tuple(first.shape), LOCAL,
-                                tuple(Piece(rank, e.name, Region.whole(e.shape)) for e, rank in held),
-                                same=len(prints) == 1 and len(held) == len(manifests) and len(shapes) == 1)
-    return out, per_rank_keys(manifests, out)
+                                tuple(Piece(rank, e.name, region if e.shape == first.shape else Region.whole(e.shape))
+                                      for e, rank in held),
+                                same=len(prints) == 1 and len(held) == len(records))
+    return out, per_rank_keys(records, out)
 
 
-def per_rank_keys(manifests: Sequence[Manifest], tensors: dict[str, GlobalTensor]) -> list[str]:
+def per_rank_keys(records: Sequence[RankRecord], tensors: dict[str, GlobalTensor]) -> list[str]:
     """Top-level state keys whose non-sharded content (tree leaves, plain tensors) differs by rank."""
-    if len(manifests) < 2:
+    if len(records) < 2:
         return []
     differing = {name for name, t in tensors.items() if t.kind == LOCAL and not t.same}
     keys: dict[str, set[str]] = {}
-    for m in manifests:
-        for key, sub in _top_level(m.tree):
-            keys.setdefault(key, set()).add(json.dumps(sub, sort_keys=True))
+    for rec in records:
+        for key, form in rec.forms:
+            keys.setdefault(key, set()).add(form)
     out = {k for k, forms in keys.items() if len(forms) > 1}
     out |= {name.split("/", 1)[0] for name in differing}
-    present = [{k for k, _ in _top_level(m.tree)} for m in manifests]
+    present = [{k for k, _ in rec.forms} for rec in records]
     out |= set[str]().union(*present) - present[0].intersection(*present[1:])    # held by some ranks only
     return sorted(out)
-
-
-def _top_level(tree: Any) -> list[tuple[str, Any]]:
-    if isinstance(tree, dict) and isinstance(tree.get("d"), list):
-        return [(str(k), v) for k, v in (item for item in tree["d"] if isinstance(item, list) and len(item) == 2)]
-    return [("", tree)]
 
 
 def parse_tensor_map(obj: Any, world_size: int) -> dict[str, GlobalTensor]:

@@ -104,6 +104,7 @@ class Save:
 class Commit:
     step: int
     digests: dict[str, Any]     # rank (as a string: JSON keys) → manifest digest
+    records: Any = None         # optional: every rank's record (core.rank_record), in rank order
     op: ClassVar[Op] = Op.COMMIT
 
 

@@ -11,6 +11,7 @@ import os
 import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from . import storage
 from .codec import ChunkMeta, checksum, decode_chunk
@@ -18,6 +19,17 @@ from .errors import ChecksumError, FormatError
 from .global_index import GlobalTensor, build_tensor_map, parse_tensor_map
 from .map_check import MapCheck
 from .names import INDEX_NAME, parse_step_dir_name, rank_data_name, rank_manifest_name, validate_job
+from .rank_table import (
+    BLOCK_RANKS,
+    HEAD_NAME,
+    MAX_HEAD_BYTES,
+    SMALL_INDEX_BYTES,
+    IndexHead,
+    parse_head,
+    read_block,
+    read_tensors,
+    side_file_faults,
+)
 from .schema import (
     MAX_INDEX_BYTES,
     MAX_MANIFEST_BYTES,
@@ -92,21 +104,55 @@ class StepReader:
         index_path = os.path.join(self.path, INDEX_NAME)
         if not os.path.isfile(index_path):
             raise FormatError(f"{self.path}: not committed (no {INDEX_NAME})")
-        self.index = parse_index(_read_small(index_path, MAX_INDEX_BYTES, "the index"), job=self.job, step=self.step)
-        self.world_size: int = self.index["world_size"]
+        self._index: dict[str, Any] | None = None
+        self._head: IndexHead | None = None
+        self._blocks: dict[int, list[dict[str, Any]]] = {}
+        head_path = os.path.join(self.path, HEAD_NAME)
+        # A large index is not read whole: its head, the rank's block of the rank table, and the
+        # tensor map when needed (rank_table.py); a small one is (one read beats three).
+        if os.stat(index_path).st_size > SMALL_INDEX_BYTES and os.path.isfile(head_path):
+            self._head = parse_head(_read_small(head_path, MAX_HEAD_BYTES, "the index head"),
+                                    job=self.job, step=self.step)
+            self.world_size: int = self._head.world_size
+            self._format = self._head.format_version
+        else:
+            self.world_size = self.index["world_size"]
+            self._format = int(self.index["format_version"])
         self._map: tuple[dict[str, GlobalTensor], list[str]] | None = None
         self._map_check: MapCheck | None = None
 
     @property
+    def index(self) -> dict[str, Any]:
+        """index.json, parsed and checked (read on first use when the reader started from its head)."""
+        if self._index is None:
+            index_path = os.path.join(self.path, INDEX_NAME)
+            self._index = parse_index(_read_small(index_path, MAX_INDEX_BYTES, "the index"),
+                                      job=self.job, step=self.step)
+        return self._index
+
+    @property
     def format_version(self) -> int:
-        return int(self.index["format_version"])
+        return self._format
+
+    def rank_entry(self, rank: int) -> dict[str, Any]:
+        """Rank ``rank``'s entry of the index (``manifest_digest``, ``raw_bytes``, ``stored_bytes``)."""
+        if self._head is None:
+            entry: dict[str, Any] = self.index["ranks"][rank]
+            return entry
+        block = rank // BLOCK_RANKS
+        if block not in self._blocks:
+            self._blocks[block] = read_block(self.path, self._head, block)
+        return self._blocks[block][rank % BLOCK_RANKS]
 
     def tensor_map(self) -> tuple[dict[str, GlobalTensor], list[str]]:
         """(tensor map, per-rank keys): index.json's (format 2: parsed; each manifest read is checked
         against it, its geometry by ``verify_step``), or derived from every rank's manifest (format 1,
         where every tensor is local). Raises FormatError."""
         if self._map is None:
-            if self.format_version >= 2:
+            if self._head is not None and self.format_version >= 2:
+                obj = read_tensors(self.path, self._head, MAX_INDEX_BYTES)
+                self._map = parse_tensor_map(obj, self.world_size), list(self._head.per_rank_keys)
+            elif self.format_version >= 2:
                 self._map = parse_tensor_map(self.index["tensors"], self.world_size), list(self.index["per_rank_keys"])
             else:
                 self._map = build_tensor_map([self.manifest(r) for r in range(self.world_size)])
@@ -125,7 +171,7 @@ class StepReader:
             raise FormatError(f"rank {rank} not in step {self.step} (world size {self.world_size})")
         path = os.path.join(self.path, rank_manifest_name(rank))
         data = _read_small(path, MAX_MANIFEST_BYTES, f"the rank {rank} manifest")
-        if digest_bytes(data) != self.index["ranks"][rank]["manifest_digest"]:
+        if digest_bytes(data) != self.rank_entry(rank)["manifest_digest"]:
             raise FormatError(f"{path}: manifest digest does not match index.json")
         m = parse_manifest(data, job=self.job, step=self.step, rank=rank)
         if check_map and self.format_version >= 2:
@@ -152,7 +198,7 @@ class StepReader:
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             raise FormatError(f"{path}: not a regular file")
-        expected = self.index["ranks"][rank]["stored_bytes"]
+        expected = self.rank_entry(rank)["stored_bytes"]
         if st.st_size != expected:
             os.close(fd)
             raise FormatError(f"{path}: {st.st_size} bytes, the index says {expected} (truncated or appended to)")
@@ -213,6 +259,10 @@ def verify_step(step_path: str, progress: Callable[[str], None] | None = None) -
             faults += [Fault(index_path, f.tensor, f.reason) for f in check.map_faults()]
         except FormatError as e:
             faults.append(Fault(index_path, None, str(e)))
+    try:
+        faults += [Fault(index_path, None, f) for f in side_file_faults(reader.path, reader.index)]
+    except (ValueError, OSError) as e:
+        faults.append(Fault(index_path, None, str(e)))
     for rank in range(reader.world_size):
         mpath = os.path.join(reader.path, rank_manifest_name(rank))
         try:

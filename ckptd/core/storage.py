@@ -8,7 +8,7 @@ from __future__ import annotations
 import ctypes
 import os
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 FILE_MODE = 0o640
 DIR_MODE = 0o750
@@ -88,6 +88,27 @@ def atomic_write(path: str, data: bytes, publish: Callable[[Callable[[], None]],
         _unlink_quietly(tmp)
         raise
     fsync_dir(os.path.dirname(path) or ".")
+
+
+def write_files_durably(directory: str, files: Sequence[tuple[str, bytes]]) -> None:
+    """Write several files of one directory like ``atomic_write`` each (tmp, fsync, rename), with
+    one directory fsync for all of them at the end."""
+    for name, data in files:
+        path = os.path.join(directory, name)
+        tmp = f"{path}.tmp.{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
+        try:
+            write_all(fd, [data])
+            os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.rename(tmp, path)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            _unlink_quietly(tmp)
+            raise
+    fsync_dir(directory)
 
 
 def open_for_write(path: str) -> int:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .rank_record import RankRecord
 from .schema import TensorLayout
 
 
@@ -47,6 +48,7 @@ class ShardWritten:
     stored_bytes: int
     digest: str
     seconds: float
+    record: RankRecord | None = None     # what the commit needs of this rank (rank_record.py), if known
 
 
 class StorageTier(ABC):
@@ -65,6 +67,12 @@ class StorageTier(ABC):
     @abstractmethod
     async def commit(self, job: str, step: int, world_size: int, digests: Mapping[int, str]) -> None:
         """Check every rank's shard against its digest, then publish the step atomically."""
+
+    async def commit_records(self, job: str, step: int, world_size: int, digests: Mapping[int, str],
+                             records: Sequence[RankRecord]) -> None:
+        """``commit`` with every rank's record (in rank order), so the tier need not read every shard's
+        manifest back to build the index. A tier that cannot use them commits by the digests."""
+        await self.commit(job, step, world_size, digests)
 
     async def withdraw_commits(self) -> None:
         """(Shutdown) make every commit in flight final now: one not yet published never will be,

@@ -5,8 +5,11 @@ The commit protocol (also in FORMAT.md):
    fsync dir); the daemon then reports the rank DURABLE with the manifest's sha256;
 2. when all ``world_size`` ranks are durable — counted by this daemon (``local`` mode)
    or gathered by rank 0's client through the job's c10d store and sent in a COMMIT
-   (``relay`` mode) — the daemon serving rank 0 checks every manifest's digest on disk
-   and writes ``index.json`` (tmp, fsync, rename, fsync dir). Its presence is the commit;
+   (``relay`` mode) — the daemon serving rank 0 checks every manifest's digest on disk (in
+   parallel), builds the global tensor map from the ranks' records (the manifests' summaries
+   their daemons sent with DURABLE; read from the manifests only when a record is missing),
+   writes the lean side files of a large index, then ``index.json`` (tmp, fsync, rename,
+   fsync dir). Its presence is the commit;
 3. any failure before that abandons the step: no index is written, the waiting ranks are
    told why, and the files this daemon wrote for it are removed.
 
@@ -20,16 +23,21 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckptd.core import storage
 from ckptd.core.errors import FormatError
-from ckptd.core.global_index import build_tensor_map
+from ckptd.core.global_index import build_from_records
 from ckptd.core.map_check import geometry_faults
 from ckptd.core.names import INDEX_NAME, rank_manifest_name
+from ckptd.core.rank_record import RankRecord, summarize
+from ckptd.core.rank_table import SMALL_INDEX_BYTES, side_files
 from ckptd.core.schema import MAX_MANIFEST_BYTES, digest_bytes, encode_json, make_index, parse_manifest
 from ckptd.daemon.retention import remove_files, stray_temps
+
+CHECK_THREADS = 16
 
 
 class CommitError(Exception):
@@ -72,9 +80,11 @@ class PublishGate:
 
 
 def write_index(step_path: str, job: str, step: int, world_size: int, digests: dict[int, str],
-                gate: PublishGate | None = None) -> dict[str, Any]:
-    """Verify every rank's manifest against its digest, merge them into the global tensor map, then
-    publish index.json atomically (under ``gate`` when given: see PublishGate)."""
+                gate: PublishGate | None = None, records: Sequence[RankRecord] | None = None) -> dict[str, Any]:
+    """Merge every rank's record into the global tensor map, then publish the lean side files and
+    index.json atomically (under ``gate`` when given: see PublishGate). ``records`` (one per rank,
+    in rank order, reported by the daemons that wrote the shards) spare reading every manifest;
+    without them each manifest is read and checked against its digest here."""
     if gate is not None:
         gate.check()
     if sorted(digests) != list(range(world_size)):
@@ -82,23 +92,14 @@ def write_index(step_path: str, job: str, step: int, world_size: int, digests: d
         raise CommitError(f"cannot commit step {step}: no durable shard from ranks {missing}")
     if os.path.exists(os.path.join(step_path, INDEX_NAME)):
         raise CommitError(f"step {step} is already committed")
-    ranks, manifests = [], []
-    for rank in range(world_size):
-        path = os.path.join(step_path, rank_manifest_name(rank))
-        try:
-            data = storage.read_limited(path, MAX_MANIFEST_BYTES)
-        except (OSError, ValueError) as e:   # ValueError: over the size limit or not a regular file
-            raise CommitError(f"rank {rank} manifest unreadable: {e}") from None
-        if digest_bytes(data) != digests[rank]:
-            raise CommitError(f"rank {rank} manifest {path} does not match the digest it reported durable")
-        m = parse_manifest(data, job=job, step=step, rank=rank)
-        if m.world_size != world_size:
-            raise CommitError(f"rank {rank} saved with world size {m.world_size}, step has {world_size}")
-        ranks.append({"rank": rank, "manifest_digest": digests[rank],
-                      "raw_bytes": m.raw_bytes, "stored_bytes": m.stored_bytes})
-        manifests.append(m)
+    if records is None:
+        records = [_read_record(step_path, job, step, world_size, rank, digests[rank]) for rank in range(world_size)]
+    else:
+        if [r.rank for r in records] != list(range(world_size)) or any(r.digest != digests[r.rank] for r in records):
+            raise CommitError(f"cannot commit step {step}: the rank records do not match the durable digests")
+        check_manifests(step_path, digests)
     try:
-        tensors, per_rank = build_tensor_map(manifests)
+        tensors, per_rank = build_from_records(records)
     except FormatError as e:        # ranks that disagree about one tensor: not a loadable step
         raise CommitError(f"cannot commit step {step}: {e}") from None
     faults = geometry_faults(tensors, world_size)
@@ -108,8 +109,52 @@ def write_index(step_path: str, job: str, step: int, world_size: int, digests: d
     # A writer killed mid-rename (an earlier attempt of this step) leaves manifest temp files:
     # they must not survive inside a committed step.
     remove_files(stray_temps(step_path))
-    index = make_index(job, step, world_size, ranks, time.time(),
+    index = make_index(job, step, world_size, [r.index_entry() for r in records], time.time(),
                        {name: t.to_json(world_size) for name, t in tensors.items()}, per_rank)
-    storage.atomic_write(os.path.join(step_path, INDEX_NAME), encode_json(index),
+    body = encode_json(index)
+    if len(body) > SMALL_INDEX_BYTES:   # readers read a smaller index whole; a larger one by its side files
+        # The side files first (any left by an earlier attempt are overwritten): index.json is last.
+        storage.write_files_durably(step_path, side_files(index, records))
+    storage.atomic_write(os.path.join(step_path, INDEX_NAME), body,
                          None if gate is None else gate.publish)
     return index
+
+
+def _manifest_bytes(step_path: str, rank: int, digest: str) -> bytes:
+    path = os.path.join(step_path, rank_manifest_name(rank))
+    try:
+        data = storage.read_limited(path, MAX_MANIFEST_BYTES)
+    except (OSError, ValueError) as e:   # ValueError: over the size limit or not a regular file
+        raise CommitError(f"rank {rank} manifest unreadable: {e}") from None
+    if digest_bytes(data) != digest:
+        raise CommitError(f"rank {rank} manifest {path} does not match the digest it reported durable")
+    return data
+
+
+def check_manifests(step_path: str, digests: dict[int, str]) -> None:
+    """Every manifest is there (visible on this node: a shared file system) and hashes to its digest,
+    checked by a pool of threads (reads and hashing run outside the GIL); CommitError names the
+    lowest failing rank. The records already hold what the index needs: nothing is parsed here."""
+    ranks = sorted(digests)
+    k = max(1, min(CHECK_THREADS, len(ranks)))
+
+    def check(part: list[int]) -> tuple[int, CommitError] | None:
+        for r in part:          # a slice per thread: one task each, not one per rank
+            try:
+                _manifest_bytes(step_path, r, digests[r])
+            except CommitError as e:
+                return r, e
+        return None
+    with ThreadPoolExecutor(k, thread_name_prefix="ckptd-commit") as pool:
+        failed = [f for f in pool.map(check, [ranks[i::k] for i in range(k)]) if f is not None]
+    if failed:
+        raise min(failed, key=lambda f: f[0])[1]
+
+
+def _read_record(step_path: str, job: str, step: int, world_size: int, rank: int, digest: str) -> RankRecord:
+    """A rank's record from its manifest on disk, checked against the digest it reported durable."""
+    data = _manifest_bytes(step_path, rank, digest)
+    m = parse_manifest(data, job=job, step=step, rank=rank)
+    if m.world_size != world_size:
+        raise CommitError(f"rank {rank} saved with world size {m.world_size}, step has {world_size}")
+    return summarize(m, digest)

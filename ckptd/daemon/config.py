@@ -186,7 +186,7 @@ class Settings:
             root=self.root, socket_path=self.socket, socket_mode=self.socket_mode, socket_group=self.socket_group,
             threads=self.threads, step_timeout=self.step_timeout, slot_memory_limit=self.slot_memory_limit,
             write=WriteSettings(codec=self.codec, level=self.level, chunk_bytes=self.chunk_size,
-                                debug_write_delay=debug.write_delay),
+                                debug_write_delay=debug.write_delay, debug_commit_delay=debug.commit_delay),
             allowed_uids=frozenset(self.allowed_users) or None, allowed_gids=frozenset(self.allowed_groups) or None,
             drain_grace=self.drain_grace, retention=self.retention.policy(), metrics_address=self.metrics.address,
             s3=self.s3, debug_upload_delay=debug.upload_delay,
@@ -202,6 +202,10 @@ class DebugSettings:
             "while a step is being written.")
     upload_delay: float = setting(0.0, parse=parse_duration, flags=(Flag("--debug-upload-delay", metavar="SECONDS"),),
                                   doc="TEST ONLY: sleep this many seconds before uploading each file to the bucket.")
+    commit_delay: float = setting(
+        0.0, parse=parse_duration, flags=(Flag("--debug-commit-delay", metavar="SECONDS"),),
+        doc="TEST ONLY: sleep this many seconds before a commit writes its index, so a test can time "
+            "out a COMMIT request that still commits.")
 
 
 KEYS: dict[str, Key] = {k.name: k for k in walk(Settings)}

@@ -12,11 +12,14 @@ import errno
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ckptd.core.names import INDEX_NAME, job_dir, rank_data_name, step_dir
+from ckptd.core.rank_record import RankRecord, summarize
+from ckptd.core.rank_table import SIDE_FILES
 from ckptd.core.reader import latest_committed
 from ckptd.core.schema import TensorLayout
 from ckptd.core.tier import ShardRef, ShardWritten, StorageTier
@@ -37,6 +40,11 @@ def remove_uncommitted(step_path: str, ranks: Sequence[int]) -> None:
     try:
         for rank in ranks:
             remove_rank_files(step_path, rank)
+        for name in SIDE_FILES:      # an earlier commit attempt's, not published
+            try:
+                os.unlink(os.path.join(step_path, name))
+            except FileNotFoundError:
+                pass
         os.rmdir(step_path)
     except OSError as e:   # best effort (EROFS, ENOTEMPTY, ...): an uncommitted step is garbage anyway
         if e.errno not in (errno.ENOENT, errno.ENOTEMPTY):
@@ -67,12 +75,17 @@ class FsTier(StorageTier):
         result = await self._on(self._write_pool, write_shard, self.step_path(ref.job, ref.step), ref.job, ref.step,
                                 ref.rank, ref.world_size, data, list(layout), tree, self.settings, self._codec_pool,
                                 self.window, released, abandoned)
-        return ShardWritten(result.manifest.raw_bytes, result.manifest.stored_bytes, result.digest, result.seconds)
+        return ShardWritten(result.manifest.raw_bytes, result.manifest.stored_bytes, result.digest, result.seconds,
+                            summarize(result.manifest, result.digest))
 
     def _gate(self) -> PublishGate:
         return PublishGate()
 
     async def commit(self, job: str, step: int, world_size: int, digests: Mapping[int, str]) -> None:
+        await self.commit_records(job, step, world_size, digests, None)
+
+    async def commit_records(self, job: str, step: int, world_size: int, digests: Mapping[int, str],
+                             records: Sequence[RankRecord] | None) -> None:
         if self._withdrawn:
             raise CommitWithdrawn(f"step {step}: the daemon is shutting down; no commit starts now")
         gate = self._gate()
@@ -81,7 +94,9 @@ class FsTier(StorageTier):
 
         def run() -> None:
             try:
-                write_index(self.step_path(job, step), job, step, world_size, dict(digests), gate)
+                if self.settings.debug_commit_delay:
+                    time.sleep(self.settings.debug_commit_delay)
+                write_index(self.step_path(job, step), job, step, world_size, dict(digests), gate, records)
             finally:
                 with self._gates_lock:   # once the thread is done (a cancelled caller is not: it may run on)
                     self._gates.discard(gate)

@@ -39,7 +39,8 @@ from ckptd.core.storage import fsync_dir
 log = logging.getLogger("ckptd")
 
 # Files ckptd writes inside a step directory: data, manifests, the index, and their tmp files.
-_OWN_FILE_RE = re.compile(r"^(?:rank-\d{5}\.(?:data|json)|index\.json)(?:\.tmp\.\d+)?$")
+_OWN_FILE_RE = re.compile(r"^(?:rank-\d{5}\.(?:data|json)|index\.json|ranks\.bin|tensors\.json|index-head\.json)"
+                          r"(?:\.tmp\.\d+)?$")
 
 
 class KeepRule(Protocol):
@@ -187,7 +188,7 @@ def plan_job(job_path: str, policy: RetentionPolicy, *, now: float | None = None
     return actions, kept
 
 
-_TEMP_RE = re.compile(r"^(?:rank-\d{5}\.json|index\.json)\.tmp\.\d+$")
+_TEMP_RE = re.compile(r"^(?:rank-\d{5}\.json|index\.json|ranks\.bin|tensors\.json|index-head\.json)\.tmp\.\d+$")
 
 
 def stray_temps(step_path: str) -> list[str]:

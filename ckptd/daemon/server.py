@@ -22,6 +22,7 @@ from ckptd import __version__
 from ckptd.core import names, protocol
 from ckptd.core.errors import FormatError
 from ckptd.core.protocol import Abort, Commit, CommitMode, Hello, Info, MemoryFetch, Report, Resize, Save, Status
+from ckptd.core.rank_record import parse_record
 from ckptd.core.tier import ShardRef, ShardWritten
 from ckptd.daemon import systemd
 from ckptd.daemon.commit import CommitError
@@ -380,7 +381,12 @@ class Requests:
             digests = {int(r): d for r, d in c.digests.items() if isinstance(d, str)}
         except ValueError:
             raise RequestError("digests must map rank numbers to strings") from None
-        await self.d.steps.commit(st, digests)
+        records = None
+        if c.records is not None:
+            if not (isinstance(c.records, list) and len(c.records) == st.world_size):
+                raise RequestError(f"records must list all {st.world_size} ranks in order")
+            records = [parse_record(obj, r) for r, obj in enumerate(c.records)]
+        await self.d.steps.commit(st, digests, records)
         return {"step": c.step}, []
 
     async def abort(self, session: Session, a: Abort) -> Reply:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
@@ -16,6 +17,10 @@ from dataclasses import dataclass
 from ckptd.daemon.runtime import RequestError, describe_error
 
 MAX_SLOTS = 8
+# Python's mmap keeps a duplicate of the descriptor open for the mapping's life: one more fd per
+# slot per session. 3.13+ can do without (the mapping needs no fd); the memfd itself is closed
+# once it was sent. docs/operations.md has the daemon's fd budget.
+NO_FD_COPY: dict[str, bool] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
 
 
 def allocate_slots(name: str, size: int, count: int) -> list[tuple[int, mmap.mmap]]:
@@ -30,7 +35,8 @@ def allocate_slots(name: str, size: int, count: int) -> list[tuple[int, mmap.mma
             try:
                 os.ftruncate(fd, size)
                 os.posix_fallocate(fd, 0, size)
-                mm = mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ)
+                mm = mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ,
+                               **NO_FD_COPY)
             except BaseException:
                 os.close(fd)
                 raise

@@ -32,6 +32,7 @@ from enum import Enum
 from typing import Any, Generic, TypeVar
 
 from ckptd.core.protocol import CommitMode
+from ckptd.core.rank_record import RankRecord
 from ckptd.daemon.runtime import RequestError
 from ckptd.daemon.snapshot import Counters, LastCommit, ShardView, StepView
 
@@ -81,6 +82,7 @@ class Shard(Generic[W]):
     waiter: W | None                     # told of the step's outcome; None once it need not be
     state: ShardState = ShardState.WRITING
     digest: str | None = None
+    record: RankRecord | None = None     # the durable shard's rank record (the tier's, if it gives one)
 
     def move(self, to: ShardState) -> None:
         if to not in SHARD_TRANSITIONS[self.state]:
@@ -113,6 +115,11 @@ class Step(Generic[W]):
 
     def digests(self) -> dict[int, str]:
         return {r: s.digest for r, s in self.shards.items() if s.state is ShardState.DURABLE and s.digest}
+
+    def records(self) -> list[RankRecord] | None:
+        """Every rank's record in rank order, when each durable shard here has one (local commit)."""
+        recs = [s.record for _, s in sorted(self.shards.items())]
+        return None if any(r is None for r in recs) else [r for r in recs if r is not None]
 
     def missing(self) -> list[int]:
         return sorted(set(range(self.world_size)) - set(self.ranks(ShardState.DURABLE)))

@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from ckptd.core.protocol import CommitMode, EventOp, event
+from ckptd.core.rank_record import RankRecord
 from ckptd.core.schema import TensorLayout
 from ckptd.core.tier import ShardRef, ShardWritten, StorageTier
 from ckptd.daemon.runtime import RequestError, TaskSet, describe_error
@@ -106,12 +107,14 @@ class StepCoordinator(Generic[W]):
             raise RequestError(f"step {step}: rank 0 is not durable yet or the step is already committing")
         return st
 
-    async def commit(self, st: Step[W], digests: Mapping[int, str]) -> None:
-        """Rank 0's COMMIT: every rank durable by its digests. RequestError if the commit fails."""
+    async def commit(self, st: Step[W], digests: Mapping[int, str],
+                     records: Sequence[RankRecord] | None = None) -> None:
+        """Rank 0's COMMIT: every rank durable by its digests (and, when given, every rank's record,
+        gathered through the store). RequestError if the commit fails."""
         if not accepts_commit(st):
             raise RequestError(f"step {st.step}: rank 0 is not durable yet or the step is already committing")
         st.move(StepState.DURABLE)
-        reason = await self._commit(st, digests)
+        reason = await self._commit(st, digests, records)
         if reason is not None:
             raise RequestError(reason)
 
@@ -227,6 +230,7 @@ class StepCoordinator(Generic[W]):
             self._on_durable(result)
             shard.move(ShardState.DURABLE)
             shard.digest = result.digest
+            shard.record = result.record
             if not st.open:            # the step failed (another rank, a timeout) while this shard was written
                 shard.move(ShardState.DISCARDED)
                 log.info("shard discarded", extra={"ctx": {**ctx, "reason": f"step {st.step} ended "
@@ -239,29 +243,35 @@ class StepCoordinator(Generic[W]):
             self.table.write_over(st, shard)        # before any event: the client may act on it at once
             self._tell(shard, event(EventOp.DURABLE, step=st.step, rank=rank, digest=result.digest,
                                     raw_bytes=result.raw_bytes, stored_bytes=result.stored_bytes,
-                                    write_s=round(result.seconds, 6)))
+                                    write_s=round(result.seconds, 6),
+                                    **({} if result.record is None else {"record": result.record.to_json()})))
             if st.mode is CommitMode.RELAY and rank != 0:
                 shard.waiter = None    # rank 0's client gathers the other ranks through the store
             if complete_here(st):
                 st.move(StepState.DURABLE)
-                await self._commit(st, st.digests())
+                await self._commit(st, st.digests(), st.records())
             elif handed_off(st):
                 st.move(StepState.HANDED_OFF)
                 self.table.forget(st)
         finally:
             self.table.write_over(st, shard)
 
-    async def _commit(self, st: Step[W], digests: Mapping[int, str]) -> str | None:
+    async def _commit(self, st: Step[W], digests: Mapping[int, str],
+                      records: Sequence[RankRecord] | None = None) -> str | None:
         """Publish the step; returns why it failed (None: committed). The commit runs in a task of its
         own: a caller cancelled meanwhile (a drain, a client gone) leaves it running to its end."""
         st.move(StepState.COMMITTING)
         st.committing_since = self.table.clock()
-        task = self.commits.spawn(self._publish(st, dict(digests)), _commit_name(st))
+        task = self.commits.spawn(self._publish(st, dict(digests), records), _commit_name(st))
         return await asyncio.shield(task)
 
-    async def _publish(self, st: Step[W], digests: dict[int, str]) -> str | None:
+    async def _publish(self, st: Step[W], digests: dict[int, str],
+                       records: Sequence[RankRecord] | None) -> str | None:
         try:
-            await self.tier.commit(st.job, st.step, st.world_size, digests)
+            if records is None:
+                await self.tier.commit(st.job, st.step, st.world_size, digests)
+            else:
+                await self.tier.commit_records(st.job, st.step, st.world_size, digests, records)
         except Exception as e:    # whatever it is, the step must not stay COMMITTING forever
             reason = f"commit of step {st.step} failed: {describe_error(e) if isinstance(e, OSError) else e}"
             if isinstance(e, OSError) and st.state is StepState.COMMITTING \

@@ -29,6 +29,8 @@ class WriteSettings:
     # Test setting (documented in README): sleep this long before writing each chunk,
     # so a test can kill the daemon while a step is being written.
     debug_write_delay: float = 0.0
+    # Test setting: sleep this long before a commit writes the index (a COMMIT that times out).
+    debug_commit_delay: float = 0.0
 
 
 class WriteAbandoned(Exception):

@@ -1,0 +1,142 @@
+"""The commit's critical path at 32,768 ranks, with cheap simulated ranks (one machine cannot run
+32,768 Checkpointers).
+
+Real: the TCPStore (its server in a process of its own), rank 0's ``StoreRelay`` (the shipped
+relay code: its node-0 gather, its blocking wait for the node count, the chunked ``multi_get``,
+the parse of every rank's outcome), the daemon's commit code (``parse_record`` of every record
+as the server does, then ``commit.write_index``: every manifest's digest checked on disk with
+its thread pool, the tensor map built from the records, the lean side files and index.json
+written and fsynced) and 32,768 real manifest files. Simulated: the other ranks — their
+manifests are written straight to the step directory (no daemon, no fsync), their records come
+from ``rank_record.summarize`` and their node leaders' store traffic (``set`` of the node
+record, ``add``, ``set`` of ready) is issued by a thread pool, exactly as relay.py's
+``_publish_node`` does. The COMMIT runs in-process (no socket hop). Reported: last node record
+published → index.json written, → rank 0 resolved; index bytes; what one restoring rank reads.
+
+    flock /tmp/ckptd-bench.lock python benchmarks/scale_thin.py --ranks 32768
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from scale_bench import STORE_SERVER
+
+from ckptd.core.codec import ChunkMeta
+from ckptd.core.names import INDEX_NAME, rank_data_name, rank_manifest_name, step_dir
+from ckptd.core.rank_record import parse_record, summarize
+from ckptd.core.rank_table import HEAD_NAME
+from ckptd.core.reader import StepReader
+from ckptd.core.schema import Manifest, TensorEntry, digest_bytes, encode_json
+from ckptd.daemon.commit import write_index
+from ckptd_client import store_keys
+from ckptd_client.relay import StoreRelay, node_member
+
+
+def tiny_manifest(job: str, step: int, rank: int, world: int) -> Manifest:
+    """A rank's manifest as the daemon writes it for the scale worker's state (two small tensors)."""
+    w = TensorEntry("w", "float32", [4], 0, [ChunkMeta("none", 16, 16, f"{rank:016x}", [[16, "r"]])])
+    shared = TensorEntry("shared", "float32", [8], 16, [ChunkMeta("none", 32, 32, "00000000000000aa", [[32, "r"]])])
+    tree = {"d": [["w", {"T": "w"}], ["shared", {"T": "shared"}], ["step", step]]}
+    return Manifest(job, step, rank, world, [w, shared], tree, 48, 48)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=32768)
+    ap.add_argument("--node-size", type=int, default=8)
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "scale_thin.json")
+    a = ap.parse_args()
+    n, job, step = a.ranks, "scale", 1
+    area = Path(tempfile.mkdtemp(prefix="ckthin-", dir="/tmp"))
+    store_proc = subprocess.Popen([sys.executable, "-c", STORE_SERVER], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+    try:
+        assert store_proc.stdout is not None
+        port = int(store_proc.stdout.readline())
+        path = Path(step_dir(str(area / "root"), job, step))
+        path.mkdir(parents=True)
+        t = time.monotonic()
+        outcomes = []
+        for r in range(n):       # the shards the other daemons made durable (no fsync: set-up, not measured)
+            data = encode_json(tiny_manifest(job, step, r, n).to_json())
+            (path / rank_manifest_name(r)).write_bytes(data)
+            (path / rank_data_name(r)).write_bytes(bytes(48))
+            rec = summarize(tiny_manifest(job, step, r, n), digest_bytes(data))
+            outcomes.append("ok:" + json.dumps(rec.to_json(), separators=(",", ":")))
+        setup_s = time.monotonic() - t
+
+        def store() -> Any:
+            return dist.TCPStore("127.0.0.1", port, n, is_master=False, timeout=timedelta(seconds=300),
+                                 wait_for_workers=False)
+        done = threading.Event()
+        resolved: list[Any] = []
+
+        def commit(step_: int, digests: dict[int, str], records: list[Any] | None, timeout: float) -> None:
+            assert records is not None
+            parsed = [parse_record(obj, r) for r, obj in enumerate(records)]      # as the daemon's server does
+            write_index(str(path), job, step_, n, digests, None, parsed)
+
+        relay = StoreRelay(store(), job, 0, n, 300.0, commit, lambda s, r: None,
+                           lambda s: (path / INDEX_NAME).exists(), node_size=a.node_size)
+        def on_resolved(err: str | None) -> None:
+            resolved.append((time.time(), err))
+            done.set()
+        relay.track(1, step, on_resolved)
+        relay.publish(1, outcomes[0])
+        nodes = -(-n // a.node_size)
+        clients = [store() for _ in range(8)]
+        for r in range(1, a.node_size):          # node 0's other ranks
+            clients[0].set(store_keys.rank_outcome(job, 1, r), outcomes[r])
+        last = [0.0]
+        lock = threading.Lock()
+
+        def publish_node(node: int) -> None:
+            c = clients[node % len(clients)]
+            members = outcomes[node * a.node_size: (node + 1) * a.node_size]
+            c.set(store_keys.node_record(job, 1, node), json.dumps([node_member(v) for v in members]))
+            if c.add(store_keys.node_count(job, 1), 1) == nodes:
+                c.set(store_keys.nodes_ready(job, 1), "1")
+            with lock:
+                last[0] = max(last[0], time.time())
+        time.sleep(2.0)          # rank 0's relay is waiting on the count (its clone made) before nodes publish
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(publish_node, range(1, nodes)))
+        done.wait(300)
+        t_resolved, err = resolved[0]
+        index = path / INDEX_NAME
+        reader = StepReader(str(path))
+        reader.rank_entry(n - 1)
+        res = {"ranks": n, "nodes": nodes, "error": err, "setup_s": round(setup_s, 1),
+               "last_node_record_to_index_s": round(index.stat().st_mtime - last[0], 3),
+               "last_node_record_to_rank0_resolved_s": round(t_resolved - last[0], 3),
+               "index_bytes": index.stat().st_size,
+               "restore_index_bytes_per_rank": (path / HEAD_NAME).stat().st_size + 256 * 48,
+               "machine": "shared 2-core VM, other jobs running"}
+        print(json.dumps(res))
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(res, indent=1) + "\n")
+        relay.close()
+    finally:
+        if store_proc.stdin:
+            store_proc.stdin.close()
+        store_proc.wait()
+        shutil.rmtree(area, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""A rank record: what the commit needs of one durable rank, without reading its manifest.
+
+The daemon that writes a rank's shard knows its manifest; it reduces it to a record (digest,
+sizes, each tensor's name, dtype, shape, placement and — for plain tensors — a fingerprint of
+its chunk checksums, and a hash of each top-level state entry's non-tensor content) and sends
+it with the DURABLE event. In a relayed commit the records travel through the job's c10d store
+(one per node, see ckptd_client/relay.py) to the committing daemon, which builds the global
+tensor map from them (``global_index.build_from_records``) instead of re-reading every manifest
+on the commit's critical path. Nothing is lost by that: a reader checks every manifest it reads
+against its digest in the index and against the tensor map, and ``ckptd verify`` checks all of
+them. Records come off the wire, so ``parse_record`` validates them like a manifest.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import FormatError
+from .names import validate_tensor_name
+from .regions import Region
+from .schema import Manifest, TensorEntry, parse_placement, validate_shape
+
+_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}\Z")
+_HASH_RE = re.compile(r"^[0-9a-f]{16}\Z")
+
+
+def fingerprint(entry: TensorEntry) -> tuple[Any, ...]:
+    """What makes two saved copies byte-identical, known without reading them (chunk checksums)."""
+    return (entry.dtype, tuple(entry.shape), tuple((c.codec, c.raw_len, c.checksum) for c in entry.chunks))
+
+
+def short_hash(obj: Any) -> str:
+    """64-bit hash of a JSON-able value's canonical form: equal content, equal hash."""
+    data = json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+@dataclass(frozen=True)
+class RecordEntry:
+    """One tensor entry of a rank's manifest, as the tensor map needs it."""
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    key: str                                   # the global tensor it belongs to (its own name when plain)
+    global_shape: tuple[int, ...] | None       # set for a piece of a sharded tensor
+    offsets: tuple[int, ...] | None
+    fp: str | None                             # plain tensors: hash of their fingerprint
+
+    def region(self) -> Region:
+        return Region(self.offsets, self.shape) if self.offsets is not None else Region.whole(self.shape)
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    rank: int
+    digest: str                                # sha256 of the rank's manifest file
+    raw_bytes: int
+    stored_bytes: int
+    entries: tuple[RecordEntry, ...]
+    forms: tuple[tuple[str, str], ...]         # (top-level state key, hash of its content)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "digest": self.digest, "raw": self.raw_bytes, "stored": self.stored_bytes,
+                "t": [[e.name, e.dtype, list(e.shape), None if e.key == e.name else e.key,
+                       None if e.global_shape is None else list(e.global_shape),
+                       None if e.offsets is None else list(e.offsets), e.fp] for e in self.entries],
+                "k": [list(f) for f in self.forms]}
+
+    def index_entry(self) -> dict[str, Any]:
+        """This rank's entry in index.json's ``ranks``."""
+        return {"rank": self.rank, "manifest_digest": self.digest, "raw_bytes": self.raw_bytes,
+                "stored_bytes": self.stored_bytes}
+
+
+def top_level(tree: Any) -> list[tuple[str, Any]]:
+    """(key, content) of a state tree's top-level entries (one unnamed entry for a non-dict tree)."""
+    if isinstance(tree, dict) and isinstance(tree.get("d"), list):
+        return [(str(k), v) for k, v in (item for item in tree["d"] if isinstance(item, list) and len(item) == 2)]
+    return [("", tree)]
+
+
+def summarize(m: Manifest, digest: str) -> RankRecord:
+    """The record of a manifest whose file bytes hash to ``digest``."""
+    entries = []
+    for e in m.tensors:
+        p = e.placement
+        entries.append(RecordEntry(e.name, e.dtype, tuple(e.shape), e.key,
+                                   None if p is None else tuple(p.global_shape),
+                                   None if p is None else tuple(p.offsets),
+                                   short_hash(repr(fingerprint(e))) if p is None else None))
+    return RankRecord(m.rank, digest, m.raw_bytes, m.stored_bytes, tuple(entries),
+                      tuple((k, short_hash(v)) for k, v in top_level(m.tree)))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _name_fault(name: Any) -> str | None:
+    """Why a tensor name is refused (None: valid); cached, as every rank of a job repeats the names."""
+    try:
+        validate_tensor_name(name)
+        return None
+    except ValueError as e:
+        return str(e)
+
+
+def _req(cond: bool, what: str) -> None:
+    if not cond:
+        raise FormatError(what)
+
+
+def _uint(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def parse_record(obj: Any, rank: int) -> RankRecord:
+    """A record from the wire or the store, checked as strictly as a manifest (FormatError)."""
+    where = f"rank {rank} record"
+    _req(isinstance(obj, dict) and obj.get("rank") == rank, f"{where}: not a record of rank {rank}")
+    _req(isinstance(obj.get("digest"), str) and bool(_DIGEST_RE.match(obj["digest"])), f"{where}: bad digest")
+    _req(_uint(obj.get("raw")) and _uint(obj.get("stored")), f"{where}: bad sizes")
+    _req(isinstance(obj.get("t"), list) and isinstance(obj.get("k"), list), f"{where}: no tensors or keys")
+    entries, seen = [], set()
+    for t in obj["t"]:
+        _req(isinstance(t, list) and len(t) == 7, f"{where}: malformed tensor entry")
+        name, dtype, shape, key, gshape, offsets, fp = t
+        fault = (_name_fault(name) if isinstance(name, str) else "a tensor name must be a string") \
+            or (None if key is None else _name_fault(key) if isinstance(key, str) else "a key must be a string")
+        if fault:
+            raise FormatError(f"{where}: {fault}")
+        _req(name not in seen, f"{where}: duplicate tensor {name!r}")
+        seen.add(name)
+        validate_shape(dtype, shape)
+        if gshape is not None:
+            p = parse_placement({"shape": gshape, "offsets": offsets}, shape, f"{where}: tensor {name!r}")
+            entries.append(RecordEntry(name, dtype, tuple(shape), key or name, p.global_shape, p.offsets, None))
+        else:
+            _req(key is None and offsets is None and isinstance(fp, str) and bool(_HASH_RE.match(fp)),
+                 f"{where}: plain tensor {name!r} needs a fingerprint and no placement")
+            entries.append(RecordEntry(name, dtype, tuple(shape), name, None, None, fp))
+    forms = []
+    for f in obj["k"]:
+        _req(isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) and len(f[0]) <= 1024
+             and isinstance(f[1], str) and bool(_HASH_RE.match(f[1])), f"{where}: malformed state key entry")
+        forms.append((f[0], f[1]))
+    return RankRecord(rank, obj["digest"], obj["raw"], obj["stored"], tuple(entries), tuple(forms))
