@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from scale_bench import STORE_SERVER
 
 from ckptd.core.codec import ChunkMeta
 from ckptd.core.names import INDEX_NAME, rank_data_name, rank_manifest_name, step_dir
@@ -43,6 +42,8 @@ from ckptd.core.schema import Manifest, TensorEntry, digest_bytes, encode_json
 from ckptd.daemon.commit import write_index
 from ckptd_client import store_keys
 from ckptd_client.relay import StoreRelay, node_member
+
+from scale_bench import STORE_SERVER
 
 
 def tiny_manifest(job: str, step: int, rank: int, world: int) -> Manifest:

@@ -23,7 +23,7 @@ from .handle import CloseReport, SaveHandle, wait_all
 from .memory_restore import STORAGE, MemoryUnavailable, RestoreInfo, restore_from_memory
 from .modes import AUTO, WhenBusy, parse_when_busy, resolve_commit_mode
 from .overlap import OverlapCopies, fence_list, parse_overlap
-from .relay import StoreRelay
+from .relay import StoreRelay, dist_info
 from .restore import PerRank, agree_step, restore_state
 from .session import DaemonSession
 from .slots import ClientSlot, plan_layout
@@ -33,19 +33,6 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
 log = logging.getLogger("ckptd_client")
-
-
-def _dist_info() -> tuple[int, int, Any]:
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        store = None
-        try:
-            from torch.distributed.distributed_c10d import _get_default_store
-            store = _get_default_store()
-        except Exception:
-            pass
-        return dist.get_rank(), dist.get_world_size(), store
-    return 0, 1, None
 
 
 def _has_index(root: str | None, job: str, step: int) -> bool:
@@ -75,7 +62,7 @@ class Checkpointer:
         self.job = names.validate_job(job)
         self.socket_path = socket or protocol.default_socket_path()
         self.root = os.path.abspath(root) if root else None
-        d_rank, d_world, d_store = _dist_info()
+        d_rank, d_world, d_store = dist_info()
         self.rank = d_rank if rank is None else rank
         self.world_size = d_world if world_size is None else world_size
         if not 0 <= self.rank < self.world_size:

@@ -313,3 +313,17 @@ def _split(values: list[dict[str, Any]]) -> tuple[dict[int, str], list[Any] | No
             digests[r] = str(ok)
             records = None
     return digests, records
+
+
+def dist_info() -> tuple[int, int, Any]:
+    """(rank, world size, the default group's store or None) of this process's torch.distributed."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        store = None
+        try:
+            from torch.distributed.distributed_c10d import _get_default_store
+            store = _get_default_store()
+        except Exception:
+            pass
+        return dist.get_rank(), dist.get_world_size(), store
+    return 0, 1, None

@@ -20,11 +20,12 @@ from typing import Any
 
 import hf_worker
 import pytest
-import sharded_trainer as st
 import torch
 from safetensors.torch import load_file
 
 from ckptd.launch import spawn_daemon
+
+import sharded_trainer as st
 
 WORKER = Path(hf_worker.__file__)
 MB = 10**6

@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 import torch
-from test_acceptance import assert_same_tensors, finish, kill_after_commit, launch
 
 import ckptd_client
 from ckptd.core import protocol
+
+from test_acceptance import assert_same_tensors, finish, kill_after_commit, launch
 
 MiB = 1024 * 1024
 

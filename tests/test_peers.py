@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_acceptance import assert_same_tensors, finish, free_port, launch
-from test_memory_tier import assert_equal, remove_data_files, state_of, status, zeros_like
 
 import ckptd_client
 from ckptd.launch import spawn_daemon
+
+from test_acceptance import assert_same_tensors, finish, free_port, launch
+from test_memory_tier import assert_equal, remove_data_files, state_of, status, zeros_like
 
 
 def secret_file(path: Path, text: str) -> Path:

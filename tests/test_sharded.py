@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sharded_trainer as st
 import torch
 
 from ckptd.launch import spawn_daemon
+
+import sharded_trainer as st
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -10,11 +10,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import sharded_trainer as st
 import torch
 from safetensors.torch import load_file
 
 from ckptd.launch import DaemonProcess, spawn_daemon
+
+import sharded_trainer as st
 
 WORKER = Path(__file__).with_name("titan_worker.py")
 pytestmark = pytest.mark.timeout(900)         # four rank groups importing torchtitan, on a small machine

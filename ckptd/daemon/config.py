@@ -32,8 +32,9 @@ else:  # pragma: no cover - Python 3.10
 
 from ckptd.core.codec import CODECS
 from ckptd.core.protocol import DEFAULT_SOCKET
+from ckptd.daemon.metrics import MetricsSettings
 from ckptd.daemon.peer_settings import MemorySettings, PeerSettings, check_peers
-from ckptd.daemon.retention import RetentionPolicy
+from ckptd.daemon.retention import RetentionPolicy, RetentionSettings
 from ckptd.daemon.s3_settings import S3Settings
 from ckptd.daemon.spec import (
     ENV_PREFIX,
@@ -46,13 +47,11 @@ from ckptd.daemon.spec import (
     mode,
     optional_group,
     parse_duration,
-    parse_metrics_address,
     parse_size,
     path,
     resolve_group,
     resolve_user,
     setting,
-    show_address,
     show_duration,
     show_mode,
     show_size,
@@ -91,33 +90,7 @@ def _default_slot_memory_limit() -> int:
 
 
 # Defaults of settings consumed by one library class are that class's own defaults.
-_WRITE, _POLICY = WriteSettings(), RetentionPolicy()
-
-
-@dataclass(frozen=True)
-class RetentionSettings:
-    """``[retention]``: applied by the daemon after each commit of a job, and by ``ckptd gc``."""
-    keep_last: int = setting(
-        _POLICY.keep_last, parse=integer(0), gc=True,
-        doc="Keep the newest N committed steps per job; `0` keeps every committed step.")
-    keep_every: int = setting(
-        _POLICY.keep_every, parse=integer(0), gc=True,
-        doc="Also keep every committed step whose number is divisible by K; `0` is off.")
-    abandoned_after: float = setting(
-        _POLICY.abandoned_after, parse=parse_duration, show=show_duration, gc=True,
-        doc="Remove uncommitted step directories nothing has touched for this long. Must be ≥ `step_timeout`.")
-
-    def policy(self) -> RetentionPolicy:
-        return RetentionPolicy(self.keep_last, self.keep_every, self.abandoned_after)
-
-
-@dataclass(frozen=True)
-class MetricsSettings:
-    """``[metrics]``: the optional Prometheus endpoint."""
-    address: tuple[str, int] | None = setting(
-        None, parse=parse_metrics_address, show=show_address, default_doc="off", flags=(Flag("--metrics-address"),),
-        doc="Address of the Prometheus endpoint: `\"host:port\"`, `\"[::1]:port\"`, or a bare port (binds "
-            "127.0.0.1). Port 0 picks a free port (shown by `ckptd status`). A port in use fails the start.")
+_WRITE = WriteSettings()
 
 
 @dataclass(frozen=True)

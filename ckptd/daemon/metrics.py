@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -19,6 +20,7 @@ from prometheus_client.registry import Collector
 
 from ckptd.daemon.retention import GcResult
 from ckptd.daemon.snapshot import DaemonSnapshot
+from ckptd.daemon.spec import Flag, parse_metrics_address, setting, show_address
 
 RATIO_BUCKETS = (1.0, 1.05, 1.1, 1.2, 1.35, 1.5, 2.0, 3.0, 5.0, 10.0)
 THROUGHPUT_BUCKETS = (1e7, 5e7, 1e8, 2.5e8, 5e8, 1e9, 2e9, 4e9, 8e9, 16e9)
@@ -187,3 +189,11 @@ class DaemonMetrics:
             self._server.server_close()
             self._server = None
 
+
+@dataclass(frozen=True)
+class MetricsSettings:
+    """``[metrics]``: the optional Prometheus endpoint."""
+    address: tuple[str, int] | None = setting(
+        None, parse=parse_metrics_address, show=show_address, default_doc="off", flags=(Flag("--metrics-address"),),
+        doc="Address of the Prometheus endpoint: `\"host:port\"`, `\"[::1]:port\"`, or a bare port (binds "
+            "127.0.0.1). Port 0 picks a free port (shown by `ckptd status`). A port in use fails the start.")

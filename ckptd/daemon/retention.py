@@ -35,6 +35,7 @@ from typing import Protocol
 from ckptd.core.names import INDEX_NAME, validate_job
 from ckptd.core.reader import list_steps
 from ckptd.core.storage import fsync_dir
+from ckptd.daemon.spec import integer, parse_duration, setting, show_duration
 
 log = logging.getLogger("ckptd")
 
@@ -305,3 +306,23 @@ def collect_root(root: str, policy: RetentionPolicy, *, dry_run: bool = False, j
         result.skipped += r.skipped
         result.stray_temps += r.stray_temps
     return result
+
+
+_POLICY = RetentionPolicy()
+
+
+@dataclass(frozen=True)
+class RetentionSettings:
+    """``[retention]``: applied by the daemon after each commit of a job, and by ``ckptd gc``."""
+    keep_last: int = setting(
+        _POLICY.keep_last, parse=integer(0), gc=True,
+        doc="Keep the newest N committed steps per job; `0` keeps every committed step.")
+    keep_every: int = setting(
+        _POLICY.keep_every, parse=integer(0), gc=True,
+        doc="Also keep every committed step whose number is divisible by K; `0` is off.")
+    abandoned_after: float = setting(
+        _POLICY.abandoned_after, parse=parse_duration, show=show_duration, gc=True,
+        doc="Remove uncommitted step directories nothing has touched for this long. Must be ≥ `step_timeout`.")
+
+    def policy(self) -> RetentionPolicy:
+        return RetentionPolicy(self.keep_last, self.keep_every, self.abandoned_after)

@@ -30,7 +30,7 @@ from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.fs_tier import FsTier, Retention
 from ckptd.daemon.metrics import DaemonMetrics
 from ckptd.daemon.recovery import Recovery
-from ckptd.daemon.runtime import RequestError, TaskSet, bounded, describe_error
+from ckptd.daemon.runtime import RequestError, TaskSet, bounded, describe_error, tune_allocator
 from ckptd.daemon.s3_tier import ObjectTier, bucket_ops
 from ckptd.daemon.session import Session, peer_allowed, peer_of, refuse
 from ckptd.daemon.slot_pool import SlotPool
@@ -42,23 +42,6 @@ __all__ = ["Daemon", "describe_error", "tune_allocator"]
 log = logging.getLogger("ckptd")
 
 Reply = tuple[dict[str, Any], list[int]]          # reply fields, memfds to pass with it
-
-
-def tune_allocator() -> None:
-    """Keep glibc from returning (and re-faulting) the daemon's chunk buffers on every chunk.
-
-    Encoded chunks are a few MiB each: by default glibc mmaps and unmaps such buffers, so each
-    is fresh memory faulted in page by page. Raising the mmap and trim thresholds made encoding
-    25-30 % faster here; the cost is that the daemon keeps freed memory for reuse."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return  # not glibc
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    mallopt(M_MMAP_THRESHOLD, 64 * 1024 * 1024)
-    mallopt(M_TRIM_THRESHOLD, 256 * 1024 * 1024)
 
 
 class Daemon:
