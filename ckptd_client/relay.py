@@ -30,6 +30,7 @@ handle never reports failure for a committed step unless its commit outlived 2 T
 """
 from __future__ import annotations
 
+import atexit
 import json
 import queue
 import random
@@ -46,6 +47,7 @@ from .errors import NoReply
 CHUNK = 1024            # keys per multi_get/check: one huge request is slower than chunks
 KEEP_RESULTS = 3        # a save's result key is deleted this many saves later
 DISK_POLL_S = 0.2       # how often the disk is looked at while it decides
+WAIT_SLICE_S = 10.0     # longest single store wait: bounds how long close() and exit wait for the relay
 
 
 @dataclass
@@ -58,37 +60,44 @@ class RelayedSave:
 
 
 class StoreWaiter:
-    """Blocking waits on store keys without polling: ``wait`` on a cloned connection (a timed-out
-    wait leaves its connection out of step, so that clone is dropped). Stores that cannot be
-    cloned are polled slowly, with jitter."""
+    """Blocking waits on store keys without polling: ``wait`` on a cloned connection, in slices
+    of at most ``WAIT_SLICE_S`` so that ``stop`` ends a wait soon (a thread still inside a C++
+    store call while the interpreter exits aborts the process). Stores that cannot be cloned are
+    polled slowly, with jitter."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, stop: threading.Event | None = None) -> None:
         self.store = store
+        self.stop = stop or threading.Event()
         self._clone: Any = None
         self.can_clone = True         # until a clone() fails
 
     def wait(self, keys: Sequence[str], timeout: float) -> bool:
-        """True once every key exists; False after ``timeout`` seconds. Raises if the store is gone."""
-        if timeout <= 0:
-            return bool(self.store.check(list(keys)))
-        if self._clone is None and self.can_clone:
-            self._clone = _clone(self.store)
-            self.can_clone = self._clone is not None
-        if not self.can_clone:
-            end = time.monotonic() + timeout
-            while not self.store.check(list(keys)):
-                if time.monotonic() >= end:
-                    return False
-                time.sleep(min(max(0.0, end - time.monotonic()), 0.2 + 0.3 * random.random()))
-            return True
-        try:
-            self._clone.wait(list(keys), timedelta(seconds=timeout))
-            return True
-        except Exception:
-            self._clone = None
-            if self.store.check(list(keys)):        # raises if the store itself is gone
+        """True once every key exists; False after ``timeout`` seconds (or once stopped). Raises if
+        the store is gone."""
+        keys = list(keys)
+        end = time.monotonic() + timeout
+        while True:
+            left = end - time.monotonic()
+            if left <= 0 or self.stop.is_set():
+                return bool(self.store.check(keys))
+            if self._clone is None and self.can_clone:
+                self._clone = _clone(self.store)
+                self.can_clone = self._clone is not None
+            if not self.can_clone:
+                if self.store.check(keys):
+                    return True
+                time.sleep(min(left, 0.2 + 0.3 * random.random()))
+                continue
+            piece, began = min(left, WAIT_SLICE_S), time.monotonic()
+            try:
+                self._clone.wait(keys, timedelta(seconds=piece))
                 return True
-            return False
+            except Exception:
+                if time.monotonic() - began < 0.5 * piece:      # failed rather than timed out
+                    self._clone = None
+                    time.sleep(min(left, 0.2 + 0.3 * random.random()))
+                if self.store.check(keys):                      # raises if the store itself is gone
+                    return True
 
 
 def _clone(store: Any) -> Any:
@@ -121,7 +130,8 @@ class StoreRelay:
         self.node = rank // self.node_size
         self._commit, self._abort, self._on_disk = commit, abort, on_disk
         self._own = store       # short requests; the blocking waits run on a cloned connection
-        self._waiter = StoreWaiter(store)
+        self._stop = threading.Event()
+        self._waiter = StoreWaiter(store, self._stop)
         self._saves: dict[int, RelayedSave] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue[RelayedSave | None] = queue.Queue()
@@ -131,6 +141,7 @@ class StoreRelay:
         self._thread.start()
         self._trash_thread = threading.Thread(target=self._delete_keys, name="ckptd-client-relay-gc", daemon=True)
         self._trash_thread.start()
+        atexit.register(self.close)     # a relay left open must not be inside a store call at exit
 
     def members(self, node: int) -> range:
         return range(node * self.node_size, min((node + 1) * self.node_size, self.world_size))
@@ -277,14 +288,17 @@ class StoreRelay:
                     break
 
     def close(self) -> None:
+        """Stop: a wait in progress ends within ``WAIT_SLICE_S`` (its save, already resolved by the
+        daemon when the Checkpointer closes, is settled by what the store or the disk says)."""
+        if self._closed:
+            return
         self._closed = True
+        self._stop.set()
         self._queue.put(None)
         self._trash.put(None)
-        with self._lock:
-            busy = bool(self._saves)
-        if not busy:        # a save still waiting on the store ends at its own deadline (daemon thread)
-            self._thread.join(timeout=5)
-            self._trash_thread.join(timeout=5)
+        self._thread.join(timeout=WAIT_SLICE_S + 5)
+        self._trash_thread.join(timeout=5)
+        atexit.unregister(self.close)
 
 
 def node_member(value: str) -> dict[str, Any]:

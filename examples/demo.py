@@ -36,8 +36,10 @@ def train(args: argparse.Namespace) -> int:
     state = {"model": model, "optim": opt, "sched": sched, "rng": ckptd_client.RNGState(), "step": 0}
     ckpt = ckptd_client.Checkpointer("demo", socket=args.socket)
     start = ckpt.restore(state) or 0
-    print(json.dumps({"event": "start", "restored": start, "params": sum(p.numel() for p in model.parameters())}),
-          flush=True)
+    info = ckpt.last_restore
+    print(json.dumps({"event": "start", "restored": start, "params": sum(p.numel() for p in model.parameters()),
+                      "source": info.source if info else None,
+                      "restore_ms": round(info.seconds * 1e3, 1) if info else None}), flush=True)
     pending = []
     x = torch.randn(32, width)
     for step in range(start, args.steps):
@@ -73,7 +75,8 @@ def run_trainer(sock: str, size_mib: int, steps: int, every: int, kill_after_com
         events.append(ev)
         if ev["event"] == "start":
             print(f"  trainer pid {proc.pid}: {ev['params'] / 1e6:.1f} M params, "
-                  f"{'resumed from step ' + str(ev['restored']) if ev['restored'] else 'fresh start'}")
+                  + (f"resumed from step {ev['restored']} (restored from {ev['source']}"
+                     f" in {ev['restore_ms']} ms)" if ev['restored'] else "fresh start"))
         elif ev["event"] == "committed":
             print(f"  step {ev['step']:4d} committed: trainer stalled {ev['stall_ms']:7.2f} ms (save + fence), "
                   f"committed {ev['commit_ms']:7.1f} ms after save(), "
