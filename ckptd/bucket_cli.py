@@ -102,7 +102,11 @@ def add_tiers(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
             uploading[job] = {s for s in [j.get("uploading"), *j.get("queued", [])] if s is not None}
     except (OSError, RuntimeError, ProtocolError):
         pass          # no daemon here: local and bucket only
-    bucket = Bucket(s3)
+    try:
+        bucket = Bucket(s3)
+    except BucketError as e:
+        print(f"ckptd ls: s3: {e}", file=sys.stderr)
+        return
     jobs = sorted({r["job"] for r in rows} | ({args.job} if args.job else set()))
     for job in jobs:
         try:

@@ -237,6 +237,25 @@ def test_wrong_credentials_or_missing_bucket_fail_clearly_and_local_saves_go_on(
     assert "not-the-secret" not in d.log_text()
 
 
+def test_without_the_s3_extra_local_saves_go_on_and_the_fix_is_named(daemon_factory, tmp):
+    """obstore is the ``[s3]`` extra: a daemon installed without it serves local saves, and a bucket
+    in its settings says what to install (a module that fails to import stands in for the missing one)."""
+    block = tmp / "no-obstore"
+    block.mkdir()
+    (block / "obstore.py").write_text("raise ImportError(\"No module named 'obstore'\")\n")
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(block), os.environ.get("PYTHONPATH")) if p)}
+    check = cli("serve", "--root", str(tmp / "root"), "--check-config", "--s3-url", "s3://b/ckpt", env=env)
+    assert check.returncode == 1 and "pip install 'ckptd[s3]'" in check.stderr, check.stderr
+    d = daemon_factory("--s3-url", "s3://b/ckpt", env=env)
+    wait_for(lambda: "ckptd[s3]" in d.log_text(), "the missing extra named in the daemon's log")
+    save(d.socket, 1, seed=1)
+    got, state = restore(d.socket)
+    assert got == 1
+    assert_state(state, 1)
+    listing = cli("ls", str(d.root), env=env)
+    assert listing.returncode == 0 and JOB in listing.stdout, listing.stderr
+
+
 def test_daemon_without_bucket_refuses_bucket_ops(daemon):
     for msg in ({"op": "stage", "job": JOB, "step": None}, {"op": "flush", "job": JOB, "step": None, "timeout": 1}):
         with pytest.raises(RuntimeError, match="no object-storage tier"):

@@ -176,7 +176,9 @@ class Harness:
         return sorted(os.listdir(self.path(step))) if self.path(step).exists() else []
 
 
-async def until(pred: Callable[[], object], what: str = "condition", timeout: float = 20.0) -> None:
+async def until(pred: Callable[[], object], what: str = "condition", timeout: float = 120.0) -> None:
+    """Liveness, not speed: a real write and fsync can stall for many seconds on a busy CI machine (a
+    CI run once waited over 20 s for a one-rank step of 256 KiB to start its commit)."""
     deadline = asyncio.get_running_loop().time() + timeout
     while not pred():
         if asyncio.get_running_loop().time() > deadline:

@@ -27,10 +27,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import obstore
-from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
-from obstore.store import S3Store
-
 from ckptd.core import storage
 from ckptd.core.names import INDEX_NAME, parse_step_dir_name, step_dir_name, validate_job
 from ckptd.daemon.s3_settings import S3Settings
@@ -38,6 +34,19 @@ from ckptd.daemon.s3_settings import S3Settings
 
 class BucketError(Exception):
     """A bucket request failed for good (after obstore's retries); the message says why."""
+
+
+def _obstore() -> Any:
+    """obstore, imported when a bucket is first used: it is the ``[s3]`` extra, so a daemon or CLI
+    installed without it runs everything but the object-storage tier."""
+    try:
+        import obstore
+        import obstore.exceptions
+        import obstore.store
+    except ImportError as e:
+        raise BucketError(f"the object-storage tier needs obstore ({e}); install it with "
+                          "`pip install 'ckptd[s3]'`") from None
+    return obstore
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -75,7 +84,8 @@ def explain(e: BaseException, what: str) -> BucketError:
     code = re.search(r"<Code>([A-Za-z]+)</Code>", full)
     status = re.search(r"status code: ([0-9]{3})", full)
     detail = code.group(1) if code else (f"HTTP {status.group(1)}" if status else full.split("\n", 1)[0][:300])
-    if isinstance(e, (UnauthenticatedError, PermissionDeniedError)) or (status and status.group(1) == "403") \
+    exc = _obstore().exceptions
+    if isinstance(e, (exc.UnauthenticatedError, exc.PermissionDeniedError)) or (status and status.group(1) == "403") \
             or detail in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
         return BucketError(f"{what}: the bucket refused the credentials ({detail}); check AWS_ACCESS_KEY_ID / "
                            "the credentials file / the instance role")
@@ -104,8 +114,9 @@ class Bucket:
         retry: Any = {"max_retries": 6, "retry_timeout": timedelta(seconds=120),
                       "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=8),
                                   "base": 2}}
-        self.store = S3Store(self.bucket, prefix=self.prefix or None, config=config, client_options=options,
-                             retry_config=retry)
+        self._ob = ob = _obstore()
+        self.store = ob.store.S3Store(self.bucket, prefix=self.prefix or None, config=config,
+                                      client_options=options, retry_config=retry)
 
     @staticmethod
     def step_key(job: str, step: int, name: str = "") -> str:
@@ -122,19 +133,19 @@ class Bucket:
     def check(self) -> None:
         """BucketError unless the bucket exists and takes these credentials (one LIST request)."""
         def first() -> None:
-            for _batch in obstore.list(self.store, chunk_size=1):
+            for _batch in self._ob.list(self.store, chunk_size=1):
                 break
         self._call(f"{self.url}", first)
 
     def names(self, prefix: str) -> list[tuple[str, int]]:
         """(key, size) of every object under ``prefix`` (below the bucket prefix)."""
         def listing() -> list[tuple[str, int]]:
-            return [(m["path"], m["size"]) for batch in obstore.list(self.store, prefix=prefix, chunk_size=1000)
+            return [(m["path"], m["size"]) for batch in self._ob.list(self.store, prefix=prefix, chunk_size=1000)
                     for m in batch]
         return list(self._call(f"list {self.url}/{prefix}", listing))
 
     def jobs(self) -> list[str]:
-        out = self._call(f"list {self.url}", obstore.list_with_delimiter, self.store)
+        out = self._call(f"list {self.url}", self._ob.list_with_delimiter, self.store)
         jobs = []
         for p in out["common_prefixes"]:
             name = p.rstrip("/").rsplit("/", 1)[-1]
@@ -169,27 +180,27 @@ class Bucket:
         s = self.settings
 
         # A Path: obstore reads the file in Rust, without the GIL.
-        self._call(f"upload {key}", obstore.put, self.store, key, Path(path), use_multipart=size > s.part_size,
+        self._call(f"upload {key}", self._ob.put, self.store, key, Path(path), use_multipart=size > s.part_size,
                    chunk_size=s.part_size, max_concurrency=s.concurrency)
-        stored = self._call(f"head {key}", obstore.head, self.store, key)["size"]
+        stored = self._call(f"head {key}", self._ob.head, self.store, key)["size"]
         if stored != size:
             raise BucketError(f"upload {key}: the bucket holds {stored} bytes, the file has {size}")
         return size
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        self._call(f"upload {key}", obstore.put, self.store, key, data)
+        self._call(f"upload {key}", self._ob.put, self.store, key, data)
 
     def get_bytes(self, key: str, limit: int) -> bytes:
-        size = self._call(f"head {key}", obstore.head, self.store, key)["size"]
+        size = self._call(f"head {key}", self._ob.head, self.store, key)["size"]
         if size > limit:
             raise BucketError(f"{key}: {size} bytes, over the {limit}-byte limit")
-        return bytes(self._call(f"get {key}", lambda: obstore.get(self.store, key).bytes()))
+        return bytes(self._call(f"get {key}", lambda: self._ob.get(self.store, key).bytes()))
 
     def exists(self, key: str) -> bool:
         try:
-            obstore.head(self.store, key)
+            self._ob.head(self.store, key)
             return True
-        except NotFoundError:
+        except self._ob.exceptions.NotFoundError:
             return False
         except Exception as e:
             raise explain(e, f"head {key}") from None
@@ -197,7 +208,7 @@ class Bucket:
     def download(self, key: str, path: str, size: int | None = None) -> int:
         """Parallel ranged GETs (``concurrency`` parts of ``part_size`` at a time) into ``path``
         (via a temp file, fsynced, renamed): the file appears whole or not at all."""
-        total = self._call(f"head {key}", obstore.head, self.store, key)["size"]
+        total = self._call(f"head {key}", self._ob.head, self.store, key)["size"]
         if size is not None and total != size:
             raise BucketError(f"{key}: the bucket holds {total} bytes, expected {size}")
         part, batch = self.settings.part_size, self.settings.part_size * self.settings.concurrency
@@ -207,7 +218,7 @@ class Bucket:
             for base in range(0, total, batch):
                 starts = list(range(base, min(base + batch, total), part))
                 ends = [min(s + part, total) for s in starts]
-                pieces = self._call(f"get {key}", obstore.get_ranges, self.store, key, starts=starts, ends=ends)
+                pieces = self._call(f"get {key}", self._ob.get_ranges, self.store, key, starts=starts, ends=ends)
                 for start, piece in zip(starts, pieces, strict=True):
                     view = memoryview(piece)
                     written = 0
@@ -227,7 +238,7 @@ class Bucket:
         keys = [k for k, _ in self.names(self.step_key(job, step))]
         index = self.step_key(job, step, INDEX_NAME)
         if index in keys:
-            self._call(f"delete {index}", obstore.delete, self.store, index)
+            self._call(f"delete {index}", self._ob.delete, self.store, index)
         rest = [k for k in keys if k != index]
         if rest:
-            self._call(f"delete {self.step_key(job, step)}", obstore.delete, self.store, rest)
+            self._call(f"delete {self.step_key(job, step)}", self._ob.delete, self.store, rest)

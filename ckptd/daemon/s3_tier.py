@@ -39,7 +39,12 @@ class ObjectTier:
                ) -> ObjectTier | None:
         if config.s3.url is None:
             return None
-        tier = cls(Bucket(config.s3), root, tasks, config.debug_upload_delay)
+        try:
+            bucket = Bucket(config.s3)
+        except BucketError as e:     # obstore missing, an unreadable credentials file: local saves go on
+            log.error("object-storage tier off", extra={"ctx": {"url": config.s3.url, "error": str(e)}})
+            return None
+        tier = cls(bucket, root, tasks, config.debug_upload_delay)
         registry.register(_UploadCollector(tier.uploader))
         return tier
 
