@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from ckptd.core.gc_pause import gc_paused
+
 from . import store_keys
 from .errors import NoReply
 
@@ -63,13 +65,26 @@ class StoreWaiter:
     """Blocking waits on store keys without polling: ``wait`` on a cloned connection, in slices
     of at most ``WAIT_SLICE_S`` so that ``stop`` ends a wait soon (a thread still inside a C++
     store call while the interpreter exits aborts the process). Stores that cannot be cloned are
-    polled slowly, with jitter."""
+    polled slowly, with jitter. Once the store is found gone (its server, in rank 0's process,
+    exited) every wait raises at once: a clone() of a dead store would block for the store's
+    whole timeout, and again on its retry."""
 
     def __init__(self, store: Any, stop: threading.Event | None = None) -> None:
         self.store = store
         self.stop = stop or threading.Event()
         self._clone: Any = None
         self.can_clone = True         # until a clone() fails
+        self.gone: Exception | None = None
+
+    def _check(self, keys: list[str]) -> bool:
+        """Whether every key exists, on the first connection (raises, and remembers, if the store is gone)."""
+        if self.gone is not None:
+            raise self.gone
+        try:
+            return bool(self.store.check(keys))
+        except Exception as e:
+            self.gone = RuntimeError(f"the job's store is gone ({type(e).__name__}: {str(e)[:200]})")
+            raise self.gone from None
 
     def wait(self, keys: Sequence[str], timeout: float) -> bool:
         """True once every key exists; False after ``timeout`` seconds (or once stopped). Raises if
@@ -78,14 +93,12 @@ class StoreWaiter:
         end = time.monotonic() + timeout
         while True:
             left = end - time.monotonic()
-            if left <= 0 or self.stop.is_set():
-                return bool(self.store.check(keys))
+            if left <= 0 or self.stop.is_set() or self._check(keys):     # (also: alive before any clone)
+                return self._check(keys)
             if self._clone is None and self.can_clone:
                 self._clone = _clone(self.store)
                 self.can_clone = self._clone is not None
             if not self.can_clone:
-                if self.store.check(keys):
-                    return True
                 time.sleep(min(left, 0.2 + 0.3 * random.random()))
                 continue
             piece, began = min(left, WAIT_SLICE_S), time.monotonic()
@@ -96,8 +109,6 @@ class StoreWaiter:
                 if time.monotonic() - began < 0.5 * piece:      # failed rather than timed out
                     self._clone = None
                     time.sleep(min(left, 0.2 + 0.3 * random.random()))
-                if self.store.check(keys):                      # raises if the store itself is gone
-                    return True
 
 
 def _clone(store: Any) -> Any:
@@ -220,7 +231,8 @@ class StoreRelay:
                        if not self._own.check([k])]
             reason = self._describe_missing(missing)
             return self._fail(s, reason)
-        values: list[dict[str, Any]] = [v for raw in multi_get(self._own, node_keys) for v in json.loads(raw)]
+        with gc_paused():       # one record per rank: see ckptd.core.gc_pause
+            values: list[dict[str, Any]] = [v for raw in multi_get(self._own, node_keys) for v in json.loads(raw)]
         failures = [f"rank {r}: {v.get('fail')}" for r, v in enumerate(values) if "ok" not in v]
         if len(values) != self.world_size:
             failures.append(f"the node records list {len(values)} ranks, the world has {self.world_size}")

@@ -62,6 +62,10 @@ TRAINER = textwrap.dedent("""
         except ckptd_client.CheckpointError as e:
             print(f"FAILED {h.step} {e}", flush=True)
     ck.close()
+    if store is not None:       # rank 0's process serves the store: it leaves last, as a job's ranks do
+        store.set(f"done{rank}", "1")
+        if rank == 0:
+            store.wait([f"done{r}" for r in range(world)], timedelta(seconds=100))
     print("DONE", flush=True)
 """)
 

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from ckptd.core.names import INDEX_NAME, step_dir
 from ckptd.core.rank_table import HEAD_NAME, RANK_TABLE_NAME
 from ckptd.core.reader import StepReader, verify_step
 from ckptd_client import store_keys
+from ckptd_client.relay import StoreWaiter
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "benchmarks" / "scale_worker.py"
@@ -101,3 +103,57 @@ def test_256_ranks_over_4_daemons_commit_and_restore(tmp: Path, daemon_factory, 
         keys += [store_keys.node_record("scale", seq, n) for n in range(4)]
         assert not any(store.check([k]) for k in keys), seq
         assert store.check([store_keys.save_result("scale", seq)])
+
+
+STORE_SERVER = """
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+s = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=600), wait_for_workers=False)
+print(s.port, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_wait_on_a_store_whose_server_died_raises_and_so_does_every_later_one() -> None:
+    """Rank 0's process (the store's server) exits while another rank's relay waits: that wait and
+    every later one raise (the save is then left to the disk). A later wait used to clone() the
+    dead store, which blocks for the store's whole timeout and again on its retry (a trainer hung
+    past its test's guard this way)."""
+    server = subprocess.Popen([sys.executable, "-c", STORE_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        client = dist.TCPStore("127.0.0.1", port, 1, is_master=False, timeout=timedelta(seconds=600),
+                               wait_for_workers=False)
+        waiter = StoreWaiter(client)
+        client.set("here", "1")
+        assert waiter.wait(["here"], 5) and not waiter.wait(["absent"], 0.5)
+
+        def wait_in_thread() -> list[BaseException | bool]:
+            got: list[BaseException | bool] = []
+
+            def run() -> None:
+                try:
+                    got.append(waiter.wait(["never"], 600))
+                except Exception as e:
+                    got.append(e)
+            t = threading.Thread(target=run, daemon=True)    # daemon: a hung C++ call must not hold the suite
+            t.start()
+            return got
+        first = wait_in_thread()
+        server.kill()
+        server.wait()
+        later: list[list[BaseException | bool]] = []
+        for _ in range(3000):        # hang guard (a blocked clone() would take 600 s): up to 5 minutes
+            if first and len(later) < 2 and (not later or later[-1]):
+                later.append(wait_in_thread())
+            if first and len(later) == 2 and later[-1]:
+                break
+            threading.Event().wait(0.1)
+        assert first and isinstance(first[0], RuntimeError) and "store is gone" in str(first[0]), first
+        assert len(later) == 2 and all(isinstance(g[0], RuntimeError) for g in later), later
+    finally:
+        server.kill()
+        server.wait()

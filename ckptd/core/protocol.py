@@ -24,6 +24,7 @@ from dataclasses import MISSING, dataclass, fields
 from enum import Enum
 from typing import Any, ClassVar, get_args
 
+from . import gc_pause
 from .errors import FormatError, ProtocolError
 from .names import _short, validate_tensor_name
 from .schema import DTYPE_ITEMSIZE, TensorLayout, parse_placement, validate_shape
@@ -263,7 +264,7 @@ def parse_header(header: bytes) -> int:
 
 def decode_body(body: bytes) -> dict[str, Any]:
     try:
-        msg = json.loads(body)
+        msg = gc_pause.loads(body)
     except (UnicodeDecodeError, ValueError) as e:
         raise ProtocolError(f"frame body is not JSON: {e}") from None
     except RecursionError:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import FormatError
+from .gc_pause import gc_paused
 from .names import validate_tensor_name
 from .regions import Region
 from .schema import Manifest, TensorEntry, parse_placement, validate_shape
@@ -146,3 +147,9 @@ def parse_record(obj: Any, rank: int) -> RankRecord:
              and isinstance(f[1], str) and bool(_HASH_RE.match(f[1])), f"{where}: malformed state key entry")
         forms.append((f[0], f[1]))
     return RankRecord(rank, obj["digest"], obj["raw"], obj["stored"], tuple(entries), tuple(forms))
+
+
+def parse_records(objs: list[Any]) -> list[RankRecord]:
+    """Every rank's record, in rank order (a COMMIT's; collection paused: see gc_pause)."""
+    with gc_paused():
+        return [parse_record(obj, r) for r, obj in enumerate(objs)]

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from . import gc_pause
 from .codec import FLOAT_ITEMSIZE, ChunkMeta
 from .errors import FormatError
 from .names import MAX_RANKS, MAX_TENSOR_NAME, MAX_TREE_DEPTH, check_tree_depth, rank_data_name, validate_tensor_name
@@ -179,7 +180,7 @@ def validate_shape(dtype: Any, shape: Any) -> None:
 
 def _load_json(data: bytes, what: str) -> Any:
     try:
-        return json.loads(data)
+        return gc_pause.loads(data)
     except ValueError as e:
         raise FormatError(f"{what} is not JSON: {e}") from None
     except RecursionError:

@@ -5,9 +5,10 @@ The commit protocol (also in FORMAT.md):
    fsync dir); the daemon then reports the rank DURABLE with the manifest's sha256;
 2. when all ``world_size`` ranks are durable — counted by this daemon (``local`` mode)
    or gathered by rank 0's client through the job's c10d store and sent in a COMMIT
-   (``relay`` mode) — the daemon serving rank 0 checks every manifest's digest on disk (in
-   parallel), builds the global tensor map from the ranks' records (the manifests' summaries
-   their daemons sent with DURABLE; read from the manifests only when a record is missing),
+   (``relay`` mode) — the daemon serving rank 0 checks every manifest's digest on disk (on
+   a pool of threads, while it builds the index), builds the global tensor map from the ranks'
+   records (the manifests' summaries their daemons sent with DURABLE; read from the manifests
+   only when a record is missing),
    writes the lean side files of a large index, then ``index.json`` (tmp, fsync, rename,
    fsync dir). Its presence is the commit;
 3. any failure before that abandons the step: no index is written, the waiting ranks are
@@ -94,10 +95,30 @@ def write_index(step_path: str, job: str, step: int, world_size: int, digests: d
         raise CommitError(f"step {step} is already committed")
     if records is None:
         records = [_read_record(step_path, job, step, world_size, rank, digests[rank]) for rank in range(world_size)]
+        checked = _nothing
     else:
         if [r.rank for r in records] != list(range(world_size)) or any(r.digest != digests[r.rank] for r in records):
             raise CommitError(f"cannot commit step {step}: the rank records do not match the durable digests")
-        check_manifests(step_path, digests)
+        checked = check_manifests(step_path, digests)      # runs while the index is built below
+    try:
+        index, body = _build(job, step, world_size, records, step_path)
+    finally:
+        checked()     # (re-raises the check's CommitError; waits for it also when the build failed)
+    if len(body) > SMALL_INDEX_BYTES:   # readers read a smaller index whole; a larger one by its side files
+        # The side files first (any left by an earlier attempt are overwritten): index.json is last.
+        storage.write_files_durably(step_path, side_files(index, records))
+    storage.atomic_write(os.path.join(step_path, INDEX_NAME), body,
+                         None if gate is None else gate.publish)
+    return index
+
+
+def _nothing() -> None:
+    pass
+
+
+def _build(job: str, step: int, world_size: int, records: Sequence[RankRecord], step_path: str
+           ) -> tuple[dict[str, Any], bytes]:
+    """The index object and its bytes, from every rank's record."""
     try:
         tensors, per_rank = build_from_records(records)
     except FormatError as e:        # ranks that disagree about one tensor: not a loadable step
@@ -111,13 +132,7 @@ def write_index(step_path: str, job: str, step: int, world_size: int, digests: d
     remove_files(stray_temps(step_path))
     index = make_index(job, step, world_size, [r.index_entry() for r in records], time.time(),
                        {name: t.to_json(world_size) for name, t in tensors.items()}, per_rank)
-    body = encode_json(index)
-    if len(body) > SMALL_INDEX_BYTES:   # readers read a smaller index whole; a larger one by its side files
-        # The side files first (any left by an earlier attempt are overwritten): index.json is last.
-        storage.write_files_durably(step_path, side_files(index, records))
-    storage.atomic_write(os.path.join(step_path, INDEX_NAME), body,
-                         None if gate is None else gate.publish)
-    return index
+    return index, encode_json(index)
 
 
 def _manifest_bytes(step_path: str, rank: int, digest: str) -> bytes:
@@ -131,10 +146,11 @@ def _manifest_bytes(step_path: str, rank: int, digest: str) -> bytes:
     return data
 
 
-def check_manifests(step_path: str, digests: dict[int, str]) -> None:
-    """Every manifest is there (visible on this node: a shared file system) and hashes to its digest,
-    checked by a pool of threads (reads and hashing run outside the GIL); CommitError names the
-    lowest failing rank. The records already hold what the index needs: nothing is parsed here."""
+def check_manifests(step_path: str, digests: dict[int, str]) -> Callable[[], None]:
+    """Start checking that every manifest is there (visible on this node: a shared file system) and
+    hashes to its digest, on a pool of threads, so the check runs beside the index's build rather
+    than before it; the returned function waits for it and raises CommitError naming the lowest
+    failing rank. The records already hold what the index needs: nothing is parsed here."""
     ranks = sorted(digests)
     k = max(1, min(CHECK_THREADS, len(ranks)))
 
@@ -145,10 +161,15 @@ def check_manifests(step_path: str, digests: dict[int, str]) -> None:
             except CommitError as e:
                 return r, e
         return None
-    with ThreadPoolExecutor(k, thread_name_prefix="ckptd-commit") as pool:
-        failed = [f for f in pool.map(check, [ranks[i::k] for i in range(k)]) if f is not None]
-    if failed:
-        raise min(failed, key=lambda f: f[0])[1]
+    pool = ThreadPoolExecutor(k, thread_name_prefix="ckptd-commit")
+    parts = [pool.submit(check, ranks[i::k]) for i in range(k)]
+    pool.shutdown(wait=False)
+
+    def result() -> None:
+        failed = [f for f in (p.result() for p in parts) if f is not None]
+        if failed:
+            raise min(failed, key=lambda f: f[0])[1]
+    return result
 
 
 def _read_record(step_path: str, job: str, step: int, world_size: int, rank: int, digest: str) -> RankRecord:

@@ -22,7 +22,7 @@ from ckptd import __version__
 from ckptd.core import names, protocol
 from ckptd.core.errors import FormatError
 from ckptd.core.protocol import Abort, Commit, CommitMode, Hello, Info, MemoryFetch, Report, Resize, Save, Status
-from ckptd.core.rank_record import parse_record
+from ckptd.core.rank_record import parse_records
 from ckptd.core.tier import ShardRef, ShardWritten
 from ckptd.daemon import systemd
 from ckptd.daemon.commit import CommitError
@@ -368,7 +368,7 @@ class Requests:
         if c.records is not None:
             if not (isinstance(c.records, list) and len(c.records) == st.world_size):
                 raise RequestError(f"records must list all {st.world_size} ranks in order")
-            records = [parse_record(obj, r) for r, obj in enumerate(c.records)]
+            records = await asyncio.get_running_loop().run_in_executor(self.d.io_pool, parse_records, c.records)
         await self.d.steps.commit(st, digests, records)
         return {"step": c.step}, []
 
