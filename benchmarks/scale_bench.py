@@ -152,7 +152,7 @@ COLUMNS = [("durable_to_index_s", "last durable → index.json (s)"),
            ("failed_handles", "failed handles")]
 
 
-def markdown(machine: dict[str, Any], results: list[dict[str, Any]], thin: dict[str, Any] | None,
+def markdown(machine: dict[str, Any], results: list[dict[str, Any]], thin: Any,
              issue_before: dict[str, Any] | None = None) -> str:
     """The results as a table per world size: each run's row, then after ÷ before (medians)."""
     lines = ["# Commit and restore at scale", "",
@@ -185,16 +185,30 @@ def markdown(machine: dict[str, Any], results: list[dict[str, Any]], thin: dict[
             f"bytes read whole by every restoring rank, all ranks restoring {b['restore_all_s']} s"
             for n, b in issue_before.items()) + ".", ""]
     if thin:
-        lines += ["## 32,768 ranks, commit path only (benchmarks/scale_thin.py)", "",
+        runs = thin if isinstance(thin, list) else [{"code": "after", "round": 1, **thin}]
+        cols = [("last_node_record_to_index_s", "last node record → index.json (s)"),
+                ("last_node_record_to_rank0_resolved_s", "→ rank 0 resolved (s)")]
+        lines += ["## Commit path only, up to 32,768 ranks (benchmarks/scale_thin.py)", "",
                   "Real: the TCPStore, rank 0's relay code, the daemon's commit code (record parsing, the "
-                  "parallel digest check of 32,768 real manifest files, tensor map, lean index, fsyncs). "
+                  "parallel digest check of every real manifest file, tensor map, lean index, fsyncs). "
                   "Simulated: the other ranks (manifests written directly, node leaders' store traffic "
-                  "replayed by a thread pool); no socket hop for the COMMIT.", "",
-                  "| ranks | nodes | last node record → index.json (s) | → rank 0 resolved (s) | index.json (bytes) "
-                  "| index bytes read per restoring rank |", "|---|---|---|---|---|---|",
-                  f"| {thin['ranks']:,} | {thin['nodes']:,} | {thin['last_node_record_to_index_s']} | "
-                  f"{thin['last_node_record_to_rank0_resolved_s']} | {thin['index_bytes']:,} | "
-                  f"{thin['restore_index_bytes_per_rank']:,} |", ""]
+                  "replayed by a thread pool); no socket hop for the COMMIT. "
+                  + (runs[0].get("machine", "") + "." if runs[0].get("machine") else ""), "",
+                  "| ranks | nodes | code | round | " + " | ".join(c for _, c in cols)
+                  + " | index.json (bytes) | index bytes read per restoring rank |", "|---" * 8 + "|"]
+        for r in sorted(runs, key=lambda r: (r["ranks"], r["round"], r["code"] != "before")):
+            lines.append(f"| {r['ranks']:,} | {r['nodes']:,} | {r['code']} | {r['round']} | "
+                         + " | ".join(str(r[k]) for k, _ in cols)
+                         + f" | {r['index_bytes']:,} | {r['restore_index_bytes_per_rank']:,} |")
+        for n in sorted({r["ranks"] for r in runs}):
+            tmed = {code: [statistics.median(r[k] for r in runs if r["ranks"] == n and r["code"] == code)
+                          for k, _ in cols] for code in ("before", "after")
+                   if any(r["ranks"] == n and r["code"] == code for r in runs)}
+            if len(tmed) == 2:
+                lines.append(f"| {n:,} | | **after ÷ before** (medians) | | "
+                             + " | ".join(f"{a / b:.2f}" for a, b in zip(tmed["after"], tmed["before"], strict=True))
+                             + " | | |")
+        lines.append("")
     return "\n".join(lines)
 
 

@@ -59,6 +59,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=32768)
     ap.add_argument("--node-size", type=int, default=8)
+    ap.add_argument("--machine", default="shared 2-core VM, other jobs running", help="a note on the machine")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "scale_thin.json")
     a = ap.parse_args()
     n, job, step = a.ranks, "scale", 1
@@ -127,7 +128,7 @@ def main() -> int:
                "last_node_record_to_rank0_resolved_s": round(t_resolved - last[0], 3),
                "index_bytes": index.stat().st_size,
                "restore_index_bytes_per_rank": (path / HEAD_NAME).stat().st_size + 256 * 48,
-               "machine": "shared 2-core VM, other jobs running"}
+               "machine": a.machine}
         print(json.dumps(res))
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(res, indent=1) + "\n")

@@ -33,6 +33,7 @@ import pytest
 
 from ckptd.core.names import INDEX_NAME, rank_data_name, rank_manifest_name, step_dir
 from ckptd.core.protocol import CommitMode
+from ckptd.core.rank_record import RankRecord
 from ckptd.core.reader import verify_step
 from ckptd.core.schema import TensorLayout
 from ckptd.core.tier import ShardRef, ShardWritten
@@ -135,10 +136,13 @@ class GatedTier(FsTier):
             await gate.wait()
         return result
 
-    async def commit(self, job: str, step: int, world_size: int, digests: Mapping[int, str]) -> None:
+    async def commit_records(self, job: str, step: int, world_size: int, digests: Mapping[int, str],
+                             records: Sequence[RankRecord] | None) -> None:
+        # Every commit comes here (FsTier.commit too): a gate on commit() alone let a commit with
+        # records (the usual one) run ungated, and a test that saw it finish too soon hung in CI.
         if self.commit_gate is not None:
             await self.commit_gate.wait()
-        await super().commit(job, step, world_size, digests)
+        await super().commit_records(job, step, world_size, digests, records)
 
 
 class Harness:
@@ -177,8 +181,7 @@ class Harness:
 
 
 async def until(pred: Callable[[], object], what: str = "condition", timeout: float = 120.0) -> None:
-    """Liveness, not speed: a real write and fsync can stall for many seconds on a busy CI machine (a
-    CI run once waited over 20 s for a one-rank step of 256 KiB to start its commit)."""
+    """Liveness, not speed: a real write and fsync can stall for seconds on a busy CI machine."""
     deadline = asyncio.get_running_loop().time() + timeout
     while not pred():
         if asyncio.get_running_loop().time() > deadline:
@@ -215,6 +218,8 @@ async def h(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Ha
         gate.set()
     if harness.tier.slow_publish is not None:
         harness.tier.slow_publish.go.set()
+    if harness.tier.commit_gate is not None:
+        harness.tier.commit_gate.set()
     await harness.coord.commits.cancel_all()
     await harness.coord.removals.cancel_all()
     await harness.coord.writes.cancel_all()
