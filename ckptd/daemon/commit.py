@@ -38,7 +38,10 @@ from ckptd.core.rank_table import SMALL_INDEX_BYTES, side_files
 from ckptd.core.schema import MAX_MANIFEST_BYTES, digest_bytes, encode_json, make_index, parse_manifest
 from ckptd.daemon.retention import remove_files, stray_temps
 
-CHECK_THREADS = 16
+# Threads that check manifests: enough to overlap a shared file system's latency, never more
+# than the CPUs (each file costs ~10 µs of Python under the GIL: at 32,768 local files 16 threads
+# on 2 CPUs took 1.33 s, 2 threads 0.57 s, 1 thread 0.39 s).
+CHECK_THREADS = min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
 class CommitError(Exception):
