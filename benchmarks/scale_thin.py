@@ -34,7 +34,6 @@ from typing import Any
 import torch.distributed as dist
 
 from ckptd.core.codec import ChunkMeta
-from ckptd.core.gc_pause import gc_paused
 from ckptd.core.names import INDEX_NAME, rank_data_name, rank_manifest_name, step_dir
 from ckptd.core.rank_record import parse_records, summarize
 from ckptd.core.rank_table import HEAD_NAME
@@ -89,9 +88,8 @@ def main() -> int:
 
         def commit(step_: int, digests: dict[int, str], records: list[Any] | None, timeout: float) -> None:
             assert records is not None
-            parsed = parse_records(records)      # as the daemon's server does, then its file-system tier
-            with gc_paused():
-                write_index(str(path), job, step_, n, digests, None, parsed)
+            parsed = parse_records(records)      # as the daemon's server does
+            write_index(str(path), job, step_, n, digests, None, parsed)
 
         relay = StoreRelay(store(), job, 0, n, 300.0, commit, lambda s, r: None,
                            lambda s: (path / INDEX_NAME).exists(), node_size=a.node_size)

@@ -93,8 +93,9 @@ class StoreWaiter:
         end = time.monotonic() + timeout
         while True:
             left = end - time.monotonic()
-            if left <= 0 or self.stop.is_set() or self._check(keys):     # (also: alive before any clone)
-                return self._check(keys)
+            done = self._check(keys)        # (also: the store is alive before any clone)
+            if done or left <= 0 or self.stop.is_set():
+                return done
             if self._clone is None and self.can_clone:
                 self._clone = _clone(self.store)
                 self.can_clone = self._clone is not None

@@ -130,30 +130,27 @@ def test_a_wait_on_a_store_whose_server_died_raises_and_so_does_every_later_one(
         waiter = StoreWaiter(client)
         client.set("here", "1")
         assert waiter.wait(["here"], 5) and not waiter.wait(["absent"], 0.5)
+        outcomes: list[BaseException | bool] = []
 
-        def wait_in_thread() -> list[BaseException | bool]:
-            got: list[BaseException | bool] = []
+        def wait_for_ever() -> None:
+            try:
+                outcomes.append(waiter.wait(["never"], 600))
+            except Exception as e:
+                outcomes.append(e)
 
-            def run() -> None:
-                try:
-                    got.append(waiter.wait(["never"], 600))
-                except Exception as e:
-                    got.append(e)
-            t = threading.Thread(target=run, daemon=True)    # daemon: a hung C++ call must not hold the suite
+        def waiting() -> threading.Thread:
+            t = threading.Thread(target=wait_for_ever, daemon=True)   # daemon: a hung C++ call must not hold the suite
             t.start()
-            return got
-        first = wait_in_thread()
+            return t
+        first = waiting()
         server.kill()
         server.wait()
-        later: list[list[BaseException | bool]] = []
-        for _ in range(3000):        # hang guard (a blocked clone() would take 600 s): up to 5 minutes
-            if first and len(later) < 2 and (not later or later[-1]):
-                later.append(wait_in_thread())
-            if first and len(later) == 2 and later[-1]:
-                break
-            threading.Event().wait(0.1)
-        assert first and isinstance(first[0], RuntimeError) and "store is gone" in str(first[0]), first
-        assert len(later) == 2 and all(isinstance(g[0], RuntimeError) for g in later), later
+        # Hang guard on each wait: a clone() of the dead store blocks for the store's 600 s timeout.
+        first.join(120)
+        waiting().join(120)
+        waiting().join(120)
+        assert len(outcomes) == 3, outcomes
+        assert all(isinstance(o, RuntimeError) and "store is gone" in str(o) for o in outcomes), outcomes
     finally:
         server.kill()
         server.wait()

@@ -30,6 +30,7 @@ from typing import Any
 
 from ckptd.core import storage
 from ckptd.core.errors import FormatError
+from ckptd.core.gc_pause import gc_paused
 from ckptd.core.global_index import build_from_records
 from ckptd.core.map_check import geometry_faults
 from ckptd.core.names import INDEX_NAME, rank_manifest_name
@@ -96,17 +97,20 @@ def write_index(step_path: str, job: str, step: int, world_size: int, digests: d
         raise CommitError(f"cannot commit step {step}: no durable shard from ranks {missing}")
     if os.path.exists(os.path.join(step_path, INDEX_NAME)):
         raise CommitError(f"step {step} is already committed")
-    if records is None:
-        records = [_read_record(step_path, job, step, world_size, rank, digests[rank]) for rank in range(world_size)]
-        checked = _nothing
-    else:
-        if [r.rank for r in records] != list(range(world_size)) or any(r.digest != digests[r.rank] for r in records):
-            raise CommitError(f"cannot commit step {step}: the rank records do not match the durable digests")
-        checked = check_manifests(step_path, digests)      # runs while the index is built below
-    try:
-        index, body = _build(job, step, world_size, records, step_path)
-    finally:
-        checked()     # (re-raises the check's CommitError; waits for it also when the build failed)
+    with gc_paused():       # a large job's records, tensor map and index: see gc_pause
+        if records is None:
+            records = [_read_record(step_path, job, step, world_size, rank, digests[rank])
+                       for rank in range(world_size)]
+            checked = _nothing
+        else:
+            if [r.rank for r in records] != list(range(world_size)) \
+                    or any(r.digest != digests[r.rank] for r in records):
+                raise CommitError(f"cannot commit step {step}: the rank records do not match the durable digests")
+            checked = check_manifests(step_path, digests)      # runs while the index is built below
+        try:
+            index, body = _build(job, step, world_size, records, step_path)
+        finally:
+            checked()     # (re-raises the check's CommitError; waits for it also when the build failed)
     if len(body) > SMALL_INDEX_BYTES:   # readers read a smaller index whole; a larger one by its side files
         # The side files first (any left by an earlier attempt are overwritten): index.json is last.
         storage.write_files_durably(step_path, side_files(index, records))

@@ -17,7 +17,6 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from ckptd.core.gc_pause import gc_paused
 from ckptd.core.names import INDEX_NAME, job_dir, rank_data_name, step_dir
 from ckptd.core.rank_record import RankRecord, summarize
 from ckptd.core.rank_table import SIDE_FILES
@@ -97,8 +96,7 @@ class FsTier(StorageTier):
             try:
                 if self.settings.debug_commit_delay:
                     time.sleep(self.settings.debug_commit_delay)
-                with gc_paused():    # (a large job's tensor map and index: see gc_pause)
-                    write_index(self.step_path(job, step), job, step, world_size, dict(digests), gate, records)
+                write_index(self.step_path(job, step), job, step, world_size, dict(digests), gate, records)
             finally:
                 with self._gates_lock:   # once the thread is done (a cancelled caller is not: it may run on)
                     self._gates.discard(gate)
