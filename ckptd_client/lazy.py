@@ -52,7 +52,7 @@ def load_tensor(step_dir: str | os.PathLike[str], name: str, region: Any = None,
         if t is None:
             raise CheckpointError(f"tensor {name!r} is not in checkpoint step {files.step} ({files.path})")
         source = None
-        shape = t.shape
+        shape, dtype = t.shape, t.dtype
         if t.kind == LOCAL:
             holders = [p.rank for p in t.pieces]
             if rank is not None:
@@ -66,12 +66,13 @@ def load_tensor(step_dir: str | os.PathLike[str], name: str, region: Any = None,
                                       "pass rank= to say whose")
             if source not in holders:
                 raise CheckpointError(f"tensor {name!r}: saved rank {source} holds no copy (held by {holders})")
-            shape = tuple(files.entry(source, name, name).shape)       # a rank's own copy may differ in shape
+            entry = files.entry(source, name, name)      # a rank's own copy may differ in shape and dtype
+            shape, dtype = tuple(entry.shape), entry.dtype
         try:
             want, result_shape = slice_region(shape, region)
         except (ValueError, TypeError, IndexError) as e:
             raise CheckpointError(f"tensor {name!r} of shape {list(shape)}: {e}") from None
-        out = torch.empty(want.sizes, dtype=DTYPES[t.dtype])
+        out = torch.empty(want.sizes, dtype=DTYPES[dtype])
         read_needs(files, [Need(name, want, out, source)], threads)
     return out.reshape(result_shape)
 

@@ -216,10 +216,11 @@ def plan(files: StepFiles, tensors: dict[str, GlobalTensor], needs: Sequence[Nee
                 if p.region.intersect(need.region) is None:
                     continue
             entry = files.entry(p.rank, p.name, need.name)
-            region = entry.region() if t.kind == LOCAL else p.region   # a local copy's shape is its own
-            if entry.dtype != t.dtype or entry.region() != region:
+            region = p.region          # a local copy's region is its own whole shape
+            dtype = t.copy_of(p)[0]
+            if entry.dtype != dtype or entry.region() != region:
                 raise CheckpointError(f"{where} holds {entry.dtype} {entry.region().to_json()}, the index says "
-                                      f"{t.dtype} {region.to_json()}")
+                                      f"{dtype} {region.to_json()}")
             if len(region.sizes) != len(need.region.sizes):
                 raise CheckpointError(f"{where} has {len(region.sizes)} dimensions, {len(need.region.sizes)} "
                                       "are needed")
@@ -372,9 +373,13 @@ def read_needs(files: StepFiles, needs: Sequence[Need], threads: int, staging_by
         raise CheckpointError(f"{files.path} is a format-1 step: it has no tensor map to read regions from")
     for need in needs:
         t = files.tensors.get(need.name)
-        if t is not None and not decodable_into(need.out, t.dtype, need.region.sizes):
+        if t is None:
+            continue
+        dtype = next((t.copy_of(p)[0] for p in t.pieces if p.rank == need.source), t.dtype) \
+            if t.kind == LOCAL else t.dtype      # a rank's local copy may have its own dtype
+        if not decodable_into(need.out, dtype, need.region.sizes):
             raise CheckpointError(f"tensor {need.name!r}: the destination must be a contiguous CPU "
-                                  f"{t.dtype} tensor of shape {list(need.region.sizes)}")
+                                  f"{dtype} tensor of shape {list(need.region.sizes)}")
     reads = plan(files, files.tensors, needs, prefer)
     if reads:
         _Runner(files, threads, staging_bytes).run(reads)

@@ -55,7 +55,9 @@ def split_text(name: str, t: dict[str, Any], world_size: int) -> str:
     else:
         listed = ", ".join(map(str, held[:MAX_PIECES_SHOWN])) + (", ..." if len(held) > MAX_PIECES_SHOWN else "")
         who = f"{len(held)}/{world_size} ranks ({listed})"
-    return f"local, held by {who}, {'same' if t['same'] else 'per-rank'}"
+    own = len(t.get("copies", {}))
+    return (f"local, held by {who}, {'same' if t['same'] else 'per-rank'}"
+            + (f", {own} cop{'ies' if own != 1 else 'y'} of another shape or dtype" if own else ""))
 
 
 def render_step(desc: dict[str, Any], size: Callable[[float], str]) -> list[str]:

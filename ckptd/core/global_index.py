@@ -9,7 +9,10 @@ stored in index.json (format 2), and read by restore, lazy loads, ``ckptd inspec
   placements are written by one owner only, so they appear once.
 - ``local``: plain tensors; every rank that holds one saved its own copy (the whole tensor).
   ``same`` says whether every copy is byte-identical (compared by chunk checksums, no reads), so
-  a restore at another world size knows whether it may take any copy.
+  a restore at another world size knows whether it may take any copy. A rank's copy may have its
+  own shape and dtype (a ZeRO-style flat partition, a hand-sharded weight, a per-rank buffer):
+  the tensor's ``dtype``/``shape`` are the lowest holder's, and each piece carries its own
+  (``Piece.dtype``, ``Piece.region``); index.json lists the copies that differ under ``copies``.
 
 ``per_rank_keys`` lists the top-level state entries whose content differs between ranks (a data
 loader's position, RNG streams): restoring them at another world size needs the user's decision.
@@ -34,10 +37,13 @@ SHARDED, LOCAL = "sharded", "local"
 
 @dataclass(frozen=True)
 class Piece:
-    """One rank's saved bytes of a tensor: entry ``name`` of that rank's manifest."""
+    """One rank's saved bytes of a tensor: entry ``name`` of that rank's manifest. ``dtype``: a local
+    copy's own dtype where it differs from the tensor's (None: the tensor's); a local copy's shape
+    is its region's sizes."""
     rank: int
     name: str
     region: Region
+    dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,12 @@ class GlobalTensor:
     pieces: tuple[Piece, ...]
     same: bool = True             # LOCAL only: every rank's copy is byte-identical
 
+    def copy_of(self, p: Piece) -> tuple[str, tuple[int, ...]]:
+        """(dtype, shape) of piece ``p``'s saved entry: a local copy's own, a shard's global tensor's."""
+        if self.kind == SHARDED:
+            return self.dtype, self.shape
+        return p.dtype or self.dtype, p.region.sizes
+
     def to_json(self, world_size: int) -> dict[str, Any]:
         out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "kind": self.kind}
         if self.kind == SHARDED:
@@ -57,6 +69,10 @@ class GlobalTensor:
             ranks = [p.rank for p in self.pieces]
             out["held_by"] = "all" if ranks == list(range(world_size)) else ranks
             out["same"] = self.same
+            copies = {str(p.rank): {"dtype": p.dtype or self.dtype, "shape": list(p.region.sizes)}
+                      for p in self.pieces if p.dtype is not None or p.region.sizes != self.shape}
+            if copies:   # only the copies whose dtype or shape is not the tensor's
+                out["copies"] = copies
         return out
 
 
@@ -88,9 +104,9 @@ def build_from_records(records: Sequence[RankRecord]) -> tuple[dict[str, GlobalT
             raise FormatError(f"tensor {key!r} is sharded on some ranks and a plain tensor on others")
         first = held[0][0]
         prints = {(e.dtype, e.shape, e.fp) for e, _ in held}
-        region = wholes.setdefault(first.shape, Region.whole(first.shape))
         out[key] = GlobalTensor(key, first.dtype, tuple(first.shape), LOCAL,
-                                tuple(Piece(rank, e.name, region if e.shape == first.shape else Region.whole(e.shape))
+                                tuple(Piece(rank, e.name, wholes.setdefault(e.shape, Region.whole(e.shape)),
+                                            None if e.dtype == first.dtype else e.dtype)
                                       for e, rank in held),
                                 same=len(prints) == 1 and len(held) == len(records))
     return out, per_rank_keys(records, out)
@@ -137,8 +153,11 @@ def parse_tensor_map(obj: Any, world_size: int) -> dict[str, GlobalTensor]:
             if not (_uints(held, limit=world_size) and all(r < world_size for r in held)
                     and len(set(held)) == len(held)):
                 raise FormatError(f"{where}: 'held_by' must be \"all\" or a list of distinct ranks")
+            whole = Region.whole(shape)
+            copies = _copies(t.get("copies", {}), t["dtype"], set(held), where)
             out[name] = GlobalTensor(name, t["dtype"], shape, LOCAL,
-                                     tuple(Piece(r, name, Region.whole(shape)) for r in held), same)
+                                     tuple(Piece(r, name, copies[r][1], copies[r][0]) if r in copies
+                                           else Piece(r, name, whole) for r in held), same)
             continue
         if not isinstance(t.get("pieces"), list):
             raise FormatError(f"{where}: a sharded tensor needs pieces")
@@ -155,6 +174,21 @@ def parse_tensor_map(obj: Any, world_size: int) -> dict[str, GlobalTensor]:
                     raise FormatError(f"{where}: {e}") from None
             pieces.append(Piece(p["rank"], p["name"], Region(tuple(p["offsets"]), tuple(p["sizes"]))))
         out[name] = GlobalTensor(name, t["dtype"], shape, SHARDED, tuple(pieces))
+    return out
+
+
+def _copies(obj: Any, dtype: str, held: set[int], where: str) -> dict[int, tuple[str | None, Region]]:
+    """A local tensor's ``copies``: rank → (its own dtype or None, its own whole region), checked."""
+    if not isinstance(obj, dict):
+        raise FormatError(f"{where}: 'copies' must be an object of rank → dtype and shape")
+    out: dict[int, tuple[str | None, Region]] = {}
+    for key, c in obj.items():
+        rank = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 7 else -1
+        if rank not in held:
+            raise FormatError(f"{where}: 'copies' names {key[:20]!r}, not a rank that holds a copy")
+        if not (isinstance(c, dict) and c.get("dtype") in DTYPE_ITEMSIZE and _uints(c.get("shape"))):
+            raise FormatError(f"{where}: rank {rank}'s copy needs a dtype and a shape")
+        out[rank] = (None if c["dtype"] == dtype else c["dtype"], Region.whole(tuple(c["shape"])))
     return out
 
 

@@ -215,6 +215,7 @@ class MapCheck:
             return None
         if e.placement is not None:
             return f"is a piece of a sharded tensor, the index lists {t.name!r} as a plain tensor"
-        if (e.dtype, tuple(e.shape)) != (t.dtype, t.shape):
-            return f"is {saved}, the index says {t.dtype} {list(t.shape)}"
+        dtype, shape = t.copy_of(p)        # a rank's copy may have its own dtype and shape
+        if (e.dtype, tuple(e.shape)) != (dtype, shape):
+            return f"is {saved}, the index says {dtype} {list(shape)}"
         return None
