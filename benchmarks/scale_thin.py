@@ -34,9 +34,8 @@ from typing import Any
 import torch.distributed as dist
 
 from ckptd.core.codec import ChunkMeta
-from ckptd.core.names import INDEX_NAME, rank_data_name, rank_manifest_name, step_dir
+from ckptd.core.names import HEAD_NAME, INDEX_NAME, rank_data_name, rank_manifest_name, step_dir
 from ckptd.core.rank_record import parse_records, summarize
-from ckptd.core.rank_table import HEAD_NAME
 from ckptd.core.reader import StepReader
 from ckptd.core.schema import Manifest, TensorEntry, digest_bytes, encode_json
 from ckptd.daemon.commit import write_index

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 import ckptd_client
-from ckptd.core.names import step_dir_name
+from ckptd.core.names import is_step_file, is_step_temp, rank_data_name, rank_manifest_name, step_dir_name, temp_name
 from ckptd.daemon.retention import RetentionPolicy, collect_job, collect_root, plan_job, remove_step
 
 DAY = 86400.0
@@ -152,6 +152,32 @@ def test_ckptd_gc_cli(tmp):
     assert steps_left(root, "a") == [5]
     r = _gc(str(root), "--keep-last", "-3")
     assert r.returncode == 2 and "retention.keep_last" in r.stderr
+
+
+def test_gc_removes_every_file_ckptd_names_whole_steps_only(tmp):
+    """Rank numbers past 99999 (MAX_RANKS allows 7 digits) and the temp names every writer uses
+    (``names.temp_name``: atomic writes, the bucket stager's downloads) belong to ckptd: an expired
+    step and an abandoned, half-staged one are removed whole, never left without their index."""
+    root = tmp / "root"
+    big = make_step(root, "z", 1, committed=True)
+    for rank in (99_999, 100_000, (1 << 20) - 1):
+        (big / rank_data_name(rank)).write_bytes(b"d")
+        (big / rank_manifest_name(rank)).write_text("{}")
+    make_step(root, "z", 2, committed=True)
+    staged = make_step(root, "z", 3, committed=False, age_s=3 * DAY)    # a daemon killed mid-stage
+    data_tmp = Path(temp_name(str(staged / rank_data_name(100_000))))
+    data_tmp.write_bytes(b"partial download")
+    t = time.time() - 3 * DAY
+    os.utime(data_tmp, (t, t))
+    os.utime(staged, (t, t))
+    assert is_step_temp(data_tmp.name) and is_step_file(data_tmp.name)
+    r = _gc(str(root), "--keep-last", "1", "--abandoned-after", "1d")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert steps_left(root, "z") == [2]
+    assert not big.exists() and not staged.exists()
+    # names that are not ckptd's still keep a directory
+    assert not is_step_file("rank-1.data") and not is_step_file("rank-00000.data.bak")
+    assert not is_step_file("rank-00000.data.tmp.") and not is_step_file("index.json.tmp.1.2.3")
 
 
 def test_daemon_applies_retention_after_commit(daemon_factory):

@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from ckptd.core.names import INDEX_NAME, step_dir
-from ckptd.core.rank_table import HEAD_NAME, RANK_TABLE_NAME
+from ckptd.core.names import HEAD_NAME, INDEX_NAME, RANK_TABLE_NAME, step_dir
 from ckptd.core.reader import StepReader, verify_step
 from ckptd_client import store_keys
 from ckptd_client.relay import StoreWaiter

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from typing import Any
 
 INDEX_NAME = "index.json"
+# The lean index's side files beside index.json (core/rank_table.py says what each holds).
+RANK_TABLE_NAME, TENSORS_NAME, HEAD_NAME = "ranks.bin", "tensors.json", "index-head.json"
 MAX_RANKS = 1 << 20
 
 _STEP_RE = re.compile(r"^step-([0-9]{12})\Z")   # not \d (any Unicode digit) nor $ (allows "\n")
@@ -93,6 +96,31 @@ def rank_data_name(rank: int) -> str:
 
 def rank_manifest_name(rank: int) -> str:
     return f"rank-{rank:05d}.json"
+
+
+def temp_name(path: str) -> str:
+    """Where a file is written before its rename to ``path``: ``<path>.tmp.<pid>.<ns>``, unique per
+    process and call, and recognised by ``is_step_file`` (retention removes what a killed writer left)."""
+    return f"{path}.tmp.{os.getpid()}.{time.monotonic_ns()}"
+
+
+# Every file ckptd writes in a step directory, and the temp names they are written under. Rank
+# numbers have 5 digits and more up to MAX_RANKS (7 digits); temp suffixes ``.tmp.<pid>[.<ns>]``.
+_STEP_FILE = (rf"(?:rank-[0-9]{{5,7}}\.(?:data|json)|{re.escape(INDEX_NAME)}|{re.escape(RANK_TABLE_NAME)}"
+              rf"|{re.escape(TENSORS_NAME)}|{re.escape(HEAD_NAME)})")
+_TEMP_SUFFIX = r"\.tmp\.[0-9]+(?:\.[0-9]+)?"
+_STEP_FILE_RE = re.compile(rf"^{_STEP_FILE}(?:{_TEMP_SUFFIX})?\Z")
+_STEP_TEMP_RE = re.compile(rf"^{_STEP_FILE}{_TEMP_SUFFIX}\Z")
+
+
+def is_step_file(name: str) -> bool:
+    """Whether ``name`` is a file ckptd writes in a step directory (a temp name included)."""
+    return _STEP_FILE_RE.match(name) is not None
+
+
+def is_step_temp(name: str) -> bool:
+    """Whether ``name`` is the temp name of a step file (left behind if its writer was killed)."""
+    return _STEP_TEMP_RE.match(name) is not None
 
 
 def job_dir(root: str, job: str) -> str:

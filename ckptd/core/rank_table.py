@@ -27,13 +27,10 @@ from typing import Any
 
 from . import storage
 from .errors import FormatError
-from .names import MAX_RANKS
+from .names import HEAD_NAME, MAX_RANKS, RANK_TABLE_NAME, TENSORS_NAME
 from .rank_record import RankRecord
 from .schema import READABLE_VERSIONS, _load_json, encode_json, index_digest
 
-RANK_TABLE_NAME = "ranks.bin"
-HEAD_NAME = "index-head.json"
-TENSORS_NAME = "tensors.json"
 SIDE_FILES = (RANK_TABLE_NAME, TENSORS_NAME, HEAD_NAME)
 RECORD = struct.Struct(">32sQQ")
 BLOCK_RANKS = 256

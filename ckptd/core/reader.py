@@ -18,10 +18,9 @@ from .codec import ChunkMeta, checksum, decode_chunk
 from .errors import ChecksumError, FormatError
 from .global_index import GlobalTensor, build_tensor_map, parse_tensor_map
 from .map_check import MapCheck
-from .names import INDEX_NAME, parse_step_dir_name, rank_data_name, rank_manifest_name, validate_job
+from .names import HEAD_NAME, INDEX_NAME, parse_step_dir_name, rank_data_name, rank_manifest_name, validate_job
 from .rank_table import (
     BLOCK_RANKS,
-    HEAD_NAME,
     MAX_HEAD_BYTES,
     SMALL_INDEX_BYTES,
     IndexHead,

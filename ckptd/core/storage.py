@@ -10,6 +10,8 @@ import os
 import stat
 from collections.abc import Callable, Iterable, Sequence
 
+from .names import temp_name
+
 FILE_MODE = 0o640
 DIR_MODE = 0o750
 WRITEBACK_BYTES = 32 * 1024 * 1024
@@ -69,7 +71,7 @@ def atomic_write(path: str, data: bytes, publish: Callable[[Callable[[], None]],
     """Write ``path`` so a crash leaves either the old file or the whole new one, durably.
     ``publish``, if given, runs the rename (it may refuse by raising, e.g. a withdrawn commit);
     the temp file is removed on any failure."""
-    tmp = f"{path}.tmp.{os.getpid()}"
+    tmp = temp_name(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
     try:
         write_all(fd, [data])
@@ -95,7 +97,7 @@ def write_files_durably(directory: str, files: Sequence[tuple[str, bytes]]) -> N
     one directory fsync for all of them at the end."""
     for name, data in files:
         path = os.path.join(directory, name)
-        tmp = f"{path}.tmp.{os.getpid()}"
+        tmp = temp_name(path)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
         try:
             write_all(fd, [data])

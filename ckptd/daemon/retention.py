@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import stat
 import time
 from collections.abc import Iterable, Sequence
@@ -32,16 +31,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
-from ckptd.core.names import INDEX_NAME, validate_job
+from ckptd.core.names import INDEX_NAME, is_step_file, is_step_temp, validate_job
 from ckptd.core.reader import list_steps
 from ckptd.core.storage import fsync_dir
 from ckptd.daemon.spec import integer, parse_duration, setting, show_duration
 
 log = logging.getLogger("ckptd")
 
-# Files ckptd writes inside a step directory: data, manifests, the index, and their tmp files.
-_OWN_FILE_RE = re.compile(r"^(?:rank-\d{5}\.(?:data|json)|index\.json|ranks\.bin|tensors\.json|index-head\.json)"
-                          r"(?:\.tmp\.\d+)?$")
 
 
 class KeepRule(Protocol):
@@ -189,7 +185,6 @@ def plan_job(job_path: str, policy: RetentionPolicy, *, now: float | None = None
     return actions, kept
 
 
-_TEMP_RE = re.compile(r"^(?:rank-\d{5}\.json|index\.json|ranks\.bin|tensors\.json|index-head\.json)\.tmp\.\d+$")
 
 
 def stray_temps(step_path: str) -> list[str]:
@@ -197,7 +192,7 @@ def stray_temps(step_path: str) -> list[str]:
     Once index.json exists nothing writes there any more, so they are garbage."""
     try:
         with os.scandir(step_path) as it:
-            return sorted(e.path for e in it if _TEMP_RE.match(e.name) and e.is_file(follow_symlinks=False))
+            return sorted(e.path for e in it if is_step_temp(e.name) and e.is_file(follow_symlinks=False))
     except FileNotFoundError:
         return []
 
@@ -228,7 +223,7 @@ def remove_step(path: str) -> None:
     with os.scandir(path) as it:
         entries = list(it)
     for e in entries:
-        if _OWN_FILE_RE.match(e.name) and not e.is_dir(follow_symlinks=False):
+        if is_step_file(e.name) and not e.is_dir(follow_symlinks=False):
             try:
                 os.unlink(e.path)
             except FileNotFoundError:

@@ -21,14 +21,13 @@ from __future__ import annotations
 import configparser
 import os
 import re
-import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from ckptd.core import storage
-from ckptd.core.names import INDEX_NAME, parse_step_dir_name, step_dir_name, validate_job
+from ckptd.core.names import INDEX_NAME, parse_step_dir_name, step_dir_name, temp_name, validate_job
 from ckptd.daemon.s3_settings import S3Settings
 
 
@@ -212,7 +211,7 @@ class Bucket:
         if size is not None and total != size:
             raise BucketError(f"{key}: the bucket holds {total} bytes, expected {size}")
         part, batch = self.settings.part_size, self.settings.part_size * self.settings.concurrency
-        tmp = f"{path}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+        tmp = temp_name(path)
         fd = storage.open_for_write(tmp)
         try:
             for base in range(0, total, batch):
