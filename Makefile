@@ -48,7 +48,7 @@ lint: $(VENV)/.installed-test
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check $(CHECKED)
 	$(VENV)/bin/mypy $(CHECKED)
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
+	$(PY) -m pytest -q -rs -p no:cacheprovider --durations=15 tests
 
 bench: $(VENV)/.installed-bench
 	$(PY) benchmarks/run.py

@@ -70,3 +70,21 @@ def daemon_factory(tmp: Path):
 @pytest.fixture
 def daemon(daemon_factory) -> DaemonProc:
     return daemon_factory()
+
+
+# ---- in CI a skip is a failure -------------------------------------------------------------------
+# Every test needs only what .ci/run installs (root, apt, pip): a test that skips there hides a missing
+# install step or a broken environment, so under CI=true a skipped test fails the run, named.
+
+_SKIPPED: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped and os.environ.get("CI") == "true":
+        _SKIPPED.append(f"{report.nodeid}: {report.longrepr}")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _SKIPPED:
+        print("\nCI=true and these tests were skipped (each needs only what .ci/run installs):", *_SKIPPED, sep="\n")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -7,7 +7,6 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,9 +25,7 @@ def test_close_waits_for_every_save_and_reports_each_failure(daemon_factory):
     state = {"w": torch.randn(1 << 20)}                # 4 chunks: ~1.2 s of writing per rank
     h1 = cks[0].save(1, state)
     h2 = [ck.save(2, state) for ck in cks]
-    t0 = time.monotonic()
     report = cks[0].close(timeout=120)
-    assert time.monotonic() - t0 < 120
     cks[1].close(timeout=120)
     assert h1.done() and not h1.committed and "timed out" in (h1.error or "")
     assert all(h.committed for h in h2), [h.error for h in h2]

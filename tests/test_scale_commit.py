@@ -70,14 +70,13 @@ def test_commit_outliving_its_request_timeout_resolves_every_handle_committed(tm
 
 
 def test_node_that_never_publishes_fails_every_rank_naming_it(tmp: Path, daemon_factory, store: Any) -> None:
-    """World of 4 in nodes of 2; node 1 (ranks 2-3) never runs: ranks 0 and 1 fail within the
-    commit timeout, naming node 1, and nothing is committed."""
+    """World of 4 in nodes of 2; node 1 (ranks 2-3) never runs: ranks 0 and 1 fail naming node 1
+    (rank 0's wait for the node records ran out, not the disk's later verdict), nothing is committed."""
     d0 = daemon_factory(name="d0")
     out = run_ranks(store, 4, [(0, 2, str(d0.socket))], tmp / "root", per_node=2, timeout=4.0)
     for r in (0, 1):
         err = out[r]["steps"][0]["error"]
         assert err is not None and "node 1 (ranks 2-3) never published its record" in err, err
-        assert out[r]["steps"][0]["resolved"] - out[r]["steps"][0]["durable"] < 3 * 4.0
     assert not (Path(step_dir(str(tmp / "root"), "scale", 1)) / INDEX_NAME).exists()
 
 

@@ -98,6 +98,8 @@ def build_from_records(records: Sequence[RankRecord]) -> tuple[dict[str, GlobalT
                                   f"{held[0][1]} saved {first.dtype}{first.global_shape}")
         out[key] = GlobalTensor(key, first.dtype, tuple(first.global_shape), SHARDED,
                                 tuple(Piece(rank, e.name, e.region()) for e, rank in held))
+        if len(held) > 1:
+            _check_replicas(key, held)
     wholes: dict[tuple[int, ...], Region] = {}
     for key, held in local.items():
         if key in out:
@@ -110,6 +112,20 @@ def build_from_records(records: Sequence[RankRecord]) -> tuple[dict[str, GlobalT
                                       for e, rank in held),
                                 same=len(prints) == 1 and len(held) == len(records))
     return out, per_rank_keys(records, out)
+
+
+def _check_replicas(key: str, held: list[tuple[RecordEntry, int]]) -> None:
+    """FormatError when ranks that saved the same region of ``key`` (replicas that cannot tell
+    so locally) saved different bytes: readers take any one copy, so they must agree."""
+    first: dict[tuple[int, ...], tuple[str, int]] = {}
+    for e, rank in held:
+        if e.fp is None or e.offsets is None:
+            continue
+        region = (*e.offsets, *e.shape)
+        fp, by = first.setdefault(region, (e.fp, rank))
+        if fp != e.fp:
+            raise FormatError(f"tensor {key!r}: rank {rank} and rank {by} saved the same region "
+                              f"{e.region().to_json()} with different bytes")
 
 
 def per_rank_keys(records: Sequence[RankRecord], tensors: dict[str, GlobalTensor]) -> list[str]:

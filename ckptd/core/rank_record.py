@@ -49,7 +49,7 @@ class RecordEntry:
     key: str                                   # the global tensor it belongs to (its own name when plain)
     global_shape: tuple[int, ...] | None       # set for a piece of a sharded tensor
     offsets: tuple[int, ...] | None
-    fp: str | None                             # plain tensors: hash of their fingerprint
+    fp: str | None                             # hash of its fingerprint (None: a piece from an older writer)
 
     def region(self) -> Region:
         return Region(self.offsets, self.shape) if self.offsets is not None else Region.whole(self.shape)
@@ -92,7 +92,7 @@ def summarize(m: Manifest, digest: str) -> RankRecord:
         entries.append(RecordEntry(e.name, e.dtype, tuple(e.shape), e.key,
                                    None if p is None else tuple(p.global_shape),
                                    None if p is None else tuple(p.offsets),
-                                   short_hash(repr(fingerprint(e))) if p is None else None))
+                                   short_hash(repr(fingerprint(e)))))
     return RankRecord(m.rank, digest, m.raw_bytes, m.stored_bytes, tuple(entries),
                       tuple((k, short_hash(v)) for k, v in top_level(m.tree)))
 
@@ -136,7 +136,8 @@ def parse_record(obj: Any, rank: int) -> RankRecord:
         validate_shape(dtype, shape)
         if gshape is not None:
             p = parse_placement({"shape": gshape, "offsets": offsets}, shape, f"{where}: tensor {name!r}")
-            entries.append(RecordEntry(name, dtype, tuple(shape), key or name, p.global_shape, p.offsets, None))
+            _req(fp is None or (isinstance(fp, str) and bool(_HASH_RE.match(fp))), f"{where}: bad fingerprint")
+            entries.append(RecordEntry(name, dtype, tuple(shape), key or name, p.global_shape, p.offsets, fp))
         else:
             _req(key is None and offsets is None and isinstance(fp, str) and bool(_HASH_RE.match(fp)),
                  f"{where}: plain tensor {name!r} needs a fingerprint and no placement")
