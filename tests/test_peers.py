@@ -199,7 +199,11 @@ def test_peer_settings_are_checked_at_start(tmp):
     me, other = "127.0.0.1:7465", "127.0.0.2:7465"
     base = {"root": str(tmp), "peers.listen": me, "peers.peers": f"{me},{other}"}
     ok = load_settings(cli={**base, "peers.secret_file": str(secret)}, env={})
-    assert ok["peers.peers"] == [me, other] and ok["peers.replicas"] == 1
+    assert ok["peers.peers"] == [me, other] and ok["peers.replicas"] == 1 and ok["peers.io_timeout"] == 30.0
+    assert load_settings(cli={**base, "peers.secret_file": str(secret), "peers.io_timeout": "2s"},
+                         env={})["peers.io_timeout"] == 2.0
+    with pytest.raises(ConfigError, match="io_timeout"):       # 0 would be no bound at all
+        load_settings(cli={**base, "peers.secret_file": str(secret), "peers.io_timeout": "0"}, env={})
     with pytest.raises(ConfigError, match="secret_file"):
         load_settings(cli=base, env={})
     with pytest.raises(ConfigError, match="not in the list"):

@@ -105,6 +105,15 @@ def _memory_metrics(m: Any) -> Iterable[Any]:
     yield CounterMetricFamily("ckptd_peer_replication_failures", "Shard copies to a peer that failed.",
                               value=m.replication_failures)
     yield CounterMetricFamily("ckptd_peer_sent_bytes", "Bytes of shards copied to peers.", value=m.replicated_bytes)
+    sent = CounterMetricFamily("ckptd_peer_target_sent_bytes", "Bytes of shards copied to one peer.", labels=["peer"])
+    failed = CounterMetricFamily("ckptd_peer_target_replication_failures",
+                                 "Shard copies to one peer that failed (stalled, refused, unreachable).",
+                                 labels=["peer"])
+    for peer, c in sorted(m.per_peer.items()):
+        sent.add_metric([peer], c.sent_bytes)
+        failed.add_metric([peer], c.failures)
+    yield sent
+    yield failed
 
 
 class DaemonMetrics:

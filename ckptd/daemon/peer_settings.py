@@ -10,11 +10,23 @@ from ckptd.daemon.spec import (
     listof,
     optional_path,
     optional_peer_address,
+    parse_duration,
     parse_size,
     peer_address,
     setting,
+    show_duration,
     show_size,
 )
+
+MIN_IO_TIMEOUT_S, MAX_IO_TIMEOUT_S = 0.1, 3600.0
+
+
+def _io_timeout(v: object) -> float:
+    """A duration in [0.1 s, 1 h]: 0 would mean no bound at all, which is the defect it exists for."""
+    s = parse_duration(v)
+    if not MIN_IO_TIMEOUT_S <= s <= MAX_IO_TIMEOUT_S:
+        raise ValueError(f"must be between {MIN_IO_TIMEOUT_S:g} s and {MAX_IO_TIMEOUT_S:g} s, got {s:g}")
+    return s
 
 
 def _default_memory_budget() -> int:
@@ -64,6 +76,11 @@ class PeerSettings:
     bandwidth: int = setting(
         1024**3, parse=parse_size, show=show_size, flags=(Flag("--peer-bandwidth"),),
         doc="Bytes per second this node sends to peers at most (token bucket); `0` is unlimited.")
+    io_timeout: float = setting(
+        30.0, parse=_io_timeout, show=show_duration, flags=(Flag("--peer-io-timeout"),),
+        doc="Longest a peer may go without sending or taking a byte (connect, handshake, every read and "
+            "write); past it that one copy or fetch fails, is logged with the peer's address and counted, "
+            "and the other peers and storage go on. 0.1 s to 1 h.")
 
 
 def check_peers(memory: MemorySettings, p: PeerSettings, src: dict[str, str], error: type[Exception]) -> None:

@@ -4,6 +4,8 @@ A peer is another node's ckptd daemon, from the configured ``peers`` list. Every
 starts with the mutual HMAC handshake (``ckptd.core.peer_protocol``); a peer that fails it is
 refused and logged (never the secret). A received replica is reserved against this daemon's
 memory budget before a byte of it is read, and is kept only if every chunk's checksum matches.
+Every connect, read and write, both sides, is bounded by ``peers.io_timeout`` (``timeout``
+here): a stopped or wedged peer fails that one exchange (``StalledError``) and is let go.
 Replication (sending our shards out, in the background) is ``replicate.py``.
 """
 from __future__ import annotations
@@ -22,7 +24,6 @@ from ckptd.daemon.memory_store import REPLICA, Held, MemoryStore, new_memfd
 from ckptd.daemon.runtime import describe_error
 
 log = logging.getLogger("ckptd")
-CONNECT_TIMEOUT_S = 10.0
 MIN_SECRET_BYTES = 16
 
 
@@ -53,7 +54,7 @@ def split_address(addr: str) -> tuple[str, int]:
 
 
 async def receive_held(store: MemoryStore, reader: asyncio.StreamReader, msg: dict[str, Any], plen: int,
-                       origin: str) -> Held | None:
+                       origin: str, timeout: float) -> Held | None:
     """A held shard's payload, after its ``msg``: reserved, read into a memfd, checksummed.
     None (payload skipped) when it does not fit the budget; ChecksumError/FormatError when bad."""
     meta = HeldMeta.from_wire(msg)
@@ -61,7 +62,7 @@ async def receive_held(store: MemoryStore, reader: asyncio.StreamReader, msg: di
         raise FormatError(f"{meta.what}: payload of {plen} bytes for a shard of {meta.nbytes}")
     held = store.reserve(meta.job, meta.step, meta.rank, meta.nbytes, origin)
     if held is None:
-        await pp.skip(reader, plen)
+        await pp.skip(reader, plen, timeout=timeout)
         return None
     try:
         held.fd, mm = await asyncio.get_running_loop().run_in_executor(
@@ -69,7 +70,7 @@ async def receive_held(store: MemoryStore, reader: asyncio.StreamReader, msg: di
         held.mm = mm
         view = memoryview(mm)
         try:
-            await pp.recv_payload(reader, view[:plen])
+            await pp.recv_payload(reader, view[:plen], timeout=timeout)
             for t, sums in zip(meta.layout, meta.checksums, strict=True):
                 verify(view[t.offset:t.offset + t.nbytes], sums, meta.chunk_bytes, f"{meta.what} tensor {t.name!r}")
         finally:
@@ -86,11 +87,13 @@ async def receive_held(store: MemoryStore, reader: asyncio.StreamReader, msg: di
 
 
 class PeerServer:
-    """Serves other daemons: ``put`` (keep a replica of their shard) and ``get`` (send one we hold)."""
+    """Serves other daemons: ``put`` (keep a replica of their shard), ``get`` (send one we hold) and
+    ``has`` (say whether we hold it). A connection idle or stalled for ``timeout`` s is closed."""
 
     def __init__(self, store: MemoryStore, secret: bytes, trim: Callable[[str], None],
-                 refused: Callable[[], None]) -> None:
+                 refused: Callable[[], None], timeout: float) -> None:
         self.store, self.secret, self.trim, self.refused = store, secret, trim, refused
+        self.timeout = timeout
         self.server: asyncio.base_events.Server | None = None
         self.address: tuple[str, int] | None = None
 
@@ -108,19 +111,22 @@ class PeerServer:
         remote = writer.get_extra_info("peername")
         where = f"{remote[0]}:{remote[1]}" if isinstance(remote, tuple) else str(remote)
         try:
-            node = await pp.server_handshake(reader, writer, self.secret)
-        except (pp.AuthError, ProtocolError, asyncio.TimeoutError, OSError) as e:
+            node = await pp.server_handshake(reader, writer, self.secret, timeout=self.timeout)
+        except (ProtocolError, OSError) as e:
             self.refused()
             log.warning("peer refused", extra={"ctx": {"remote": where, "reason": describe_error(e)}})
             writer.close()
             return
         try:
             while True:
-                msg, plen = await pp.recv(reader, MAX_HELD_BYTES)
+                msg, plen = await pp.recv(reader, MAX_HELD_BYTES, timeout=self.timeout)
                 if msg["op"] == "put":
                     await self._put(reader, writer, msg, plen, node)
                 elif msg["op"] == "get" and plen == 0:
                     await self._get(writer, msg)
+                elif msg["op"] == "has" and plen == 0:
+                    await pp.send(writer, {"op": "yes" if self._lookup(msg) is not None else "missing"},
+                                  timeout=self.timeout)
                 else:
                     raise ProtocolError(f"unknown peer request {str(msg['op'])[:40]!r}")
         except ProtocolError as e:
@@ -135,51 +141,62 @@ class PeerServer:
     async def _put(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, msg: dict[str, Any],
                    plen: int, node: str) -> None:
         try:
-            held = await receive_held(self.store, reader, msg, plen, REPLICA)
+            held = await receive_held(self.store, reader, msg, plen, REPLICA, self.timeout)
         except (ChecksumError, FormatError) as e:
             log.warning("replica refused", extra={"ctx": {"node": node, "reason": describe_error(e)}})
-            await pp.send(writer, {"op": "error", "reason": str(e)[:500]})
+            await pp.send(writer, {"op": "error", "reason": str(e)[:500]}, timeout=self.timeout)
             if isinstance(e, FormatError):
                 raise ProtocolError(str(e)) from None
             return
         if held is None:
-            await pp.send(writer, {"op": "error", "reason": "over this peer's memory budget"})
+            await pp.send(writer, {"op": "error", "reason": "over this peer's memory budget"}, timeout=self.timeout)
             return
         assert held.meta is not None
         log.info("replica held", extra={"ctx": {"job": held.job, "step": held.step, "rank": held.rank,
                                                 "bytes": held.meta.nbytes, "from": node}})
         self.trim(held.job)
-        await pp.send(writer, {"op": "ok"})
+        await pp.send(writer, {"op": "ok"}, timeout=self.timeout)
 
-    async def _get(self, writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
+    def _lookup(self, msg: dict[str, Any]) -> Held | None:
+        """The held shard a ``get``/``has`` names (job, step, rank and manifest digest), if any."""
         job, step, rank, digest = msg.get("job"), msg.get("step"), msg.get("rank"), msg.get("digest")
         held = self.store.get(job, step, rank) if isinstance(job, str) and type(step) is int \
             and type(rank) is int else None
         if held is None or held.meta is None or held.mm is None or held.meta.digest != digest:
-            await pp.send(writer, {"op": "missing"})
+            return None
+        return held
+
+    async def _get(self, writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
+        held = self._lookup(msg)
+        if held is None or held.meta is None or held.mm is None:
+            await pp.send(writer, {"op": "missing"}, timeout=self.timeout)
             return
         self.store.pin(held)
         try:
-            await pp.send(writer, {"op": "held", **held.meta.to_wire()}, memoryview(held.mm)[:held.meta.nbytes])
+            await pp.send(writer, {"op": "held", **held.meta.to_wire()}, memoryview(held.mm)[:held.meta.nbytes],
+                          timeout=self.timeout)
         finally:
             self.store.unpin(held)
 
 
 class PeerLink:
-    """One authenticated connection to a peer (client side)."""
+    """One authenticated connection to a peer (client side); every wait bounded by ``timeout`` s."""
 
-    def __init__(self, address: str, secret: bytes, node: str) -> None:
-        self.address, self.secret, self.node = address, secret, node
+    def __init__(self, address: str, secret: bytes, node: str, timeout: float) -> None:
+        self.address, self.secret, self.node, self.timeout = address, secret, node, timeout
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
     async def open(self) -> PeerLink:
         host, port = split_address(self.address)
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, limit=pp.PIECE * 2), CONNECT_TIMEOUT_S)
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port, limit=pp.PIECE * 2), self.timeout)
+        except asyncio.TimeoutError:
+            raise pp.StalledError(f"peer stalled: no connection within {self.timeout:g} s") from None
         self.reader, self.writer = reader, writer
         try:
-            await pp.client_handshake(reader, writer, self.secret, self.node)
+            await pp.client_handshake(reader, writer, self.secret, self.node, timeout=self.timeout)
         except BaseException:
             self.close()
             raise
@@ -195,20 +212,31 @@ class PeerLink:
         assert self.reader is not None and self.writer is not None and held.meta is not None and held.mm is not None
         view = memoryview(held.mm)[:held.meta.nbytes]
         try:
-            await pp.send(self.writer, {"op": "put", **held.meta.to_wire()}, view, throttle)
+            await pp.send(self.writer, {"op": "put", **held.meta.to_wire()}, view, throttle, timeout=self.timeout)
         finally:
             view.release()
-        reply, _ = await pp.recv(self.reader)
+        reply, _ = await pp.recv(self.reader, timeout=self.timeout)
         if reply.get("op") != "ok":
             raise ProtocolError(f"peer {self.address} did not keep the replica: {reply.get('reason', reply['op'])}")
 
     async def get(self, store: MemoryStore, job: str, step: int, rank: int, digest: str) -> Held | None:
         """The peer's copy, checked (ChecksumError if corrupt), held in ``store``; None if it has none."""
         assert self.reader is not None and self.writer is not None
-        await pp.send(self.writer, {"op": "get", "job": job, "step": step, "rank": rank, "digest": digest})
-        msg, plen = await pp.recv(self.reader, MAX_HELD_BYTES)
+        await pp.send(self.writer, {"op": "get", "job": job, "step": step, "rank": rank, "digest": digest},
+                      timeout=self.timeout)
+        msg, plen = await pp.recv(self.reader, MAX_HELD_BYTES, timeout=self.timeout)
         if msg.get("op") != "held":
             return None
         if (msg.get("job"), msg.get("step"), msg.get("rank"), msg.get("digest")) != (job, step, rank, digest):
             raise ProtocolError(f"peer {self.address} answered with another shard")
-        return await receive_held(store, self.reader, msg, plen, "peer")
+        return await receive_held(store, self.reader, msg, plen, "peer", self.timeout)
+
+    async def has(self, job: str, step: int, rank: int, digest: str) -> bool:
+        """Whether the peer holds that shard (a probe: no payload moves)."""
+        assert self.reader is not None and self.writer is not None
+        await pp.send(self.writer, {"op": "has", "job": job, "step": step, "rank": rank, "digest": digest},
+                      timeout=self.timeout)
+        msg, plen = await pp.recv(self.reader, timeout=self.timeout)
+        if plen or msg.get("op") not in ("yes", "missing"):
+            raise ProtocolError(f"peer {self.address} answered a probe with {str(msg.get('op'))[:40]!r}")
+        return msg["op"] == "yes"

@@ -22,7 +22,7 @@ from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.memory_store import Held, HeldView, MemoryStore, MemoryTotals
 from ckptd.daemon.memory_tier import MemoryTier
 from ckptd.daemon.peers import PeerServer, load_secret, split_address
-from ckptd.daemon.replicate import Replicator, ReplicaView
+from ckptd.daemon.replicate import PeerCounts, Replicator, ReplicaView
 from ckptd.daemon.runtime import RequestError, TaskSet
 
 log = logging.getLogger("ckptd")
@@ -43,6 +43,7 @@ class MemoryView:
     peers_refused: int
     replication_failures: int
     replicated_bytes: int
+    per_peer: dict[str, PeerCounts]         # each replication target's counters
 
     def to_json(self) -> dict[str, Any]:
         copies = {(r.job, r.step, r.rank): r.copies for r in self.replicas}
@@ -61,7 +62,8 @@ class MemoryView:
                 "held": sorted(steps.values(), key=lambda s: (s["job"], s["step"])),
                 "totals": vars(self.totals).copy(), "replicas_k": self.k, "peer_address": self.peer_address,
                 "peers_refused": self.peers_refused, "replication_failures": self.replication_failures,
-                "replicated_bytes": self.replicated_bytes}
+                "replicated_bytes": self.replicated_bytes,
+                "peers": {p: {"sent_bytes": c.sent_bytes, "failures": c.failures} for p, c in self.per_peer.items()}}
 
 
 class Recovery:
@@ -73,7 +75,7 @@ class Recovery:
         self.replicator: Replicator | None = None
         if self.secret is not None and p.peers:
             self.replicator = Replicator(self.store, list(p.peers), p.name or p.listen or "", p.replicas, p.jump,
-                                         self.secret, p.bandwidth)
+                                         self.secret, p.bandwidth, p.io_timeout, self._trim)
         self.memory = MemoryTier(fs, self.store, root, config.write.chunk_bytes, pool,
                                  on_held=self.replicator.offer if self.replicator else lambda h: None)
         self.tier: StorageTier = self.memory if self.store.enabled else fs
@@ -85,7 +87,7 @@ class Recovery:
     async def start(self) -> None:
         p = self.config.peers
         if p.listen is not None and self.secret is not None:
-            self.server = PeerServer(self.store, self.secret, self._trim, self._refused)
+            self.server = PeerServer(self.store, self.secret, self._trim, self._refused, p.io_timeout)
             host, port = await self.server.start(*split_address(p.listen))
             log.info("peer listener", extra={"ctx": {"address": f"{host}:{port}", "peers": list(p.peers),
                                                      "targets": self.replicator.targets if self.replicator else []}})
@@ -143,7 +145,8 @@ class Recovery:
                           MemoryTotals(**vars(self.store.totals)), self.store.views(),
                           r.views() if r is not None else (), self.config.peers.replicas if r is not None else 0,
                           f"{address[0]}:{address[1]}" if address else None, self.refused,
-                          r.failures if r is not None else 0, r.sent_bytes if r is not None else 0)
+                          r.failures if r is not None else 0, r.sent_bytes if r is not None else 0,
+                          {t: PeerCounts(c.sent_bytes, c.failures) for t, c in r.per_peer.items()} if r else {})
 
 
 def _mib(n: int) -> str:
@@ -162,6 +165,8 @@ def memory_lines(mem: dict[str, Any] | None) -> list[str]:
         out.append(f"peers: listening on {mem.get('peer_address') or '-'}, K={mem['replicas_k']}, "
                    f"refused={mem['peers_refused']} replication failures={mem['replication_failures']} "
                    f"sent {_mib(mem['replicated_bytes'])}")
+        for peer, c in sorted(mem.get("peers", {}).items()):
+            out.append(f"  peer {peer}: sent {_mib(c['sent_bytes'])}, {c['failures']} failed copies")
     for s in mem["held"]:
         ranks = ", ".join(f"{r}:{v['origin']}" + (f" {v['copies']} copies" if v["copies"] is not None else "")
                           + (" pinned" if v["pinned"] else "") for r, v in sorted(s["ranks"].items()))

@@ -2,11 +2,17 @@
 
 Targets: with this node at position i of the ``peers`` list (n entries), its copies go to
 ``peers[(i + j * peer_jump) % n]`` for j = 1..K, skipping itself (NVIDIA's clique rule: a jump
-as large as a rack puts copies in another rack). A shard is queued once it is held in memory;
-a single sender drains the queue, its bytes paced by a token bucket (``peer_bandwidth``), so
-replication never delays a local write or commit and never floods the training network. A
-step is *replicated* on this node once each of its shards held here has K acknowledged peer
-copies (K + 1 in memory); *committed* stays what index.json says.
+as large as a rack puts copies in another rack). A shard is queued once it is held in memory,
+once per target: each target has its own queue and sender, so a slow, stopped or dead peer
+delays only the copies meant for it (each bounded by ``peers.io_timeout``, then failed, logged
+with the peer's address and counted), never another peer's. All senders share one token bucket
+(``peers.bandwidth``), so replication never delays a local write or commit and never floods
+the training network. A shard is pinned only while a sender reads it; when a copy ends, ok or
+failed, the job is trimmed again, so a shard a stalled copy kept past ``memory.steps`` goes.
+A step is *replicated* on this node once each of its shards held here has K acknowledged peer
+copies (K + 1 in memory); *committed* stays what index.json says. Fetching a lost shard back
+probes every peer at once and takes the first that holds it, so silent peers cost one timeout
+together, not one each.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from ckptd.daemon.peers import PeerLink
 from ckptd.daemon.runtime import describe_error
 
 log = logging.getLogger("ckptd")
-QUEUE_MAX = 1024
+QUEUE_MAX = 1024                # shards waiting per target
 
 
 class TokenBucket:
@@ -67,82 +73,135 @@ class ReplicaView:
     targets: tuple[str, ...]
 
 
+@dataclass
+class PeerCounts:
+    """One peer's replication counters (status ``peers``, metrics labelled ``peer``)."""
+    sent_bytes: int = 0
+    failures: int = 0
+
+
 class Replicator:
     def __init__(self, store: MemoryStore, peers: list[str], me: str, k: int, jump: int, secret: bytes,
-                 bandwidth: int) -> None:
+                 bandwidth: int, timeout: float, trim: Callable[[str], None]) -> None:
         self.store, self.peers, self.me, self.k, self.secret = store, peers, me, k, secret
+        self.timeout, self.trim = timeout, trim
         self.targets = targets(peers, me, k, jump)
         self.bucket = TokenBucket(bandwidth)
-        self.queue: asyncio.Queue[Held] = asyncio.Queue(QUEUE_MAX)
+        self.queues: dict[str, asyncio.Queue[Held]] = {t: asyncio.Queue(QUEUE_MAX) for t in self.targets}
         self.acked: dict[tuple[str, int, int], set[str]] = {}
-        self.sent_bytes = 0
-        self.failures = 0
+        self.per_peer: dict[str, PeerCounts] = {t: PeerCounts() for t in self.targets}
+
+    @property
+    def sent_bytes(self) -> int:
+        return sum(c.sent_bytes for c in self.per_peer.values())
+
+    @property
+    def failures(self) -> int:
+        return sum(c.failures for c in self.per_peer.values())
 
     def offer(self, held: Held) -> None:
-        """(Event loop) Queue a shard that just became resident; never blocks, drops when full."""
+        """(Event loop) Queue a shard that just became resident, for each target; never blocks, a
+        full target queue drops it for that target only."""
         if not self.targets:
             return
         for key in [k for k in self.acked if k not in self.store.entries]:
             del self.acked[key]        # evicted or dropped here: its count no longer matters
-        try:
-            self.queue.put_nowait(held)
-        except asyncio.QueueFull:
-            log.warning("replication queue full; shard not replicated",
-                        extra={"ctx": {"job": held.job, "step": held.step, "rank": held.rank}})
+        for target, queue in self.queues.items():
+            try:
+                queue.put_nowait(held)
+            except asyncio.QueueFull:
+                self.per_peer[target].failures += 1
+                log.warning("replication queue full; shard not replicated",
+                            extra={"ctx": {"job": held.job, "step": held.step, "rank": held.rank, "peer": target}})
 
     async def run(self) -> None:
+        """One sender per target, for as long as the daemon runs."""
+        await asyncio.gather(*(self._sender(t) for t in self.targets))
+
+    async def _sender(self, target: str) -> None:
+        queue = self.queues[target]
         while True:
-            held = await self.queue.get()
+            held = await queue.get()
             if held.gone or held.meta is None:
-                continue
+                continue               # evicted or trimmed while it waited: nothing to send
             self.store.pin(held)
             try:
-                for target in self.targets:
-                    await self._send(held, target)
+                await self._send(held, target)
             finally:
                 self.store.unpin(held)
+                if not held.gone:
+                    self.trim(held.job)    # a newer commit may have wanted it gone while it was pinned
 
     async def _send(self, held: Held, target: str) -> None:
         ctx = {"job": held.job, "step": held.step, "rank": held.rank, "peer": target}
-        link = PeerLink(target, self.secret, self.me)
+        link = PeerLink(target, self.secret, self.me, self.timeout)
         try:
             await link.open()
             await link.put(held, self.bucket.take)
-        except (OSError, ProtocolError, asyncio.TimeoutError) as e:
-            self.failures += 1
+        except (OSError, ProtocolError) as e:
+            self.per_peer[target].failures += 1
             log.warning("replication failed", extra={"ctx": {**ctx, "error": describe_error(e)}})
             return
         finally:
             link.close()
         assert held.meta is not None
-        self.sent_bytes += held.meta.nbytes
+        self.per_peer[target].sent_bytes += held.meta.nbytes
         self.acked.setdefault(held.key, set()).add(target)
         log.info("replicated", extra={"ctx": {**ctx, "bytes": held.meta.nbytes}})
 
-    async def fetch(self, job: str, step: int, rank: int, digest: str) -> Held | None:
-        """A lost shard from the peers' memory (ours first, then the rest): the first good copy."""
-        order = self.targets + [p for p in self.peers if p != self.me and p not in self.targets]
-        for peer in order:
-            link = PeerLink(peer, self.secret, self.me)
-            try:
-                await link.open()
-                held = await link.get(self.store, job, step, rank, digest)
-            except ChecksumError as e:
-                log.error("corrupt replica from peer; not used", extra={"ctx": {"peer": peer, "job": job,
-                                                                                  "step": step, "rank": rank,
-                                                                                  "error": str(e)}})
-                continue
-            except (OSError, ProtocolError, FormatError, asyncio.TimeoutError) as e:
-                log.warning("peer fetch failed", extra={"ctx": {"peer": peer, "job": job, "step": step,
-                                                                "rank": rank, "error": describe_error(e)}})
-                continue
-            finally:
-                link.close()
-            if held is not None:
-                log.info("fetched from peer", extra={"ctx": {"peer": peer, "job": job, "step": step, "rank": rank,
-                                                             "bytes": held.nbytes}})
-                return held
+    async def _probe(self, peer: str, job: str, step: int, rank: int, digest: str) -> bool:
+        """Whether ``peer`` holds the shard; False (logged) when it cannot say within the timeout."""
+        link = PeerLink(peer, self.secret, self.me, self.timeout)
+        try:
+            await link.open()
+            return await link.has(job, step, rank, digest)
+        except (OSError, ProtocolError) as e:
+            log.warning("peer fetch failed", extra={"ctx": {"peer": peer, "job": job, "step": step, "rank": rank,
+                                                            "error": describe_error(e)}})
+            return False
+        finally:
+            link.close()
+
+    async def _get(self, peer: str, job: str, step: int, rank: int, digest: str) -> Held | None:
+        """The shard from ``peer`` (checked, held here), or None (logged) if that failed."""
+        link = PeerLink(peer, self.secret, self.me, self.timeout)
+        try:
+            await link.open()
+            return await link.get(self.store, job, step, rank, digest)
+        except ChecksumError as e:
+            log.error("corrupt replica from peer; not used", extra={"ctx": {"peer": peer, "job": job, "step": step,
+                                                                              "rank": rank, "error": str(e)}})
+        except (OSError, ProtocolError, FormatError) as e:
+            log.warning("peer fetch failed", extra={"ctx": {"peer": peer, "job": job, "step": step, "rank": rank,
+                                                            "error": describe_error(e)}})
+        finally:
+            link.close()
         return None
+
+    async def fetch(self, job: str, step: int, rank: int, digest: str) -> Held | None:
+        """A lost shard from the peers' memory: every peer probed at once; of those that hold it,
+        in the order they answered (ours first among simultaneous answers), the first good copy.
+        A silent peer costs at most one ``timeout``, shared by all of them."""
+        order = self.targets + [p for p in self.peers if p != self.me and p not in self.targets]
+        probes = {asyncio.ensure_future(self._probe(p, job, step, rank, digest)): p for p in order}
+        pending = set(probes)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for probe in sorted(done, key=lambda t: order.index(probes[t])):
+                    if not probe.result():
+                        continue
+                    peer = probes[probe]
+                    held = await self._get(peer, job, step, rank, digest)
+                    if held is not None:
+                        log.info("fetched from peer", extra={"ctx": {"peer": peer, "job": job, "step": step,
+                                                                     "rank": rank, "bytes": held.nbytes}})
+                        return held
+            return None
+        finally:
+            for probe in pending:       # the shard is here: peers still silent need not answer
+                probe.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
     def views(self) -> tuple[ReplicaView, ...]:
         out = []
