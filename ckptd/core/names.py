@@ -11,6 +11,8 @@ import re
 from typing import Any
 
 INDEX_NAME = "index.json"
+# A step directory staged from the bucket for a restore (FORMAT.md): a copy, not this root's own commit.
+STAGED_NAME = "staged.json"
 MAX_RANKS = 1 << 20
 
 _STEP_RE = re.compile(r"^step-([0-9]{12})\Z")   # not \d (any Unicode digit) nor $ (allows "\n")

@@ -39,8 +39,9 @@ from ckptd.daemon.spec import integer, parse_duration, setting, show_duration
 
 log = logging.getLogger("ckptd")
 
-# Files ckptd writes inside a step directory: data, manifests, the index, and their tmp files.
-_OWN_FILE_RE = re.compile(r"^(?:rank-\d{5}\.(?:data|json)|index\.json|ranks\.bin|tensors\.json|index-head\.json)"
+# Files ckptd writes inside a step directory: data, manifests, the index, the staged marker, their tmp files.
+_OWN_FILE_RE = re.compile(r"^(?:rank-\d{5}\.(?:data|json)|index\.json|ranks\.bin|tensors\.json|index-head\.json"
+                          r"|staged\.json)"
                           r"(?:\.tmp\.\d+)?$")
 
 
@@ -189,7 +190,8 @@ def plan_job(job_path: str, policy: RetentionPolicy, *, now: float | None = None
     return actions, kept
 
 
-_TEMP_RE = re.compile(r"^(?:rank-\d{5}\.json|index\.json|ranks\.bin|tensors\.json|index-head\.json)\.tmp\.\d+$")
+_TEMP_RE = re.compile(r"^(?:rank-\d{5}\.json|index\.json|ranks\.bin|tensors\.json|index-head\.json"
+                      r"|staged\.json)\.tmp\.\d+$")
 
 
 def stray_temps(step_path: str) -> list[str]:
