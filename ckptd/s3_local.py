@@ -60,6 +60,9 @@ class SeaweedServer:
     dir: Path
     ports: dict[str, int] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
+    # (access key, secret) pairs the identity accepts, read at each start: a test rotates keys by
+    # changing them and restarting (the gateway reads its -s3.config once).
+    keys: list[tuple[str, str]] = field(default_factory=lambda: [(ACCESS_KEY, SECRET_KEY)])
 
     @property
     def endpoint(self) -> str:
@@ -75,7 +78,7 @@ class SeaweedServer:
             self.ports = dict(zip(PORT_NAMES, free_ports(len(PORT_NAMES)), strict=True))
         config = self.dir / "s3.json"
         config.write_text(json.dumps({"identities": [{
-            "name": "ckptd", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+            "name": "ckptd", "credentials": [{"accessKey": a, "secretKey": s} for a, s in self.keys],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
         p = self.ports
         data = self.dir / "data"
