@@ -69,8 +69,9 @@ class SeaweedServer:
         return f"http://127.0.0.1:{self.ports['s3']}"
 
     def env(self) -> dict[str, str]:
-        """The standard AWS variables that give a client this server's identity."""
-        return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1"}
+        """The standard AWS variables that give a client this server's identity (its first key pair)."""
+        key, secret = self.keys[0]
+        return {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret, "AWS_REGION": "us-east-1"}
 
     def start(self, timeout: float = 60.0) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)

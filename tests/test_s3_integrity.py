@@ -17,13 +17,13 @@ from typing import Any
 import boto3
 import pytest
 import torch
+from test_s3_tier import bucket_of, cli, make_bucket, s3_args, seaweed
 
 import ckptd_client
 from ckptd.core import protocol
 from ckptd.core.names import INDEX_NAME, STAGED_NAME
 from ckptd.s3_local import SeaweedServer
 from ckptd_client import bucket_restore
-from test_s3_tier import bucket_of, cli, make_bucket, s3_args, seaweed
 
 __all__ = ["seaweed"]      # the session's SeaweedFS fixture, shared with test_s3_tier
 JOB = "spot"
