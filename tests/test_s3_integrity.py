@@ -24,6 +24,8 @@ from ckptd.core import protocol
 from ckptd.core.names import INDEX_NAME, STAGED_NAME
 from ckptd.s3_local import SeaweedServer
 from ckptd_client import bucket_restore
+from ckptd_client.errors import MissingData
+from ckptd_client.reshard import StepFiles
 
 __all__ = ["seaweed"]      # the session's SeaweedFS fixture, shared with test_s3_tier
 JOB = "spot"
@@ -99,6 +101,9 @@ def test_a_corrupt_bucket_step_fails_naming_the_key_and_leaves_nothing_staged(se
     staged = node / step8
     assert (staged / STAGED_NAME).exists() and (staged / INDEX_NAME).exists()
     assert not (staged / "rank-00001.data").exists()
+    with StepFiles(str(staged)) as files:      # what makes a rank that needs it ask for every rank's files
+        with pytest.raises(MissingData):
+            files.fd(1)
     listing = cli("ls", str(node), JOB, "--json", "--s3-endpoint", seaweed.endpoint,
                   env={**env, "CKPTD_S3_URL": f"s3://{bucket}/ckpt", "CKPTD_SOCKET": str(d.socket)})
     rows = {r["step"]: r for r in json.loads(listing.stdout)}
