@@ -7,6 +7,7 @@ The bucket's endpoint and region come from the same settings as the daemon's (co
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -57,6 +58,9 @@ def ls_bucket(args: argparse.Namespace) -> int:
     except (BucketError, ConfigError, ValueError) as e:
         print(f"ckptd ls: {e}", file=sys.stderr)
         return 2
+    if getattr(args, "json", False):
+        print(json.dumps([{"job": job, "step": step, "state": state} for job, step, state in sorted(rows)], indent=1))
+        return 0
     if not rows:
         print("no checkpoints")
     for job, step, state in sorted(rows):
@@ -65,7 +69,8 @@ def ls_bucket(args: argparse.Namespace) -> int:
 
 
 def bucket_faults(args: argparse.Namespace, progress: Callable[[str], None] | None) -> list[Fault]:
-    """Download ``s3://bucket/prefix/<job>/step-<N>`` to a temp dir and verify it there."""
+    """Download ``s3://bucket/prefix/<job>/step-<N>`` to a temp dir and verify it there; each fault
+    names the bucket key (``s3://…/rank-00001.data``), never the temp copy."""
     url, job, step_name = args.step_dir.rstrip("/").rsplit("/", 2)
     step = parse_step_dir_name(step_name)
     try:
@@ -76,13 +81,22 @@ def bucket_faults(args: argparse.Namespace, progress: Callable[[str], None] | No
             if not bucket.exists(bucket.step_key(job, step, "index.json")):
                 faults = [Fault(args.step_dir, None, "not committed in the bucket (no index.json)")]
             else:
-                fetched = Stager(bucket, tmp).fetch(job, step, None)
+                fetched = Stager(bucket, tmp, check_chunks=False).fetch(job, step, None)   # verify lists them all
                 if progress:
                     progress(f"downloaded {fetched} bytes")
-                faults = verify_step(os.path.join(tmp, job, step_name), progress)
+                local = os.path.join(tmp, job, step_name)
+                faults = [Fault(bucket_path(f.file, local, f"{url}/{job}/{step_name}"), f.tensor, f.reason)
+                          for f in verify_step(local, progress)]
     except (BucketError, ConfigError, ValueError, OSError) as e:
         faults = [Fault(args.step_dir, None, str(e))]
     return faults
+
+
+def bucket_path(path: str, local: str, remote: str) -> str:
+    """The bucket key a path of the temp copy stands for."""
+    local = os.path.abspath(local)
+    path = os.path.abspath(path)
+    return remote + path[len(local):] if path == local or path.startswith(local + os.sep) else path
 
 
 def add_tiers(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
@@ -115,7 +129,8 @@ def add_tiers(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
             print(f"ckptd ls: {e}", file=sys.stderr)
             in_bucket = set()
         for r in (r for r in rows if r["job"] == job):
-            where = ["local"] + (["uploading"] if r["step"] in uploading.get(job, ()) else []) \
+            here = "staged" if r["state"] in ("staged", "staging") else "local"     # a copy, not a commit
+            where = [here] + (["uploading"] if r["step"] in uploading.get(job, ()) else []) \
                 + (["in bucket"] if r["step"] in in_bucket else [])
             r["tiers"] = ", ".join(where)
         local = {r["step"] for r in rows if r["job"] == job}

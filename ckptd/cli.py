@@ -12,7 +12,7 @@ from ckptd import __version__, bucket_cli
 from ckptd.core import protocol
 from ckptd.core.describe import describe_step, render_step
 from ckptd.core.errors import ProtocolError
-from ckptd.core.names import validate_job
+from ckptd.core.names import STAGED_NAME, validate_job
 from ckptd.core.reader import Fault, StepReader, list_steps, verify_step
 from ckptd.daemon import logs, systemd
 from ckptd.daemon.config import DEBUG_KEYS, DEFAULT_CONFIG_PATH, KEYS, ConfigError, load_settings
@@ -178,6 +178,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             raw = stored = None
             verified = False        # format 2: the index's digest covers the sizes shown
             state = "committed" if info.committed else "uncommitted"
+            if os.path.isfile(os.path.join(info.path, STAGED_NAME)):    # a copy from the bucket, not a commit here
+                state = "staged" if info.committed else "staging"
             if info.committed:
                 try:
                     index = StepReader(info.path).index

@@ -60,14 +60,18 @@ class SeaweedServer:
     dir: Path
     ports: dict[str, int] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
+    # (access key, secret) pairs the identity accepts, read at each start: a test rotates keys by
+    # changing them and restarting (the gateway reads its -s3.config once).
+    keys: list[tuple[str, str]] = field(default_factory=lambda: [(ACCESS_KEY, SECRET_KEY)])
 
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.ports['s3']}"
 
     def env(self) -> dict[str, str]:
-        """The standard AWS variables that give a client this server's identity."""
-        return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1"}
+        """The standard AWS variables that give a client this server's identity (its first key pair)."""
+        key, secret = self.keys[0]
+        return {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret, "AWS_REGION": "us-east-1"}
 
     def start(self, timeout: float = 60.0) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -75,7 +79,7 @@ class SeaweedServer:
             self.ports = dict(zip(PORT_NAMES, free_ports(len(PORT_NAMES)), strict=True))
         config = self.dir / "s3.json"
         config.write_text(json.dumps({"identities": [{
-            "name": "ckptd", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+            "name": "ckptd", "credentials": [{"accessKey": a, "secretKey": s} for a, s in self.keys],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
         p = self.ports
         data = self.dir / "data"

@@ -8,13 +8,10 @@ no daemon at all (``root=`` given), leaves everything as it was: local files onl
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 from ckptd.core import protocol
-from ckptd.core.errors import FormatError, ProtocolError
-from ckptd.core.names import rank_data_name
-from ckptd.core.reader import StepReader
+from ckptd.core.errors import ProtocolError
 
 from .errors import CheckpointError
 
@@ -54,15 +51,6 @@ def stage(socket_path: str, job: str, step: int | None, rank: int, world_size: i
     if reply.get("source") == "bucket":
         log.warning("ckptd: step %s of %s fetched from the bucket (%s bytes)", got, job, reply.get("fetched_bytes"))
     return Staged(True, got, reply.get("source"))
-
-
-def lacks_data(step_path: str) -> bool:
-    """Whether a committed step here lacks some rank's data file (it was staged for one rank)."""
-    try:
-        world = StepReader(step_path).world_size
-    except (FormatError, OSError, ValueError):
-        return False
-    return not all(os.path.isfile(os.path.join(step_path, rank_data_name(r))) for r in range(world))
 
 
 def flush(socket_path: str, job: str, step: int | None, timeout: float) -> tuple[bool, str]:

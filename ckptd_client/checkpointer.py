@@ -18,7 +18,7 @@ from ckptd.core.reader import latest_committed
 
 from . import bucket_restore
 from .connection import DaemonConnection
-from .errors import CheckpointError, NotDelivered
+from .errors import CheckpointError, MissingData, NotDelivered
 from .handle import CloseReport, SaveHandle, wait_all
 from .memory_restore import STORAGE, MemoryUnavailable, RestoreInfo, restore_from_memory
 from .modes import AUTO, WhenBusy, parse_when_busy, resolve_commit_mode
@@ -355,8 +355,8 @@ class Checkpointer:
         try:
             restore_state(path, state, rank=self.rank, world_size=self.world_size, threads=self.restore_threads,
                           per_rank=per_rank)
-        except CheckpointError:       # staged for this rank only, but it reads other ranks' data: stage all
-            if not (staged.bucket and bucket_restore.lacks_data(path)):
+        except MissingData:           # staged for this rank only, but it reads other ranks' data: stage all
+            if not staged.bucket:     # (a checksum failure is not retried: the daemon checked what it staged)
                 raise
             bucket_restore.stage(self.socket_path, self.job, step, self.rank, self.world_size, all_ranks=True)
             restore_state(path, state, rank=self.rank, world_size=self.world_size, threads=self.restore_threads,

@@ -34,7 +34,7 @@ from ckptd.core.reader import StepReader
 from ckptd.core.regions import Region, row_span
 from ckptd.core.schema import DTYPE_ITEMSIZE, Manifest, TensorEntry
 
-from .errors import CheckpointError
+from .errors import CheckpointError, MissingData
 
 ReadAt = Callable[[int, int, int], bytes]
 """``(fd, offset, length) -> exactly length bytes``: how data files are read (``storage.read_at``)."""
@@ -154,7 +154,8 @@ class StepFiles:
                 try:
                     fd = self._fds[rank] = self.reader.open_data(rank)
                 except (FormatError, OSError) as e:
-                    raise CheckpointError(f"cannot restore from {self.path}: {e}") from None
+                    kind = CheckpointError if os.path.lexists(self.reader.data_path(rank)) else MissingData
+                    raise kind(f"cannot restore from {self.path}: {e}") from None
             return fd
 
     def read_chunk(self, rank: int, entry: TensorEntry, file_pos: int, meta: ChunkMeta, out: memoryview) -> None:

@@ -14,6 +14,8 @@ from typing import Any
 INDEX_NAME = "index.json"
 # The lean index's side files beside index.json (core/rank_table.py says what each holds).
 RANK_TABLE_NAME, TENSORS_NAME, HEAD_NAME = "ranks.bin", "tensors.json", "index-head.json"
+# A step directory staged from the bucket for a restore (FORMAT.md): a copy, not this root's own commit.
+STAGED_NAME = "staged.json"
 MAX_RANKS = 1 << 20
 
 _STEP_RE = re.compile(r"^step-([0-9]{12})\Z")   # not \d (any Unicode digit) nor $ (allows "\n")
@@ -107,7 +109,7 @@ def temp_name(path: str) -> str:
 # Every file ckptd writes in a step directory, and the temp names they are written under. Rank
 # numbers have 5 digits and more up to MAX_RANKS (7 digits); temp suffixes ``.tmp.<pid>[.<ns>]``.
 _STEP_FILE = (rf"(?:rank-[0-9]{{5,7}}\.(?:data|json)|{re.escape(INDEX_NAME)}|{re.escape(RANK_TABLE_NAME)}"
-              rf"|{re.escape(TENSORS_NAME)}|{re.escape(HEAD_NAME)})")
+              rf"|{re.escape(TENSORS_NAME)}|{re.escape(HEAD_NAME)}|{re.escape(STAGED_NAME)})")
 _TEMP_SUFFIX = r"\.tmp\.[0-9]+(?:\.[0-9]+)?"
 _STEP_FILE_RE = re.compile(rf"^{_STEP_FILE}(?:{_TEMP_SUFFIX})?\Z")
 _STEP_TEMP_RE = re.compile(rf"^{_STEP_FILE}{_TEMP_SUFFIX}\Z")

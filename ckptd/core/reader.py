@@ -230,6 +230,26 @@ class StepReader:
             return f"fd {fd}"
 
 
+def chunk_faults(fd: int, manifest: Manifest, first_only: bool = False) -> list[tuple[str, str]]:
+    """(tensor, reason) for each tensor of ``manifest`` whose stored chunks in ``fd`` (its data file)
+    fail their checksum or end past the file; the stored bytes are checked, nothing is decoded."""
+    faults = []
+    for entry in manifest.tensors:
+        for i, (file_pos, _raw_pos, meta) in enumerate(entry.chunk_spans()):
+            try:
+                stored = storage.read_at(fd, file_pos, meta.stored_len)
+            except EOFError as e:
+                faults.append((entry.name, f"chunk {i}: {e}"))
+                break
+            if checksum(stored) != meta.checksum:
+                faults.append((entry.name, f"chunk {i} (bytes {file_pos}-{file_pos + meta.stored_len - 1} of the "
+                                           "file): chunk checksum mismatch"))
+                break
+        if faults and first_only:
+            break
+    return faults
+
+
 @dataclass
 class Fault:
     file: str
@@ -278,13 +298,7 @@ def verify_step(step_path: str, progress: Callable[[str], None] | None = None) -
             faults.append(Fault(dpath, None, str(e)))
             continue
         try:
-            for entry in manifest.tensors:
-                try:
-                    for _, meta, stored in reader.iter_chunks(fd, entry):
-                        if checksum(stored) != meta.checksum:
-                            raise ChecksumError("chunk checksum mismatch")
-                except (ChecksumError, EOFError) as e:
-                    faults.append(Fault(dpath, entry.name, str(e)))
+            faults += [Fault(dpath, tensor, reason) for tensor, reason in chunk_faults(fd, manifest)]
         finally:
             os.close(fd)
         if progress:

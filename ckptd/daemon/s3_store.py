@@ -9,16 +9,19 @@ are signed with their payload's SHA-256 (SigV4 signed payload), which the server
 against the body; sizes are checked after each upload; what is downloaded is checked by the
 format's own digests (index digest, manifest digests, chunk checksums: stage.py, the reader).
 
-Credentials, in the standard AWS order: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` /
-``AWS_SESSION_TOKEN``; else the shared credentials file (``AWS_SHARED_CREDENTIALS_FILE`` or
-``~/.aws/credentials``, profile ``AWS_PROFILE`` or ``default``); else what obstore finds itself
-(web identity, ECS container credentials, EC2 instance metadata). They are never logged.
+Credentials, in the standard AWS order (s3_credentials.py): ``AWS_ACCESS_KEY_ID`` /
+``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``; else web identity (obstore's, renewed by it);
+else the shared credentials file (``AWS_SHARED_CREDENTIALS_FILE`` or ``~/.aws/credentials``,
+profile ``AWS_PROFILE`` or ``default``), read again whenever it changes; else what obstore finds
+itself (ECS container credentials, EC2 instance metadata). They are never logged. A request that
+fails because the credentials cannot be renewed (or expired) raises ``CredentialsError``: retrying
+it cannot help until someone fixes them.
 
 Every method blocks: callers run them on their own threads.
 """
 from __future__ import annotations
 
-import configparser
+import contextlib
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -28,11 +31,24 @@ from typing import Any
 
 from ckptd.core import storage
 from ckptd.core.names import INDEX_NAME, parse_step_dir_name, step_dir_name, temp_name, validate_job
+from ckptd.daemon.s3_credentials import CredentialsUnusable, FileCredentials, resolve
 from ckptd.daemon.s3_settings import S3Settings
 
 
 class BucketError(Exception):
     """A bucket request failed for good (after obstore's retries); the message says why."""
+
+
+class CredentialsError(BucketError):
+    """A request failed because the credentials could not be renewed or have expired: retrying it
+    with the same credentials cannot succeed (uploads give up on the step; the log says why)."""
+
+
+class SizeMismatch(BucketError):
+    """An object whose size is not the one expected (index.json's, or the file uploaded)."""
+
+
+EXPIRED_CODES = ("ExpiredToken", "TokenRefreshRequired", "RequestExpired")
 
 
 def _obstore() -> Any:
@@ -54,29 +70,6 @@ def split_url(url: str) -> tuple[str, str]:
     return bucket, prefix.strip("/")
 
 
-def load_credentials(env: Mapping[str, str]) -> dict[str, str]:
-    """Static credentials from the environment, else the shared credentials file; {} if neither."""
-    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
-        creds = {"access_key_id": env["AWS_ACCESS_KEY_ID"], "secret_access_key": env["AWS_SECRET_ACCESS_KEY"]}
-        if env.get("AWS_SESSION_TOKEN"):
-            creds["token"] = env["AWS_SESSION_TOKEN"]
-        return creds
-    path = env.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.expanduser("~/.aws/credentials")
-    parser = configparser.ConfigParser()
-    try:
-        parser.read(path)
-    except configparser.Error as e:
-        raise BucketError(f"cannot parse the shared credentials file {path}: {type(e).__name__}") from None
-    section = env.get("AWS_PROFILE") or "default"
-    if parser.has_section(section) and parser.has_option(section, "aws_access_key_id"):
-        s = parser[section]
-        creds = {"access_key_id": s["aws_access_key_id"], "secret_access_key": s.get("aws_secret_access_key", "")}
-        if s.get("aws_session_token"):
-            creds["token"] = s["aws_session_token"]
-        return creds
-    return {}
-
-
 def explain(e: BaseException, what: str) -> BucketError:
     """A clear, credential-free reason for a failed request."""
     full = str(e)
@@ -84,6 +77,10 @@ def explain(e: BaseException, what: str) -> BucketError:
     status = re.search(r"status code: ([0-9]{3})", full)
     detail = code.group(1) if code else (f"HTTP {status.group(1)}" if status else full.split("\n", 1)[0][:300])
     exc = _obstore().exceptions
+    if detail in EXPIRED_CODES:
+        return CredentialsError(f"{what}: the bucket says the credentials expired ({detail}); credentials from "
+                                "the environment cannot be renewed while the daemon runs: use a credentials file "
+                                "kept current, web identity or an instance role, or restart with new ones")
     if isinstance(e, (exc.UnauthenticatedError, exc.PermissionDeniedError)) or (status and status.group(1) == "403") \
             or detail in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
         return BucketError(f"{what}: the bucket refused the credentials ({detail}); check AWS_ACCESS_KEY_ID / "
@@ -107,7 +104,11 @@ class Bucket:
         options: Any = {"connect_timeout": "5s", "timeout": "300s"}
         if settings.endpoint and settings.endpoint.startswith("http://"):
             options["allow_http"] = True
-        config: Any = {"region": settings.region, **load_credentials(env)}
+        try:
+            static, self.credentials = resolve(env)
+        except CredentialsUnusable as e:
+            raise BucketError(str(e)) from None
+        config: Any = {"region": settings.region, **static}
         if settings.endpoint:
             config["endpoint"] = settings.endpoint
         retry: Any = {"max_retries": 6, "retry_timeout": timedelta(seconds=120),
@@ -115,17 +116,29 @@ class Bucket:
                                   "base": 2}}
         self._ob = ob = _obstore()
         self.store = ob.store.S3Store(self.bucket, prefix=self.prefix or None, config=config,
-                                      client_options=options, retry_config=retry)
+                                      client_options=options, retry_config=retry,
+                                      credential_provider=self.credentials)
 
     @staticmethod
     def step_key(job: str, step: int, name: str = "") -> str:
         return f"{validate_job(job)}/{step_dir_name(step)}/{name}"
 
+    def key_url(self, key: str) -> str:
+        """``s3://bucket/prefix/<key>``: how errors name an object."""
+        return f"{self.url}/{key}"
+
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         try:
             return fn(*args, **kw)
-        except (OSError, ValueError, RuntimeError, Exception) as e:
-            raise explain(e, what) from None
+        except Exception as e:
+            raise self._explain(e, what) from None
+
+    def _explain(self, e: BaseException, what: str) -> BucketError:
+        creds: FileCredentials | None = self.credentials
+        if creds is not None and creds.failure and "credential provider" in str(e):
+            return CredentialsError(f"{what}: the S3 credentials could not be renewed: {creds.failure}; fix the "
+                                    "file (or whatever writes it) and the next upload uses it")
+        return explain(e, what)
 
     # ---- checks and listings ------------------------------------------------------------
 
@@ -202,33 +215,39 @@ class Bucket:
         except self._ob.exceptions.NotFoundError:
             return False
         except Exception as e:
-            raise explain(e, f"head {key}") from None
+            raise self._explain(e, f"head {key}") from None
 
-    def download(self, key: str, path: str, size: int | None = None) -> int:
+    def download(self, key: str, path: str, size: int | None = None,
+                 check: Callable[[str], None] | None = None) -> int:
         """Parallel ranged GETs (``concurrency`` parts of ``part_size`` at a time) into ``path``
-        (via a temp file, fsynced, renamed): the file appears whole or not at all."""
+        via a temp file (fsynced; ``check(temp path)`` may refuse it by raising; then renamed): the
+        file appears whole and checked, or not at all. The temp name is one retention knows as ckptd's."""
         total = self._call(f"head {key}", self._ob.head, self.store, key)["size"]
         if size is not None and total != size:
-            raise BucketError(f"{key}: the bucket holds {total} bytes, expected {size}")
+            raise SizeMismatch(f"{key}: the bucket holds {total} bytes, index.json says {size}")
         part, batch = self.settings.part_size, self.settings.part_size * self.settings.concurrency
         tmp = temp_name(path)
         fd = storage.open_for_write(tmp)
         try:
-            for base in range(0, total, batch):
-                starts = list(range(base, min(base + batch, total), part))
-                ends = [min(s + part, total) for s in starts]
-                pieces = self._call(f"get {key}", self._ob.get_ranges, self.store, key, starts=starts, ends=ends)
-                for start, piece in zip(starts, pieces, strict=True):
-                    view = memoryview(piece)
-                    written = 0
-                    while written < len(view):
-                        written += os.pwrite(fd, view[written:], start + written)
-            os.fsync(fd)
+            try:
+                for base in range(0, total, batch):
+                    starts = list(range(base, min(base + batch, total), part))
+                    ends = [min(s + part, total) for s in starts]
+                    pieces = self._call(f"get {key}", self._ob.get_ranges, self.store, key, starts=starts, ends=ends)
+                    for start, piece in zip(starts, pieces, strict=True):
+                        view = memoryview(piece)
+                        written = 0
+                        while written < len(view):
+                            written += os.pwrite(fd, view[written:], start + written)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if check is not None:
+                check(tmp)
         except BaseException:
-            os.close(fd)
-            os.unlink(tmp)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
             raise
-        os.close(fd)
         os.rename(tmp, path)
         return total
 

@@ -63,7 +63,7 @@ class ObjectTier:
         await self.uploader.finish(timeout)
 
     def status(self) -> dict[str, Any]:
-        return self.uploader.status()
+        return {**self.uploader.status(), "staging": self.stager.stats.view()}
 
     async def stage(self, s: Stage) -> dict[str, Any]:
         step = _step_or_none(s.step)

@@ -31,11 +31,19 @@ from typing import Any, TypeVar
 
 from ckptd.core import storage
 from ckptd.core.errors import FormatError
-from ckptd.core.names import INDEX_NAME, job_dir, rank_data_name, rank_manifest_name, step_dir, validate_job
+from ckptd.core.names import (
+    INDEX_NAME,
+    STAGED_NAME,
+    job_dir,
+    rank_data_name,
+    rank_manifest_name,
+    step_dir,
+    validate_job,
+)
 from ckptd.core.reader import latest_committed
 from ckptd.core.schema import MAX_INDEX_BYTES, parse_index
 from ckptd.daemon.runtime import TaskSet, describe_error
-from ckptd.daemon.s3_store import Bucket, BucketError
+from ckptd.daemon.s3_store import Bucket, BucketError, CredentialsError
 
 log = logging.getLogger("ckptd")
 T = TypeVar("T")
@@ -66,7 +74,7 @@ async def in_thread(fn: Callable[[], T]) -> T:
 
 
 class IncompleteStep(Exception):
-    """The local step lacks files (it was staged from the bucket for one rank): never uploaded."""
+    """The local step is a copy staged from the bucket, or lacks files: never uploaded."""
 
 
 @dataclass
@@ -141,6 +149,9 @@ class Uploader:
             self.committed(job, step)
         deadline = time.monotonic() + timeout
         while not (j.in_bucket is not None and j.in_bucket >= step):
+            if step != j.uploading and step not in j.queued:      # its upload ended without it
+                return False, f"step {step} did not reach the bucket" + (
+                    f": {j.last_error}" if j.last_error else " (skipped: a newer step was queued)")
             left = deadline - time.monotonic()
             if left <= 0:
                 return False, f"step {step} not in the bucket after {timeout:g}s" + (
@@ -236,6 +247,13 @@ class Uploader:
                 log.warning("upload skipped: the local step is not whole", extra={"ctx": {"job": job, "step": step,
                                                                                          "error": str(e)}})
                 return
+            except CredentialsError as e:      # retrying with credentials that cannot be renewed cannot help
+                j.failures += 1
+                j.skipped += 1
+                j.last_error = self.problem = str(e)
+                log.error("upload failed: the S3 credentials cannot be used; not retried (the next step's upload "
+                          "tries again)", extra={"ctx": {"job": job, "step": step, "error": str(e)}})
+                return
             except (BucketError, OSError) as e:
                 j.failures += 1
                 j.last_error = describe_error(e) if isinstance(e, OSError) else str(e)
@@ -276,6 +294,8 @@ class Uploader:
         path = step_dir(self.root, job, step)
         index = os.path.join(path, INDEX_NAME)
         index_bytes = storage.read_limited(index, MAX_INDEX_BYTES)   # first: without it, not committed
+        if os.path.exists(os.path.join(path, STAGED_NAME)):
+            raise IncompleteStep(f"step {step} here is a copy staged from the bucket; not uploaded")
         world = parse_index(index_bytes, job=job, step=step)["world_size"]
         files = [rank_manifest_name(r) for r in range(world)] + [rank_data_name(r) for r in range(world)]
         missing = [n for n in files if not os.path.isfile(os.path.join(path, n))]
