@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ckptd.launch import DaemonProcess, spawn_daemon
+from ckptd.s3_local import SeaweedServer, start_seaweed
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -65,6 +66,14 @@ def daemon_factory(tmp: Path):
         if d.proc.poll() is None:
             d.proc.kill()
             d.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
+    """One real S3-compatible server (SeaweedFS) for every bucket test of the session."""
+    srv = start_seaweed(tmp_path_factory.mktemp("seaweed"))
+    yield srv
+    srv.stop(grace=2.0)
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from typing import Any
 import boto3
 import pytest
 import torch
-from test_s3_tier import bucket_of, cli, make_bucket, s3_args, seaweed
+from test_s3_tier import bucket_of, cli, make_bucket, s3_args
 
 import ckptd_client
 from ckptd.core import protocol
@@ -27,7 +27,6 @@ from ckptd_client import bucket_restore
 from ckptd_client.errors import MissingData
 from ckptd_client.reshard import StepFiles
 
-__all__ = ["seaweed"]      # the session's SeaweedFS fixture, shared with test_s3_tier
 JOB = "spot"
 WORLD = 2
 

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +38,6 @@ from ckptd_client import bucket_restore
 from test_acceptance import assert_same_tensors, finish, launch
 
 JOB = "spot"
-
-
-@pytest.fixture(scope="session")
-def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
-    srv = start_seaweed(tmp_path_factory.mktemp("seaweed"))
-    yield srv
-    srv.stop(grace=2.0)
 
 
 def make_bucket(srv: SeaweedServer) -> str:
