@@ -1,0 +1,144 @@
+"""Runs of one job on a store that outlives them (issue 17, defects 3 and 7): a launcher's
+store, or the process group's with two Checkpointers one after the other. Every key is the
+run's own (ckptd_client/run_scope.py), so no rank is told "committed" for a step before its
+index.json exists, every rank restores the same newest committed step, no earlier run's
+preemption step stops a later run, and a rank's retried save cannot shift later commits."""
+# mypy: disable-error-code="union-attr,index,operator"
+# (pipes are Optional in their types; a None there fails the test, as it should)
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ckptd_client
+from ckptd.core.names import INDEX_NAME, step_dir
+
+WORKER = Path(__file__).resolve().parent / "runs_worker.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(mode: str, spec: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(WORKER), mode, json.dumps(spec)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[list[str]]:
+    outs: list[list[str]] = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0].splitlines())
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outs
+
+
+def _read_until(proc: subprocess.Popen, line: str, seen: list[str]) -> None:
+    for got in proc.stdout:
+        seen.append(got.rstrip())
+        if got.rstrip() == line:
+            return
+    raise AssertionError(f"rank ended (rc={proc.wait()}) before {line!r}:\n" + "\n".join(seen[-40:]))
+
+
+def _lines(out: list[str], prefix: str) -> list[str]:
+    return [line for line in out if line.startswith(prefix)]
+
+
+def test_a_run_on_a_store_a_crashed_run_left_trusts_none_of_its_keys(daemon, tmp):
+    """Run 1 commits steps 2 and 4, then rank 0 dies mid-save of step 6 (rank 1 too, later): its
+    keys stay in the launcher's store. Run 2, rank 0 slowed (it sleeps before restoring and
+    before each save), saves step 6 again and 8: both ranks restore step 4, and each handle says
+    committed only once its step's index.json exists (before, rank 1 read run 1's results and
+    restore choice: committed at once, and a restore of None)."""
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    base = {"port": server.port, "socket": str(daemon.socket), "root": str(daemon.root), "job": "runs"}
+    first = [_start("launcher", {**base, "rank": r, "phase": 1}) for r in (0, 1)]
+    seen: list[str] = []
+    try:
+        _read_until(first[1], "SAVED 6", seen)
+        assert first[0].wait(120) == -9             # rank 0 died mid-save of step 6
+    finally:
+        for p in first:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert Path(step_dir(str(daemon.root), "runs", 4), INDEX_NAME).is_file()
+    assert not Path(step_dir(str(daemon.root), "runs", 6), INDEX_NAME).exists()
+
+    outs = _finish([_start("launcher", {**base, "rank": r, "phase": 2}) for r in (0, 1)])
+    for rank, out in enumerate(outs):
+        assert _lines(out, "RESTORED") == ["RESTORED 4"], (rank, out)
+        assert sorted(_lines(out, "COMMITTED")) == ["COMMITTED 6 index=True", "COMMITTED 8 index=True"], (rank, out)
+        assert _lines(out, "FAILED") == [], (rank, out)
+
+
+def test_a_second_checkpointer_on_the_process_group_store_trusts_none_of_the_firsts_keys(daemon, tmp):
+    """Two Checkpointers one after the other in the same two processes, on the process group's
+    store (no ``store=``), each preempted by rank 1 five steps in: the first stops at 7, the
+    second (rank 0 slowed) restores 7 on both ranks and stops at 14, not at once on the first's
+    preemption step; every committed handle finds its index.json."""
+    base = {"port": _free_port(), "socket": str(daemon.socket), "root": str(daemon.root), "job": "twice"}
+    outs = _finish([_start("pg", {**base, "rank": r}) for r in (0, 1)])
+    for rank, out in enumerate(outs):
+        assert _lines(out, "RESTORED") == ["RESTORED None", "RESTORED 7"], (rank, out)
+        assert _lines(out, "STOPPED") == ["STOPPED 7 saved=7 index=True", "STOPPED 14 saved=14 index=True"], \
+            (rank, out)
+        committed = _lines(out, "COMMITTED")
+        assert committed and all(line.endswith("index=True") for line in committed), (rank, out)
+        assert sorted(int(line.split()[1]) for line in committed) == [2, 4, 6, 8, 10, 12, 14], (rank, out)
+        assert _lines(out, "FAILED") == [], (rank, out)
+
+
+def test_a_refused_save_retried_by_one_rank_is_refused_and_later_steps_commit(daemon_factory, tmp):
+    """Rank 1's save of step 2 is refused (its daemon is down) and retried once the daemon is
+    back: the retry is refused with a clear error (the step's keys are spent in this run), step 2
+    fails on both ranks, and step 3 commits on both. Before, the retry took the next save number:
+    rank 1's retried step 2 answered rank 0's step 3, which failed, and so did every later one."""
+    d0, d1 = daemon_factory(name="d0"), daemon_factory(name="d1")
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    cks = [ckptd_client.Checkpointer("retry", socket=str(d.socket), root=str(d0.root), rank=r, world_size=2,
+                                     store=server, commit_timeout=5, local_world_size=1, overlap=False)
+           for r, d in enumerate((d0, d1))]
+    try:
+        def state(step: int) -> dict:
+            return {"w": torch.full((64,), float(step))}
+        for h in [ck.save(1, state(1)) for ck in cks]:
+            h.wait(60)
+        d1.proc.kill()
+        d1.proc.wait()
+        h0 = cks[0].save(2, state(2))
+        with pytest.raises(ckptd_client.CheckpointError):
+            cks[1].save(2, state(2))                 # refused: no daemon
+        daemon_factory(name="d1", root=d0.root)      # back, on the same socket
+        refused = None
+        try:
+            cks[1].save(2, state(2))                 # the retry
+        except ckptd_client.CheckpointError as e:
+            refused = str(e)
+        with pytest.raises(ckptd_client.CheckpointError, match="failed"):
+            h0.wait(60)
+        later = [ck.save(3, state(3)) for ck in cks]
+        for h in later:
+            h.wait(60)                               # raises if step 3 failed on that rank
+        assert Path(step_dir(str(d0.root), "retry", 3), INDEX_NAME).is_file()
+        assert not Path(step_dir(str(d0.root), "retry", 2), INDEX_NAME).exists()
+        assert refused is not None and "step 2 was saved once already in this run" in refused, refused
+    finally:
+        for ck in cks:
+            ck.close(timeout=30)
