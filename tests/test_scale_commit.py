@@ -102,11 +102,11 @@ def test_256_ranks_over_4_daemons_commit_and_restore(tmp: Path, daemon_factory, 
     runs = {out[r]["run"] for r in range(256)}
     assert len(runs) == 1 and None not in runs, runs
     scope = store_keys.scope("scale", runs.pop())
-    for step in (1, 2):
-        keys = [store_keys.rank_outcome(scope, step, r) for r in range(256)]
-        keys += [store_keys.node_record(scope, step, n) for n in range(4)]
-        keys += [store_keys.save_result(scope, step), store_keys.readers(store_keys.save_result(scope, step))]
-        assert not any(store.check([k]) for k in keys), step
+    for saved in (1, 2):
+        keys = [store_keys.rank_outcome(scope, saved, r) for r in range(256)]
+        keys += [store_keys.node_record(scope, saved, n) for n in range(4)]
+        keys += [store_keys.save_result(scope, saved), store_keys.readers(store_keys.save_result(scope, saved))]
+        assert not any(store.check([k]) for k in keys), saved
     keys = [store_keys.joined(scope), store_keys.restore_choice(scope, 1)]
     keys += [store_keys.join_request("scale", r) for r in range(1, 256)]
     assert not any(store.check([k]) for k in keys)
