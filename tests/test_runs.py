@@ -142,3 +142,36 @@ def test_a_refused_save_retried_by_one_rank_is_refused_and_later_steps_commit(da
     finally:
         for ck in cks:
             ck.close(timeout=30)
+
+
+def test_settling_by_the_disk_fsyncs_the_step_directory_and_says_when_that_fails(daemon, monkeypatch, caplog):
+    """What a client decides when the disk settles a save (a lost store, daemon or COMMIT reply):
+    it fsyncs the step's directory before calling the step committed (a rename is visible before
+    it is durable), and when that fsync fails (EIO, injected: the one fault a test cannot cause
+    for real) it still says committed — index.json is in place and loads — but the handle says
+    why it may not survive a crash, and the error is logged. No index: not committed, no fsync."""
+    import errno
+
+    import ckptd_client.disk as disk
+    from ckptd_client.handle import SaveHandle
+    ck = ckptd_client.Checkpointer("settle", socket=str(daemon.socket), root=str(daemon.root), overlap=False)
+    ck.save(1, {"w": torch.ones(16)}).wait(60)
+    ck.close(timeout=30)
+    path = step_dir(str(daemon.root), "settle", 1)
+    synced: list[str] = []
+    failing = False
+    real = disk.storage.fsync_dir
+
+    def fsync_dir(p: str) -> None:
+        synced.append(p)
+        if failing:
+            raise OSError(errno.EIO, "Input/output error", p)
+        real(p)
+    monkeypatch.setattr(disk.storage, "fsync_dir", fsync_dir)
+    h = SaveHandle(1, 1)
+    assert disk.committed_on_disk(str(daemon.root), "settle", 1, h) and synced == [path] and h.sync_error is None
+    failing = True
+    assert disk.committed_on_disk(str(daemon.root), "settle", 1, h)
+    assert "fsync" in (h.sync_error or "") and "may not survive a crash" in (h.sync_error or ""), h.sync_error
+    assert any("step 1" in r.getMessage() and "Input/output error" in r.getMessage() for r in caplog.records)
+    assert not disk.committed_on_disk(str(daemon.root), "settle", 2, SaveHandle(2, 2)) and synced == [path, path]
