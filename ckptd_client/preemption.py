@@ -27,6 +27,8 @@ must exceed how many steps ranks can drift apart (collectives keep data-parallel
 within one step). Without a store, each rank acts on its own signal, so several ranks
 sharing a step need the signal at the same boundary (or call ``request()`` themselves
 after agreeing some other way); a rank that saves alone leaves a step that never commits.
+The proposal lives under the run's id (run_scope.py), so an earlier run's (a store that
+outlives runs) never stops this one; until the ranks have agreed that id, nothing is read.
 
 Signals: handlers are installed on construction (from the main thread) and the previous
 ones restored by ``close()``/``__exit__``. A second signal while the checkpoint is being

@@ -45,7 +45,7 @@ how many times it called ``save``; a step is saved at most once per run in ``rel
     same step even if a commit lands while they list the directory; ``.../read`` as above.
 ``ckptd/<job>/<run>/preempt-step``
     the step all ranks stop at after a preemption signal (first proposal wins, compare_set);
-    ``.../seen`` counts the ranks that know it, and the last deletes both.
+    ``.../read`` counts the ranks that know it (all of them), and the last deletes both.
 """
 from __future__ import annotations
 
