@@ -97,7 +97,8 @@ def launcher(spec: dict[str, Any]) -> None:
             time.sleep(120)                               # (the test kills this rank)
         w.watch(h)
         if phase == 1:
-            h.wait(120)     # steps 2 and 4 commit before the crash
+            h.wait(120)     # steps 2 and 4 commit before the crash,
+            dist.barrier()  # on both ranks (rank 0 must not die before its relay told rank 1)
     w.join()
     ck.close()
     dist.destroy_process_group()

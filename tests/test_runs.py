@@ -32,14 +32,17 @@ def _free_port() -> int:
 
 def _start(mode: str, spec: dict) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(WORKER), mode, json.dumps(spec)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.PIPE, text=True)
 
 
 def _finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[list[str]]:
+    """Each rank's stdout lines, then (for the failure messages) its stderr's, apart: a log line
+    written to a shared pipe can land in the middle of a printed one."""
     outs: list[list[str]] = []
     try:
         for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0].splitlines())
+            stdout, stderr = p.communicate(timeout=timeout)
+            outs.append(stdout.splitlines() + ["--- stderr:"] + stderr.splitlines())
     finally:
         for p in procs:
             if p.poll() is None:
@@ -54,6 +57,10 @@ def _read_until(proc: subprocess.Popen, line: str, seen: list[str]) -> None:
         if got.rstrip() == line:
             return
     raise AssertionError(f"rank ended (rc={proc.wait()}) before {line!r}:\n" + "\n".join(seen[-40:]))
+
+
+def why(rank: int, out: list[str]) -> str:
+    return f"rank {rank}:\n" + "\n".join(out)
 
 
 def _lines(out: list[str], prefix: str) -> list[str]:
@@ -83,9 +90,9 @@ def test_a_run_on_a_store_a_crashed_run_left_trusts_none_of_its_keys(daemon, tmp
 
     outs = _finish([_start("launcher", {**base, "rank": r, "phase": 2}) for r in (0, 1)])
     for rank, out in enumerate(outs):
-        assert _lines(out, "RESTORED") == ["RESTORED 4"], (rank, out)
-        assert sorted(_lines(out, "COMMITTED")) == ["COMMITTED 6 index=True", "COMMITTED 8 index=True"], (rank, out)
-        assert _lines(out, "FAILED") == [], (rank, out)
+        assert _lines(out, "RESTORED") == ["RESTORED 4"], why(rank, out)
+        assert sorted(_lines(out, "COMMITTED")) == ["COMMITTED 6 index=True", "COMMITTED 8 index=True"], why(rank, out)
+        assert _lines(out, "FAILED") == [], why(rank, out)
 
 
 def test_a_second_checkpointer_on_the_process_group_store_trusts_none_of_the_firsts_keys(daemon, tmp):
@@ -96,13 +103,13 @@ def test_a_second_checkpointer_on_the_process_group_store_trusts_none_of_the_fir
     base = {"port": _free_port(), "socket": str(daemon.socket), "root": str(daemon.root), "job": "twice"}
     outs = _finish([_start("pg", {**base, "rank": r}) for r in (0, 1)])
     for rank, out in enumerate(outs):
-        assert _lines(out, "RESTORED") == ["RESTORED None", "RESTORED 7"], (rank, out)
+        assert _lines(out, "RESTORED") == ["RESTORED None", "RESTORED 7"], why(rank, out)
         assert _lines(out, "STOPPED") == ["STOPPED 7 saved=7 index=True", "STOPPED 14 saved=14 index=True"], \
-            (rank, out)
+            why(rank, out)
         committed = _lines(out, "COMMITTED")
-        assert committed and all(line.endswith("index=True") for line in committed), (rank, out)
-        assert sorted(int(line.split()[1]) for line in committed) == [2, 4, 6, 8, 10, 12, 14], (rank, out)
-        assert _lines(out, "FAILED") == [], (rank, out)
+        assert committed and all(line.endswith("index=True") for line in committed), why(rank, out)
+        assert sorted(int(line.split()[1]) for line in committed) == [2, 4, 6, 8, 10, 12, 14], why(rank, out)
+        assert _lines(out, "FAILED") == [], why(rank, out)
 
 
 def test_a_refused_save_retried_by_one_rank_is_refused_and_later_steps_commit(daemon_factory, tmp):
