@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -41,6 +42,7 @@ from ckptd.core.schema import Manifest, TensorEntry, digest_bytes, encode_json
 from ckptd.daemon.commit import write_index
 from ckptd_client import store_keys
 from ckptd_client.relay import StoreRelay, node_member
+from ckptd_client.run_scope import FixedRun
 
 from scale_bench import STORE_SERVER
 
@@ -90,26 +92,29 @@ def main() -> int:
             parsed = parse_records(records)      # as the daemon's server does
             write_index(str(path), job, step_, n, digests, None, parsed)
 
+        run = FixedRun(uuid.uuid4().hex)
+        scope = store_keys.scope(job, run.run)
         relay = StoreRelay(store(), job, 0, n, 300.0, commit, lambda s, r: None,
-                           lambda s: (path / INDEX_NAME).exists(), node_size=a.node_size)
+                           lambda s: (path / INDEX_NAME).exists(), node_size=a.node_size, run=run)
         def on_resolved(err: str | None) -> None:
             resolved.append((time.time(), err))
             done.set()
-        relay.track(1, step, on_resolved)
-        relay.publish(1, outcomes[0])
+        relay.claim(step)
+        relay.track(step, on_resolved)
+        relay.publish(step, outcomes[0])
         nodes = -(-n // a.node_size)
         clients = [store() for _ in range(8)]
         for r in range(1, a.node_size):          # node 0's other ranks
-            clients[0].set(store_keys.rank_outcome(job, 1, r), outcomes[r])
+            clients[0].set(store_keys.rank_outcome(scope, step, r), outcomes[r])
         last = [0.0]
         lock = threading.Lock()
 
         def publish_node(node: int) -> None:
             c = clients[node % len(clients)]
             members = outcomes[node * a.node_size: (node + 1) * a.node_size]
-            c.set(store_keys.node_record(job, 1, node), json.dumps([node_member(v) for v in members]))
-            if c.add(store_keys.node_count(job, 1), 1) == nodes:
-                c.set(store_keys.nodes_ready(job, 1), "1")
+            c.set(store_keys.node_record(scope, step, node), json.dumps([node_member(v) for v in members]))
+            if c.add(store_keys.node_count(scope, step), 1) == nodes:
+                c.set(store_keys.nodes_ready(scope, step), "1")
             with lock:
                 last[0] = max(last[0], time.time())
         time.sleep(2.0)          # rank 0's relay is waiting on the count (its clone made) before nodes publish

@@ -116,6 +116,8 @@ def main() -> int:
     phases["close_s"] = time.monotonic() - t
     print(json.dumps({k: round(v, 3) for k, v in phases.items()}), file=sys.stderr, flush=True)
     for r in ranks:
+        scope = ckpts[r].run_scope
+        out[r]["run"] = None if scope is None else scope.current()     # the run id its keys were under
         print(json.dumps(out[r]), flush=True)
     return 0
 

@@ -1,7 +1,6 @@
 """The training-side manager, ``Checkpointer``: saves go through the daemon, restores straight to storage."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -12,19 +11,21 @@ from typing import TYPE_CHECKING, Any
 
 from ckptd.core import names, protocol
 from ckptd.core.errors import ProtocolError
-from ckptd.core.names import INDEX_NAME, job_dir, step_dir, step_dir_name
+from ckptd.core.names import job_dir, step_dir, step_dir_name
 from ckptd.core.protocol import CommitMode, EventOp
 from ckptd.core.reader import latest_committed
 
 from . import bucket_restore
 from .connection import DaemonConnection
+from .disk import committed_on_disk
 from .errors import CheckpointError, MissingData, NotDelivered
 from .handle import CloseReport, SaveHandle, wait_all
 from .memory_restore import STORAGE, MemoryUnavailable, RestoreInfo, restore_from_memory
 from .modes import AUTO, WhenBusy, parse_when_busy, resolve_commit_mode
 from .overlap import OverlapCopies, fence_list, parse_overlap
-from .relay import StoreRelay, dist_info
+from .relay import StoreRelay, dist_info, durable_outcome
 from .restore import PerRank, agree_step, restore_state
+from .run_scope import RunScope
 from .session import DaemonSession
 from .slots import ClientSlot, plan_layout
 from .state import flatten_state
@@ -33,10 +34,6 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
 log = logging.getLogger("ckptd_client")
-
-
-def _has_index(root: str | None, job: str, step: int) -> bool:
-    return root is not None and os.path.isfile(os.path.join(step_dir(root, job, step), INDEX_NAME))
 
 
 class Checkpointer:
@@ -49,7 +46,7 @@ class Checkpointer:
     a store exists (ranks may span daemons), else the daemon counts ranks itself (``local``).
     ``commit_timeout``: how long a relayed save may take from ``save`` to its commit (the
     relay's waits derive from it); ``local_world_size``: ranks per node, the relay's fan-in
-    group (default ``$LOCAL_WORLD_SIZE``, as torchrun sets it, else 8).
+    group (default ``$LOCAL_WORLD_SIZE``, as torchrun sets it, else 8). Store keys: run_scope.py.
     ``overlap`` (True, False or ``"manual"``), ``when_busy``: see ``save``.
     """
 
@@ -70,6 +67,8 @@ class Checkpointer:
         self.store = store if store is not None else d_store
         self.commit_mode = resolve_commit_mode(commit, self.world_size, self.store is not None)
         self.commit_timeout = commit_timeout
+        self.run_scope = RunScope(self.store, self.job, self.rank, self.world_size, commit_timeout) \
+            if self.store is not None and (self.world_size > 1 or self.commit_mode is CommitMode.RELAY) else None
         # Ranks per node (one daemon each): the relay's fan-in groups (relay.py).
         self.local_world_size = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or 8
         self.num_slots = num_slots
@@ -115,24 +114,22 @@ class Checkpointer:
             h.durable_s = time.monotonic() - h.started
             h.raw_bytes, h.stored_bytes = msg.get("raw_bytes", 0), msg.get("stored_bytes", 0)
             if self._relay is not None:
-                record = msg.get("record")
-                ok = json.dumps(record, separators=(",", ":")) if isinstance(record, dict) else msg["digest"]
-                self._relay.publish(h.seq, f"ok:{ok}")
+                self._relay.publish(h.step, durable_outcome(msg))
         elif op is EventOp.COMMITTED:
             self._finish(h, None)
         elif op is EventOp.FAILED:
             if self._relay is not None:
-                self._relay.publish(h.seq, f"fail:{msg['reason']}")
+                self._relay.publish(h.step, f"fail:{msg['reason']}")
             self._finish(h, msg["reason"])
 
     def _on_lost(self, why: str) -> None:
         reason = f"connection to ckptd at {self.socket_path} lost: {why}"
         for h in list(self._handles.values()):
             if h.durable_s is None and self._relay is not None:
-                self._relay.publish(h.seq, f"fail:{reason}")
+                self._relay.publish(h.step, f"fail:{reason}")
             if h.durable_s is None or self.commit_mode is CommitMode.LOCAL:
                 # The daemon may have committed just before it went away: the index decides.
-                committed = h.durable_s is not None and _has_index(self.root, self.job, h.step)
+                committed = h.durable_s is not None and committed_on_disk(self.root, self.job, h.step, h)
                 self._finish(h, None if committed else reason)
 
     def _finish(self, h: SaveHandle, error: str | None) -> None:
@@ -140,7 +137,7 @@ class Checkpointer:
         peer rank, a commit timeout) may hide a commit that happened: the disk decides, so a handle
         never says failed for a committed step (the daemon refuses saves of committed steps, so an
         index.json there is this save's)."""
-        if error is not None and h.durable_s is not None and _has_index(self.root, self.job, h.step):
+        if error is not None and h.durable_s is not None and committed_on_disk(self.root, self.job, h.step, h):
             error = None
         if self._handles.get(h.step) is h:
             del self._handles[h.step]
@@ -201,11 +198,13 @@ class Checkpointer:
         layout, nbytes = plan_layout(flat.tensors, flat.placements)
         if step in self._handles:
             raise CheckpointError(f"step {step} is already being saved")
+        if self.commit_mode is CommitMode.RELAY:
+            self._ensure_relay().claim(step)      # a step is saved once per run: CheckpointError if it was
         self._seq += 1
         handle = SaveHandle(step, self._seq)
         self._handles[step] = handle
         if self.commit_mode is CommitMode.RELAY:
-            self._ensure_relay().track(handle.seq, step, lambda err: self._finish(handle, err))
+            self._ensure_relay().track(step, lambda err: self._finish(handle, err))
         for attempt in (1, 2):
             try:
                 conn = self._ensure_slots(nbytes)
@@ -251,7 +250,7 @@ class Checkpointer:
         if handle.slot is not None:
             self._session.release(handle.slot)
         if self._relay is not None:
-            self._relay.publish(handle.seq, f"fail:rank {self.rank}: {error or 'skipped (no free slot)'}")
+            self._relay.publish(handle.step, f"fail:rank {self.rank}: {error or 'skipped (no free slot)'}")
         self._finish(handle, error)
 
     def _abandon_failed(self, handle: SaveHandle, e: BaseException) -> None:
@@ -259,10 +258,11 @@ class Checkpointer:
 
     def _ensure_relay(self) -> StoreRelay:
         if self._relay is None:
+            assert self.run_scope is not None       # (relay mode has a store)
             self._relay = StoreRelay(self.store, self.job, self.rank, self.world_size, self.commit_timeout,
                                      self._session.commit, self._session.abort,
-                                     lambda step: _has_index(self.root, self.job, step),
-                                     node_size=self.local_world_size)
+                                     lambda step: committed_on_disk(self.root, self.job, step, self._handles.get(step)),
+                                     node_size=self.local_world_size, run=self.run_scope)
         return self._relay
 
     def wait(self, timeout: float | None = None) -> None:
@@ -332,9 +332,9 @@ class Checkpointer:
         if step is None:                # the newest committed step, here or in the bucket
             staged = bucket_restore.stage(self.socket_path, self.job, None, self.rank, self.world_size)
             step = staged.step if staged.bucket else self.latest_step()
-            if self.world_size > 1 and self.store is not None:
+            if self.world_size > 1 and self.run_scope is not None:
                 self._restores += 1
-                step = agree_step(self.store, self.job, self._restores, self.rank, step)
+                step = agree_step(self.store, self.run_scope.scope(), self._restores, self.rank, self.world_size, step)
             if step is None:
                 return None
         started, fallback = time.monotonic(), "memory restore off (memory=False)"
@@ -382,6 +382,8 @@ class Checkpointer:
         self._closed = True
         if self._relay is not None:
             self._relay.close()
+        if self.run_scope is not None:
+            self.run_scope.close()
         for h in list(self._handles.values()):      # before the disconnect, which would say "lost"
             self._finish(h, f"checkpointer closed before step {h.step} committed (close timeout {timeout}s)")
         self._copies.shutdown()

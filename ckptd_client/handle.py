@@ -13,7 +13,7 @@ class SaveHandle:
 
     def __init__(self, step: int, seq: int) -> None:
         self.step = step
-        self.seq = seq              # the client's save number: names this save's c10d store keys
+        self.seq = seq              # the client's save number (store keys follow the step, not this)
         self.stall_s = 0.0          # time save() blocked the trainer (copy + hand-off)
         self.fence_s = 0.0          # time a fence blocked the trainer (overlapped copies)
         self.started = time.monotonic()
@@ -23,6 +23,9 @@ class SaveHandle:
         self.stored_bytes = 0
         self.slot: int | None = None
         self.skipped = False        # when_busy="skip" found no free slot: nothing was saved
+        # Committed as the disk said, but the fsync of the step's directory failed (disk.py): the
+        # step loads now and may not survive a crash of its node. None: no such doubt.
+        self.sync_error: str | None = None
         self._done = threading.Event()
         self._error: str | None = None
 

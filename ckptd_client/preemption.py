@@ -27,6 +27,8 @@ must exceed how many steps ranks can drift apart (collectives keep data-parallel
 within one step). Without a store, each rank acts on its own signal, so several ranks
 sharing a step need the signal at the same boundary (or call ``request()`` themselves
 after agreeing some other way); a rank that saves alone leaves a step that never commits.
+The proposal lives under the run's id (run_scope.py), so an earlier run's (a store that
+outlives runs) never stops this one; until the ranks have agreed that id, nothing is read.
 
 Signals: handlers are installed on construction (from the main thread) and the previous
 ones restored by ``close()``/``__exit__``. A second signal while the checkpoint is being
@@ -47,6 +49,7 @@ from . import bucket_restore, store_keys
 from .checkpointer import Checkpointer
 from .errors import CheckpointError
 from .modes import WhenBusy
+from .store_io import peek, read_once
 
 log = logging.getLogger("ckptd_client")
 
@@ -87,8 +90,8 @@ class PreemptionHandler:
         self._previous: dict[int, Any] = {}
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
-        self._store: Any = checkpointer.store if checkpointer.world_size > 1 else None
-        self._key = store_keys.preempt_step(checkpointer.job)
+        self._scope = checkpointer.run_scope if checkpointer.world_size > 1 else None   # (None: no store)
+        self._store: Any = checkpointer.store if self._scope is not None else None
 
     # ---- signal side --------------------------------------------------------
 
@@ -129,21 +132,35 @@ class PreemptionHandler:
         return True
 
     def _agreed(self, step: int) -> int | None:
-        """Multi-rank: propose a stop step if signalled here; learn the agreed one from the store."""
+        """Multi-rank: propose a stop step if signalled here; learn the agreed one from the store,
+        under this run's key only (an earlier run's proposal must not stop this one)."""
         if self.stop_step is not None:
             return self.stop_step
-        store = self._store
+        store, scope = self._store, self._scope
+        assert scope is not None
         if self.signal_received is not None:
-            value = store.compare_set(self._key, "", str(step + self.margin))
+            try:
+                key = store_keys.preempt_step(scope.scope())     # (waits, bounded, for the run id)
+            except CheckpointError as e:
+                log.error("ckptd: cannot agree a preemption step with the other ranks (%s); saving step %d "
+                          "alone", e, step)
+                self.stop_step = step
+                return step
+            value = store.compare_set(key, "", str(step + self.margin))
             self.stop_step = int(value.decode() if isinstance(value, bytes) else value)
             log.warning("ckptd: preemption agreed at step %d", self.stop_step)
+            read_once(store, key, self.ckpt.world_size)
             return self.stop_step
         self._polls += 1
-        if self._polls % self.sync_every:
+        run = scope.current()
+        if self._polls % self.sync_every or run is None:      # (the run id not agreed yet: nothing to read)
             return None
-        if store.check([self._key]):
-            self.stop_step = int(store.get(self._key).decode())
+        key = store_keys.preempt_step(store_keys.scope(self.ckpt.job, run))
+        value = peek(store, key)
+        if value:
+            self.stop_step = int(value)
             log.warning("ckptd: another rank was preempted; stopping at step %d", self.stop_step)
+            read_once(store, key, self.ckpt.world_size)
         return self.stop_step
 
     def _checkpoint(self, step: int, state: dict[str, Any]) -> None:

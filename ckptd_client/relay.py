@@ -1,141 +1,93 @@
 """Cross-daemon commit through the job's c10d store: a two-level fan-in, no polling.
 
 Ranks are grouped into nodes of ``node_size`` consecutive ranks (torchrun's LOCAL_WORLD_SIZE:
-one node, one daemon). For save number ``seq`` (every key in store_keys.py):
+one node, one daemon). Every key is the run's (store_keys.py: ``ckptd/<job>/<run>/s<step>/...``,
+the run id agreed at start, run_scope.py) and names the step saved, not how many saves a rank
+made: so a rank whose save was refused cannot shift its later saves onto other steps' keys (and
+the Checkpointer refuses a second save of a step in one run). For each step saved:
 
 1. each rank publishes its outcome: ``ok:<rank record JSON>`` (its daemon's DURABLE report:
    digest, sizes, what the tensor map needs; ``ok:<digest>`` from a daemon without records) or
    ``fail:<reason>``;
 2. each node's first rank (the node leader) blocks until its members' outcomes are there (a
    store ``wait`` on a cloned store connection: no polling), publishes ONE node record (the
-   members' outcomes, in order), deletes the members' keys and bumps the save's counter with
-   ``add``; the leader whose ``add`` completes the count sets the save's ``ready`` key;
+   members' outcomes, in order), deletes the members' keys and bumps the step's counter with
+   ``add``; the leader whose ``add`` completes the count sets the step's ``ready`` key;
 3. rank 0 blocks on ``ready``, fetches the node records with ``multi_get`` in chunks of
    ``CHUNK`` keys, and asks its daemon to COMMIT with every rank's record (so the daemon builds
    the index without reading every manifest back) — or to ABORT, naming the failed ranks — then
-   publishes ``committed`` or ``failed:<reason>`` under the save's result key;
+   publishes ``committed`` or ``failed:<reason>`` under the step's result key;
 4. every other rank blocks on the result key.
 
-The store's server does O(1) work per rank and save, and rank 0 O(nodes). The keys of save
-``seq`` are deleted by rank 0 after it resolved it, except the result (deleted ``KEEP_RESULTS``
-saves later, when every rank has long read it).
+The store's server does O(1) work per rank and save, and rank 0 O(nodes). A step's keys are
+deleted by rank 0 once it resolved it, except the result, which the last rank to read it deletes
+(every rank counts its read with ``add``).
 
 Timeouts derive from ``timeout`` (the Checkpointer's ``commit_timeout``, T) from the save's
 start: node leaders wait for their members until 0.7 T (a missing member fails the save, named),
 rank 0 for the node records until 0.85 T (a missing node fails the save, named: its ranks and
 node number). Rank 0's COMMIT request gets T; a COMMIT that times out or a lost store leaves
-the save to the disk: committed as soon as its index.json exists, failed when none appeared
-by 2 T. Followers wait for the result until 2 T plus a margin, then the disk decides too. So a
-handle never reports failure for a committed step unless its commit outlived 2 T.
+the save to the disk: committed as soon as its index.json exists (its directory fsynced first:
+disk.py), failed when none appeared by 2 T. Followers wait for the result until 2 T plus a
+margin, then the disk decides too. So a handle never reports failure for a committed step unless
+its commit outlived 2 T. Before any of it, this rank must know the run id (run_scope.py): one
+that never learns it leaves its saves to the disk.
 """
 from __future__ import annotations
 
 import atexit
 import json
 import queue
-import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from ckptd.core.gc_pause import gc_paused
 
 from . import store_keys
-from .errors import NoReply
+from .errors import CheckpointError, NoReply
+from .store_io import CHUNK, WAIT_SLICE_S, StoreWaiter, multi_get, read_once
 
-CHUNK = 1024            # keys per multi_get/check: one huge request is slower than chunks
-KEEP_RESULTS = 3        # a save's result key is deleted this many saves later
+__all__ = ["CHUNK", "WAIT_SLICE_S", "StoreRelay", "StoreWaiter", "RunSource", "dist_info", "multi_get",
+           "durable_outcome", "node_member", "read_once"]
+
 DISK_POLL_S = 0.2       # how often the disk is looked at while it decides
-WAIT_SLICE_S = 10.0     # longest single store wait: bounds how long close() and exit wait for the relay
+
+
+class RunSource(Protocol):
+    """Where the relay learns its run id (run_scope.RunScope; FixedRun in benchmarks)."""
+
+    def current(self) -> str | None: ...
+
+    def wait(self, timeout: float | None = None) -> str: ...
 
 
 @dataclass
 class RelayedSave:
-    seq: int
     step: int
     start: float
     resolve: Callable[[str | None], None]      # None: committed; str: failure reason
     published: threading.Event = field(default_factory=threading.Event)
-
-
-class StoreWaiter:
-    """Blocking waits on store keys without polling: ``wait`` on a cloned connection, in slices
-    of at most ``WAIT_SLICE_S`` so that ``stop`` ends a wait soon (a thread still inside a C++
-    store call while the interpreter exits aborts the process). Stores that cannot be cloned are
-    polled slowly, with jitter. Once the store is found gone (its server, in rank 0's process,
-    exited) every wait raises at once: a clone() of a dead store would block for the store's
-    whole timeout, and again on its retry."""
-
-    def __init__(self, store: Any, stop: threading.Event | None = None) -> None:
-        self.store = store
-        self.stop = stop or threading.Event()
-        self._clone: Any = None
-        self.can_clone = True         # until a clone() fails
-        self.gone: Exception | None = None
-
-    def _check(self, keys: list[str]) -> bool:
-        """Whether every key exists, on the first connection (raises, and remembers, if the store is gone)."""
-        if self.gone is not None:
-            raise self.gone
-        try:
-            return bool(self.store.check(keys))
-        except Exception as e:
-            self.gone = RuntimeError(f"the job's store is gone ({type(e).__name__}: {str(e)[:200]})")
-            raise self.gone from None
-
-    def wait(self, keys: Sequence[str], timeout: float) -> bool:
-        """True once every key exists; False after ``timeout`` seconds (or once stopped). Raises if
-        the store is gone."""
-        keys = list(keys)
-        end = time.monotonic() + timeout
-        while True:
-            left = end - time.monotonic()
-            done = self._check(keys)        # (also: the store is alive before any clone)
-            if done or left <= 0 or self.stop.is_set():
-                return done
-            if self._clone is None and self.can_clone:
-                self._clone = _clone(self.store)
-                self.can_clone = self._clone is not None
-            if not self.can_clone:
-                time.sleep(min(left, 0.2 + 0.3 * random.random()))
-                continue
-            piece, began = min(left, WAIT_SLICE_S), time.monotonic()
-            try:
-                self._clone.wait(keys, timedelta(seconds=piece))
-                return True
-            except Exception:
-                if time.monotonic() - began < 0.5 * piece:      # failed rather than timed out
-                    self._clone = None
-                    time.sleep(min(left, 0.2 + 0.3 * random.random()))
-
-
-def _clone(store: Any) -> Any:
-    try:
-        return store.clone()
-    except Exception:        # no clone() (a store type without it): the waiter polls instead
-        return None
-
-
-def multi_get(store: Any, keys: Sequence[str]) -> list[bytes]:
-    out: list[bytes] = []
-    for i in range(0, len(keys), CHUNK):
-        out += store.multi_get(list(keys[i: i + CHUNK]))
-    return out
+    outcome: str | None = None                 # this rank's, kept until the run id is known
 
 
 class StoreRelay:
     """Runs the fan-in on its own thread, one save after the other, in order; ``resolve`` of each
     tracked save runs there too. ``commit(step, digests, records, timeout)`` and ``abort`` go to
-    this rank's daemon (rank 0 only); ``on_disk(step)`` says whether the step's index.json exists."""
+    this rank's daemon (rank 0 only); ``on_disk(step)`` says whether the step's index.json exists
+    (durably); ``run`` gives the run id every key is scoped to (the relay waits for it)."""
 
     def __init__(self, store: Any, job: str, rank: int, world_size: int, timeout: float,
                  commit: Callable[[int, dict[int, str], list[Any] | None, float], None],
                  abort: Callable[[int, str], None],
-                 on_disk: Callable[[int], bool] = lambda step: False, node_size: int = 8) -> None:
+                 on_disk: Callable[[int], bool] = lambda step: False, node_size: int = 8, *,
+                 run: RunSource) -> None:
         self.store, self.job, self.rank, self.world_size = store, job, rank, world_size
+        self._run_source = run
+        known = run.current()
+        self._scope: str | None = None if known is None else store_keys.scope(job, known)
         self.timeout = timeout
         self.node_size = max(1, min(node_size, world_size))
         self.nodes = -(-world_size // self.node_size)
@@ -145,6 +97,7 @@ class StoreRelay:
         self._stop = threading.Event()
         self._waiter = StoreWaiter(store, self._stop)
         self._saves: dict[int, RelayedSave] = {}
+        self._claimed: set[int] = set()         # steps this run saved (or tried to)
         self._lock = threading.Lock()
         self._queue: queue.Queue[RelayedSave | None] = queue.Queue()
         self._trash: queue.Queue[list[str] | None] = queue.Queue()
@@ -158,23 +111,56 @@ class StoreRelay:
     def members(self, node: int) -> range:
         return range(node * self.node_size, min((node + 1) * self.node_size, self.world_size))
 
-    def track(self, seq: int, step: int, resolve: Callable[[str | None], None]) -> None:
-        s = RelayedSave(seq, step, time.monotonic(), resolve)
+    def claim(self, step: int) -> None:
+        """Before a save of ``step``: refuse it if this run saved the step already. Its keys are
+        spent (a result other ranks read, a failure rank 0 acted on), and keys follow the step, so a
+        rank's retry of a refused save would read, or be read as, the first attempt's outcome."""
         with self._lock:
-            self._saves[seq] = s
+            if step in self._claimed:
+                raise CheckpointError(
+                    f"step {step} was saved once already in this run: with relay commit a step is saved at most "
+                    f"once per run, so that every rank's store keys for it name the same save; save a later step "
+                    f"(a new Checkpointer starts a new run)")
+            self._claimed.add(step)
+
+    def track(self, step: int, resolve: Callable[[str | None], None]) -> None:
+        """Relay this rank's save of ``step`` (claimed first)."""
+        s = RelayedSave(step, time.monotonic(), resolve)
+        with self._lock:
+            self._saves[step] = s
         self._queue.put(s)
 
-    def publish(self, seq: int, outcome: str) -> None:
-        """``outcome`` is ``ok:<record or digest>`` or ``fail:<reason>`` for this rank. Never raises:
-        with the store gone (rank 0 died) the save is settled by the disk instead."""
-        try:
-            self.store.set(store_keys.rank_outcome(self.job, seq, self.rank), outcome)
-        except Exception:
-            pass            # the waits below find the store gone and leave the save to the disk
+    def publish(self, step: int, outcome: str) -> None:
+        """``outcome`` is ``ok:<record or digest>`` or ``fail:<reason>`` for this rank's save of
+        ``step``. Never blocks: before the run id is known it is kept, and the relay thread
+        publishes it once it is. Never raises: with the store gone (rank 0 died) the save is
+        settled by the disk instead."""
         with self._lock:
-            s = self._saves.get(seq)
+            s = self._saves.get(step)
+            if s is not None:
+                s.outcome = outcome
+            scope = self._scope
+        if scope is not None:
+            self._set_outcome(scope, step, outcome)
         if s is not None:
             s.published.set()
+
+    def _set_outcome(self, scope: str, step: int, outcome: str) -> None:
+        try:
+            self.store.set(store_keys.rank_outcome(scope, step, self.rank), outcome)
+        except Exception:
+            pass            # the waits below find the store gone and leave the save to the disk
+
+    def _known_scope(self) -> str:
+        """The run's key prefix, waiting for the run id (then publishing the outcomes kept meanwhile)."""
+        if self._scope is None:
+            scope = store_keys.scope(self.job, self._run_source.wait())
+            with self._lock:
+                self._scope = scope
+                kept = [(s.step, s.outcome) for s in self._saves.values() if s.outcome is not None]
+            for step, outcome in kept:
+                self._set_outcome(scope, step, outcome)
+        return self._scope
 
     # ---- the relay thread ------------------------------------------------------------
 
@@ -188,7 +174,7 @@ class StoreRelay:
             except Exception as e:      # the store is gone (rank 0 died) or refused: the disk decides
                 outcome = self._by_disk(s, 2.0, f"{type(e).__name__}: {e}")
             with self._lock:
-                self._saves.pop(s.seq, None)
+                self._saves.pop(s.step, None)
             s.resolve(outcome)
 
     def _at(self, s: RelayedSave, fraction: float) -> float:
@@ -196,22 +182,24 @@ class StoreRelay:
         return s.start + fraction * self.timeout - time.monotonic()
 
     def _settle(self, s: RelayedSave) -> str | None:
+        scope = self._known_scope()     # raises (the disk decides) if this rank never learned the run
         s.published.wait(max(0.0, self._at(s, 0.7)))
         if self.rank == self.node * self.node_size:
-            self._publish_node(s)
+            self._publish_node(scope, s)
         if self.rank == 0:
-            return self._lead(s)
-        key = store_keys.save_result(self.job, s.seq)
+            return self._lead(scope, s)
+        key = store_keys.save_result(scope, s.step)
         if not self._waiter.wait([key], self._at(s, 2.0) + 5.0):
             return self._by_disk(s, 0.0, f"timed out after {2 * self.timeout:g}s waiting for rank 0's commit")
         result = self._own.get(key).decode()
+        self._trash.put(["read", key])      # counted, off this path; the last reader deletes it
         if result == "committed":
             return None
         return self._by_disk(s, 0.0, result.removeprefix("failed:"))
 
-    def _publish_node(self, s: RelayedSave) -> None:
+    def _publish_node(self, scope: str, s: RelayedSave) -> None:
         """Node leader: gather the members' outcomes, publish the node's one record, count it."""
-        keys = [store_keys.rank_outcome(self.job, s.seq, r) for r in self.members(self.node)]
+        keys = [store_keys.rank_outcome(scope, s.step, r) for r in self.members(self.node)]
         if self._waiter.wait(keys, self._at(s, 0.7)):
             values = [v.decode() for v in multi_get(self._own, keys)]
         else:                   # someone is missing: which (one key at a time, on this failure path only)
@@ -219,27 +207,27 @@ class StoreRelay:
                       f"fail:rank {r} never reported its outcome within {0.7 * self.timeout:g}s "
                       f"(its process or node is gone?)" for r, k in zip(self.members(self.node), keys, strict=True)]
         # Parsed here, once per node: rank 0 then decodes one JSON document per node, not one per rank.
-        self._own.set(store_keys.node_record(self.job, s.seq, self.node), json.dumps([node_member(v) for v in values]))
+        self._own.set(store_keys.node_record(scope, s.step, self.node), json.dumps([node_member(v) for v in values]))
         self._trash.put(keys)
-        if self._own.add(store_keys.node_count(self.job, s.seq), 1) == self.nodes:
-            self._own.set(store_keys.nodes_ready(self.job, s.seq), "1")
+        if self._own.add(store_keys.node_count(scope, s.step), 1) == self.nodes:
+            self._own.set(store_keys.nodes_ready(scope, s.step), "1")
 
-    def _lead(self, s: RelayedSave) -> str | None:
+    def _lead(self, scope: str, s: RelayedSave) -> str | None:
         """Rank 0: wait for every node's record, then commit or abort, and publish the result."""
-        node_keys = [store_keys.node_record(self.job, s.seq, n) for n in range(self.nodes)]
-        if not self._waiter.wait([store_keys.nodes_ready(self.job, s.seq)], self._at(s, 0.85)):
+        node_keys = [store_keys.node_record(scope, s.step, n) for n in range(self.nodes)]
+        if not self._waiter.wait([store_keys.nodes_ready(scope, s.step)], self._at(s, 0.85)):
             missing = [n for i in range(0, self.nodes, CHUNK) for n, k in enumerate(node_keys[i: i + CHUNK], i)
                        if not self._own.check([k])]
             reason = self._describe_missing(missing)
-            return self._fail(s, reason)
+            return self._fail(scope, s, reason)
         with gc_paused():       # one record per rank: see ckptd.core.gc_pause
             values: list[dict[str, Any]] = [v for raw in multi_get(self._own, node_keys) for v in json.loads(raw)]
         failures = [f"rank {r}: {v.get('fail')}" for r, v in enumerate(values) if "ok" not in v]
         if len(values) != self.world_size:
             failures.append(f"the node records list {len(values)} ranks, the world has {self.world_size}")
         if failures:
-            return self._fail(s, "; ".join(failures[:8]) + (f" (and {len(failures) - 8} more)" if len(failures) > 8
-                                                            else ""))
+            more = f" (and {len(failures) - 8} more)" if len(failures) > 8 else ""
+            return self._fail(scope, s, "; ".join(failures[:8]) + more)
         digests, records = _split(values)
         try:
             self._commit(s.step, digests, records, max(1.0, self.timeout))
@@ -249,7 +237,7 @@ class StoreRelay:
             outcome = self._by_disk(s, 0.0, f"COMMIT failed: {e}")
         else:
             outcome = None
-        self._finish(s, "committed" if outcome is None else f"failed:{outcome}")
+        self._finish(scope, s, "committed" if outcome is None else f"failed:{outcome}")
         return outcome
 
     def _describe_missing(self, missing: list[int]) -> str:
@@ -258,13 +246,13 @@ class StoreRelay:
         return (f"{named}{more} never published {'its' if len(missing) == 1 else 'their'} record within "
                 f"{0.85 * self.timeout:g}s (node lost, or its ranks never saved)")
 
-    def _fail(self, s: RelayedSave, reason: str) -> str | None:
+    def _fail(self, scope: str, s: RelayedSave, reason: str) -> str | None:
         try:
             self._abort(s.step, reason)
         except Exception:
             pass            # the daemon is gone: its step is gone with it
         outcome = self._by_disk(s, 0.0, reason)    # (committed only if an index is there after all)
-        self._finish(s, "committed" if outcome is None else f"failed:{outcome}")
+        self._finish(scope, s, "committed" if outcome is None else f"failed:{outcome}")
         return outcome
 
     def _by_disk(self, s: RelayedSave, until: float, reason: str) -> str | None:
@@ -277,23 +265,26 @@ class StoreRelay:
                 return reason
             time.sleep(DISK_POLL_S)
 
-    def _finish(self, s: RelayedSave, result: str) -> None:
+    def _finish(self, scope: str, s: RelayedSave, result: str) -> None:
         """Publish the result (best effort: without a store the followers settle by the disk), then
-        hand this save's keys and an old result to the deleting thread."""
+        hand this step's other keys to the deleting thread (the result is its readers' to delete)."""
         try:
-            self._own.set(store_keys.save_result(self.job, s.seq), result)
+            self._own.set(store_keys.save_result(scope, s.step), result)
         except Exception:
             return
-        self._trash.put([store_keys.node_record(self.job, s.seq, n) for n in range(self.nodes)]
-                        + [store_keys.node_count(self.job, s.seq), store_keys.nodes_ready(self.job, s.seq)]
-                        + ([store_keys.save_result(self.job, s.seq - KEEP_RESULTS)] if s.seq > KEEP_RESULTS else []))
+        self._trash.put([store_keys.node_record(scope, s.step, n) for n in range(self.nodes)]
+                        + [store_keys.node_count(scope, s.step), store_keys.nodes_ready(scope, s.step)])
 
     def _delete_keys(self) -> None:
-        """Key deletion off the commit's path."""
+        """Key deletion off the commit's path; ``["read", key]``: count this rank's read of a result,
+        and delete it if this rank was its last reader."""
         while True:
             keys = self._trash.get()
             if keys is None:
                 return
+            if keys[0] == "read":
+                read_once(self.store, keys[1], self.world_size - 1)
+                continue
             for k in keys:
                 try:
                     self.store.delete_key(k)
@@ -312,6 +303,13 @@ class StoreRelay:
         self._thread.join(timeout=WAIT_SLICE_S + 5)
         self._trash_thread.join(timeout=5)
         atexit.unregister(self.close)
+
+
+def durable_outcome(msg: dict[str, Any]) -> str:
+    """This rank's outcome from its daemon's DURABLE event: ``ok:<rank record JSON>`` (``ok:<digest>``
+    from a daemon that sends no record)."""
+    record = msg.get("record")
+    return "ok:" + (json.dumps(record, separators=(",", ":")) if isinstance(record, dict) else str(msg["digest"]))
 
 
 def node_member(value: str) -> dict[str, Any]:

@@ -48,6 +48,7 @@ from .errors import CheckpointError
 from .live_state import fqn_keyed, live_tensors, rekey_by_position, tensor_leaves, tree_items
 from .reshard import DTYPES, Need, ReadAt, ReadStats, StepFiles, decodable_into, read_needs, tensor_bytes
 from .state import RNGState, apply_state
+from .store_io import read_once
 
 FRESH, RANK0, SAME_RANK = "fresh", "rank0", "same-rank"
 PER_RANK_RULES = (FRESH, RANK0, SAME_RANK)
@@ -70,13 +71,16 @@ def _decodable_into(t: torch.Tensor | None, dtype: str, shape: list[int]) -> boo
     return t is not None and decodable_into(t, dtype, shape)
 
 
-def agree_step(store: Any, job: str, n: int, rank: int, step: int | None) -> int | None:
+def agree_step(store: Any, scope: str, n: int, rank: int, world_size: int, step: int | None) -> int | None:
     """All ranks restore rank 0's choice, so a commit racing the listing cannot split them.
-    ``n`` numbers the job's restores: each agreement has its own key."""
-    key = store_keys.restore_choice(job, n)
+    ``scope``: the run's key prefix (an earlier run's choice is never read); ``n`` numbers the
+    run's restores: each agreement has its own key, deleted by the last rank to read it."""
+    key = store_keys.restore_choice(scope, n)
     if rank == 0:
         store.set(key, str(-1 if step is None else step))
+        return step
     value = int(store.get(key).decode())
+    read_once(store, key, world_size - 1)
     return None if value < 0 else value
 
 

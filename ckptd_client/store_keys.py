@@ -2,28 +2,50 @@
 
 All ranks of a job share one store, and ranks may run different processes (and, during a
 rolling upgrade, different builds), so a key's spelling is part of the protocol between
-ranks: change it here or nowhere. The key space, all under ``ckptd/<job>/``:
+ranks: change it here or nowhere.
 
-``ckptd/<job>/<seq>/r<rank>``
-    one rank's outcome of save number ``seq`` (``ok:<manifest digest>`` or ``fail:<reason>``);
-    its node's leader deletes them once it has published the node record. See relay.py.
-``ckptd/<job>/<seq>/n<node>``
-    a node leader's record of save ``seq``: its members' outcomes, in rank order (JSON list of
+A store can outlive a run (a launcher holds it, or two ``Checkpointer`` s run one after the
+other on a process group's store), and a run that crashed leaves its keys behind. So every key
+a run decides anything by lives under that run's own id, ``ckptd/<job>/<run>/`` (``<run>``: 32
+hex digits, fresh per run, agreed when the ``Checkpointer`` starts: run_scope.py), and the only
+keys outside it are the handshake's, whose values a rank trusts only when they answer a nonce it
+made itself a moment ago.
+
+The handshake (``ckptd/<job>/join/...``; see run_scope.py):
+
+``ckptd/<job>/join/r<rank>``
+    rank ``rank``'s (> 0) fresh nonce: "tell me the run id";
+``ckptd/<job>/join/a<nonce>``
+    rank 0's answer to that nonce: the run id (read, then deleted, by the rank that asked);
+``ckptd/<job>/join/bell``
+    rung (set) by a rank after it wrote its nonce, or completed the count; rank 0 waits on it
+    (deleting it before each look), so it answers without polling. The one key a run may leave:
+    it holds nothing (a stale ring costs the next run's rank 0 one more look);
+``ckptd/<job>/<run>/joined``
+    how many ranks took the run id (``add``); rank 0 stops answering at ``world_size - 1``.
+
+A run's keys (``<step>`` is the step number, so a rank's keys follow the step it saves, never
+how many times it called ``save``; a step is saved at most once per run in ``relay`` mode):
+
+``ckptd/<job>/<run>/s<step>/r<rank>``
+    one rank's outcome of its save of ``step`` (``ok:<manifest digest or rank record>`` or
+    ``fail:<reason>``); its node's leader deletes them once it has published the node record.
+``ckptd/<job>/<run>/s<step>/n<node>``
+    a node leader's record of ``step``: its members' outcomes, in rank order (JSON list of
     ``{"ok": record or digest}`` / ``{"fail": reason}``);
-``ckptd/<job>/<seq>/nodes``
-    how many node records of save ``seq`` are published (``add``);
-``ckptd/<job>/<seq>/ready``
+``ckptd/<job>/<run>/s<step>/nodes``
+    how many node records of ``step`` are published (``add``);
+``ckptd/<job>/<run>/s<step>/ready``
     set by the node leader whose record completed the count; rank 0 waits on it.
-``ckptd/<job>/<seq>/result``
-    rank 0's verdict on save ``seq``: ``committed`` or ``failed:<reason>``.
-``ckptd/<job>/restore/<n>``
-    the step rank 0 chose for the job's ``n``-th restore (``-1``: none), so every rank loads the
-    same step even if a commit lands while they list the directory.
-``ckptd/<job>/preempt-step``
-    the step all ranks stop at after a preemption signal (first proposal wins, compare_set).
-
-Save keys are numbered by the client's save sequence, not the step, so saving a step again
-never reads a stale outcome; ``<seq>`` is an integer and so never collides with ``restore``.
+``ckptd/<job>/<run>/s<step>/result``
+    rank 0's verdict: ``committed`` or ``failed:<reason>``; ``.../result/read`` counts the ranks
+    that read it (``add``), and the last of them deletes both.
+``ckptd/<job>/<run>/restore/<n>``
+    the step rank 0 chose for the run's ``n``-th restore (``-1``: none), so every rank loads the
+    same step even if a commit lands while they list the directory; ``.../read`` as above.
+``ckptd/<job>/<run>/preempt-step``
+    the step all ranks stop at after a preemption signal (first proposal wins, compare_set);
+    ``.../read`` counts the ranks that know it (all of them), and the last deletes both.
 """
 from __future__ import annotations
 
@@ -34,36 +56,70 @@ def _job(job: str) -> str:
     return f"{PREFIX}/{job}"
 
 
-def rank_outcome(job: str, seq: int, rank: int) -> str:
-    """Where ``rank`` publishes how save ``seq`` went on its daemon."""
-    return f"{_job(job)}/{seq}/r{rank}"
+def scope(job: str, run: str) -> str:
+    """The prefix of every key of one run of ``job``: what the other functions take as ``scope``."""
+    return f"{_job(job)}/{run}"
 
 
-def node_record(job: str, seq: int, node: int) -> str:
-    """Where ``node``'s leader publishes its members' outcomes of save ``seq``."""
-    return f"{_job(job)}/{seq}/n{node}"
+# ---- the run handshake (outside any run) ----------------------------------------------------
+
+def join_request(job: str, rank: int) -> str:
+    """Where rank ``rank`` (> 0) asks for the run id with a fresh nonce."""
+    return f"{_job(job)}/join/r{rank}"
 
 
-def node_count(job: str, seq: int) -> str:
-    """The counter of save ``seq``'s published node records."""
-    return f"{_job(job)}/{seq}/nodes"
+def join_answer(job: str, nonce: str) -> str:
+    """Where rank 0 answers ``nonce`` with the run id."""
+    return f"{_job(job)}/join/a{nonce}"
 
 
-def nodes_ready(job: str, seq: int) -> str:
-    """Set once every node record of save ``seq`` is published."""
-    return f"{_job(job)}/{seq}/ready"
+def join_bell(job: str) -> str:
+    """Rung after a nonce is written or the count completes: wakes rank 0."""
+    return f"{_job(job)}/join/bell"
 
 
-def save_result(job: str, seq: int) -> str:
-    """Where rank 0 publishes whether save ``seq`` committed."""
-    return f"{_job(job)}/{seq}/result"
+def joined(scope: str) -> str:
+    """How many ranks (besides rank 0) took this run's id."""
+    return f"{scope}/joined"
 
 
-def restore_choice(job: str, n: int) -> str:
-    """Where rank 0 publishes the step of the job's ``n``-th restore."""
-    return f"{_job(job)}/restore/{n}"
+# ---- one run's keys ---------------------------------------------------------------------------
+
+def rank_outcome(scope: str, step: int, rank: int) -> str:
+    """Where ``rank`` publishes how its save of ``step`` went on its daemon."""
+    return f"{scope}/s{step}/r{rank}"
 
 
-def preempt_step(job: str) -> str:
+def node_record(scope: str, step: int, node: int) -> str:
+    """Where ``node``'s leader publishes its members' outcomes of ``step``."""
+    return f"{scope}/s{step}/n{node}"
+
+
+def node_count(scope: str, step: int) -> str:
+    """The counter of ``step``'s published node records."""
+    return f"{scope}/s{step}/nodes"
+
+
+def nodes_ready(scope: str, step: int) -> str:
+    """Set once every node record of ``step`` is published."""
+    return f"{scope}/s{step}/ready"
+
+
+def save_result(scope: str, step: int) -> str:
+    """Where rank 0 publishes whether ``step`` committed."""
+    return f"{scope}/s{step}/result"
+
+
+def restore_choice(scope: str, n: int) -> str:
+    """Where rank 0 publishes the step of the run's ``n``-th restore."""
+    return f"{scope}/restore/{n}"
+
+
+def preempt_step(scope: str) -> str:
     """Where the ranks agree on the step to stop at after a preemption signal."""
-    return f"{_job(job)}/preempt-step"
+    return f"{scope}/preempt-step"
+
+
+def readers(key: str) -> str:
+    """The count of ranks that read ``key`` (a result, a restore choice, the preemption step)."""
+    return f"{key}/read"

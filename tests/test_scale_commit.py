@@ -95,12 +95,19 @@ def test_256_ranks_over_4_daemons_commit_and_restore(tmp: Path, daemon_factory, 
     reader = StepReader(str(step))
     assert reader.rank_entry(200) == reader.index["ranks"][200]        # the block agrees with index.json
     assert verify_step(str(step)) == []
-    # The relay deleted its per-rank and per-node keys (the results stay a few saves longer).
-    for seq in (1, 2):
-        keys = [store_keys.rank_outcome("scale", seq, r) for r in range(256)]
-        keys += [store_keys.node_record("scale", seq, n) for n in range(4)]
-        assert not any(store.check([k]) for k in keys), seq
-        assert store.check([store_keys.save_result("scale", seq)])
+    # Every rank agreed on one run id, and the run left none of its keys: the relay deleted its
+    # per-rank and per-node keys, the last reader of each result deleted it, and the handshake's.
+    runs = {out[r]["run"] for r in range(256)}
+    assert len(runs) == 1 and None not in runs, runs
+    scope = store_keys.scope("scale", runs.pop())
+    for saved in (1, 2):
+        keys = [store_keys.rank_outcome(scope, saved, r) for r in range(256)]
+        keys += [store_keys.node_record(scope, saved, n) for n in range(4)]
+        keys += [store_keys.save_result(scope, saved), store_keys.readers(store_keys.save_result(scope, saved))]
+        assert not any(store.check([k]) for k in keys), saved
+    keys = [store_keys.joined(scope), store_keys.restore_choice(scope, 1)]
+    keys += [store_keys.join_request("scale", r) for r in range(1, 256)]
+    assert not any(store.check([k]) for k in keys)
 
 
 STORE_SERVER = """

@@ -730,3 +730,5 @@ async def test_an_index_in_place_is_committed_whatever_fails_after_its_rename(h:
     await until(lambda: len(r0.ops()) == 2, "the outcome")
     assert r0.ops() == ["durable", "committed"] and h.step_moves(1) == [D, C, OK]
     assert verify_step(str(h.path(1))) == []
+    c = h.coord.counters()          # said, not silent: counted (a metric) as well as logged
+    assert (c.steps_committed, c.steps_committed_unsynced) == (1, 1)

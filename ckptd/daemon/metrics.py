@@ -35,6 +35,9 @@ _STAT_COUNTERS = {
     "saves_failed": ("ckptd_saves_failed", "Shard saves whose write failed."),
     "steps_committed": ("ckptd_steps_committed", "Steps committed (index.json published) by this daemon."),
     "steps_failed": ("ckptd_steps_failed", "Steps abandoned uncommitted (a rank failed, timed out, shutdown)."),
+    "steps_committed_unsynced": ("ckptd_steps_committed_unsynced",
+                                 "Steps committed (index.json renamed into place) whose directory fsync then failed: "
+                                 "loadable, but they may not survive a crash."),
     "bytes_raw": ("ckptd_bytes_raw", "Tensor bytes received in durable shards, before compression."),
     "bytes_stored": ("ckptd_bytes_stored", "Bytes written to data files for durable shards, after compression."),
 }

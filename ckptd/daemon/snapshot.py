@@ -20,6 +20,7 @@ class Counters:
     saves_failed: int = 0
     steps_committed: int = 0
     steps_failed: int = 0
+    steps_committed_unsynced: int = 0    # index.json in place, then the directory's fsync failed
     bytes_raw: int = 0
     bytes_stored: int = 0
 

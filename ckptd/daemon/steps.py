@@ -278,9 +278,9 @@ class StepCoordinator(Generic[W]):
                     and await self.tier.is_committed(st.job, st.step):
                 # Renamed into place, then an error (the directory's fsync): readers load the step,
                 # so it is committed; saying "failed" would be the one false outcome.
-                log.error("index published, then its commit failed", extra={"ctx": {"job": st.job,
-                                                                                    "step": st.step,
-                                                                                    "error": reason}})
+                log.error("index published, then its commit failed: committed, durability unconfirmed",
+                          extra={"ctx": {"job": st.job, "step": st.step, "error": reason}})
+                self.table.totals.steps_committed_unsynced += 1      # (and ckptd_steps_committed_unsynced_total)
                 self._committed(st)
                 return None
             await self._fail(st, reason, commit_over=True)      # (no-op when a drain settled it already)

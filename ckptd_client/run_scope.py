@@ -1,0 +1,151 @@
+"""The run id every rank of one run agrees on through the job's store, so no rank ever trusts a
+key an earlier run wrote (a store that outlives a run: a launcher's, or a process group's with
+two ``Checkpointer`` s one after the other).
+
+Rank 0 makes the id (uuid4 hex) and knows it at once. Every other rank writes a fresh nonce
+under ``join/r<rank>``, rings the bell, and waits (a store wait on a cloned connection: no
+polling) for rank 0's answer under ``join/a<nonce>``. No earlier run can have written that key:
+the nonce is new. Rank 0, on a thread of its own, answers every nonce it finds — a stale one
+too, harmlessly, as nobody waits for it — on its first look and again each time the bell rings,
+until ``world_size - 1`` ranks took the id or the join timeout passes. It deletes the bell before
+each look, so a ring is never lost: a nonce written after a look rings after that deletion.
+
+So ranks may start in any order and at any time within the timeout, and an earlier run's keys
+(crashed or not) change nothing. The run's keys live under ``ckptd/<job>/<run>/`` (store_keys.py).
+Assumes one live process per rank: a previous run's process still running as rank r could
+overwrite this run's nonce.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+from . import store_keys
+from .errors import CheckpointError
+from .store_io import WAIT_SLICE_S, StoreWaiter, peek
+
+log = logging.getLogger("ckptd_client")
+
+class FixedRun:
+    """A run id known in advance (benchmarks that drive a relay by hand)."""
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+
+    def current(self) -> str | None:
+        return self.run
+
+    def wait(self, timeout: float | None = None) -> str:
+        return self.run
+
+
+class RunScope:
+    """This Checkpointer's run id, agreed with the job's other ranks through ``store`` within
+    ``timeout`` seconds of its start. ``current()`` never blocks; ``wait()`` does (bounded)."""
+
+    def __init__(self, store: Any, job: str, rank: int, world_size: int, timeout: float) -> None:
+        self.store, self.job, self.rank, self.world_size = store, job, rank, world_size
+        self.timeout = timeout
+        self.started = time.monotonic()
+        self.run: str | None = uuid.uuid4().hex if rank == 0 else None
+        self.error: str | None = None
+        self._ready = threading.Event()
+        if self.run is not None:
+            self._ready.set()
+        self._stop = threading.Event()
+        self._waiter = StoreWaiter(store, self._stop)
+        self._thread = threading.Thread(target=self._serve if rank == 0 else self._join,
+                                        name="ckptd-client-run", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)     # the thread must not be inside a store call at exit
+
+    def current(self) -> str | None:
+        """The run id once agreed (rank 0: at once), else None."""
+        return self.run
+
+    def scope(self) -> str:
+        """The key prefix of this run (``wait`` first)."""
+        return store_keys.scope(self.job, self.wait())
+
+    def wait(self, timeout: float | None = None) -> str:
+        """The run id; waits until rank 0 answered (at most the join timeout). CheckpointError if
+        it never did: this rank cannot take part in anything decided through the store."""
+        left = self.started + self.timeout - time.monotonic() + 1.0 if timeout is None else timeout
+        self._ready.wait(max(0.0, left))
+        if self.run is None:
+            raise CheckpointError(self.error or f"rank {self.rank} has not learned the run id of job {self.job!r} "
+                                                f"from rank 0 yet")
+        return self.run
+
+    # ---- rank > 0 ---------------------------------------------------------------------------
+
+    def _join(self) -> None:
+        store, job = self.store, self.job
+        nonce = uuid.uuid4().hex
+        answer = store_keys.join_answer(job, nonce)
+        try:
+            store.set(store_keys.join_request(job, self.rank), nonce)
+            store.set(store_keys.join_bell(job), "1")
+            if not self._waiter.wait([answer], self.timeout):
+                self.error = (f"rank 0 never told rank {self.rank} the run id of job {job!r} within "
+                              f"{self.timeout:g}s (is rank 0 running a Checkpointer of this job on this store?)")
+                return
+            run = store.get(answer).decode()
+            store.delete_key(answer)
+            store.delete_key(store_keys.join_request(job, self.rank))
+            self.run = run
+            self._ready.set()
+            if store.add(store_keys.joined(store_keys.scope(job, run)), 1) >= self.world_size - 1:
+                store.set(store_keys.join_bell(job), "1")        # the last one: rank 0 may stop
+        except Exception as e:
+            self.error = self.error or f"rank {self.rank} could not learn the run id: {type(e).__name__}: {e}"
+        finally:
+            self._waiter.forget()
+            self._ready.set()
+
+    # ---- rank 0 -----------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        store, job, run = self.store, self.job, self.run
+        assert run is not None
+        bell, count = store_keys.join_bell(job), store_keys.joined(store_keys.scope(job, run))
+        requests = [store_keys.join_request(job, r) for r in range(1, self.world_size)]
+        answered: set[str] = set()
+        try:
+            while True:
+                store.delete_key(bell)
+                if store.add(count, 0) >= self.world_size - 1:
+                    # Everyone took the id (and deleted its answer): the rest answered stale nonces.
+                    for stale in answered:
+                        store.delete_key(store_keys.join_answer(job, stale))
+                    store.delete_key(count)
+                    return
+                if self._stop.is_set():
+                    return
+                for key in requests:
+                    nonce = peek(store, key)
+                    if nonce is not None and nonce not in answered:
+                        store.set(store_keys.join_answer(job, nonce), run)
+                        answered.add(nonce)
+                left = self.started + self.timeout - time.monotonic()
+                if left <= 0:
+                    log.warning("ckptd: %d of %d ranks of job %r did not join run %s within %gs",
+                                self.world_size - 1 - store.add(count, 0), self.world_size - 1, job, run,
+                                self.timeout)
+                    return
+                self._waiter.wait([bell], left)
+        except Exception as e:      # the store is gone: nothing to answer through any more
+            log.warning("ckptd: stopped answering ranks of job %r: %s: %s", job, type(e).__name__, e)
+        finally:
+            self._waiter.forget()
+
+    def close(self) -> None:
+        """Stop answering or waiting (within one store-wait slice)."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=WAIT_SLICE_S + 5)
+        atexit.unregister(self.close)
