@@ -12,7 +12,7 @@ described, not sent: ``spec`` is a JSON tree whose leaves are
 Commands, one JSON object a line; every reply is one JSON line:
 ``{"op": "save", "step": n, "spec": ...}`` → ``{"committed": bool, "error": str|None}``;
 ``{"op": "restore", "step": n, "spec": ..., "memory": bool}`` → restores into zeroed tensors of the
-spec's shapes with a fresh Checkpointer, compares bit for bit with the spec's values →
+spec's shapes with the saving Checkpointer, compares bit for bit with the spec's values →
 ``{"source": str, "mismatches": [...], "error": str|None}``; ``{"op": "quit"}``.
 
 Run as ``rank_worker.py --socket S --job J --rank R --world W --mode local|relay``; relay mode
@@ -164,10 +164,10 @@ def main() -> int:
                 reply["committed"] = h.committed
             elif cmd["op"] == "restore":
                 target = build(cmd["spec"], a.rank, a.world, zero=True)
-                with checkpointer(cmd["memory"]) as c:
-                    c.restore(target, step=cmd["step"])
-                    assert c.last_restore is not None
-                    reply["source"] = c.last_restore.source
+                saver.memory = cmd["memory"]          # the saving Checkpointer restores (one run, one handshake)
+                saver.restore(target, step=cmd["step"])
+                assert saver.last_restore is not None
+                reply["source"] = saver.last_restore.source
                 mismatches: list[str] = []
                 compare(build(cmd["spec"], a.rank, a.world, zero=False), target, "", mismatches)
                 reply["mismatches"] = mismatches
