@@ -27,8 +27,8 @@ from boto3.s3.transfer import TransferConfig
 
 import ckptd_client
 from ckptd.core import protocol
-from ckptd.daemon.s3_settings import S3Settings
-from ckptd.daemon.s3_store import Bucket
+from ckptd.daemon.settings.s3 import S3Settings
+from ckptd.daemon.tiers.s3.bucket import Bucket
 from ckptd.launch import spawn_daemon
 from ckptd.s3_local import start_seaweed
 

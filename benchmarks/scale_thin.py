@@ -39,7 +39,7 @@ from ckptd.core.names import HEAD_NAME, INDEX_NAME, rank_data_name, rank_manifes
 from ckptd.core.rank_record import parse_records, summarize
 from ckptd.core.reader import StepReader
 from ckptd.core.schema import Manifest, TensorEntry, digest_bytes, encode_json
-from ckptd.daemon.commit import write_index
+from ckptd.daemon.tiers.fs.commit import write_index
 from ckptd_client import store_keys
 from ckptd_client.relay import StoreRelay, node_member
 from ckptd_client.run_scope import FixedRun

@@ -18,10 +18,10 @@ from ckptd.core import protocol
 from ckptd.core.errors import ProtocolError
 from ckptd.core.names import parse_step_dir_name, validate_job
 from ckptd.core.reader import Fault, verify_step
-from ckptd.daemon.config import ConfigError, load_settings
-from ckptd.daemon.s3_settings import S3Settings
-from ckptd.daemon.s3_store import Bucket, BucketError
-from ckptd.daemon.stage import Stager
+from ckptd.daemon.settings.config import ConfigError, load_settings
+from ckptd.daemon.settings.s3 import S3Settings
+from ckptd.daemon.tiers.s3.bucket import Bucket, BucketError
+from ckptd.daemon.tiers.s3.stage import Stager
 
 
 def add_bucket_flags(parser: argparse.ArgumentParser) -> None:

@@ -14,13 +14,14 @@ from ckptd.core.describe import describe_step, render_step
 from ckptd.core.errors import ProtocolError
 from ckptd.core.names import STAGED_NAME, validate_job
 from ckptd.core.reader import Fault, StepReader, list_steps, verify_step
-from ckptd.daemon import logs, systemd
-from ckptd.daemon.config import DEBUG_KEYS, DEFAULT_CONFIG_PATH, KEYS, ConfigError, load_settings
-from ckptd.daemon.recovery import memory_lines
-from ckptd.daemon.retention import collect_root
-from ckptd.daemon.server import Daemon, describe_error, tune_allocator
-from ckptd.daemon.spec import Key
+from ckptd.daemon.server import Daemon, describe_error
+from ckptd.daemon.service import logs, systemd
+from ckptd.daemon.service.allocator import tune_allocator
+from ckptd.daemon.settings.config import DEBUG_KEYS, DEFAULT_CONFIG_PATH, KEYS, ConfigError, load_settings
+from ckptd.daemon.settings.spec import Key
+from ckptd.daemon.tiers.fs.retention import collect_root
 from ckptd.hf import commands as hf_commands
+from ckptd.status_text import memory_lines
 
 
 def _size(n: float) -> str:

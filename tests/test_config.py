@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.daemon.config import (
+from ckptd.daemon.settings.config import (
     DEBUG_KEYS,
     KEYS,
     ConfigError,
@@ -22,8 +22,8 @@ from ckptd.daemon.config import (
     parse_size,
     update_docs,
 )
-from ckptd.daemon.retention import RetentionPolicy
-from ckptd.daemon.writer import WriteSettings
+from ckptd.daemon.settings.retention import RetentionPolicy
+from ckptd.daemon.settings.write import WriteSettings
 
 from conftest import REPO, wait_for_socket
 
@@ -139,8 +139,8 @@ def test_size_and_duration_parsing():
 def test_docs_settings_table_matches_definition():
     """docs/operations.md's settings table is generated; a stale one fails here."""
     assert update_docs(write=False), (
-        "docs/operations.md: the settings table differs from the definition in ckptd/daemon/config.py; "
-        "regenerate it with: python -m ckptd.daemon.config --write-docs")
+        "docs/operations.md: the settings table differs from the definition in ckptd/daemon/settings/config.py; "
+        "regenerate it with: python -m ckptd.daemon.settings.config --write-docs")
 
 
 def test_example_config_names_every_known_key_and_only_those():

@@ -18,32 +18,27 @@ MAX_LINES = 400
 
 RANKS = {
     "ckptd": 0,                    # the package: __version__
-    "ckptd.core": 1,               # names, errors, protocol, codec, storage, schema, tree, reader, tier
-    # daemon mechanisms: each imports only ckptd.core. A daemon module not listed here ranks as one.
-    "ckptd.daemon": 2,
+    "ckptd.core": 1,               # the format and the wire: names, errors, protocol, codec, storage, schema, reader
+    # The daemon's rooms (docs/architecture.md). Below the tiers: what every room shares.
+    "ckptd.daemon": 2,             # runtime (task set, refusal error)
+    "ckptd.daemon.settings": 2,    # every setting, typed; imports only core and its own room
+    "ckptd.daemon.service": 2,     # logs, systemd, the status snapshot, allocator
+    "ckptd.daemon.service.metrics": 3,   # reads the snapshot and retention's results
     "ckptd.hf": 2,                 # Hugging Face safetensors export/import: imports only ckptd.core (checked below)
-    "ckptd.daemon.logs": 2,
-    "ckptd.daemon.systemd": 2,
-    "ckptd.daemon.metrics": 2,
-    "ckptd.daemon.writer": 2,
-    "ckptd.daemon.commit": 2,
-    "ckptd.daemon.retention": 2,
-    "ckptd.daemon.config": 3,      # typed settings; may use the mechanisms' own settings types
-    "ckptd.daemon.fs_tier": 4,     # storage tiers and slot memory
-    "ckptd.daemon.slot_pool": 4,
-    "ckptd.daemon.steps": 5,       # step coordination and client sessions
-    "ckptd.daemon.session": 5,
-    "ckptd.daemon.uploader": 4,    # object-storage tier: uploads, staging, its facade for the server
-    "ckptd.daemon.stage": 4,
-    "ckptd.daemon.s3_tier": 4,
-    "ckptd.daemon.peer_settings": 2,   # memory tier / peer settings (config gathers them)
-    "ckptd.daemon.memory_store": 2,
-    "ckptd.daemon.memory_tier": 4,     # memory tier in front of the file system tier
-    "ckptd.daemon.peers": 4,           # peer listener and links (memory_store only)
-    "ckptd.daemon.replicate": 4,
-    "ckptd.daemon.recovery": 5,        # wires memory tier, peers and replication for the server
+    "ckptd.daemon.tiers.base": 2,  # the tier contract
+    "ckptd.daemon.tiers.fs": 3,    # the file-system tier: writer, commit, retention (scheduler: 4)
+    "ckptd.daemon.tiers.fs.scheduler": 4,
+    "ckptd.daemon.tiers.memory.store": 3,   # held shards in memfds (peers keep replicas there too)
+    "ckptd.daemon.tiers.memory": 4,         # the memory tier in front of the file system tier
+    "ckptd.daemon.tiers.peers": 4,          # peer listener, links and replication (memory store only)
+    "ckptd.daemon.tiers.memory.service": 5, # wires memory tier, peers and replication for the server
+    "ckptd.daemon.tiers.s3": 4,    # the bucket: client, credentials, uploads, staging, its facade for the server
+    "ckptd.daemon.slot_pool": 4,   # slot memory
+    "ckptd.daemon.steps": 5,       # step coordination
+    "ckptd.daemon.session": 5,     # one connected trainer rank
     "ckptd.daemon.server": 6,      # lifecycle and op table: wires everything together
     "ckptd.cli": 7,
+    "ckptd.status_text": 7,        # `ckptd status` rendered for a person
     "ckptd.bucket_cli": 7,         # the CLI's object-storage commands
     "ckptd.launch": 7,
     "ckptd.s3_local": 7,           # a local SeaweedFS for tests, benchmarks and `make demo-s3`

@@ -194,7 +194,7 @@ def test_replica_corrupted_in_transit_is_detected_and_storage_used(nodes, daemon
 
 def test_peer_settings_are_checked_at_start(tmp):
     """Peers need a secret and this node in the list; the memory tier must be on."""
-    from ckptd.daemon.config import ConfigError, load_settings
+    from ckptd.daemon.settings.config import ConfigError, load_settings
     secret = secret_file(tmp / "s", "x" * 32)
     me, other = "127.0.0.1:7465", "127.0.0.2:7465"
     base = {"root": str(tmp), "peers.listen": me, "peers.peers": f"{me},{other}"}

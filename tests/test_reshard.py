@@ -29,8 +29,9 @@ from ckptd.core.reader import StepReader
 from ckptd.core.regions import Region
 from ckptd.core.schema import Placement, TensorLayout
 from ckptd.core.tree import encode_tree
-from ckptd.daemon.commit import write_index
-from ckptd.daemon.writer import WriteSettings, write_shard
+from ckptd.daemon.settings.write import WriteSettings
+from ckptd.daemon.tiers.fs.commit import write_index
+from ckptd.daemon.tiers.fs.writer import write_shard
 from ckptd_client.restore import restore_state
 from ckptd_client.state import dtype_name
 

@@ -108,8 +108,8 @@ def test_rotated_credentials_are_renewed_and_a_failed_refresh_fails_the_upload_c
 
 def test_a_broken_credentials_file_is_named_at_start(tmp):
     """A credentials file that cannot be parsed: the check says which file, not what is in it."""
-    from ckptd.daemon.s3_settings import S3Settings
-    from ckptd.daemon.s3_store import Bucket, BucketError
+    from ckptd.daemon.settings.s3 import S3Settings
+    from ckptd.daemon.tiers.s3.bucket import Bucket, BucketError
     creds = tmp / "creds"
     creds.write_text("not an ini file\naws_secret_access_key = hunter2\n")
     with pytest.raises(BucketError, match=str(creds)) as e:

@@ -30,8 +30,8 @@ import torch
 import ckptd_client
 from ckptd.core import protocol
 from ckptd.core.names import INDEX_NAME, step_dir
-from ckptd.daemon.s3_settings import S3Settings
-from ckptd.daemon.s3_store import Bucket
+from ckptd.daemon.settings.s3 import S3Settings
+from ckptd.daemon.tiers.s3.bucket import Bucket
 from ckptd.s3_local import SeaweedServer, start_seaweed
 from ckptd_client import bucket_restore
 

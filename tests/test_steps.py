@@ -36,12 +36,9 @@ from ckptd.core.protocol import CommitMode
 from ckptd.core.rank_record import RankRecord
 from ckptd.core.reader import verify_step
 from ckptd.core.schema import TensorLayout
-from ckptd.core.tier import ShardRef, ShardWritten
-from ckptd.daemon.commit import PublishGate
-from ckptd.daemon.fs_tier import FsTier
 from ckptd.daemon.runtime import RequestError
-from ckptd.daemon.step_machine import Shard, Step
-from ckptd.daemon.steps import (
+from ckptd.daemon.settings.write import WriteSettings
+from ckptd.daemon.steps.coordinator import (
     SHARD_TRANSITIONS,
     STEP_TRANSITIONS,
     IllegalTransition,
@@ -49,7 +46,10 @@ from ckptd.daemon.steps import (
     StepCoordinator,
     StepState,
 )
-from ckptd.daemon.writer import WriteSettings
+from ckptd.daemon.steps.machine import Shard, Step
+from ckptd.daemon.tiers.base import ShardRef, ShardWritten
+from ckptd.daemon.tiers.fs.commit import PublishGate
+from ckptd.daemon.tiers.fs.tier import FsTier
 
 JOB = "unit"
 N = 64 * 1024                       # float32 elements per shard: 256 KiB, four 64 KiB chunks
@@ -689,7 +689,7 @@ async def test_drain_never_reports_failed_for_an_index_that_lands_later(h: Harne
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The commit's thread is slow to start writing the index (a slow disk) when the drain runs out:
     whatever the drain tells rank 0 must still hold once that thread has ended."""
-    import ckptd.daemon.fs_tier as fs_tier
+    import ckptd.daemon.tiers.fs.tier as fs_tier
     started, go = threading.Event(), threading.Event()
     real = fs_tier.write_index
 
@@ -717,7 +717,7 @@ async def test_an_index_in_place_is_committed_whatever_fails_after_its_rename(h:
     so the daemon says committed (before, it said failed for a loadable step)."""
     import errno
 
-    import ckptd.daemon.commit as commit
+    import ckptd.daemon.tiers.fs.commit as commit
     real = commit.storage.fsync_dir
 
     def fsync_dir(path: str) -> None:

@@ -20,7 +20,7 @@ import torch
 
 import ckptd_client
 from ckptd.core import protocol
-from ckptd.daemon.systemd import ActivationError, Notifier, listen_fds
+from ckptd.daemon.service.systemd import ActivationError, Notifier, listen_fds
 
 from conftest import REPO, start_daemon
 

@@ -23,21 +23,22 @@ from ckptd.core import names, protocol
 from ckptd.core.errors import FormatError
 from ckptd.core.protocol import Abort, Commit, CommitMode, Hello, Info, MemoryFetch, Report, Resize, Save, Status
 from ckptd.core.rank_record import parse_records
-from ckptd.core.tier import ShardRef, ShardWritten
-from ckptd.daemon import systemd
-from ckptd.daemon.commit import CommitError
-from ckptd.daemon.config import DaemonConfig
-from ckptd.daemon.fs_tier import FsTier, Retention
-from ckptd.daemon.metrics import DaemonMetrics
-from ckptd.daemon.recovery import Recovery
-from ckptd.daemon.runtime import RequestError, TaskSet, bounded, describe_error, tune_allocator
-from ckptd.daemon.s3_tier import ObjectTier, bucket_ops
+from ckptd.daemon.runtime import RequestError, TaskSet, bounded, describe_error
+from ckptd.daemon.service import systemd
+from ckptd.daemon.service.metrics import DaemonMetrics
+from ckptd.daemon.service.snapshot import DaemonSnapshot
 from ckptd.daemon.session import Session, peer_allowed, peer_of, refuse
+from ckptd.daemon.settings.config import DaemonConfig
 from ckptd.daemon.slot_pool import SlotPool
-from ckptd.daemon.snapshot import DaemonSnapshot
-from ckptd.daemon.steps import StepCoordinator
+from ckptd.daemon.steps.coordinator import StepCoordinator
+from ckptd.daemon.tiers.base import ShardRef, ShardWritten
+from ckptd.daemon.tiers.fs.commit import CommitError
+from ckptd.daemon.tiers.fs.scheduler import Retention
+from ckptd.daemon.tiers.fs.tier import FsTier
+from ckptd.daemon.tiers.memory.service import MemoryService
+from ckptd.daemon.tiers.s3.service import BucketService, bucket_ops
 
-__all__ = ["Daemon", "describe_error", "tune_allocator"]
+__all__ = ["Daemon", "describe_error"]
 
 log = logging.getLogger("ckptd")
 
@@ -58,11 +59,11 @@ class Daemon:
         self.tier = FsTier(self.root, config.write, config.threads, self.io_pool)
         self.slots = SlotPool(config.slot_memory_limit, self.io_pool)
         self.metrics = DaemonMetrics(self.snapshot)
-        self.recovery = Recovery(config, self.tier, self.root, self.io_pool)   # memory tier, peer copies
+        self.memory = MemoryService(config, self.tier, self.root, self.io_pool)   # memory tier, peer copies
         self.steps: StepCoordinator[Session] = StepCoordinator(
-            self.recovery.tier, Session.event, step_timeout=config.step_timeout,
+            self.memory.tier, Session.event, step_timeout=config.step_timeout,
             on_durable=self._durable, on_committed=self._committed, withdraw_commits=self.tier.withdraw_commits)
-        self.s3 = ObjectTier.create(config, self.root, self.tasks, self.metrics.registry)   # None: no bucket
+        self.s3 = BucketService.create(config, self.root, self.tasks, self.metrics.registry)   # None: no bucket
         self.retention = Retention(self.tier, config.retention, self.tasks, lambda job: self.steps.open_steps(job)
                                    + (self.s3.pending(job) if self.s3 else []), self.metrics.gc_done)
         self.notifier = systemd.Notifier()
@@ -83,7 +84,7 @@ class Daemon:
             steps=self.steps.step_views(), shard_writes=self.steps.shard_views(),
             slot_bytes_in_use=self.slots.in_use, slot_memory_limit=self.slots.limit,
             last_committed=dict(self.steps.last_committed),
-            metrics_address=f"{address[0]}:{address[1]}" if address else None, memory=self.recovery.view())
+            metrics_address=f"{address[0]}:{address[1]}" if address else None, memory=self.memory.view())
 
     def _durable(self, result: ShardWritten) -> None:
         self.metrics.shard_durable(result.raw_bytes, result.stored_bytes, result.seconds)
@@ -137,7 +138,7 @@ class Daemon:
             host, port = self.metrics.serve(self.config.metrics_address)
             log.info("metrics", extra={"ctx": {"address": f"{host}:{port}", "path": "/metrics"}})
         sock = listen_sock or self.bind()
-        await self.recovery.start()
+        await self.memory.start()
         if listen_sock is not None:
             self.socket_path = systemd.socket_path(listen_sock)
             if self.socket_path != self.config.socket_path:
@@ -178,7 +179,7 @@ class Daemon:
                 await tasks.cancel_all()
         finally:
             sock.close()
-            await self.recovery.stop()
+            await self.memory.stop()
             self.metrics.close()
             self.notifier.close()
             if listen_sock is None:
@@ -187,7 +188,7 @@ class Daemon:
                 except FileNotFoundError:
                     pass
             self.tier.close()
-            self.recovery.close()
+            self.memory.close()
             self.io_pool.shutdown(wait=False, cancel_futures=True)
 
     def stop(self) -> None:
@@ -253,7 +254,7 @@ class Daemon:
             await session.serve(self.requests.dispatch)
         finally:
             self.sessions.discard(session)
-            self.recovery.release(session)
+            self.memory.release(session)
             self.slots.release(session.slots)
             session.slots = []
             session.close()
@@ -267,7 +268,7 @@ class Requests:
         self.d = daemon
         self.table: dict[type, Callable[[Session, Any], Awaitable[Reply]]] = {
             Hello: self.hello, Resize: self.resize, Save: self.save, Commit: self.commit, Abort: self.abort,
-            Report: self.report, Info: self.info, Status: self.status, MemoryFetch: daemon.recovery.fetch,
+            Report: self.report, Info: self.info, Status: self.status, MemoryFetch: daemon.memory.fetch,
             **bucket_ops(daemon.s3),
         }
 

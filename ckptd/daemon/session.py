@@ -20,8 +20,8 @@ from ckptd.core import protocol
 from ckptd.core.errors import ProtocolError
 from ckptd.core.protocol import EventOp
 from ckptd.daemon.runtime import TaskSet, bounded
+from ckptd.daemon.service.snapshot import SessionView
 from ckptd.daemon.slot_pool import Slot
-from ckptd.daemon.snapshot import SessionView
 
 log = logging.getLogger("ckptd")
 

@@ -87,7 +87,7 @@ class DaemonSnapshot:
     slot_memory_limit: int
     last_committed: Mapping[str, LastCommit] = field(default_factory=dict)
     metrics_address: str | None = None
-    memory: Any = None           # recovery.MemoryView: the memory tier and peer copies
+    memory: Any = None           # tiers.memory.service.MemoryView: the memory tier and peer copies
 
     def status_line(self) -> str:
         """One line for systemd's STATUS= (``systemctl status``)."""

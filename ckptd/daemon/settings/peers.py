@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ckptd.daemon.spec import (
+from ckptd.daemon.settings.spec import (
     Flag,
     integer,
     listof,

@@ -1,4 +1,4 @@
-"""How a step commits on the local file system (the decision when is ckptd.daemon.steps').
+"""How a step commits on the local file system (the decision when is ckptd.daemon.steps.coordinator').
 
 The commit protocol (also in FORMAT.md):
 1. every rank's data file is fsynced, then its manifest is written (tmp, fsync, rename,
@@ -37,7 +37,7 @@ from ckptd.core.names import INDEX_NAME, rank_manifest_name
 from ckptd.core.rank_record import RankRecord, summarize
 from ckptd.core.rank_table import SMALL_INDEX_BYTES, side_files
 from ckptd.core.schema import MAX_MANIFEST_BYTES, digest_bytes, encode_json, make_index, parse_manifest
-from ckptd.daemon.retention import remove_files, stray_temps
+from ckptd.daemon.tiers.fs.retention import remove_files, stray_temps
 
 # Threads that check manifests: enough to overlap a shared file system's latency, never more
 # than the CPUs (each file costs ~10 µs of Python under the GIL: at 32,768 local files 16 threads

@@ -16,21 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptd.core import storage
-from ckptd.core.codec import DEFAULT_CHUNK_BYTES, choose_codec, chunk_ranges, encode_chunk
+from ckptd.core.codec import choose_codec, chunk_ranges, encode_chunk
 from ckptd.core.names import rank_data_name, rank_manifest_name
 from ckptd.core.schema import Manifest, TensorEntry, TensorLayout, digest_bytes, encode_json
-
-
-@dataclass
-class WriteSettings:
-    codec: str = "bplane"
-    level: int = 1
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    # Test setting (documented in README): sleep this long before writing each chunk,
-    # so a test can kill the daemon while a step is being written.
-    debug_write_delay: float = 0.0
-    # Test setting: sleep this long before a commit writes the index (a COMMIT that times out).
-    debug_commit_delay: float = 0.0
+from ckptd.daemon.settings.write import WriteSettings
 
 
 class WriteAbandoned(Exception):

@@ -31,8 +31,8 @@ from typing import Any
 
 from ckptd.core import storage
 from ckptd.core.names import INDEX_NAME, parse_step_dir_name, step_dir_name, temp_name, validate_job
-from ckptd.daemon.s3_credentials import CredentialsUnusable, FileCredentials, resolve
-from ckptd.daemon.s3_settings import S3Settings
+from ckptd.daemon.settings.s3 import S3Settings
+from ckptd.daemon.tiers.s3.credentials import CredentialsUnusable, FileCredentials, resolve
 
 
 class BucketError(Exception):

@@ -6,7 +6,7 @@ From that one definition come the TOML keys (``retention.keep_last``), the ``CKP
 environment names, the ``ckptd serve`` / ``ckptd gc`` flags with their help
 (``add_setting_flags`` in cli.py), ``serve --check-config`` (:meth:`Effective.render`) and the settings
 table of docs/operations.md (:func:`render_settings_table`; rewrite it with
-``python -m ckptd.daemon.config --write-docs``). Test-only knobs are :class:`DebugSettings`:
+``python -m ckptd.daemon.settings.config --write-docs``). Test-only knobs are :class:`DebugSettings`:
 flags only, never read from the file or the environment.
 
 Precedence, lowest first: defaults < the TOML file < environment < command line. The file
@@ -32,11 +32,11 @@ else:  # pragma: no cover - Python 3.10
 
 from ckptd.core.codec import CODECS
 from ckptd.core.protocol import DEFAULT_SOCKET
-from ckptd.daemon.metrics import MetricsSettings
-from ckptd.daemon.peer_settings import MemorySettings, PeerSettings, check_peers
-from ckptd.daemon.retention import RetentionPolicy, RetentionSettings
-from ckptd.daemon.s3_settings import S3Settings
-from ckptd.daemon.spec import (
+from ckptd.daemon.settings.metrics import MetricsSettings
+from ckptd.daemon.settings.peers import MemorySettings, PeerSettings, check_peers
+from ckptd.daemon.settings.retention import RetentionPolicy, RetentionSettings
+from ckptd.daemon.settings.s3 import S3Settings
+from ckptd.daemon.settings.spec import (
     ENV_PREFIX,
     Flag,
     Key,
@@ -59,7 +59,7 @@ from ckptd.daemon.spec import (
     table,
     walk,
 )
-from ckptd.daemon.writer import WriteSettings
+from ckptd.daemon.settings.write import WriteSettings
 
 DEFAULT_CONFIG_PATH = "/etc/ckptd/ckptd.toml"
 ENV_CONFIG = "CKPTD_CONFIG"
@@ -68,7 +68,7 @@ MAX_CONFIG_BYTES = 1024 * 1024
 LOG_FORMATS = ("json", "plain")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MiB = 1024 * 1024
-DOCS_PATH = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "operations.md"))
+DOCS_PATH = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "operations.md"))
 DOC_BEGIN, DOC_END = "<!-- settings-table:begin -->", "<!-- settings-table:end -->"
 
 

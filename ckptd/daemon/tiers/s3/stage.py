@@ -39,10 +39,10 @@ from ckptd.core.names import (
 )
 from ckptd.core.reader import chunk_faults, latest_committed
 from ckptd.core.schema import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES, Manifest, digest_bytes, parse_index, parse_manifest
-from ckptd.daemon.retention import remove_step
 from ckptd.daemon.runtime import RequestError
-from ckptd.daemon.s3_store import Bucket, BucketError, SizeMismatch
-from ckptd.daemon.uploader import in_thread
+from ckptd.daemon.tiers.fs.retention import remove_step
+from ckptd.daemon.tiers.s3.bucket import Bucket, BucketError, SizeMismatch
+from ckptd.daemon.tiers.s3.uploader import in_thread
 
 log = logging.getLogger("ckptd")
 

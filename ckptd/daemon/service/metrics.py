@@ -1,7 +1,7 @@
 """Prometheus metrics of one daemon (prometheus_client, a registry per daemon).
 
 Counters and gauges are read at scrape time from the daemon's public snapshot
-(:class:`~ckptd.daemon.snapshot.DaemonSnapshot`, what ``ckptd status`` shows too), so they
+(:class:`~ckptd.daemon.service.snapshot.DaemonSnapshot`, what ``ckptd status`` shows too), so they
 cannot drift from it; histograms are
 observed as shards become durable, steps commit and clients report their stall. The
 HTTP endpoint is off unless ``metrics.address`` is set; a bare port binds loopback.
@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from ckptd.daemon.retention import GcResult
-from ckptd.daemon.snapshot import DaemonSnapshot
-from ckptd.daemon.spec import Flag, parse_metrics_address, setting, show_address
+from ckptd.daemon.service.snapshot import DaemonSnapshot
+from ckptd.daemon.tiers.fs.retention import GcResult
 
 RATIO_BUCKETS = (1.0, 1.05, 1.1, 1.2, 1.35, 1.5, 2.0, 3.0, 5.0, 10.0)
 THROUGHPUT_BUCKETS = (1e7, 5e7, 1e8, 2.5e8, 5e8, 1e9, 2e9, 4e9, 8e9, 16e9)
@@ -92,7 +90,7 @@ _MEMORY_COUNTERS = {
 
 
 def _memory_metrics(m: Any) -> Iterable[Any]:
-    """The memory tier and peer copies (recovery.MemoryView), when the daemon has them."""
+    """The memory tier and peer copies (tiers.memory.service.MemoryView), when the daemon has them."""
     if m is None:
         return
     yield GaugeMetricFamily("ckptd_memory_bytes", "Bytes held by the memory tier.", value=m.used)
@@ -200,12 +198,3 @@ class DaemonMetrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-
-
-@dataclass(frozen=True)
-class MetricsSettings:
-    """``[metrics]``: the optional Prometheus endpoint."""
-    address: tuple[str, int] | None = setting(
-        None, parse=parse_metrics_address, show=show_address, default_doc="off", flags=(Flag("--metrics-address"),),
-        doc="Address of the Prometheus endpoint: `\"host:port\"`, `\"[::1]:port\"`, or a bare port (binds "
-            "127.0.0.1). Port 0 picks a free port (shown by `ckptd status`). A port in use fails the start.")

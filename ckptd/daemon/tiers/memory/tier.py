@@ -25,9 +25,9 @@ from ckptd.core.held import HeldMeta, layout_checksums, span
 from ckptd.core.names import step_dir
 from ckptd.core.reader import StepReader
 from ckptd.core.schema import TensorLayout
-from ckptd.core.tier import ShardRef, ShardWritten, StorageTier
-from ckptd.daemon.memory_store import LOCAL, Held, MemoryStore, new_memfd
 from ckptd.daemon.runtime import RequestError, describe_error
+from ckptd.daemon.tiers.base import ShardRef, ShardWritten, StorageTier
+from ckptd.daemon.tiers.memory.store import LOCAL, Held, MemoryStore, new_memfd
 
 log = logging.getLogger("ckptd")
 COPY_PIECE = 64 * 1024 * 1024

@@ -20,8 +20,8 @@ from typing import Any
 from ckptd.core import peer_protocol as pp
 from ckptd.core.errors import ChecksumError, FormatError, ProtocolError
 from ckptd.core.held import MAX_HELD_BYTES, HeldMeta, verify
-from ckptd.daemon.memory_store import REPLICA, Held, MemoryStore, new_memfd
 from ckptd.daemon.runtime import describe_error
+from ckptd.daemon.tiers.memory.store import REPLICA, Held, MemoryStore, new_memfd
 
 log = logging.getLogger("ckptd")
 MIN_SECRET_BYTES = 16

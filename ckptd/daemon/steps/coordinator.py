@@ -1,7 +1,7 @@
 """Steps in flight on this daemon: the coordinator that drives their state machine.
 
 A :class:`StepCoordinator` owns everything about a step — its shards, who waits for it, its
-counters (a :class:`~ckptd.daemon.step_machine.StepTable`) — and moves steps and shards only
+counters (a :class:`~ckptd.daemon.steps.machine.StepTable`) — and moves steps and shards only
 along the state machine's tables (step_machine.py has them, and the one commit rule). It does
 its I/O through a storage tier and tells clients through a callback, so it runs in a unit
 test with a real tier and no sockets.
@@ -29,10 +29,9 @@ from typing import Any, Generic, TypeVar
 from ckptd.core.protocol import CommitMode, EventOp, event
 from ckptd.core.rank_record import RankRecord
 from ckptd.core.schema import TensorLayout
-from ckptd.core.tier import ShardRef, ShardWritten, StorageTier
 from ckptd.daemon.runtime import RequestError, TaskSet, describe_error
-from ckptd.daemon.snapshot import Counters, LastCommit, ShardView, StepView
-from ckptd.daemon.step_machine import (
+from ckptd.daemon.service.snapshot import Counters, LastCommit, ShardView, StepView
+from ckptd.daemon.steps.machine import (
     SHARD_TRANSITIONS,
     STEP_TRANSITIONS,
     IllegalTransition,
@@ -47,6 +46,7 @@ from ckptd.daemon.step_machine import (
     handed_off,
     needs_waiter,
 )
+from ckptd.daemon.tiers.base import ShardRef, ShardWritten, StorageTier
 
 __all__ = ["SHARD_TRANSITIONS", "STEP_TRANSITIONS", "IllegalTransition", "ShardState", "StepCoordinator",
            "StepState"]

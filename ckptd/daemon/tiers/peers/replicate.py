@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ckptd.core.errors import ChecksumError, FormatError, ProtocolError
-from ckptd.daemon.memory_store import Held, MemoryStore
-from ckptd.daemon.peers import PeerLink
 from ckptd.daemon.runtime import describe_error
+from ckptd.daemon.tiers.memory.store import Held, MemoryStore
+from ckptd.daemon.tiers.peers.link import PeerLink
 
 log = logging.getLogger("ckptd")
 QUEUE_MAX = 1024                # shards waiting per target

@@ -3,7 +3,7 @@
 Saves and commits go to the local root exactly as without it (FsTier); this room adds the
 second level: background uploads of committed steps (uploader.py), staging of steps from the
 bucket for restores (stage.py, op ``stage``), flushing the newest step on preemption (op
-``flush``), its status and its metrics. The server calls, in order: ``ObjectTier.create`` (None
+``flush``), its status and its metrics. The server calls, in order: ``BucketService.create`` (None
 when ``s3.url`` is unset), ``start`` once serving, ``committed`` after each local commit,
 ``pending`` from local retention (steps it must spare), ``finish`` after the drain.
 """
@@ -18,17 +18,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from ckptd.core.protocol import Flush, Stage
-from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.runtime import RequestError, TaskSet
-from ckptd.daemon.s3_store import Bucket, BucketError
-from ckptd.daemon.stage import Stager
-from ckptd.daemon.uploader import Uploader
+from ckptd.daemon.settings.config import DaemonConfig
+from ckptd.daemon.tiers.s3.bucket import Bucket, BucketError
+from ckptd.daemon.tiers.s3.stage import Stager
+from ckptd.daemon.tiers.s3.uploader import Uploader
 
 log = logging.getLogger("ckptd")
 MAX_FLUSH_S = 3600.0
 
 
-class ObjectTier:
+class BucketService:
     def __init__(self, bucket: Bucket, root: str, tasks: TaskSet, debug_delay: float = 0.0) -> None:
         self.bucket = bucket
         self.uploader = Uploader(bucket, root, tasks, debug_delay=debug_delay)
@@ -36,7 +36,7 @@ class ObjectTier:
 
     @classmethod
     def create(cls, config: DaemonConfig, root: str, tasks: TaskSet, registry: CollectorRegistry
-               ) -> ObjectTier | None:
+               ) -> BucketService | None:
         if config.s3.url is None:
             return None
         try:
@@ -96,9 +96,9 @@ def _step_or_none(step: Any) -> int | None:
 Handler = Callable[[Any, Any], Awaitable[tuple[dict[str, Any], list[int]]]]
 
 
-def bucket_ops(tier: ObjectTier | None) -> dict[type, Handler]:
+def bucket_ops(tier: BucketService | None) -> dict[type, Handler]:
     """The op-table entries of ``stage`` and ``flush`` (an error when no bucket is configured)."""
-    def need() -> ObjectTier:
+    def need() -> BucketService:
         if tier is None:
             raise RequestError("this daemon has no object-storage tier (s3.url is not set)")
         return tier
@@ -148,4 +148,4 @@ class _UploadCollector(Collector):
                                 value=0.0 if self.uploader.problem else 1.0)
 
 
-__all__ = ["BucketError", "ObjectTier", "bucket_ops"]
+__all__ = ["BucketError", "BucketService", "bucket_ops"]

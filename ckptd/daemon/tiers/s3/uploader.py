@@ -43,7 +43,7 @@ from ckptd.core.names import (
 from ckptd.core.reader import latest_committed
 from ckptd.core.schema import MAX_INDEX_BYTES, parse_index
 from ckptd.daemon.runtime import TaskSet, describe_error
-from ckptd.daemon.s3_store import Bucket, BucketError, CredentialsError
+from ckptd.daemon.tiers.s3.bucket import Bucket, BucketError, CredentialsError
 
 log = logging.getLogger("ckptd")
 T = TypeVar("T")

@@ -28,8 +28,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .rank_record import RankRecord
-from .schema import TensorLayout
+from ckptd.core.rank_record import RankRecord
+from ckptd.core.schema import TensorLayout
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The step state machine: records, transition tables, the commit rule, and the step table.
 
-Pure state, no I/O and no event loop: :class:`~ckptd.daemon.steps.StepCoordinator` drives
+Pure state, no I/O and no event loop: :class:`~ckptd.daemon.steps.coordinator.StepCoordinator` drives
 it. Each step and shard moves only along the tables below; anything else raises
 :class:`IllegalTransition`.
 
@@ -34,7 +34,7 @@ from typing import Any, Generic, TypeVar
 from ckptd.core.protocol import CommitMode
 from ckptd.core.rank_record import RankRecord
 from ckptd.daemon.runtime import RequestError
-from ckptd.daemon.snapshot import Counters, LastCommit, ShardView, StepView
+from ckptd.daemon.service.snapshot import Counters, LastCommit, ShardView, StepView
 
 W = TypeVar("W", bound=Hashable)     # whoever waits for a rank's outcome (a session)
 

@@ -22,11 +22,13 @@ from ckptd.core.rank_record import RankRecord, summarize
 from ckptd.core.rank_table import SIDE_FILES
 from ckptd.core.reader import latest_committed
 from ckptd.core.schema import TensorLayout
-from ckptd.core.tier import ShardRef, ShardWritten, StorageTier
-from ckptd.daemon import retention
-from ckptd.daemon.commit import CommitWithdrawn, PublishGate, write_index
-from ckptd.daemon.runtime import TaskSet, describe_error
-from ckptd.daemon.writer import WriteSettings, remove_rank_files, write_shard
+from ckptd.daemon.runtime import describe_error
+from ckptd.daemon.settings.retention import RetentionPolicy
+from ckptd.daemon.settings.write import WriteSettings
+from ckptd.daemon.tiers.base import ShardRef, ShardWritten, StorageTier
+from ckptd.daemon.tiers.fs import retention
+from ckptd.daemon.tiers.fs.commit import CommitWithdrawn, PublishGate, write_index
+from ckptd.daemon.tiers.fs.writer import remove_rank_files, write_shard
 
 log = logging.getLogger("ckptd")
 
@@ -136,7 +138,7 @@ class FsTier(StorageTier):
                 return 0
         return await self._on(self._io_pool, size)
 
-    async def collect(self, job: str, policy: retention.RetentionPolicy, in_flight: Sequence[int]
+    async def collect(self, job: str, policy: RetentionPolicy, in_flight: Sequence[int]
                       ) -> retention.GcResult:
         """Apply ``policy`` to the job's steps, sparing ``in_flight``."""
         return await self._on(self._io_pool, lambda: retention.collect_job(self.root, job, policy,
@@ -146,46 +148,3 @@ class FsTier(StorageTier):
         # Writer threads of unfinished saves cannot be interrupted; the process exits without them.
         self._codec_pool.shutdown(wait=False, cancel_futures=True)
         self._write_pool.shutdown(wait=False, cancel_futures=True)
-
-
-class Retention:
-    """Retention after commits: one pass per job at a time, and one more after it when commits
-    arrived during it (so the last commit is always followed by a pass)."""
-
-    def __init__(self, tier: FsTier, policy: retention.RetentionPolicy, tasks: TaskSet,
-                 in_flight: Callable[[str], list[int]], on_done: Callable[[retention.GcResult], None]) -> None:
-        self.tier, self.policy = tier, policy
-        self._tasks = tasks
-        self._in_flight = in_flight
-        self._on_done = on_done
-        self._running: set[str] = set()
-        self._again: set[str] = set()
-        self._stopped = False
-
-    def schedule(self, job: str) -> None:
-        if self._stopped:
-            return
-        if job in self._running:
-            self._again.add(job)
-            return
-        self._running.add(job)
-        self._tasks.spawn(self._collect(job), f"retention of {job}").add_done_callback(
-            lambda _t: self._finished(job))
-
-    def _finished(self, job: str) -> None:
-        self._running.discard(job)
-        if job in self._again:
-            self._again.discard(job)
-            self.schedule(job)
-
-    async def _collect(self, job: str) -> None:
-        try:
-            result = await self.tier.collect(job, self.policy, self._in_flight(job))
-        except (OSError, ValueError) as e:
-            log.warning("retention failed", extra={"ctx": {"job": job, "error": describe_error(e)}})
-            return
-        self._on_done(result)
-
-    def stop(self) -> None:
-        """No new passes (the daemon is draining)."""
-        self._stopped = True

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ckptd.daemon.spec import Flag, integer, parse_duration, parse_size, setting, show_duration, show_size
+from ckptd.daemon.settings.spec import Flag, integer, parse_duration, parse_size, setting, show_duration, show_size
 
 MiB = 1024 * 1024
 

@@ -1,6 +1,6 @@
-"""Recovery without storage, wired together: the memory tier, the peer listener, replication.
+"""The memory tier as the server sees it, wired together: the tier, the peer listener, replication.
 
-The server builds one :class:`Recovery`; it gives the step coordinator its tier (the memory tier
+The server builds one :class:`MemoryService`; it gives the step coordinator its tier (the memory tier
 in front of the file system, or the file system alone when ``memory.steps`` is 0), answers
 ``memory_fetch`` requests, pins what a client is reading until its connection closes, and says
 what status and metrics show (:class:`MemoryView`).
@@ -17,13 +17,13 @@ from typing import Any
 
 from ckptd.core import names
 from ckptd.core.protocol import MemoryFetch
-from ckptd.core.tier import StorageTier
-from ckptd.daemon.config import DaemonConfig
-from ckptd.daemon.memory_store import Held, HeldView, MemoryStore, MemoryTotals
-from ckptd.daemon.memory_tier import MemoryTier
-from ckptd.daemon.peers import PeerServer, load_secret, split_address
-from ckptd.daemon.replicate import PeerCounts, Replicator, ReplicaView
 from ckptd.daemon.runtime import RequestError, TaskSet
+from ckptd.daemon.settings.config import DaemonConfig
+from ckptd.daemon.tiers.base import StorageTier
+from ckptd.daemon.tiers.memory.store import Held, HeldView, MemoryStore, MemoryTotals
+from ckptd.daemon.tiers.memory.tier import MemoryTier
+from ckptd.daemon.tiers.peers.link import PeerServer, load_secret, split_address
+from ckptd.daemon.tiers.peers.replicate import PeerCounts, Replicator, ReplicaView
 
 log = logging.getLogger("ckptd")
 SETTLE_INTERVAL_S = 0.5
@@ -66,7 +66,7 @@ class MemoryView:
                 "peers": {p: {"sent_bytes": c.sent_bytes, "failures": c.failures} for p, c in self.per_peer.items()}}
 
 
-class Recovery:
+class MemoryService:
     def __init__(self, config: DaemonConfig, fs: StorageTier, root: str, pool: Executor) -> None:
         self.config = config
         self.store = MemoryStore(config.memory.budget, config.memory.steps)
@@ -147,30 +147,3 @@ class Recovery:
                           f"{address[0]}:{address[1]}" if address else None, self.refused,
                           r.failures if r is not None else 0, r.sent_bytes if r is not None else 0,
                           {t: PeerCounts(c.sent_bytes, c.failures) for t, c in r.per_peer.items()} if r else {})
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
-def memory_lines(mem: dict[str, Any] | None) -> list[str]:
-    """``ckptd status``'s memory section, from the status reply's ``memory`` object."""
-    if not mem or not mem.get("steps_per_job"):
-        return ["memory tier: off"]
-    t = mem["totals"]
-    out = [f"memory tier: {_mib(mem['used_bytes'])} of {_mib(mem['budget_bytes'])} held, newest "
-           f"{mem['steps_per_job']} committed step(s) per job; held={t['held']} evicted={t['evicted']} "
-           f"not-held={t['skipped']} served={t['served']} corrupt={t['corrupt']}"]
-    if mem.get("peer_address") or mem.get("replicas_k"):
-        out.append(f"peers: listening on {mem.get('peer_address') or '-'}, K={mem['replicas_k']}, "
-                   f"refused={mem['peers_refused']} replication failures={mem['replication_failures']} "
-                   f"sent {_mib(mem['replicated_bytes'])}")
-        for peer, c in sorted(mem.get("peers", {}).items()):
-            out.append(f"  peer {peer}: sent {_mib(c['sent_bytes'])}, {c['failures']} failed copies")
-    for s in mem["held"]:
-        ranks = ", ".join(f"{r}:{v['origin']}" + (f" {v['copies']} copies" if v["copies"] is not None else "")
-                          + (" pinned" if v["pinned"] else "") for r, v in sorted(s["ranks"].items()))
-        level = "replicated, " if s["replicated"] else ""
-        out.append(f"  job={s['job']} step={s['step']} {level}{'committed' if s['committed'] else 'not committed'}"
-                   f" {_mib(s['bytes'])} ranks {ranks}")
-    return out

@@ -1,0 +1,1 @@
+"""The daemon as a service: logs, systemd, metrics, the status snapshot."""

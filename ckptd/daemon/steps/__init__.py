@@ -1,0 +1,1 @@
+"""Steps in flight: the state machine and the coordinator that drives it."""

@@ -1,0 +1,1 @@
+"""Where shards go: the tier contract and the file-system, memory, peer and bucket tiers."""

@@ -1,0 +1,1 @@
+"""The local file-system tier: shard writes, the commit, retention."""

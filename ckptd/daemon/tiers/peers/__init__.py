@@ -1,0 +1,1 @@
+"""Peer copies: the authenticated listener and links, background replication."""

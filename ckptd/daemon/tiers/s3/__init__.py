@@ -1,0 +1,1 @@
+"""The bucket behind the local root: client, credentials, uploads, staging."""

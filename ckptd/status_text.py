@@ -1,0 +1,31 @@
+"""`ckptd status`'s text for a person, from the daemon's status reply (JSON, FORMAT.md)."""
+from __future__ import annotations
+
+from typing import Any
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def memory_lines(mem: dict[str, Any] | None) -> list[str]:
+    """``ckptd status``'s memory section, from the status reply's ``memory`` object."""
+    if not mem or not mem.get("steps_per_job"):
+        return ["memory tier: off"]
+    t = mem["totals"]
+    out = [f"memory tier: {_mib(mem['used_bytes'])} of {_mib(mem['budget_bytes'])} held, newest "
+           f"{mem['steps_per_job']} committed step(s) per job; held={t['held']} evicted={t['evicted']} "
+           f"not-held={t['skipped']} served={t['served']} corrupt={t['corrupt']}"]
+    if mem.get("peer_address") or mem.get("replicas_k"):
+        out.append(f"peers: listening on {mem.get('peer_address') or '-'}, K={mem['replicas_k']}, "
+                   f"refused={mem['peers_refused']} replication failures={mem['replication_failures']} "
+                   f"sent {_mib(mem['replicated_bytes'])}")
+        for peer, c in sorted(mem.get("peers", {}).items()):
+            out.append(f"  peer {peer}: sent {_mib(c['sent_bytes'])}, {c['failures']} failed copies")
+    for s in mem["held"]:
+        ranks = ", ".join(f"{r}:{v['origin']}" + (f" {v['copies']} copies" if v["copies"] is not None else "")
+                          + (" pinned" if v["pinned"] else "") for r, v in sorted(s["ranks"].items()))
+        level = "replicated, " if s["replicated"] else ""
+        out.append(f"  job={s['job']} step={s['step']} {level}{'committed' if s['committed'] else 'not committed'}"
+                   f" {_mib(s['bytes'])} ranks {ranks}")
+    return out
