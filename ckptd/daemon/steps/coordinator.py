@@ -268,10 +268,7 @@ class StepCoordinator(Generic[W]):
     async def _publish(self, st: Step[W], digests: dict[int, str],
                        records: Sequence[RankRecord] | None) -> str | None:
         try:
-            if records is None:
-                await self.tier.commit(st.job, st.step, st.world_size, digests)
-            else:
-                await self.tier.commit_records(st.job, st.step, st.world_size, digests, records)
+            await self.tier.commit(st.job, st.step, st.world_size, digests, records)
         except Exception as e:    # whatever it is, the step must not stay COMMITTING forever
             reason = f"commit of step {st.step} failed: {describe_error(e) if isinstance(e, OSError) else e}"
             if isinstance(e, OSError) and st.state is StepState.COMMITTING \

@@ -1,20 +1,24 @@
 """The storage-tier interface: where a step's shards go, and how a step becomes visible.
 
 The daemon's step coordinator talks to storage only through this class, so the local file
-system (today), a memory tier, peer copies and an object store can sit behind the same
+system and the memory tier in front of it (which also feeds peer copies) sit behind the same
 step logic (the shape follows torch.distributed.checkpoint's StorageWriter/StorageReader).
 
 Call order, per step of a job, on the daemon serving some of its ranks::
 
     write_shard(ref, ...)          once per rank served here; ranks run concurrently
     then exactly one of
-      commit(job, step, world_size, digests)   on the leader (the daemon serving rank 0),
-                                               once every rank of the world is durable
+      commit(job, step, world_size, digests, records)
+                                   on the leader (the daemon serving rank 0), once every
+                                   rank of the world is durable
       abort(job, step, ranks)                  the step failed: drop these ranks' shards
 
 A shard whose write raises leaves nothing behind (the tier removes its partial bytes).
 ``commit`` must make the step visible atomically and last: a reader never sees a step
 that is not complete. ``abort`` is best effort and never touches a committed step.
+
+A tier that wraps another (the memory tier) implements every call itself and passes each
+argument on: there is one commit method, so none can be dropped (tests/test_tier_contract.py).
 
 At shutdown, ``withdraw_commits`` settles commits still running (a drain that ran out of
 time reports their true outcome). Reading entry points (status, the save checks):
@@ -65,20 +69,17 @@ class StorageTier(ABC):
         removes what it wrote of this shard and raises."""
 
     @abstractmethod
-    async def commit(self, job: str, step: int, world_size: int, digests: Mapping[int, str]) -> None:
-        """Check every rank's shard against its digest, then publish the step atomically."""
+    async def commit(self, job: str, step: int, world_size: int, digests: Mapping[int, str],
+                     records: Sequence[RankRecord] | None = None) -> None:
+        """Check every rank's shard against its digest, then publish the step atomically.
 
-    async def commit_records(self, job: str, step: int, world_size: int, digests: Mapping[int, str],
-                             records: Sequence[RankRecord]) -> None:
-        """``commit`` with every rank's record (in rank order), so the tier need not read every shard's
-        manifest back to build the index. A tier that cannot use them commits by the digests."""
-        await self.commit(job, step, world_size, digests)
+        ``records``: every rank's record (rank order) when the ranks sent them, so the index is
+        built without reading each manifest back; None: the tier reads the manifests."""
 
+    @abstractmethod
     async def withdraw_commits(self) -> None:
         """(Shutdown) make every commit in flight final now: one not yet published never will be,
-        one publishing right now is waited for; afterwards ``is_committed`` tells the truth.
-        A tier whose commit is a single atomic call with nothing left running needs nothing."""
-        return None
+        one publishing right now is waited for; afterwards ``is_committed`` tells the truth."""
 
     @abstractmethod
     async def abort(self, job: str, step: int, ranks: Collection[int]) -> None:

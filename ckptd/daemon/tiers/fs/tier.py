@@ -83,11 +83,8 @@ class FsTier(StorageTier):
     def _gate(self) -> PublishGate:
         return PublishGate()
 
-    async def commit(self, job: str, step: int, world_size: int, digests: Mapping[int, str]) -> None:
-        await self.commit_records(job, step, world_size, digests, None)
-
-    async def commit_records(self, job: str, step: int, world_size: int, digests: Mapping[int, str],
-                             records: Sequence[RankRecord] | None) -> None:
+    async def commit(self, job: str, step: int, world_size: int, digests: Mapping[int, str],
+                     records: Sequence[RankRecord] | None = None) -> None:
         if self._withdrawn:
             raise CommitWithdrawn(f"step {step}: the daemon is shutting down; no commit starts now")
         gate = self._gate()

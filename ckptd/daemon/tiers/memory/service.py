@@ -116,7 +116,7 @@ class MemoryService:
         self.refused += 1
 
     def _trim(self, job: str) -> None:
-        self.store.trim(job, self.memory._committed_now)
+        self.store.trim(job, self.memory.committed_now)
 
     async def fetch(self, conn: Hashable, m: MemoryFetch) -> tuple[dict[str, Any], list[int]]:
         """``memory_fetch``: the shard's layout and a descriptor of its memfd (pinned until ``release``)."""

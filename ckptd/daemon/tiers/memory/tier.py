@@ -23,6 +23,7 @@ import numpy as np
 from ckptd.core.errors import FormatError
 from ckptd.core.held import HeldMeta, layout_checksums, span
 from ckptd.core.names import step_dir
+from ckptd.core.rank_record import RankRecord
 from ckptd.core.reader import StepReader
 from ckptd.core.schema import TensorLayout
 from ckptd.daemon.runtime import RequestError, describe_error
@@ -105,17 +106,19 @@ class MemoryTier(StorageTier):
         self.store.filled(held, HeldMeta(ref.job, ref.step, ref.rank, ref.world_size, result.digest, nbytes,
                                          self.chunk_bytes, sums, tuple(layout), tree))
         if held.meta is not None:
-            self.store.trim(ref.job, self._committed_now)
+            self.store.trim(ref.job, self.committed_now)
             self.on_held(held)
         return result
 
-    def _committed_now(self, job: str, step: int) -> bool:
+    def committed_now(self, job: str, step: int) -> bool:
+        """Whether the step is committed on disk now (synchronous: the store trims under its lock)."""
         return os.path.isfile(os.path.join(step_dir(self.root, job, step), "index.json"))
 
-    async def commit(self, job: str, step: int, world_size: int, digests: Mapping[int, str]) -> None:
-        await self.inner.commit(job, step, world_size, digests)
+    async def commit(self, job: str, step: int, world_size: int, digests: Mapping[int, str],
+                     records: Sequence[RankRecord] | None = None) -> None:
+        await self.inner.commit(job, step, world_size, digests, records)
         self.store.committed(job, step)
-        self.store.trim(job, self._committed_now)
+        self.store.trim(job, self.committed_now)
 
     async def withdraw_commits(self) -> None:
         await self.inner.withdraw_commits()
