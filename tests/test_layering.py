@@ -181,3 +181,147 @@ def test_the_client_imports_only_runtime_and_client_dependencies() -> None:
     undeclared = used - declared("") - client - declared("torchtitan")
     assert not undeclared, f"ckptd_client imports {sorted(undeclared)}, declared in neither dependencies nor client"
     assert client <= used, f"client extra declares {sorted(client - used)} that ckptd_client does not import"
+
+
+# ---- no reach-ins: a module uses only another module's public names ---------------------------
+
+CHECKED_ELSEWHERE = ("benchmarks", "examples")      # they use the package as a user does: public names only
+
+
+def _module_files() -> dict[str, Path]:
+    out = dict(ALL)
+    for folder in CHECKED_ELSEWHERE:
+        out.update({f"{folder}.{p.stem}": p for p in sorted((REPO / folder).glob("*.py"))})
+    return out
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _defined_privates(tree: ast.AST) -> set[str]:
+    """Private names a module defines: functions, classes, assignments, ``self._x = ...`` attributes."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and _private(node.name):
+            out.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _private(node.attr):
+            out.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and _private(node.id):
+            out.add(node.id)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and _private(node.target.id):
+            out.add(node.target.id)
+    return out
+
+
+def reach_ins() -> list[str]:
+    """``from m import _x``, ``m._x`` on an imported module, and ``obj._x`` where ``_x`` is defined only
+    in other modules of the repository (an object of another module's class)."""
+    files = _module_files()
+    trees = {name: ast.parse(path.read_text(), str(path)) for name, path in files.items()}
+    defined = {name: _defined_privates(tree) for name, tree in trees.items()}
+    bad = []
+    for name, tree in trees.items():
+        bound: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = name.split(".")
+                    base = base[: len(base) - node.level + (1 if files[name].name == "__init__.py" else 0)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                for a in node.names:
+                    if f"{target}.{a.name}" in ALL:
+                        bound[a.asname or a.name] = f"{target}.{a.name}"
+                    elif target in ALL and _private(a.name):
+                        bad.append(f"{name}: from {target} import {a.name}")
+            elif isinstance(node, ast.Import):
+                bound.update({a.asname or a.name.split(".")[0]: a.name for a in node.names if a.name in ALL})
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name)):
+                continue
+            owner = node.value.id
+            if owner in bound and bound[owner] != name:
+                bad.append(f"{name}: {owner}.{node.attr} (a private name of {bound[owner]})")
+            elif owner not in ("self", "cls") and node.attr not in defined[name] \
+                    and any(node.attr in d for other, d in defined.items() if other != name):
+                bad.append(f"{name}: {owner}.{node.attr} (private to another module)")
+    return sorted(set(bad))
+
+
+def test_no_module_reaches_into_another() -> None:
+    bad = reach_ins()
+    assert not bad, "private names used across modules (make them public under a good name, or stop " \
+                    "using them):\n" + "\n".join(bad)
+
+
+# ---- the rooms, as a person reads them ---------------------------------------------------------
+
+def room_of(module: str) -> str:
+    """A module's room: its package (ckptd.daemon.tiers.fs for ckptd.daemon.tiers.fs.tier)."""
+    path = ALL[module]
+    return module if path.name == "__init__.py" else module.rpartition(".")[0] or module
+
+
+def room_report() -> str:
+    """Each room with its modules and their line counts, then the imports between rooms."""
+    rooms: dict[str, list[str]] = {}
+    for name in ALL:
+        rooms.setdefault(room_of(name), []).append(name)
+    lines = []
+    for room in sorted(rooms):
+        total = sum(len(ALL[m].read_text().splitlines()) for m in rooms[room])
+        lines.append(f"{room}  ({len(rooms[room])} modules, {total} lines, rank {rank(room)})")
+        for m in sorted(rooms[room]):
+            lines.append(f"    {m.rpartition('.')[2] if m != room else '__init__':<22} "
+                         f"{len(ALL[m].read_text().splitlines()):>4}")
+    edges: dict[tuple[str, str], int] = {}
+    for name, path in ALL.items():
+        for target in imports(name, path):
+            if target in ALL and room_of(target) != room_of(name):
+                key = (room_of(name), room_of(target))
+                edges[key] = edges.get(key, 0) + 1
+    lines.append("imports between rooms (from -> to: import statements' targets):")
+    lines += [f"    {a} -> {b}: {n}" for (a, b), n in sorted(edges.items())]
+    return "\n".join(lines)
+
+
+def test_room_report(capsys: object) -> None:
+    """Printed with ``python tests/test_layering.py``; here: every room has a docstring saying what it holds."""
+    report = room_report()
+    assert "ckptd.daemon.tiers.fs" in report
+    undocumented = [m for m, p in ALL.items()
+                    if p.name == "__init__.py" and not ast.get_docstring(ast.parse(p.read_text()))]
+    assert not undocumented, f"rooms without a docstring saying what they hold: {undocumented}"
+
+
+def readme_layout() -> set[str]:
+    """The module paths the README's Layout tree lists: a folder line (``ckptd/daemon/tiers/fs/``)
+    followed by indented ``name.py`` lines, or a top-level ``ckptd/cli.py`` line."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Layout"):]
+    tree = section[section.index("```") + 3:]
+    tree = tree[: tree.index("```")]
+    listed, folder = set(), ""
+    for line in tree.splitlines():
+        if m := re.match(r"^(\S+/)(?:\s|$)", line):
+            folder = m.group(1)
+        elif m := re.match(r"^(\S+\.py)(?:\s|$)", line):
+            listed.add(m.group(1))
+        elif (m := re.match(r"^\s+(\S+\.py)(?:\s|$)", line)) and folder:
+            listed.add(folder + m.group(1))
+    return listed
+
+
+def test_readme_layout_names_every_module() -> None:
+    """The README's Layout section is where a newcomer looks first: every module, and no module that is gone."""
+    actual = {str(p.relative_to(REPO)) for p in ALL.values() if p.name != "__init__.py"}
+    listed = readme_layout()
+    assert not actual - listed, f"README.md's Layout does not list: {sorted(actual - listed)}"
+    gone = {p for p in listed - actual if not (REPO / p).is_file()}
+    assert not gone, f"README.md's Layout lists modules that do not exist: {sorted(gone)}"
+
+
+if __name__ == "__main__":
+    print(room_report())
