@@ -208,3 +208,57 @@ def test_one_size_parser() -> None:
             parse_size(bad)
     with pytest.raises(ValueError, match="at least 1 bytes"):
         parse_size("0", minimum=1)
+
+
+# ---- the relay acts on what the codec says --------------------------------------------------
+
+def _relay_round(rank1_value: str | None = None, node1_value: str | None = None) -> tuple[Any, list[Any], list[Any]]:
+    """Rank 0's relay over a HashStore, rank 1 (its own node when ``node1_value`` is set) simulated
+    by values written straight into the store: (what resolved, COMMIT calls, ABORT calls)."""
+    import threading
+    import uuid
+
+    import torch.distributed as dist
+
+    from ckptd_client import store_keys
+    from ckptd_client.relay import StoreRelay
+    from ckptd_client.run_scope import FixedRun
+
+    store, run = dist.HashStore(), FixedRun(uuid.uuid4().hex)
+    scope = store_keys.scope("job", run.run)
+    commits: list[Any] = []
+    aborts: list[Any] = []
+    done, resolved = threading.Event(), []
+    relay = StoreRelay(store, "job", 0, 2, 5.0, lambda *a: commits.append(a[:3]), lambda *a: aborts.append(a),
+                       node_size=1 if node1_value is not None else 2, run=run)
+    try:
+        if node1_value is not None:
+            store.set(store_keys.node_record(scope, 3, 1), node1_value)
+            store.add(store_keys.node_count(scope, 3), 1)
+        else:
+            store.set(store_keys.rank_outcome(scope, 3, 1), rank1_value or "")
+        relay.claim(3)
+        relay.track(3, lambda err: (resolved.append(err), done.set()))
+        r0 = record(0)
+        relay.publish(3, RankOutcome.ok(r0["digest"], r0))
+        assert done.wait(30)
+    finally:
+        relay.close()
+    return resolved[0], commits, aborts
+
+
+def test_relay_commits_with_every_rank_record() -> None:
+    r0, r1 = record(0), record(1)
+    err, commits, aborts = _relay_round(RankOutcome.ok(r1["digest"], r1).encode())
+    assert err is None and aborts == []
+    assert commits == [(3, {0: r0["digest"], 1: r1["digest"]}, [r0, r1])]
+
+
+def test_relay_fails_the_save_naming_a_malformed_outcome_or_node_record() -> None:
+    err, commits, aborts = _relay_round("ok:sha256:nope")
+    assert commits == [] and len(aborts) == 1
+    assert err == "rank 1: rank 1's outcome: bad manifest digest 'sha256:nope'" == aborts[0][1]
+    err, commits, _ = _relay_round("fail:" + "x" * (MAX_REASON + 1))
+    assert commits == [] and err == f"rank 1: rank 1's outcome: a failure reason over {MAX_REASON} characters"
+    err, commits, _ = _relay_round(node1_value='[{"ok": "sha256:')
+    assert commits == [] and str(err).startswith("the node record of ranks 1-1: not JSON")

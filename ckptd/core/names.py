@@ -89,8 +89,9 @@ def is_checksum(v: Any) -> TypeGuard[str]:
 
 def check_digest(v: Any, what: str) -> str:
     """``v`` if it is a manifest digest, else FormatError naming ``what``."""
-    require(is_digest(v), f"{what}: bad manifest digest {short(v)}")
-    return str(v)
+    if not is_digest(v):
+        raise FormatError(f"{what}: bad manifest digest {short(v)}")
+    return v
 
 
 def validate_job(job: object) -> str:

@@ -3,8 +3,9 @@
 The daemon that writes a rank's shard knows its manifest; it reduces it to a record (digest,
 sizes, each tensor's name, dtype, shape, placement and — for plain tensors — a fingerprint of
 its chunk checksums, and a hash of each top-level state entry's non-tensor content) and sends
-it with the DURABLE event. In a relayed commit the records travel through the job's c10d store
-(one per node, see ckptd_client/relay.py) to the committing daemon, which builds the global
+it with the DURABLE event (``to_json``). In a relayed commit the records travel through the job's
+c10d store inside the ranks' outcomes (core/relay_record.py; one node record per node, see
+ckptd_client/relay.py) to the committing daemon, which builds the global
 tensor map from them (``global_index.build_from_records``) instead of re-reading every manifest
 on the commit's critical path. Nothing is lost by that: a reader checks every manifest it reads
 against its digest in the index and against the tensor map, and ``ckptd verify`` checks all of

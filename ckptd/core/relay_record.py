@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import FormatError
-from .names import MAX_RANKS, check_digest, is_digest, require, short
+from .names import MAX_RANKS, check_digest, require, short
 from .protocol import MAX_FRAME_BYTES, EventOp
 
 # A record larger than a COMMIT frame could never reach the daemon: such a rank sends its digest
@@ -51,6 +51,10 @@ def _json(text: str, what: str) -> Any:
         raise FormatError(f"{what}: not JSON ({e})") from None
     except RecursionError:
         raise FormatError(f"{what}: nests too deeply to parse") from None
+
+
+def _outcome(rank: int) -> str:
+    return f"rank {rank}'s outcome"
 
 
 def _cut(reason: str) -> str:
@@ -107,13 +111,13 @@ class RankOutcome:
     @classmethod
     def decode(cls, raw: bytes | str, rank: int) -> RankOutcome:
         """Rank ``rank``'s outcome from its store value; FormatError if it is not one."""
-        what = f"rank {rank}'s outcome"
+        what = _outcome(rank)
         text = _text(raw, MAX_OUTCOME_BYTES, what)
         if text.startswith(_FAIL):
-            return cls._reason(text[len(_FAIL):], what)
+            return cls._reason(text[len(_FAIL):], rank)
         require(text.startswith(_OK), f"{what}: unknown tag in {short(text[:16])} (not ok: or fail:)")
         body = text[len(_OK):]
-        return cls._durable(_json(body, what) if body.startswith("{") else body, rank, what)
+        return cls._durable(_json(body, what) if body.startswith("{") else body, rank)
 
     def to_member(self) -> dict[str, Any]:
         """This outcome as a node record lists it: ``{"ok": record or digest}`` or ``{"fail": reason}``."""
@@ -121,31 +125,37 @@ class RankOutcome:
             return {"fail": self.reason}
         return {"ok": self.record if self.record is not None else self.digest}
 
+    # Rank 0 runs these once per rank of the job: the checks are plain, and a message is built
+    # only when one fails.
+
     @classmethod
     def from_member(cls, obj: Any, rank: int) -> RankOutcome:
         """Inverse of :meth:`to_member`, checked like :meth:`decode`."""
-        what = f"rank {rank}'s outcome"
-        require(isinstance(obj, dict) and len(obj) == 1, f"{what}: not an object with one of ok, fail")
+        if not (isinstance(obj, dict) and len(obj) == 1):
+            raise FormatError(f"{_outcome(rank)}: not an object with one of ok, fail")
+        if "ok" in obj:
+            return cls._durable(obj["ok"], rank)
         if "fail" in obj:
-            return cls._reason(obj["fail"], what)
-        require("ok" in obj, f"{what}: unknown tag {short(next(iter(obj)))} (not ok or fail)")
-        return cls._durable(obj["ok"], rank, what)
+            return cls._reason(obj["fail"], rank)
+        raise FormatError(f"{_outcome(rank)}: unknown tag {short(next(iter(obj)))} (not ok or fail)")
 
     @classmethod
-    def _reason(cls, reason: Any, what: str) -> RankOutcome:
-        require(isinstance(reason, str), f"{what}: a failure reason must be text")
-        require(len(reason) <= MAX_REASON, f"{what}: a failure reason over {MAX_REASON} characters")
+    def _reason(cls, reason: Any, rank: int) -> RankOutcome:
+        if not isinstance(reason, str):
+            raise FormatError(f"{_outcome(rank)}: a failure reason must be text")
+        if len(reason) > MAX_REASON:
+            raise FormatError(f"{_outcome(rank)}: a failure reason over {MAX_REASON} characters")
         return cls(reason=reason)
 
     @classmethod
-    def _durable(cls, value: Any, rank: int, what: str) -> RankOutcome:
+    def _durable(cls, value: Any, rank: int) -> RankOutcome:
         """A durable outcome of a bare digest or of a record (a JSON object) naming ``rank``."""
         if isinstance(value, dict):
-            require(type(value.get("rank")) is int and value["rank"] == rank,
-                    f"{what}: its record names rank {short(value.get('rank'))}")
-            return cls(check_digest(value.get("digest"), what), value)
-        require(is_digest(value), f"{what}: bad manifest digest {short(value)}")
-        return cls(value)
+            named = value.get("rank")
+            if not (type(named) is int and named == rank):
+                raise FormatError(f"{_outcome(rank)}: its record names rank {short(named)}")
+            return cls(check_digest(value.get("digest"), _outcome(rank)), value)
+        return cls(check_digest(value, _outcome(rank)))
 
 
 @dataclass(frozen=True, slots=True)
