@@ -229,6 +229,10 @@ def _relay_round(rank1_value: str | None = None, node1_value: str | None = None)
     commits: list[Any] = []
     aborts: list[Any] = []
     done, resolved = threading.Event(), []
+
+    def on_resolved(err: str | None) -> None:
+        resolved.append(err)
+        done.set()
     relay = StoreRelay(store, "job", 0, 2, 5.0, lambda *a: commits.append(a[:3]), lambda *a: aborts.append(a),
                        node_size=1 if node1_value is not None else 2, run=run)
     try:
@@ -238,7 +242,7 @@ def _relay_round(rank1_value: str | None = None, node1_value: str | None = None)
         else:
             store.set(store_keys.rank_outcome(scope, 3, 1), rank1_value or "")
         relay.claim(3)
-        relay.track(3, lambda err: (resolved.append(err), done.set()))
+        relay.track(3, on_resolved)
         r0 = record(0)
         relay.publish(3, RankOutcome.ok(r0["digest"], r0))
         assert done.wait(30)
