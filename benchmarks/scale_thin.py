@@ -38,10 +38,11 @@ from ckptd.core.codec import ChunkMeta
 from ckptd.core.names import HEAD_NAME, INDEX_NAME, rank_data_name, rank_manifest_name, step_dir
 from ckptd.core.rank_record import parse_records, summarize
 from ckptd.core.reader import StepReader
+from ckptd.core.relay_record import NodeRecord, RankOutcome
 from ckptd.core.schema import Manifest, TensorEntry, digest_bytes, encode_json
 from ckptd.daemon.tiers.fs.commit import write_index
 from ckptd_client import store_keys
-from ckptd_client.relay import StoreRelay, node_member
+from ckptd_client.relay import StoreRelay
 from ckptd_client.run_scope import FixedRun
 
 from scale_bench import STORE_SERVER
@@ -78,7 +79,7 @@ def main() -> int:
             (path / rank_manifest_name(r)).write_bytes(data)
             (path / rank_data_name(r)).write_bytes(bytes(48))
             rec = summarize(tiny_manifest(job, step, r, n), digest_bytes(data))
-            outcomes.append("ok:" + json.dumps(rec.to_json(), separators=(",", ":")))
+            outcomes.append(RankOutcome.ok(rec.digest, rec.to_json()))
         setup_s = time.monotonic() - t
 
         def store() -> Any:
@@ -105,14 +106,14 @@ def main() -> int:
         nodes = -(-n // a.node_size)
         clients = [store() for _ in range(8)]
         for r in range(1, a.node_size):          # node 0's other ranks
-            clients[0].set(store_keys.rank_outcome(scope, step, r), outcomes[r])
+            clients[0].set(store_keys.rank_outcome(scope, step, r), outcomes[r].encode())
         last = [0.0]
         lock = threading.Lock()
 
         def publish_node(node: int) -> None:
             c = clients[node % len(clients)]
-            members = outcomes[node * a.node_size: (node + 1) * a.node_size]
-            c.set(store_keys.node_record(scope, step, node), json.dumps([node_member(v) for v in members]))
+            members = tuple(outcomes[node * a.node_size: (node + 1) * a.node_size])
+            c.set(store_keys.node_record(scope, step, node), NodeRecord(node * a.node_size, members).encode())
             if c.add(store_keys.node_count(scope, step), 1) == nodes:
                 c.set(store_keys.nodes_ready(scope, step), "1")
             with lock:

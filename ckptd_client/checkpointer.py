@@ -14,16 +14,18 @@ from ckptd.core.errors import ProtocolError
 from ckptd.core.names import job_dir, step_dir, step_dir_name
 from ckptd.core.protocol import CommitMode, EventOp
 from ckptd.core.reader import latest_committed
+from ckptd.core.relay_record import RankOutcome
 
 from . import bucket_restore
 from .connection import DaemonConnection
 from .disk import committed_on_disk
+from .dist import dist_info
 from .errors import CheckpointError, MissingData, NotDelivered
 from .handle import CloseReport, SaveHandle, wait_all
 from .memory_restore import STORAGE, MemoryUnavailable, RestoreInfo, restore_from_memory
 from .modes import AUTO, WhenBusy, parse_when_busy, resolve_commit_mode
 from .overlap import OverlapCopies, fence_list, parse_overlap
-from .relay import StoreRelay, dist_info, durable_outcome
+from .relay import StoreRelay
 from .restore import PerRank, agree_step, restore_state
 from .run_scope import RunScope
 from .session import DaemonSession
@@ -110,23 +112,21 @@ class Checkpointer:
         h = self._handles.get(step) if isinstance(step, int) else None
         if h is None:
             return
+        if self._relay is not None and op in (EventOp.DURABLE, EventOp.FAILED):    # this rank's outcome
+            self._relay.publish(h.step, RankOutcome.from_event(op, msg))
         if op is EventOp.DURABLE:
             h.durable_s = time.monotonic() - h.started
             h.raw_bytes, h.stored_bytes = msg.get("raw_bytes", 0), msg.get("stored_bytes", 0)
-            if self._relay is not None:
-                self._relay.publish(h.step, durable_outcome(msg))
         elif op is EventOp.COMMITTED:
             self._finish(h, None)
         elif op is EventOp.FAILED:
-            if self._relay is not None:
-                self._relay.publish(h.step, f"fail:{msg['reason']}")
             self._finish(h, msg["reason"])
 
     def _on_lost(self, why: str) -> None:
         reason = f"connection to ckptd at {self.socket_path} lost: {why}"
         for h in list(self._handles.values()):
             if h.durable_s is None and self._relay is not None:
-                self._relay.publish(h.step, f"fail:{reason}")
+                self._relay.publish(h.step, RankOutcome.failed(reason))
             if h.durable_s is None or self.commit_mode is CommitMode.LOCAL:
                 # The daemon may have committed just before it went away: the index decides.
                 committed = h.durable_s is not None and committed_on_disk(self.root, self.job, h.step, h)
@@ -250,7 +250,7 @@ class Checkpointer:
         if handle.slot is not None:
             self._session.release(handle.slot)
         if self._relay is not None:
-            self._relay.publish(handle.step, f"fail:rank {self.rank}: {error or 'skipped (no free slot)'}")
+            self._relay.publish(handle.step, RankOutcome.failed(error or "skipped (no free slot)"))
         self._finish(handle, error)
 
     def _abandon_failed(self, handle: SaveHandle, e: BaseException) -> None:

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from ckptd.core import protocol
+from ckptd.core.codec import checksum_stream
 from ckptd.core.errors import FormatError, ProtocolError
 from ckptd.core.held import HeldMeta
 from ckptd.core.schema import TensorLayout
@@ -64,7 +64,7 @@ def _read_into(base: int, t: TensorLayout, out: torch.Tensor, sums: tuple[str, .
     view, dst = tensor_bytes(out), out.data_ptr()
     for i in range(first, last):
         start, end = i * chunk, min((i + 1) * chunk, t.nbytes)
-        h = xxhash.xxh3_64()
+        h = checksum_stream()
         for pos in range(start, end, PIECE):
             n = min(PIECE, end - pos)
             ctypes.memmove(dst + pos, base + t.offset + pos, n)      # ctypes drops the GIL

@@ -6,18 +6,20 @@ the run id agreed at start, run_scope.py) and names the step saved, not how many
 made: so a rank whose save was refused cannot shift its later saves onto other steps' keys (and
 the Checkpointer refuses a second save of a step in one run). For each step saved:
 
-1. each rank publishes its outcome: ``ok:<rank record JSON>`` (its daemon's DURABLE report:
-   digest, sizes, what the tensor map needs; ``ok:<digest>`` from a daemon without records) or
-   ``fail:<reason>``;
+1. each rank publishes its outcome (a ``RankOutcome``: durable, with its daemon's DURABLE
+   report — digest and the rank record the tensor map needs — or failed, and why);
 2. each node's first rank (the node leader) blocks until its members' outcomes are there (a
-   store ``wait`` on a cloned store connection: no polling), publishes ONE node record (the
+   store ``wait`` on a cloned store connection: no polling), publishes ONE ``NodeRecord`` (the
    members' outcomes, in order), deletes the members' keys and bumps the step's counter with
    ``add``; the leader whose ``add`` completes the count sets the step's ``ready`` key;
 3. rank 0 blocks on ``ready``, fetches the node records with ``multi_get`` in chunks of
    ``CHUNK`` keys, and asks its daemon to COMMIT with every rank's record (so the daemon builds
    the index without reading every manifest back) — or to ABORT, naming the failed ranks — then
-   publishes ``committed`` or ``failed:<reason>`` under the step's result key;
+   publishes its ``StepResult`` (committed, or failed and why) under the step's result key;
 4. every other rank blocks on the result key.
+
+Every value is encoded and decoded by ckptd/core/relay_record.py alone (their format: FORMAT.md,
+"Commit protocol"); a malformed one fails the save, naming the rank or node that wrote it.
 
 The store's server does O(1) work per rank and save, and rank 0 O(nodes). A step's keys are
 deleted by rank 0 once it resolved it, except the result, which the last rank to read it deletes
@@ -36,7 +38,6 @@ that never learns it leaves its saves to the disk.
 from __future__ import annotations
 
 import atexit
-import json
 import queue
 import threading
 import time
@@ -44,14 +45,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ckptd.core.errors import FormatError
 from ckptd.core.gc_pause import gc_paused
+from ckptd.core.relay_record import NodeRecord, RankOutcome, StepResult, commit_inputs
 
 from . import store_keys
 from .errors import CheckpointError, NoReply
 from .store_io import CHUNK, WAIT_SLICE_S, StoreWaiter, multi_get, read_once
 
-__all__ = ["CHUNK", "WAIT_SLICE_S", "StoreRelay", "StoreWaiter", "RunSource", "dist_info", "multi_get",
-           "durable_outcome", "node_member", "read_once"]
+__all__ = ["CHUNK", "WAIT_SLICE_S", "StoreRelay", "StoreWaiter", "RunSource", "multi_get", "read_once"]
 
 DISK_POLL_S = 0.2       # how often the disk is looked at while it decides
 
@@ -70,7 +72,7 @@ class RelayedSave:
     start: float
     resolve: Callable[[str | None], None]      # None: committed; str: failure reason
     published: threading.Event = field(default_factory=threading.Event)
-    outcome: str | None = None                 # this rank's, kept until the run id is known
+    outcome: RankOutcome | None = None         # this rank's, kept until the run id is known
 
 
 class StoreRelay:
@@ -130,11 +132,10 @@ class StoreRelay:
             self._saves[step] = s
         self._queue.put(s)
 
-    def publish(self, step: int, outcome: str) -> None:
-        """``outcome`` is ``ok:<record or digest>`` or ``fail:<reason>`` for this rank's save of
-        ``step``. Never blocks: before the run id is known it is kept, and the relay thread
-        publishes it once it is. Never raises: with the store gone (rank 0 died) the save is
-        settled by the disk instead."""
+    def publish(self, step: int, outcome: RankOutcome) -> None:
+        """How this rank's save of ``step`` went on its daemon. Never blocks: before the run id is
+        known it is kept, and the relay thread publishes it once it is. Never raises: with the store
+        gone (rank 0 died) the save is settled by the disk instead."""
         with self._lock:
             s = self._saves.get(step)
             if s is not None:
@@ -145,9 +146,9 @@ class StoreRelay:
         if s is not None:
             s.published.set()
 
-    def _set_outcome(self, scope: str, step: int, outcome: str) -> None:
+    def _set_outcome(self, scope: str, step: int, outcome: RankOutcome) -> None:
         try:
-            self.store.set(store_keys.rank_outcome(scope, step, self.rank), outcome)
+            self.store.set(store_keys.rank_outcome(scope, step, self.rank), outcome.encode())
         except Exception:
             pass            # the waits below find the store gone and leave the save to the disk
 
@@ -191,23 +192,25 @@ class StoreRelay:
         key = store_keys.save_result(scope, s.step)
         if not self._waiter.wait([key], self._at(s, 2.0) + 5.0):
             return self._by_disk(s, 0.0, f"timed out after {2 * self.timeout:g}s waiting for rank 0's commit")
-        result = self._own.get(key).decode()
+        raw = self._own.get(key)
         self._trash.put(["read", key])      # counted, off this path; the last reader deletes it
-        if result == "committed":
-            return None
-        return self._by_disk(s, 0.0, result.removeprefix("failed:"))
+        try:
+            result = StepResult.decode(raw, s.step)
+        except FormatError as e:
+            return self._by_disk(s, 0.0, f"rank 0's result is malformed: {e}")
+        return None if result.committed else self._by_disk(s, 0.0, str(result.reason))
 
     def _publish_node(self, scope: str, s: RelayedSave) -> None:
         """Node leader: gather the members' outcomes, publish the node's one record, count it."""
-        keys = [store_keys.rank_outcome(scope, s.step, r) for r in self.members(self.node)]
+        members = self.members(self.node)
+        keys = [store_keys.rank_outcome(scope, s.step, r) for r in members]
         if self._waiter.wait(keys, self._at(s, 0.7)):
-            values = [v.decode() for v in multi_get(self._own, keys)]
+            values: list[bytes | None] = list(multi_get(self._own, keys))
         else:                   # someone is missing: which (one key at a time, on this failure path only)
-            values = [self._own.get(k).decode() if self._own.check([k]) else
-                      f"fail:rank {r} never reported its outcome within {0.7 * self.timeout:g}s "
-                      f"(its process or node is gone?)" for r, k in zip(self.members(self.node), keys, strict=True)]
-        # Parsed here, once per node: rank 0 then decodes one JSON document per node, not one per rank.
-        self._own.set(store_keys.node_record(scope, s.step, self.node), json.dumps([node_member(v) for v in values]))
+            values = [self._own.get(k) if self._own.check([k]) else None for k in keys]
+        # Decoded here, once per node: rank 0 then decodes one document per node, not one per rank.
+        outcomes = tuple(_member(r, v, 0.7 * self.timeout) for r, v in zip(members, values, strict=True))
+        self._own.set(store_keys.node_record(scope, s.step, self.node), NodeRecord(members.start, outcomes).encode())
         self._trash.put(keys)
         if self._own.add(store_keys.node_count(scope, s.step), 1) == self.nodes:
             self._own.set(store_keys.nodes_ready(scope, s.step), "1")
@@ -220,15 +223,22 @@ class StoreRelay:
                        if not self._own.check([k])]
             reason = self._describe_missing(missing)
             return self._fail(scope, s, reason)
+        outcomes: list[RankOutcome] = []
+        failures: list[str] = []
         with gc_paused():       # one record per rank: see ckptd.core.gc_pause
-            values: list[dict[str, Any]] = [v for raw in multi_get(self._own, node_keys) for v in json.loads(raw)]
-        failures = [f"rank {r}: {v.get('fail')}" for r, v in enumerate(values) if "ok" not in v]
-        if len(values) != self.world_size:
-            failures.append(f"the node records list {len(values)} ranks, the world has {self.world_size}")
+            for n, raw in enumerate(multi_get(self._own, node_keys)):
+                try:
+                    node = NodeRecord.decode(raw, self.members(n))
+                except FormatError as e:        # named: a node whose leader wrote what no leader writes
+                    failures.append(str(e))
+                    continue
+                outcomes.extend(node.outcomes)
+                failures.extend(f"rank {r}: {o.reason}" for r, o in enumerate(node.outcomes, node.first)
+                                if not o.durable)
         if failures:
             more = f" (and {len(failures) - 8} more)" if len(failures) > 8 else ""
             return self._fail(scope, s, "; ".join(failures[:8]) + more)
-        digests, records = _split(values)
+        digests, records = commit_inputs(outcomes)
         try:
             self._commit(s.step, digests, records, max(1.0, self.timeout))
         except NoReply as e:        # the daemon is still committing, maybe: the disk decides, for up to 2 T
@@ -237,7 +247,7 @@ class StoreRelay:
             outcome = self._by_disk(s, 0.0, f"COMMIT failed: {e}")
         else:
             outcome = None
-        self._finish(scope, s, "committed" if outcome is None else f"failed:{outcome}")
+        self._finish(scope, s, StepResult(outcome))
         return outcome
 
     def _describe_missing(self, missing: list[int]) -> str:
@@ -252,7 +262,7 @@ class StoreRelay:
         except Exception:
             pass            # the daemon is gone: its step is gone with it
         outcome = self._by_disk(s, 0.0, reason)    # (committed only if an index is there after all)
-        self._finish(scope, s, "committed" if outcome is None else f"failed:{outcome}")
+        self._finish(scope, s, StepResult(outcome))
         return outcome
 
     def _by_disk(self, s: RelayedSave, until: float, reason: str) -> str | None:
@@ -265,11 +275,11 @@ class StoreRelay:
                 return reason
             time.sleep(DISK_POLL_S)
 
-    def _finish(self, scope: str, s: RelayedSave, result: str) -> None:
+    def _finish(self, scope: str, s: RelayedSave, result: StepResult) -> None:
         """Publish the result (best effort: without a store the followers settle by the disk), then
         hand this step's other keys to the deleting thread (the result is its readers' to delete)."""
         try:
-            self._own.set(store_keys.save_result(scope, s.step), result)
+            self._own.set(store_keys.save_result(scope, s.step), result.encode())
         except Exception:
             return
         self._trash.put([store_keys.node_record(scope, s.step, n) for n in range(self.nodes)]
@@ -305,50 +315,13 @@ class StoreRelay:
         atexit.unregister(self.close)
 
 
-def durable_outcome(msg: dict[str, Any]) -> str:
-    """This rank's outcome from its daemon's DURABLE event: ``ok:<rank record JSON>`` (``ok:<digest>``
-    from a daemon that sends no record)."""
-    record = msg.get("record")
-    return "ok:" + (json.dumps(record, separators=(",", ":")) if isinstance(record, dict) else str(msg["digest"]))
 
-
-def node_member(value: str) -> dict[str, Any]:
-    """A rank's outcome as its node record lists it: ``{"ok": record or digest}`` or ``{"fail": reason}``."""
-    if value.startswith("ok:{"):
-        try:
-            return {"ok": json.loads(value[3:])}
-        except ValueError:
-            return {"fail": "its daemon's record is not JSON"}
-    if value.startswith("ok:"):
-        return {"ok": value[3:]}
-    return {"fail": value.removeprefix("fail:")}
-
-
-def _split(values: list[dict[str, Any]]) -> tuple[dict[int, str], list[Any] | None]:
-    """(digests, records or None) of the ranks' ``ok`` outcomes; records only if every rank sent one."""
-    digests: dict[int, str] = {}
-    records: list[Any] | None = []
-    for r, v in enumerate(values):
-        ok = v["ok"]
-        if isinstance(ok, dict):
-            digests[r] = str(ok.get("digest"))
-            if records is not None:
-                records.append(ok)
-        else:
-            digests[r] = str(ok)
-            records = None
-    return digests, records
-
-
-def dist_info() -> tuple[int, int, Any]:
-    """(rank, world size, the default group's store or None) of this process's torch.distributed."""
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        store = None
-        try:
-            from torch.distributed.distributed_c10d import _get_default_store
-            store = _get_default_store()
-        except Exception:
-            pass
-        return dist.get_rank(), dist.get_world_size(), store
-    return 0, 1, None
+def _member(rank: int, raw: bytes | None, waited_s: float) -> RankOutcome:
+    """A member's outcome as its node record lists it: a missing or malformed one is its failure."""
+    if raw is None:
+        return RankOutcome.failed(f"rank {rank} never reported its outcome within {waited_s:g}s "
+                                  "(its process or node is gone?)")
+    try:
+        return RankOutcome.decode(raw, rank)
+    except FormatError as e:
+        return RankOutcome.failed(str(e))

@@ -2,7 +2,9 @@
 
 All ranks of a job share one store, and ranks may run different processes (and, during a
 rolling upgrade, different builds), so a key's spelling is part of the protocol between
-ranks: change it here or nowhere.
+ranks: change it here or nowhere. What the relay's keys hold is ckptd/core/relay_record.py's
+to encode and decode, and FORMAT.md's ("Commit protocol") to document; below, only what each
+key is for.
 
 A store can outlive a run (a launcher holds it, or two ``Checkpointer`` s run one after the
 other on a process group's store), and a run that crashed leaves its keys behind. So every key
@@ -28,18 +30,17 @@ A run's keys (``<step>`` is the step number, so a rank's keys follow the step it
 how many times it called ``save``; a step is saved at most once per run in ``relay`` mode):
 
 ``ckptd/<job>/<run>/s<step>/r<rank>``
-    one rank's outcome of its save of ``step`` (``ok:<manifest digest or rank record>`` or
-    ``fail:<reason>``); its node's leader deletes them once it has published the node record.
+    one rank's outcome of its save of ``step`` (a ``RankOutcome``: durable with its rank record,
+    or failed and why); its node's leader deletes them once it has published the node record.
 ``ckptd/<job>/<run>/s<step>/n<node>``
-    a node leader's record of ``step``: its members' outcomes, in rank order (JSON list of
-    ``{"ok": record or digest}`` / ``{"fail": reason}``);
+    a node leader's record of ``step`` (a ``NodeRecord``): its members' outcomes, in rank order;
 ``ckptd/<job>/<run>/s<step>/nodes``
     how many node records of ``step`` are published (``add``);
 ``ckptd/<job>/<run>/s<step>/ready``
     set by the node leader whose record completed the count; rank 0 waits on it.
 ``ckptd/<job>/<run>/s<step>/result``
-    rank 0's verdict: ``committed`` or ``failed:<reason>``; ``.../result/read`` counts the ranks
-    that read it (``add``), and the last of them deletes both.
+    rank 0's verdict (a ``StepResult``: committed, or failed and why); ``.../result/read`` counts
+    the ranks that read it (``add``), and the last of them deletes both.
 ``ckptd/<job>/<run>/restore/<n>``
     the step rank 0 chose for the run's ``n``-th restore (``-1``: none), so every rank loads the
     same step even if a commit lands while they list the directory; ``.../read`` as above.

@@ -364,14 +364,17 @@ def test_split_matches_huggingface_hub_rule_for_rule() -> None:
 def test_names_sizes_and_progress() -> None:
     import io
 
-    from ckptd.hf.layout import canonical_name, parse_size
+    from ckptd.core.sizes import parse_size
+    from ckptd.hf.layout import canonical_name
     from ckptd.hf.progress import Progress
     assert canonical_name("module._orig_mod.layers.0._checkpoint_wrapped_module.w1.weight") == "layers.0.w1.weight"
     assert canonical_name("_fsdp_wrapped_module.embed.weight") == "embed.weight"
     assert (parse_size("5GB"), parse_size("1MB"), parse_size("2MiB"), parse_size(1234)) == (5 * 10**9, MB, 2**21, 1234)
-    for bad in ("5XB", "-1MB", "0", "MB"):
+    for bad in ("5XB", "-1MB", "MB", 1.5, True):
         with pytest.raises(ValueError):
             parse_size(bad)
+    with pytest.raises(ValueError, match="at least 1 bytes"):       # a shard limit (ckptd export) is > 0
+        parse_size("0", minimum=1)
     out = io.StringIO()
     bar = Progress("export x", 200, enabled=True, stream=out)
     bar.update(200)

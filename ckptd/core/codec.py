@@ -62,8 +62,14 @@ def choose_codec(dtype: str, setting: str) -> str:
 
 
 def checksum(data: Any) -> str:
-    """xxh3-64 of the stored bytes, as 16 hex digits (what ``ChunkMeta.checksum`` holds)."""
+    """xxh3-64 of ``data``, as 16 hex digits: every checksum ckptd writes or checks (a stored
+    chunk's ``ChunkMeta.checksum``, a held shard's raw chunks) is this one."""
     return xxhash.xxh3_64_hexdigest(data)
+
+
+def checksum_stream() -> Any:
+    """``checksum`` of bytes fed piece by piece: ``update(piece)``, then ``hexdigest()``."""
+    return xxhash.xxh3_64()
 
 
 @dataclass
@@ -249,7 +255,7 @@ def encode_chunk(raw: memoryview, dtype: str, codec: str, level: int = 1) -> tup
             segments.append([len(out), kind])
     else:
         raise ValueError(f"unknown codec {codec!r}")
-    h = xxhash.xxh3_64()
+    h = checksum_stream()
     for p in parts:
         h.update(p)
     stored = sum(s[0] for s in segments)

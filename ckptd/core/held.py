@@ -15,11 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import xxhash
-
-from .codec import chunk_ranges
+from .codec import checksum, chunk_ranges
 from .errors import ChecksumError, FormatError
-from .names import validate_job
+from .names import is_checksum, is_digest, is_rank, validate_job
 from .protocol import parse_layout
 from .schema import TensorLayout
 
@@ -30,7 +28,7 @@ MIN_CHUNK, MAX_CHUNK = 64 * 1024, 1 << 30
 def raw_checksums(data: memoryview | bytes, chunk_bytes: int) -> tuple[str, ...]:
     """xxh3-64 (hex) of each ``chunk_bytes`` piece of one tensor's bytes ``data``."""
     view = memoryview(data)
-    return tuple(xxhash.xxh3_64_hexdigest(view[s:s + n]) for s, n in chunk_ranges(len(view), chunk_bytes))
+    return tuple(checksum(view[s:s + n]) for s, n in chunk_ranges(len(view), chunk_bytes))
 
 
 def layout_checksums(data: memoryview, layout: Sequence[TensorLayout],
@@ -46,7 +44,7 @@ def verify(data: memoryview | bytes, checksums: tuple[str, ...], chunk_bytes: in
     if len(spans) != len(checksums):
         raise ChecksumError(f"{what}: {len(checksums)} checksums for {len(spans)} chunks")
     for i, ((s, n), want) in enumerate(zip(spans, checksums, strict=True)):
-        if xxhash.xxh3_64_hexdigest(view[s:s + n]) != want:
+        if checksum(view[s:s + n]) != want:
             raise ChecksumError(f"{what}: chunk {i} (bytes {s}..{s + n}) fails its checksum: corrupt copy")
 
 
@@ -88,10 +86,10 @@ class HeldMeta:
                 raise FormatError(f"held shard: {k} must be an integer ≥ 0")
             ints.append(v)
         step, rank, world, nbytes, chunk = ints
-        if not (0 <= rank < world <= 1 << 20 and nbytes <= MAX_HELD_BYTES and MIN_CHUNK <= chunk <= MAX_CHUNK):
+        if not (is_rank(rank, world) and nbytes <= MAX_HELD_BYTES and MIN_CHUNK <= chunk <= MAX_CHUNK):
             raise FormatError(f"held shard: bad rank {rank} / world size {world} / size {nbytes} / chunk {chunk}")
         digest, sums, tensors = msg.get("digest"), msg.get("checksums"), msg.get("tensors")
-        if not (isinstance(digest, str) and digest.startswith("sha256:") and len(digest) == 71):
+        if not is_digest(digest):
             raise FormatError("held shard: bad manifest digest")
         if not isinstance(tensors, list):
             raise FormatError("held shard: tensors must be a list")
@@ -101,7 +99,7 @@ class HeldMeta:
             raise FormatError(f"held shard: {e}") from None
         if not (isinstance(sums, list) and len(sums) == len(layout) and all(
                 isinstance(c, list) and len(c) == len(chunk_ranges(t.nbytes, chunk))
-                and all(isinstance(x, str) and len(x) == 16 for x in c) for c, t in zip(sums, layout, strict=True))):
+                and all(is_checksum(x) for x in c) for c, t in zip(sums, layout, strict=True))):
             raise FormatError("held shard: checksums do not match its tensors")
         return cls(job, step, rank, world, digest, nbytes, chunk, tuple(tuple(c) for c in sums), tuple(layout),
                    msg.get("tree"))

@@ -1,22 +1,28 @@
-"""Names and validators: what a job, step, rank file or tensor may be called.
+"""Names and validators: what a job, step, rank file or tensor may be called, and the checks
+every message's validator shares (step and rank bounds, digests, ``require``).
 
 Every name that becomes a path (jobs, steps, rank files) or a key (tensor names) is checked
 here, once, before it touches a file system; readers of the wire and of disk call the same
-functions, so a name from anywhere never escapes its directory.
+functions, so a name from anywhere never escapes its directory. Each message type keeps its
+own validator beside its dataclass (schema.py, rank_record.py, relay_record.py, held.py,
+protocol.py) and builds it from these checks, so a bound is written once.
 """
 from __future__ import annotations
 
 import os
 import re
 import time
-from typing import Any
+from typing import Any, TypeGuard
+
+from .errors import FormatError
 
 INDEX_NAME = "index.json"
 # The lean index's side files beside index.json (core/rank_table.py says what each holds).
 RANK_TABLE_NAME, TENSORS_NAME, HEAD_NAME = "ranks.bin", "tensors.json", "index-head.json"
 # A step directory staged from the bucket for a restore (FORMAT.md): a copy, not this root's own commit.
 STAGED_NAME = "staged.json"
-MAX_RANKS = 1 << 20
+MAX_RANKS = 1 << 20            # world size (FORMAT.md, "Size limits"); rank files have 5-7 digits
+MAX_STEP = 10**12              # steps are 0 <= step < MAX_STEP: a step directory has 12 digits
 
 _STEP_RE = re.compile(r"^step-([0-9]{12})\Z")   # not \d (any Unicode digit) nor $ (allows "\n")
 # \Z, not $: "$" also matches before a trailing newline ("job\n" would pass).
@@ -26,32 +32,85 @@ MAX_TENSOR_NAME = 1024
 # container). Deeper trees are refused on the wire and on disk: every reader must be able
 # to parse them without running out of recursion.
 MAX_TREE_DEPTH = 256
+_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}\Z")    # a manifest's digest (schema.digest_bytes)
+_HASH16_RE = re.compile(r"^[0-9a-f]{16}\Z")            # codec.checksum, rank_record.short_hash
 
 
-
-def _short(value: object, limit: int = 80) -> str:
+def short(value: object, limit: int = 80) -> str:
     """repr() for error messages, cut short: the value may be 16 MiB of hostile text."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+# ---- checks every validator shares -------------------------------------------
+
+def require(cond: bool, what: str) -> None:
+    """FormatError(``what``) unless ``cond``: the one way a validator refuses what it read."""
+    if not cond:
+        raise FormatError(what)
+
+
+def is_uint(v: Any) -> TypeGuard[int]:
+    """A JSON integer >= 0 (not a bool, not a float)."""
+    return type(v) is int and v >= 0
+
+
+def is_step(v: Any) -> TypeGuard[int]:
+    """A step number: an integer in [0, MAX_STEP)."""
+    return type(v) is int and 0 <= v < MAX_STEP
+
+
+def check_step(v: Any) -> int:
+    """``v`` if it is a step number, else ValueError saying what a step is."""
+    if not is_step(v):
+        raise ValueError(f"step must be an integer in [0, 10**12), got {short(v)}")
+    return int(v)
+
+
+def is_world(world_size: Any) -> TypeGuard[int]:
+    """A world size ckptd can hold: an integer in [1, MAX_RANKS]."""
+    return type(world_size) is int and 0 < world_size <= MAX_RANKS
+
+
+def is_rank(rank: Any, world_size: Any) -> bool:
+    """``rank`` is a rank of a world of ``world_size`` ranks, and that world is one ckptd can hold."""
+    return is_world(world_size) and type(rank) is int and 0 <= rank < world_size
+
+
+def is_digest(v: Any) -> TypeGuard[str]:
+    """A manifest digest: ``sha256:`` and 64 lower-case hex digits."""
+    return isinstance(v, str) and _DIGEST_RE.match(v) is not None
+
+
+def is_checksum(v: Any) -> TypeGuard[str]:
+    """16 lower-case hex digits: a ``codec.checksum`` (or a rank record's ``short_hash``)."""
+    return isinstance(v, str) and _HASH16_RE.match(v) is not None
+
+
+def check_digest(v: Any, what: str) -> str:
+    """``v`` if it is a manifest digest, else FormatError naming ``what``."""
+    if not is_digest(v):
+        raise FormatError(f"{what}: bad manifest digest {short(v)}")
+    return v
 
 
 def validate_job(job: object) -> str:
     """A job name becomes a directory: letters, digits, ``._-``, no leading dot, ≤128 chars."""
     if not isinstance(job, str) or not _JOB_RE.match(job):
         raise ValueError(
-            f"invalid job name {_short(job)}: use 1-128 of [A-Za-z0-9._-], starting with a letter or digit")
+            f"invalid job name {short(job)}: use 1-128 of [A-Za-z0-9._-], starting with a letter or digit")
     return job
 
 
 def validate_tensor_name(name: object) -> str:
     """Tensor names are key paths (``model/layer.0.weight``); refuse anything path-like that could escape."""
     if not isinstance(name, str) or not name or len(name) > MAX_TENSOR_NAME:
-        raise ValueError(f"invalid tensor name {_short(name)}: must be a non-empty string of at most "
+        raise ValueError(f"invalid tensor name {short(name)}: must be a non-empty string of at most "
                          f"{MAX_TENSOR_NAME} chars")
     if "\x00" in name or "\\" in name or name.startswith("/"):
-        raise ValueError(f"invalid tensor name {_short(name)}: NUL, backslash or leading '/' not allowed")
+        raise ValueError(f"invalid tensor name {short(name)}: NUL, backslash or leading '/' not allowed")
     if any(part in ("", ".", "..") for part in name.split("/")):
-        raise ValueError(f"invalid tensor name {_short(name)}: empty, '.' or '..' path segment")
+        raise ValueError(f"invalid tensor name {short(name)}: empty, '.' or '..' path segment")
     return name
 
 
@@ -62,7 +121,7 @@ def validate_file_name(name: object) -> str:
     """A file name read from disk (a Hugging Face index's shard names): one plain name inside its
     directory — letters, digits, ``._-``, no leading dot, no separator — so it can never escape it."""
     if not isinstance(name, str) or not _FILE_RE.match(name):
-        raise ValueError(f"invalid file name {_short(name)}: a plain name of 1-255 of [A-Za-z0-9._-], "
+        raise ValueError(f"invalid file name {short(name)}: a plain name of 1-255 of [A-Za-z0-9._-], "
                          "starting with a letter or digit (no directories)")
     return name
 
@@ -82,9 +141,7 @@ def check_tree_depth(tree: Any, limit: int = MAX_TREE_DEPTH) -> None:
 # ---- names -----------------------------------------------------------------
 
 def step_dir_name(step: int) -> str:
-    if type(step) is not int or not 0 <= step < 10**12:
-        raise ValueError(f"step must be an integer in [0, 10**12), got {step!r}")
-    return f"step-{step:012d}"
+    return f"step-{check_step(step):012d}"
 
 
 def parse_step_dir_name(name: str) -> int | None:

@@ -26,7 +26,7 @@ from typing import Any, ClassVar, get_args
 
 from . import gc_pause
 from .errors import FormatError, ProtocolError
-from .names import _short, validate_tensor_name
+from .names import short, validate_tensor_name
 from .schema import DTYPE_ITEMSIZE, TensorLayout, parse_placement, validate_shape
 
 PROTOCOL_VERSION = 1
@@ -180,7 +180,7 @@ def parse_request(msg: dict[str, Any]) -> tuple[int, Request]:
     op = msg["op"]
     typ = REQUEST_TYPES.get(op)
     if typ is None:
-        raise ProtocolError(f"unknown request op {_short(op)}")
+        raise ProtocolError(f"unknown request op {short(op)}")
     req = msg.get("req")
     if type(req) is not int:
         raise ProtocolError(f"{op}: missing integer 'req'")

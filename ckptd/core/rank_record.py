@@ -3,8 +3,9 @@
 The daemon that writes a rank's shard knows its manifest; it reduces it to a record (digest,
 sizes, each tensor's name, dtype, shape, placement and — for plain tensors — a fingerprint of
 its chunk checksums, and a hash of each top-level state entry's non-tensor content) and sends
-it with the DURABLE event. In a relayed commit the records travel through the job's c10d store
-(one per node, see ckptd_client/relay.py) to the committing daemon, which builds the global
+it with the DURABLE event (``to_json``). In a relayed commit the records travel through the job's
+c10d store inside the ranks' outcomes (core/relay_record.py; one node record per node, see
+ckptd_client/relay.py) to the committing daemon, which builds the global
 tensor map from them (``global_index.build_from_records``) instead of re-reading every manifest
 on the commit's critical path. Nothing is lost by that: a reader checks every manifest it reads
 against its digest in the index and against the tensor map, and ``ckptd verify`` checks all of
@@ -15,18 +16,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import FormatError
 from .gc_pause import gc_paused
-from .names import validate_tensor_name
+from .names import is_checksum, is_digest, is_uint, require, validate_tensor_name
 from .regions import Region
 from .schema import Manifest, TensorEntry, parse_placement, validate_shape
-
-_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}\Z")
-_HASH_RE = re.compile(r"^[0-9a-f]{16}\Z")
 
 
 def fingerprint(entry: TensorEntry) -> tuple[Any, ...]:
@@ -107,45 +104,36 @@ def _name_fault(name: Any) -> str | None:
         return str(e)
 
 
-def _req(cond: bool, what: str) -> None:
-    if not cond:
-        raise FormatError(what)
-
-
-def _uint(v: Any) -> bool:
-    return type(v) is int and v >= 0
-
-
 def parse_record(obj: Any, rank: int) -> RankRecord:
     """A record from the wire or the store, checked as strictly as a manifest (FormatError)."""
     where = f"rank {rank} record"
-    _req(isinstance(obj, dict) and obj.get("rank") == rank, f"{where}: not a record of rank {rank}")
-    _req(isinstance(obj.get("digest"), str) and bool(_DIGEST_RE.match(obj["digest"])), f"{where}: bad digest")
-    _req(_uint(obj.get("raw")) and _uint(obj.get("stored")), f"{where}: bad sizes")
-    _req(isinstance(obj.get("t"), list) and isinstance(obj.get("k"), list), f"{where}: no tensors or keys")
+    require(isinstance(obj, dict) and obj.get("rank") == rank, f"{where}: not a record of rank {rank}")
+    require(is_digest(obj.get("digest")), f"{where}: bad digest")
+    require(is_uint(obj.get("raw")) and is_uint(obj.get("stored")), f"{where}: bad sizes")
+    require(isinstance(obj.get("t"), list) and isinstance(obj.get("k"), list), f"{where}: no tensors or keys")
     entries, seen = [], set()
     for t in obj["t"]:
-        _req(isinstance(t, list) and len(t) == 7, f"{where}: malformed tensor entry")
+        require(isinstance(t, list) and len(t) == 7, f"{where}: malformed tensor entry")
         name, dtype, shape, key, gshape, offsets, fp = t
         fault = (_name_fault(name) if isinstance(name, str) else "a tensor name must be a string") \
             or (None if key is None else _name_fault(key) if isinstance(key, str) else "a key must be a string")
         if fault:
             raise FormatError(f"{where}: {fault}")
-        _req(name not in seen, f"{where}: duplicate tensor {name!r}")
+        require(name not in seen, f"{where}: duplicate tensor {name!r}")
         seen.add(name)
         validate_shape(dtype, shape)
         if gshape is not None:
             p = parse_placement({"shape": gshape, "offsets": offsets}, shape, f"{where}: tensor {name!r}")
-            _req(fp is None or (isinstance(fp, str) and bool(_HASH_RE.match(fp))), f"{where}: bad fingerprint")
+            require(fp is None or is_checksum(fp), f"{where}: bad fingerprint")
             entries.append(RecordEntry(name, dtype, tuple(shape), key or name, p.global_shape, p.offsets, fp))
         else:
-            _req(key is None and offsets is None and isinstance(fp, str) and bool(_HASH_RE.match(fp)),
+            require(key is None and offsets is None and is_checksum(fp),
                  f"{where}: plain tensor {name!r} needs a fingerprint and no placement")
             entries.append(RecordEntry(name, dtype, tuple(shape), name, None, None, fp))
     forms = []
     for f in obj["k"]:
-        _req(isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) and len(f[0]) <= 1024
-             and isinstance(f[1], str) and bool(_HASH_RE.match(f[1])), f"{where}: malformed state key entry")
+        require(isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) and len(f[0]) <= 1024
+             and is_checksum(f[1]), f"{where}: malformed state key entry")
         forms.append((f[0], f[1]))
     return RankRecord(rank, obj["digest"], obj["raw"], obj["stored"], tuple(entries), tuple(forms))
 

@@ -27,9 +27,9 @@ from typing import Any
 
 from . import storage
 from .errors import FormatError
-from .names import HEAD_NAME, MAX_RANKS, RANK_TABLE_NAME, TENSORS_NAME
+from .names import HEAD_NAME, RANK_TABLE_NAME, TENSORS_NAME, is_world
 from .rank_record import RankRecord
-from .schema import READABLE_VERSIONS, _load_json, encode_json, index_digest
+from .schema import READABLE_VERSIONS, encode_json, index_digest, load_json
 
 SIDE_FILES = (RANK_TABLE_NAME, TENSORS_NAME, HEAD_NAME)
 RECORD = struct.Struct(">32sQQ")
@@ -74,14 +74,14 @@ class IndexHead:
 
 
 def parse_head(data: bytes, *, job: str, step: int) -> IndexHead:
-    obj = _load_json(data, "index head")
+    obj = load_json(data, "index head")
     if not (isinstance(obj, dict) and obj.get("kind") == "ckptd.index-head"):
         raise FormatError("not a ckptd index head")
     if obj.get("format_version") not in READABLE_VERSIONS or obj.get("job") != job or obj.get("step") != step:
         raise FormatError(f"index head names format/job/step {obj.get('format_version')!r}/{obj.get('job')!r}/"
                           f"{obj.get('step')!r}, expected {job!r}/{step}")
     ws, blocks, keys = obj.get("world_size"), obj.get("rank_blocks"), obj.get("per_rank_keys")
-    if not (type(ws) is int and 0 < ws <= MAX_RANKS and obj.get("block_ranks") == BLOCK_RANKS
+    if not (is_world(ws) and obj.get("block_ranks") == BLOCK_RANKS
             and isinstance(blocks, list) and len(blocks) == -(-ws // BLOCK_RANKS)
             and all(isinstance(b, str) and len(b) == 64 for b in blocks)
             and isinstance(keys, list) and all(isinstance(k, str) for k in keys)
@@ -124,7 +124,7 @@ def read_tensors(step_path: str, head: IndexHead, limit: int) -> Any:
         raise FormatError(f"{path}: cannot read the tensor map: {e}") from None
     if len(data) != head.tensors_bytes or hashlib.sha256(data).hexdigest() != head.tensors_sha256:
         raise FormatError(f"{path}: does not match index-head.json (corrupt or edited)")
-    return _load_json(data, "tensor map")
+    return load_json(data, "tensor map")
 
 
 def side_file_faults(step_path: str, index: dict[str, Any]) -> list[str]:

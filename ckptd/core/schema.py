@@ -15,7 +15,18 @@ from typing import Any
 from . import gc_pause
 from .codec import FLOAT_ITEMSIZE, ChunkMeta
 from .errors import FormatError
-from .names import MAX_RANKS, MAX_TENSOR_NAME, MAX_TREE_DEPTH, check_tree_depth, rank_data_name, validate_tensor_name
+from .names import (
+    MAX_TENSOR_NAME,
+    MAX_TREE_DEPTH,
+    check_tree_depth,
+    is_digest,
+    is_rank,
+    is_uint,
+    is_world,
+    rank_data_name,
+    require,
+    validate_tensor_name,
+)
 from .regions import Region
 
 FORMAT_VERSION = 2
@@ -69,10 +80,10 @@ class TensorLayout:
 
 def parse_placement(obj: Any, shape: list[int], what: str) -> Placement:
     """A piece's ``global`` object (manifest or wire), checked against the piece's shape."""
-    _require(isinstance(obj, dict) and set(obj) <= {"shape", "offsets", "key"}, f"{what}: bad global placement")
+    require(isinstance(obj, dict) and set(obj) <= {"shape", "offsets", "key"}, f"{what}: bad global placement")
     gshape, offsets = obj.get("shape"), obj.get("offsets")
-    _require(isinstance(gshape, list) and isinstance(offsets, list) and len(gshape) == len(offsets) == len(shape)
-             and all(_is_uint(x) for x in gshape + offsets)
+    require(isinstance(gshape, list) and isinstance(offsets, list) and len(gshape) == len(offsets) == len(shape)
+             and all(is_uint(x) for x in gshape + offsets)
              and all(o + n <= g for o, n, g in zip(offsets, shape, gshape, strict=True)),
              f"{what}: global placement {str(obj)[:120]} does not fit its shape {shape}")
     key = obj.get("key")
@@ -163,22 +174,14 @@ class Manifest:
         return {t.name: t for t in self.tensors}
 
 
-def _require(cond: bool, what: str) -> None:
-    if not cond:
-        raise FormatError(what)
-
-
-def _is_uint(v: Any) -> bool:
-    return type(v) is int and v >= 0
-
-
 def validate_shape(dtype: Any, shape: Any) -> None:
-    _require(isinstance(dtype, str) and dtype in DTYPE_ITEMSIZE, f"unknown dtype {dtype!r}")
-    _require(isinstance(shape, list) and len(shape) <= 64 and all(_is_uint(d) for d in shape),
+    require(isinstance(dtype, str) and dtype in DTYPE_ITEMSIZE, f"unknown dtype {dtype!r}")
+    require(isinstance(shape, list) and len(shape) <= 64 and all(is_uint(d) for d in shape),
              f"bad shape {shape!r}")
 
 
-def _load_json(data: bytes, what: str) -> Any:
+def load_json(data: bytes, what: str) -> Any:
+    """A JSON document read from disk or the wire; FormatError naming ``what`` when it is not one."""
     try:
         return gc_pause.loads(data)
     except ValueError as e:
@@ -190,39 +193,39 @@ def _load_json(data: bytes, what: str) -> Any:
 def _check_chunks(entry: TensorEntry) -> None:
     """Chunk metadata consistent with the codec and dtype, so decoding cannot trip over it."""
     for c in entry.chunks:
-        _require(c.stored_len <= c.raw_len, f"tensor {entry.name!r}: a chunk stores more bytes than it holds")
+        require(c.stored_len <= c.raw_len, f"tensor {entry.name!r}: a chunk stores more bytes than it holds")
         if c.codec == "bplane":
             itemsize = FLOAT_ITEMSIZE.get(entry.dtype, 0)
-            _require(itemsize > 0 and c.raw_len % itemsize == 0 and len(c.segments) == itemsize,
+            require(itemsize > 0 and c.raw_len % itemsize == 0 and len(c.segments) == itemsize,
                      f"tensor {entry.name!r}: bplane chunk does not fit dtype {entry.dtype}")
-            _require(all(n == c.raw_len // itemsize for n, kind in c.segments if kind == "r"),
+            require(all(n == c.raw_len // itemsize for n, kind in c.segments if kind == "r"),
                      f"tensor {entry.name!r}: bplane raw plane of the wrong length")
         else:
-            _require(len(c.segments) == 1, f"tensor {entry.name!r}: {c.codec} chunk must have one segment")
-            _require(c.codec != "none" or (c.segments[0][1] == "r" and c.stored_len == c.raw_len),
+            require(len(c.segments) == 1, f"tensor {entry.name!r}: {c.codec} chunk must have one segment")
+            require(c.codec != "none" or (c.segments[0][1] == "r" and c.stored_len == c.raw_len),
                      f"tensor {entry.name!r}: uncompressed chunk with compressed segment or wrong length")
 
 
 def parse_manifest(data: bytes, *, job: str, step: int, rank: int) -> Manifest:
-    obj = _load_json(data, "manifest")
-    _require(isinstance(obj, dict), "manifest is not an object")
-    _require(obj.get("format_version") in READABLE_VERSIONS,
+    obj = load_json(data, "manifest")
+    require(isinstance(obj, dict), "manifest is not an object")
+    require(obj.get("format_version") in READABLE_VERSIONS,
              f"unsupported manifest format_version {obj.get('format_version')!r} (this build reads "
              f"{', '.join(map(str, READABLE_VERSIONS))})")
-    _require(obj.get("kind") == "ckptd.rank-manifest", "not a rank manifest")
-    _require(obj.get("job") == job and obj.get("step") == step and obj.get("rank") == rank,
+    require(obj.get("kind") == "ckptd.rank-manifest", "not a rank manifest")
+    require(obj.get("job") == job and obj.get("step") == step and obj.get("rank") == rank,
              f"manifest names job/step/rank {obj.get('job')!r}/{obj.get('step')!r}/{obj.get('rank')!r}, "
              f"expected {job!r}/{step}/{rank}")
     ws = obj.get("world_size")
-    _require(type(ws) is int and 0 < ws <= MAX_RANKS and rank < ws, "bad world_size")
+    require(is_rank(rank, ws), "bad world_size")
     # Informational only (readers derive the name), but a manifest naming another file is crafted.
-    _require(obj.get("data_file") == rank_data_name(rank),
+    require(obj.get("data_file") == rank_data_name(rank),
              f"manifest data_file {str(obj.get('data_file'))[:80]!r} is not {rank_data_name(rank)!r}")
     raw_list = obj.get("tensors")
-    _require(isinstance(raw_list, list), "manifest has no tensor list")
+    require(isinstance(raw_list, list), "manifest has no tensor list")
     tensors, seen = [], set()
     for t in raw_list:
-        _require(isinstance(t, dict), "tensor entry is not an object")
+        require(isinstance(t, dict), "tensor entry is not an object")
         try:
             name = validate_tensor_name(t.get("name"))
             if not isinstance(t.get("chunks"), list):
@@ -230,13 +233,13 @@ def parse_manifest(data: bytes, *, job: str, step: int, rank: int) -> Manifest:
             chunks = [ChunkMeta.from_json(c) for c in t["chunks"]]
         except ValueError as e:
             raise FormatError(f"tensor {t.get('name')!r}: {e}") from None
-        _require(name not in seen, f"duplicate tensor {name!r}")
+        require(name not in seen, f"duplicate tensor {name!r}")
         seen.add(name)
         validate_shape(t.get("dtype"), t.get("shape"))
-        _require(_is_uint(t.get("offset")), f"tensor {name!r}: bad offset")
+        require(is_uint(t.get("offset")), f"tensor {name!r}: bad offset")
         placement = parse_placement(t["global"], t["shape"], f"tensor {name!r}") if "global" in t else None
         entry = TensorEntry(name, t["dtype"], t["shape"], t["offset"], chunks, placement)
-        _require(sum(c.raw_len for c in chunks) == entry.nbytes,
+        require(sum(c.raw_len for c in chunks) == entry.nbytes,
                  f"tensor {name!r}: chunks hold {sum(c.raw_len for c in chunks)} bytes, shape needs {entry.nbytes}")
         _check_chunks(entry)
         tensors.append(entry)
@@ -266,29 +269,29 @@ def index_digest(index: dict[str, Any]) -> str:
 
 
 def parse_index(data: bytes, *, job: str, step: int) -> dict[str, Any]:
-    obj = _load_json(data, "index")
-    _require(isinstance(obj, dict) and obj.get("kind") == "ckptd.index", "not a ckptd index")
-    _require(obj.get("format_version") in READABLE_VERSIONS,
+    obj = load_json(data, "index")
+    require(isinstance(obj, dict) and obj.get("kind") == "ckptd.index", "not a ckptd index")
+    require(obj.get("format_version") in READABLE_VERSIONS,
              f"unsupported index format_version {obj.get('format_version')!r} (this build reads "
              f"{', '.join(map(str, READABLE_VERSIONS))})")
-    _require(obj.get("job") == job and obj.get("step") == step,
+    require(obj.get("job") == job and obj.get("step") == step,
              f"index names job/step {obj.get('job')!r}/{obj.get('step')!r}, expected {job!r}/{step}")
     ws = obj.get("world_size")
-    _require(type(ws) is int and 0 < ws <= MAX_RANKS, "bad world_size in index")
+    require(is_world(ws), "bad world_size in index")
     ranks = obj.get("ranks")
-    _require(isinstance(ranks, list) and len(ranks) == ws, "index must list every rank exactly once")
+    require(isinstance(ranks, list) and len(ranks) == ws, "index must list every rank exactly once")
     for i, r in enumerate(ranks):
-        _require(isinstance(r, dict) and type(r.get("rank")) is int and r["rank"] == i
-                 and isinstance(r.get("manifest_digest"), str)
-                 and _is_uint(r.get("raw_bytes")) and _is_uint(r.get("stored_bytes")),
+        require(isinstance(r, dict) and type(r.get("rank")) is int and r["rank"] == i
+                 and is_digest(r.get("manifest_digest"))
+                 and is_uint(r.get("raw_bytes")) and is_uint(r.get("stored_bytes")),
                  f"bad index entry for rank {i}")
     if obj["format_version"] >= 2:
         keys = obj.get("per_rank_keys")
-        _require(isinstance(obj.get("tensors"), dict), "index has no tensor map")
-        _require(isinstance(keys, list) and all(isinstance(k, str) and len(k) <= MAX_TENSOR_NAME for k in keys),
+        require(isinstance(obj.get("tensors"), dict), "index has no tensor map")
+        require(isinstance(keys, list) and all(isinstance(k, str) and len(k) <= MAX_TENSOR_NAME for k in keys),
                  "bad per_rank_keys in index")
         # Last, so a malformed index still gets its specific error; anything else changed is caught here.
-        _require(obj.get("digest") == index_digest(obj),
+        require(obj.get("digest") == index_digest(obj),
                  "index.json digest mismatch: a field was changed after the commit (corrupt or edited)")
     index: dict[str, Any] = obj
     return index

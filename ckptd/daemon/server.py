@@ -316,7 +316,7 @@ class Requests:
         if session.job is not None:
             raise RequestError("hello sent twice on one connection")
         job = names.validate_job(h.job)
-        if not (0 < h.world_size <= 1 << 20 and 0 <= h.rank < h.world_size):
+        if not names.is_rank(h.rank, h.world_size):
             raise RequestError(f"bad rank {h.rank} / world size {h.world_size}")
         session.job, session.rank, session.world_size = job, h.rank, h.world_size
         try:

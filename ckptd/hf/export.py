@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from ckptd.core import storage
 from ckptd.core.errors import FormatError
+from ckptd.core.sizes import parse_size
 
 from .consolidate import StepSource
 from .layout import (
@@ -28,7 +29,6 @@ from .layout import (
     canonical_name,
     convert,
     load_rename,
-    parse_size,
     split,
 )
 from .progress import Progress
@@ -88,7 +88,7 @@ def export_hf(step_dir: str | os.PathLike[str], out: str | os.PathLike[str], *,
         rename = load_rename(os.fspath(rename))
     if os.path.lexists(out_path) and not force:
         raise FileExistsError(f"{out_path} exists; pass force=True (--force) to replace it")
-    limit = parse_size(max_shard_size)
+    limit = parse_size(max_shard_size, minimum=1)
     with StepSource(os.fspath(step_dir)) as source:
         plan = plan_export(source, select, dtype, rename or {}, limit)
         parent = os.path.dirname(out_path)

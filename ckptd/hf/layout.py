@@ -27,24 +27,7 @@ SINGLE_FILE = FILENAME_PATTERN.format(suffix="")
 INDEX_FILE = SINGLE_FILE + ".index.json"
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 EXPORT_DTYPES = ("bfloat16", "float16", "float32")
-_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "B": 1}
 _SHARD_RE = re.compile(r"^model-([0-9]{5})-of-([0-9]{5})\.safetensors\Z")
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes of ``5GB`` (decimal units, as huggingface_hub reads them), ``512MiB`` (binary) or an int."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    else:
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", str(size))
-        unit = m.group(2).upper() if m else ""
-        if not m or (unit and unit not in _UNITS):
-            raise ValueError(f"size {size!r}: use a number of bytes or a number with KB, MB, GB, TB (or KiB … TiB)")
-        value = int(float(m.group(1)) * _UNITS.get(unit, 1))
-    if value <= 0:
-        raise ValueError(f"size {size!r} must be positive")
-    return value
 
 
 def canonical_name(name: str) -> str:

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from ckptd.core.sizes import parse_size as parse_size  # the settings' size parser is core's (one for all)
+
 T = TypeVar("T")
 ENV_PREFIX = "CKPTD_"
 DEFAULT_METRICS_PORT = 9464
@@ -136,27 +138,7 @@ def build(cls: type[T], flat: Mapping[str, Any], prefix: str = "") -> T:
 
 # ---- value parsers ------------------------------------------------------------------------------
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-               "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
 _DURATION_UNITS = {"": 1, "s": 1, "ms": 0.001, "m": 60, "min": 60, "h": 3600, "d": 86400}
-
-
-def parse_size(v: Any) -> int:
-    """Bytes: an integer, or a string like ``"64GiB"``, ``"512 MiB"``, ``"4M"`` (SI: 1000, IEC: 1024)."""
-    if isinstance(v, bool):
-        raise ValueError("must be a size in bytes (integer) or a string like \"64GiB\"")
-    if isinstance(v, int):
-        n = v
-    elif isinstance(v, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", v)
-        if not m or m.group(2).lower() not in _SIZE_UNITS:
-            raise ValueError(f"{v!r} is not a size; write bytes or e.g. \"64GiB\", \"512MiB\"")
-        n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
-    else:
-        raise ValueError("must be a size in bytes (integer) or a string like \"64GiB\"")
-    if n < 0:
-        raise ValueError("must not be negative")
-    return n
 
 
 def parse_duration(v: Any) -> float:

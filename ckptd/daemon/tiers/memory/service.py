@@ -121,9 +121,9 @@ class MemoryService:
     async def fetch(self, conn: Hashable, m: MemoryFetch) -> tuple[dict[str, Any], list[int]]:
         """``memory_fetch``: the shard's layout and a descriptor of its memfd (pinned until ``release``)."""
         names.validate_job(m.job)          # (ValueError: an error reply) before it names any path
-        if m.step is not None and (type(m.step) is not int or m.step < 0):
-            raise RequestError("memory_fetch: step must be a non-negative integer or null")
-        if not 0 <= m.rank < m.world_size <= 1 << 20:
+        if m.step is not None and not names.is_step(m.step):
+            raise RequestError("memory_fetch: step must be a step number or null")
+        if not names.is_rank(m.rank, m.world_size):
             raise RequestError(f"bad rank {m.rank} / world size {m.world_size}")
         fetch_peer = self.replicator.fetch if self.replicator is not None else None
         held, source = await self.memory.serve(m.job, m.step, m.rank, m.world_size, fetch_peer)

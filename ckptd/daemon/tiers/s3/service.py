@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from ckptd.core.names import is_step
 from ckptd.core.protocol import Flush, Stage
 from ckptd.daemon.runtime import RequestError, TaskSet
 from ckptd.daemon.settings.config import DaemonConfig
@@ -88,7 +89,7 @@ class BucketService:
 
 
 def _step_or_none(step: Any) -> int | None:
-    if step is not None and not (type(step) is int and 0 <= step < 10**12):
+    if step is not None and not is_step(step):
         raise RequestError("step must be a step number or null")
     return step
 
