@@ -16,7 +16,7 @@ from typing import Any
 
 from ckptd.core import protocol
 from ckptd.core.errors import ProtocolError
-from ckptd.core.names import parse_step_dir_name, validate_job
+from ckptd.core.names import INDEX_NAME, parse_step_dir_name, validate_job
 from ckptd.core.reader import Fault, verify_step
 from ckptd.daemon.settings.config import ConfigError, load_settings
 from ckptd.daemon.settings.s3 import S3Settings
@@ -78,7 +78,7 @@ def bucket_faults(args: argparse.Namespace, progress: Callable[[str], None] | No
             raise ValueError(f"expected s3://bucket[/prefix]/<job>/step-<N>, got {args.step_dir!r}")
         bucket = Bucket(s3_settings(args, url))
         with tempfile.TemporaryDirectory(prefix="ckptd-verify-") as tmp:
-            if not bucket.exists(bucket.step_key(job, step, "index.json")):
+            if not bucket.exists(bucket.step_key(job, step, INDEX_NAME)):
                 faults = [Fault(args.step_dir, None, "not committed in the bucket (no index.json)")]
             else:
                 fetched = Stager(bucket, tmp, check_chunks=False).fetch(job, step, None)   # verify lists them all

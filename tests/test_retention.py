@@ -14,8 +14,9 @@ import torch
 
 import ckptd_client
 from ckptd.core.names import is_step_file, is_step_temp, rank_data_name, rank_manifest_name, step_dir_name, temp_name
+from ckptd.core.step_files import remove_step
 from ckptd.daemon.settings.retention import RetentionPolicy
-from ckptd.daemon.tiers.fs.retention import collect_job, collect_root, plan_job, remove_step
+from ckptd.daemon.tiers.fs.retention import collect_job, collect_root, plan_job
 
 DAY = 86400.0
 

@@ -38,6 +38,7 @@ from .schema import (
     parse_index,
     parse_manifest,
 )
+from .step_files import is_committed
 
 
 def _read_small(path: str, limit: int, what: str) -> bytes:
@@ -70,7 +71,7 @@ def list_steps(job_path: str) -> list[StepInfo]:
         path = os.path.join(job_path, name)
         if step is None or os.path.islink(path) or not os.path.isdir(path):
             continue
-        out.append(StepInfo(step, path, os.path.isfile(os.path.join(path, INDEX_NAME))))
+        out.append(StepInfo(step, path, is_committed(path)))
     return sorted(out, key=lambda s: s.step)
 
 
@@ -101,7 +102,7 @@ class StepReader:
         self.path = os.path.abspath(step_path)
         _, self.job, self.step = split_step_path(self.path)
         index_path = os.path.join(self.path, INDEX_NAME)
-        if not os.path.isfile(index_path):
+        if not is_committed(self.path):
             raise FormatError(f"{self.path}: not committed (no {INDEX_NAME})")
         self._index: dict[str, Any] | None = None
         self._head: IndexHead | None = None

@@ -23,21 +23,17 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckptd.core import storage
-from ckptd.core.errors import FormatError
 from ckptd.core.gc_pause import gc_paused
-from ckptd.core.global_index import build_from_records
-from ckptd.core.map_check import geometry_faults
-from ckptd.core.names import INDEX_NAME, rank_manifest_name
+from ckptd.core.names import rank_manifest_name
+from ckptd.core.publish import BuiltIndex, IndexRefused, build_index, clear_temps, publish_index
 from ckptd.core.rank_record import RankRecord, summarize
-from ckptd.core.rank_table import SMALL_INDEX_BYTES, side_files
-from ckptd.core.schema import MAX_MANIFEST_BYTES, digest_bytes, encode_json, make_index, parse_manifest
-from ckptd.daemon.tiers.fs.retention import remove_files, stray_temps
+from ckptd.core.schema import MAX_MANIFEST_BYTES, digest_bytes, parse_manifest
+from ckptd.core.step_files import is_committed
 
 # Threads that check manifests: enough to overlap a shared file system's latency, never more
 # than the CPUs (each file costs ~10 µs of Python under the GIL: at 32,768 local files 16 threads
@@ -87,7 +83,7 @@ class PublishGate:
 def write_index(step_path: str, job: str, step: int, world_size: int, digests: dict[int, str],
                 gate: PublishGate | None = None, records: Sequence[RankRecord] | None = None) -> dict[str, Any]:
     """Merge every rank's record into the global tensor map, then publish the lean side files and
-    index.json atomically (under ``gate`` when given: see PublishGate). ``records`` (one per rank,
+    index.json atomically (``core.publish``; under ``gate`` when given: see PublishGate). ``records`` (one per rank,
     in rank order, reported by the daemons that wrote the shards) spare reading every manifest;
     without them each manifest is read and checked against its digest here."""
     if gate is not None:
@@ -95,7 +91,7 @@ def write_index(step_path: str, job: str, step: int, world_size: int, digests: d
     if sorted(digests) != list(range(world_size)):
         missing = sorted(set(range(world_size)) - set(digests))
         raise CommitError(f"cannot commit step {step}: no durable shard from ranks {missing}")
-    if os.path.exists(os.path.join(step_path, INDEX_NAME)):
+    if is_committed(step_path):
         raise CommitError(f"step {step} is already committed")
     with gc_paused():       # a large job's records, tensor map and index: see gc_pause
         if records is None:
@@ -108,38 +104,25 @@ def write_index(step_path: str, job: str, step: int, world_size: int, digests: d
                 raise CommitError(f"cannot commit step {step}: the rank records do not match the durable digests")
             checked = check_manifests(step_path, digests)      # runs while the index is built below
         try:
-            index, body = _build(job, step, world_size, records, step_path)
+            built = _build(job, step, world_size, records, step_path)
         finally:
             checked()     # (re-raises the check's CommitError; waits for it also when the build failed)
-    if len(body) > SMALL_INDEX_BYTES:   # readers read a smaller index whole; a larger one by its side files
-        # The side files first (any left by an earlier attempt are overwritten): index.json is last.
-        storage.write_files_durably(step_path, side_files(index, records))
-    storage.atomic_write(os.path.join(step_path, INDEX_NAME), body,
-                         None if gate is None else gate.publish)
-    return index
+    publish_index(step_path, built, records, rename=None if gate is None else gate.publish)
+    return built.index
 
 
 def _nothing() -> None:
     pass
 
 
-def _build(job: str, step: int, world_size: int, records: Sequence[RankRecord], step_path: str
-           ) -> tuple[dict[str, Any], bytes]:
-    """The index object and its bytes, from every rank's record."""
+def _build(job: str, step: int, world_size: int, records: Sequence[RankRecord], step_path: str) -> BuiltIndex:
+    """The checked index, from every rank's record (core.publish); the step's stray temps removed."""
     try:
-        tensors, per_rank = build_from_records(records)
-    except FormatError as e:        # ranks that disagree about one tensor: not a loadable step
+        built = build_index(job, step, world_size, records)
+    except IndexRefused as e:       # committing would make a broken step the latest
         raise CommitError(f"cannot commit step {step}: {e}") from None
-    faults = geometry_faults(tensors, world_size)
-    if faults:    # pieces that overlap or leave a gap: committing would make a broken step the latest
-        more = f" (and {len(faults) - 1} more)" if len(faults) > 1 else ""
-        raise CommitError(f"cannot commit step {step}: the ranks' pieces do not tile their tensors: {faults[0]}{more}")
-    # A writer killed mid-rename (an earlier attempt of this step) leaves manifest temp files:
-    # they must not survive inside a committed step.
-    remove_files(stray_temps(step_path))
-    index = make_index(job, step, world_size, [r.index_entry() for r in records], time.time(),
-                       {name: t.to_json(world_size) for name, t in tensors.items()}, per_rank)
-    return index, encode_json(index)
+    clear_temps(step_path)
+    return built
 
 
 def _manifest_bytes(step_path: str, rank: int, digest: str) -> bytes:

@@ -10,12 +10,12 @@ Per job (the same rules as Orbax's ``max_to_keep`` / ``keep_period``):
   or, on a shared root, another node's) and are left alone, as is any step the caller
   names as in flight.
 
-A committed step is deleted index.json first (then a directory fsync), so a crash in the
-middle leaves an uncommitted directory — invisible to readers and removed later as
-abandoned — never a half-deleted step that still looks committed. Nothing here follows a
-symlink: symlinked job or step directories are skipped, and the entries of a step
-directory are unlinked (a link is removed, never its target). Only names that ckptd
-itself creates are removed; a step directory holding anything else is reported and kept.
+A step is removed by ``ckptd.core.step_files.remove_step``: index.json first, so a crash in the
+middle leaves an uncommitted directory — invisible to readers and removed later as abandoned —
+never a half-deleted step that still looks committed. Nothing here follows a symlink: symlinked
+job or step directories are skipped, and the entries of a step directory are unlinked (a link is
+removed, never its target). Only names that ckptd itself creates are removed; a step directory
+holding anything else is reported and kept.
 
 The daemon runs :func:`collect_job` for a job after each commit of it; ``ckptd gc``
 runs :func:`collect_root` by hand.
@@ -24,15 +24,14 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ckptd.core.names import INDEX_NAME, is_step_file, is_step_temp, validate_job
+from ckptd.core import step_files
+from ckptd.core.names import validate_job
 from ckptd.core.reader import list_steps
-from ckptd.core.storage import fsync_dir
 from ckptd.daemon.settings.retention import RetentionPolicy
 
 log = logging.getLogger("ckptd")
@@ -135,61 +134,12 @@ def plan_job(job_path: str, policy: RetentionPolicy, *, now: float | None = None
 
 
 
-def stray_temps(step_path: str) -> list[str]:
-    """Temp files a killed writer left in a committed step (its tmp → rename never happened).
-    Once index.json exists nothing writes there any more, so they are garbage."""
-    try:
-        with os.scandir(step_path) as it:
-            return sorted(e.path for e in it if is_step_temp(e.name) and e.is_file(follow_symlinks=False))
-    except FileNotFoundError:
-        return []
-
-
-def remove_files(paths: Iterable[str]) -> None:
-    for p in paths:
-        try:
-            os.unlink(p)
-        except FileNotFoundError:
-            pass
-
-
-def remove_step(path: str) -> None:
-    """Delete one step directory: index.json first (it stops being committed), then the rest.
-
-    Raises OSError naming what could not be removed; anything ckptd did not create stays.
-    """
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise OSError(f"{path} is not a directory (a symlink?); not removed")
-    index = os.path.join(path, INDEX_NAME)
-    try:
-        os.unlink(index)
-        fsync_dir(path)
-    except FileNotFoundError:
-        pass
-    foreign = []
-    with os.scandir(path) as it:
-        entries = list(it)
-    for e in entries:
-        if is_step_file(e.name) and not e.is_dir(follow_symlinks=False):
-            try:
-                os.unlink(e.path)
-            except FileNotFoundError:
-                pass
-        else:
-            foreign.append(e.name)
-    if foreign:
-        raise OSError(f"{path}: kept, it holds files ckptd did not write: {', '.join(sorted(foreign)[:5])}")
-    os.rmdir(path)
-    fsync_dir(os.path.dirname(path))
-
-
 def execute(actions: list[Action], dry_run: bool = False) -> None:
     for a in actions:
         if dry_run:
             continue
         try:
-            remove_step(a.path)
+            step_files.remove_step(a.path)
             a.done = True
         except OSError as e:
             a.error = str(e) if not e.strerror else f"{e.strerror}: {e.filename or a.path}"
@@ -210,9 +160,9 @@ def collect_job(root: str, job: str, policy: RetentionPolicy, *, dry_run: bool =
     expired = {a.path for a in actions}
     for s in list_steps(job_path):
         if s.committed and s.path not in expired:
-            result.stray_temps += stray_temps(s.path)
+            result.stray_temps += step_files.stray_temps(s.path)
     if not dry_run and result.stray_temps:
-        remove_files(result.stray_temps)
+        step_files.remove_files(result.stray_temps)
         log.info("removed stray temp files", extra={"ctx": {"job": job, "files": result.stray_temps[:20]}})
     for a in result.removed:
         log.info("removed step", extra={"ctx": {"job": a.job, "step": a.step, "reason": a.kind}})

@@ -17,7 +17,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from ckptd.core.names import INDEX_NAME, job_dir, rank_data_name, step_dir
+from ckptd.core import step_files
+from ckptd.core.names import job_dir, rank_data_name, step_dir
 from ckptd.core.rank_record import RankRecord, summarize
 from ckptd.core.rank_table import SIDE_FILES
 from ckptd.core.reader import latest_committed
@@ -28,7 +29,7 @@ from ckptd.daemon.settings.write import WriteSettings
 from ckptd.daemon.tiers.base import ShardRef, ShardWritten, StorageTier
 from ckptd.daemon.tiers.fs import retention
 from ckptd.daemon.tiers.fs.commit import CommitWithdrawn, PublishGate, write_index
-from ckptd.daemon.tiers.fs.writer import remove_rank_files, write_shard
+from ckptd.daemon.tiers.fs.writer import write_shard
 
 log = logging.getLogger("ckptd")
 
@@ -37,16 +38,12 @@ T = TypeVar("T")
 
 def remove_uncommitted(step_path: str, ranks: Sequence[int]) -> None:
     """Drop these ranks' files of an uncommitted step, then the directory if that emptied it."""
-    if os.path.exists(os.path.join(step_path, INDEX_NAME)):
+    if step_files.is_committed(step_path):
         return
     try:
         for rank in ranks:
-            remove_rank_files(step_path, rank)
-        for name in SIDE_FILES:      # an earlier commit attempt's, not published
-            try:
-                os.unlink(os.path.join(step_path, name))
-            except FileNotFoundError:
-                pass
+            step_files.remove_rank_files(step_path, rank)
+        step_files.remove_files(os.path.join(step_path, name) for name in SIDE_FILES)   # an earlier attempt's
         os.rmdir(step_path)
     except OSError as e:   # best effort (EROFS, ENOTEMPTY, ...): an uncommitted step is garbage anyway
         if e.errno not in (errno.ENOENT, errno.ENOTEMPTY):
@@ -116,7 +113,7 @@ class FsTier(StorageTier):
 
     async def is_committed(self, job: str, step: int) -> bool:
         # One stat, on the caller's loop as it always was: a save's checks stay one atomic step.
-        return os.path.exists(os.path.join(self.step_path(job, step), INDEX_NAME))
+        return step_files.is_committed(self.step_path(job, step))
 
     async def latest_committed(self, job: str) -> int | None:
         def latest() -> int | None:

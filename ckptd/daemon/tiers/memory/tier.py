@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from concurrent.futures import Executor
@@ -26,6 +25,7 @@ from ckptd.core.names import step_dir
 from ckptd.core.rank_record import RankRecord
 from ckptd.core.reader import StepReader
 from ckptd.core.schema import TensorLayout
+from ckptd.core.step_files import is_committed
 from ckptd.daemon.runtime import RequestError, describe_error
 from ckptd.daemon.tiers.base import ShardRef, ShardWritten, StorageTier
 from ckptd.daemon.tiers.memory.store import LOCAL, Held, MemoryStore, new_memfd
@@ -112,7 +112,7 @@ class MemoryTier(StorageTier):
 
     def committed_now(self, job: str, step: int) -> bool:
         """Whether the step is committed on disk now (synchronous: the store trims under its lock)."""
-        return os.path.isfile(os.path.join(step_dir(self.root, job, step), "index.json"))
+        return is_committed(step_dir(self.root, job, step))
 
     async def commit(self, job: str, step: int, world_size: int, digests: Mapping[int, str],
                      records: Sequence[RankRecord] | None = None) -> None:

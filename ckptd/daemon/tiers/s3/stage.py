@@ -39,8 +39,8 @@ from ckptd.core.names import (
 )
 from ckptd.core.reader import chunk_faults, latest_committed
 from ckptd.core.schema import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES, Manifest, digest_bytes, parse_index, parse_manifest
+from ckptd.core.step_files import is_committed, remove_step
 from ckptd.daemon.runtime import RequestError
-from ckptd.daemon.tiers.fs.retention import remove_step
 from ckptd.daemon.tiers.s3.bucket import Bucket, BucketError, SizeMismatch
 from ckptd.daemon.tiers.s3.uploader import in_thread
 
@@ -113,8 +113,7 @@ class Stager:
         file fails its check (the staged copy is removed first), BucketError when a request fails
         (what landed stays, verified, for the next try)."""
         path = step_dir(self.root, job, step)
-        own_commit = os.path.isfile(os.path.join(path, INDEX_NAME)) and \
-            not os.path.isfile(os.path.join(path, STAGED_NAME))
+        own_commit = is_committed(path) and not os.path.isfile(os.path.join(path, STAGED_NAME))
         t0, tally = time.monotonic(), [0]
         try:
             self._fetch(job, step, reader, path, tally)
@@ -145,7 +144,7 @@ class Stager:
         index_path = os.path.join(path, INDEX_NAME)
         key = self.bucket.step_key
         url = self.bucket.key_url
-        local = os.path.isfile(index_path)
+        local = is_committed(path)
         if local:
             index_bytes = storage.read_limited(index_path, MAX_INDEX_BYTES)
             index = parse_index(index_bytes, job=job, step=step)

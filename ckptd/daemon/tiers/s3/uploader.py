@@ -42,6 +42,7 @@ from ckptd.core.names import (
 )
 from ckptd.core.reader import latest_committed
 from ckptd.core.schema import MAX_INDEX_BYTES, parse_index
+from ckptd.core.step_files import is_committed
 from ckptd.daemon.runtime import TaskSet, describe_error
 from ckptd.daemon.tiers.s3.bucket import Bucket, BucketError, CredentialsError
 
@@ -257,7 +258,7 @@ class Uploader:
             except (BucketError, OSError) as e:
                 j.failures += 1
                 j.last_error = describe_error(e) if isinstance(e, OSError) else str(e)
-                if not os.path.exists(os.path.join(step_dir(self.root, job, step), INDEX_NAME)):
+                if not is_committed(step_dir(self.root, job, step)):
                     j.skipped += 1
                     log.warning("upload skipped: the local step is gone", extra={"ctx": {"job": job, "step": step}})
                     return

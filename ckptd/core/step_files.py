@@ -1,0 +1,76 @@
+"""A step directory on disk: what makes it committed, and the file operations on it.
+
+One definition for the daemon's commit and cleanup, retention, bucket staging and uploads, the
+readers and ``ckptd import`` (FORMAT.md, "Layout"): a step is committed exactly when its
+``index.json`` is a file in its directory; it is deleted ``index.json`` first, so a crash midway
+leaves an uncommitted directory, never a half-deleted step that still looks committed. Only the
+names ckptd writes (``names.is_step_file``) are ever removed, and no link is followed.
+"""
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterable
+
+from .names import INDEX_NAME, is_step_file, is_step_temp, rank_data_name, rank_manifest_name
+from .storage import fsync_dir
+
+
+def is_committed(step_path: str) -> bool:
+    """Whether the step at ``step_path`` is committed: its index.json is in place (the commit marker)."""
+    return os.path.isfile(os.path.join(step_path, INDEX_NAME))
+
+
+def stray_temps(step_path: str) -> list[str]:
+    """Temp files a killed writer left in a step (its tmp → rename never happened), sorted. Once
+    index.json exists nothing writes there any more, so in a committed step they are garbage."""
+    try:
+        with os.scandir(step_path) as it:
+            return sorted(e.path for e in it if is_step_temp(e.name) and e.is_file(follow_symlinks=False))
+    except FileNotFoundError:
+        return []
+
+
+def remove_files(paths: Iterable[str]) -> None:
+    """Unlink each path; one already gone is not an error."""
+    for p in paths:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+
+def remove_rank_files(step_path: str, rank: int) -> None:
+    """Drop one rank's data file and manifest of an uncommitted step (never once index.json exists)."""
+    remove_files(os.path.join(step_path, name) for name in (rank_data_name(rank), rank_manifest_name(rank)))
+
+
+def remove_step(path: str) -> None:
+    """Delete one step directory: index.json first (it stops being committed), then the rest.
+
+    Raises OSError naming what could not be removed; anything ckptd did not create stays.
+    """
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise OSError(f"{path} is not a directory (a symlink?); not removed")
+    index = os.path.join(path, INDEX_NAME)
+    try:
+        os.unlink(index)
+        fsync_dir(path)
+    except FileNotFoundError:
+        pass
+    foreign = []
+    with os.scandir(path) as it:
+        entries = list(it)
+    for e in entries:
+        if is_step_file(e.name) and not e.is_dir(follow_symlinks=False):
+            try:
+                os.unlink(e.path)
+            except FileNotFoundError:
+                pass
+        else:
+            foreign.append(e.name)
+    if foreign:
+        raise OSError(f"{path}: kept, it holds files ckptd did not write: {', '.join(sorted(foreign)[:5])}")
+    os.rmdir(path)
+    fsync_dir(os.path.dirname(path))

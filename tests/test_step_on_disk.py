@@ -1,0 +1,133 @@
+"""One step on disk (issue 18): ``core.step_files``, ``core.shard_writer`` and ``core.publish``,
+shared by the daemon's commit and ``ckptd import``.
+
+Real files throughout: shards written by the shared encoder, indexes published by the shared
+publisher, and ``ckptd verify`` run as the CLI. An import large enough for the lean index now
+writes its side files (before, the importer built its own index without them), and a step whose
+pieces do not tile their tensors is refused by the publisher both callers use.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import ckptd.core.publish as publish
+from ckptd.core.names import INDEX_NAME, STAGED_NAME, rank_data_name, rank_manifest_name, step_dir, temp_name
+from ckptd.core.publish import IndexRefused, publish_step
+from ckptd.core.rank_record import summarize
+from ckptd.core.rank_table import SIDE_FILES, SMALL_INDEX_BYTES
+from ckptd.core.reader import StepReader, verify_step
+from ckptd.core.schema import Placement, TensorLayout
+from ckptd.core.shard_writer import Encoding, WrittenShard, write_shard
+from ckptd.core.step_files import is_committed, remove_step, stray_temps
+from ckptd.hf.importer import import_hf
+
+ENCODING = Encoding("bplane", 1, 1024)
+
+
+def ckptd(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True, text=True, timeout=120)
+
+
+def hf_checkpoint(path: Path, tensors: int) -> dict[str, np.ndarray]:
+    """A one-file Hugging Face checkpoint (model.safetensors) of ``tensors`` small tensors."""
+    rng = np.random.default_rng(tensors)
+    state = {f"model.layers.{i}.mlp.weight": rng.standard_normal((4, 3), dtype=np.float32) for i in range(tensors)}
+    path.mkdir()
+    save_file(state, str(path / "model.safetensors"))
+    return state
+
+
+def test_a_large_import_writes_the_side_files_and_verifies(tmp_path: Path) -> None:
+    """Enough tensors that index.json's tensor map passes SMALL_INDEX_BYTES: the import writes
+    ranks.bin, tensors.json and index-head.json before index.json, ``ckptd verify`` checks them
+    against the index, and a reader reads the step; a small import writes none of them."""
+    state = hf_checkpoint(tmp_path / "big", 400)
+    r = ckptd("import", str(tmp_path / "big"), str(tmp_path / "root"), "big", "--step", "3")
+    assert r.returncode == 0, r.stderr
+    path = Path(step_dir(str(tmp_path / "root"), "big", 3))
+    assert (path / INDEX_NAME).stat().st_size > SMALL_INDEX_BYTES
+    assert all((path / name).is_file() for name in SIDE_FILES)
+    v = ckptd("verify", str(path))
+    assert v.returncode == 0 and v.stdout.strip().endswith(": OK"), v.stdout + v.stderr
+    reader = StepReader(str(path))
+    assert reader.rank_entry(0)["manifest_digest"] == reader.index["ranks"][0]["manifest_digest"]
+    m = reader.manifest(0)
+    assert sorted(e.name for e in m.tensors) == sorted(f"model/{k}" for k in state)
+    hf_checkpoint(tmp_path / "small", 3)
+    assert ckptd("import", str(tmp_path / "small"), str(tmp_path / "root"), "small", "--step", "3").returncode == 0
+    small = Path(step_dir(str(tmp_path / "root"), "small", 3))
+    assert sorted(p.name for p in small.iterdir()) == sorted([INDEX_NAME, rank_data_name(0), rank_manifest_name(0)])
+    assert verify_step(str(small)) == []
+
+
+def test_an_import_the_publisher_refuses_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The importer goes through the publisher's geometry check. A real Hugging Face checkpoint
+    cannot fail it — every imported tensor is one whole plain tensor on one rank, which tiles
+    itself — so the check is made to report a fault here; the import is refused with the
+    publisher's reason and no step directory is left behind."""
+    hf_checkpoint(tmp_path / "hf", 2)
+    monkeypatch.setattr(publish, "geometry_faults", lambda tensors, world: ["tensor 'x': rank 0 and rank 1 overlap"])
+    with pytest.raises(IndexRefused, match="do not tile their tensors: tensor 'x'"):
+        import_hf(tmp_path / "hf", tmp_path / "root", "job", 1, progress=False)
+    assert not Path(step_dir(str(tmp_path / "root"), "job", 1)).exists()
+
+
+def write_pieces(path: Path, pieces: list[tuple[int, int]], length: int) -> list[WrittenShard]:
+    """One shard per (offset, size) piece of a float32 vector ``w`` of ``length``, by the shared encoder."""
+    out = []
+    with ThreadPoolExecutor(2) as pool:
+        for rank, (offset, size) in enumerate(pieces):
+            data = memoryview(np.arange(offset, offset + size, dtype=np.float32).tobytes())
+            layout = [TensorLayout("w", "float32", (size,), 0, size * 4, Placement((length,), (offset,)))]
+
+            def read(t: TensorLayout, start: int, n: int, data: memoryview = data) -> memoryview:
+                return data[t.offset + start: t.offset + start + n]
+            tree = {"d": [["w", {"T": "w"}]]}
+            out.append(write_shard(str(path), "job", 1, rank, len(pieces), layout, read, tree, ENCODING, pool, 4))
+    return out
+
+
+def test_the_publisher_refuses_pieces_that_overlap(tmp_path: Path) -> None:
+    """Two ranks' pieces of one tensor overlap: no index is published (the daemon's commit gets
+    the same refusal, as CommitError: test_geometry)."""
+    path = tmp_path / "job" / "step-000000000001"
+    shards = write_pieces(path, [(0, 5), (4, 4)], 8)
+    with pytest.raises(IndexRefused, match="do not tile their tensors: tensor 'w'"):
+        publish_step(str(path), "job", 1, 2, [summarize(s.manifest, s.digest) for s in shards])
+    assert not is_committed(str(path))
+
+
+def test_a_published_step_is_committed_without_stray_temps_and_verifies(tmp_path: Path) -> None:
+    """Pieces that tile: the step publishes (side files too, with the threshold at 0), the temp
+    files of a killed earlier writer are gone, and it verifies; removal is index.json first."""
+    path = tmp_path / "job" / "step-000000000001"
+    shards = write_pieces(path, [(0, 5), (5, 3)], 8)
+    stray = temp_name(str(path / rank_manifest_name(1)))
+    Path(stray).write_bytes(b"{")
+    assert stray_temps(str(path)) == [stray] and not is_committed(str(path))
+    publish_step(str(path), "job", 1, 2, [summarize(s.manifest, s.digest) for s in shards], small_index_bytes=0)
+    assert is_committed(str(path)) and stray_temps(str(path)) == []
+    assert all((path / name).is_file() for name in SIDE_FILES)
+    assert verify_step(str(path)) == []
+    (path / STAGED_NAME).write_text("{}")       # a name ckptd writes: removed with the rest
+    remove_step(str(path))
+    assert not path.exists()
+
+
+def test_is_committed_means_an_index_file(tmp_path: Path) -> None:
+    step = tmp_path / "step-000000000001"
+    step.mkdir()
+    assert not is_committed(str(step))
+    (step / INDEX_NAME).mkdir()            # not a file: nothing a reader could load
+    assert not is_committed(str(step))
+    (step / INDEX_NAME).rmdir()
+    (step / INDEX_NAME).write_text("{}")
+    assert is_committed(str(step))
+    assert not is_committed(str(tmp_path / "step-000000000002"))
