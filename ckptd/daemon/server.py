@@ -279,7 +279,8 @@ class Requests:
         try:
             reply, fds = await self.table[type(request)](session, request)
         except (RequestError, CommitError, FormatError, ValueError) as e:
-            await session.send(protocol.error(req, bounded(str(e)), code=getattr(e, "code", ErrorCode.REFUSED)))
+            code = e.code if isinstance(e, RequestError) else ErrorCode.REFUSED
+            await session.send(protocol.error(req, bounded(str(e)), code=code))
             return
         except Exception as e:  # a daemon bug: answer, log it loudly, keep the connection and the daemon
             log.exception("request failed", extra={"ctx": {**session.ctx(), "op": op}})
