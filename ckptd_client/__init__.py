@@ -19,16 +19,17 @@ except ModuleNotFoundError as e:
                       "pip install 'ckptd[client]'") from e
 
 from .checkpointer import Checkpointer
+from .config import CheckpointerConfig
 from .errors import CheckpointError
 from .handle import CloseReport, SaveHandle
 from .hf import ExportResult, ImportResult, export_hf, import_hf, load_hf
 from .lazy import load_tensor
-from .memory_restore import RestoreInfo
 from .modes import WhenBusy
 from .preemption import PreemptionHandler
 from .reshard import ReadStats
+from .sources import RestoreInfo, Unavailable
 from .state import RNGState
 
-__all__ = ["Checkpointer", "SaveHandle", "CloseReport", "CheckpointError", "RNGState", "PreemptionHandler", "WhenBusy",
-           "load_tensor", "ReadStats", "export_hf", "import_hf", "load_hf", "ExportResult", "ImportResult",
-           "RestoreInfo"]
+__all__ = ["Checkpointer", "CheckpointerConfig", "SaveHandle", "CloseReport", "CheckpointError", "RNGState",
+           "PreemptionHandler", "WhenBusy", "load_tensor", "ReadStats", "export_hf", "import_hf", "load_hf",
+           "ExportResult", "ImportResult", "RestoreInfo", "Unavailable"]

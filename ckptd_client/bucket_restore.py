@@ -3,21 +3,23 @@
 Trainers hold no bucket credentials: they ask their daemon (op ``stage``) to make a committed
 step readable under its root, from the bucket when the node does not have it (a job rescheduled
 onto new nodes), and then restore from the local files as usual. A daemon without a bucket, or
-no daemon at all (``root=`` given), leaves everything as it was: local files only.
+no daemon at all (``root=`` given), leaves everything as it was: local files only. "No bucket"
+is the reply's code (``ErrorCode.NO_BUCKET``), never its text.
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ckptd.core import protocol
-from ckptd.core.errors import ProtocolError
+from ckptd.core.errors import ErrorCode
 
-from .errors import CheckpointError
+from .connection import ask
+from .errors import CheckpointError, ConnectionLost, DaemonRefused, NoReply, NotDelivered, Unreachable
 
 log = logging.getLogger("ckptd_client")
 STAGE_TIMEOUT_S = 3600.0         # a large step over a slow link; the daemon's own retries bound each request
-NO_BUCKET = "no object-storage tier"
 
 
 @dataclass(frozen=True)
@@ -32,17 +34,17 @@ def stage(socket_path: str, job: str, step: int | None, rank: int, world_size: i
           all_ranks: bool = False) -> Staged:
     """Ask the daemon to stage ``step`` (None: the newest, local or in the bucket) for this rank
     (every rank's data when ``all_ranks``). CheckpointError when the bucket has it but it cannot be staged."""
-    msg = protocol.to_wire(protocol.Stage(job, step, None if all_ranks else [rank, world_size]), 1)
+    msg = protocol.Stage(job, step, None if all_ranks else [rank, world_size])
     try:
-        reply = protocol.request_once(socket_path, msg, timeout=STAGE_TIMEOUT_S)
-    except TimeoutError:
+        reply = ask(socket_path, msg, timeout=STAGE_TIMEOUT_S)
+    except NoReply:
         raise CheckpointError(f"restore from the bucket: no answer from the daemon in {STAGE_TIMEOUT_S:g}s") from None
-    except (ConnectionError, FileNotFoundError, ProtocolError, OSError):
+    except (Unreachable, NotDelivered, ConnectionLost):
         return Staged(False)          # no daemon: restore reads what the root has
-    except RuntimeError as e:         # the daemon's error reply
-        if NO_BUCKET in str(e):
+    except DaemonRefused as e:
+        if e.code is ErrorCode.NO_BUCKET:
             return Staged(False)
-        raise CheckpointError(f"restore from the bucket: {e}") from None
+        raise CheckpointError(f"restore from the bucket: {e.reason}") from None
     got = reply.get("step")
     if got is not None and type(got) is not int:
         raise CheckpointError(f"restore from the bucket: bad step {got!r} in the daemon's reply")
@@ -53,11 +55,51 @@ def stage(socket_path: str, job: str, step: int | None, rank: int, world_size: i
     return Staged(True, got, reply.get("source"))
 
 
-def flush(socket_path: str, job: str, step: int | None, timeout: float) -> tuple[bool, str]:
-    """Ask the daemon to get ``step`` into the bucket within ``timeout`` s: (made it, what happened)."""
-    msg = protocol.to_wire(protocol.Flush(job, step, timeout), 1)
+@dataclass(frozen=True)
+class Flushed:
+    """What a flush did: ``uploaded`` (the step is committed in the bucket), ``detail`` (what
+    happened, or why not); ``bucket`` is False when the daemon has none."""
+    uploaded: bool
+    detail: str
+    bucket: bool = True
+
+
+def flush(socket_path: str, job: str, step: int | None, timeout: float) -> Flushed:
+    """Ask the daemon to get ``step`` into the bucket within ``timeout`` s."""
     try:
-        reply = protocol.request_once(socket_path, msg, timeout=timeout + 10.0)
-    except (ConnectionError, ProtocolError, OSError, RuntimeError) as e:
-        return False, str(e)
-    return bool(reply.get("uploaded")), str(reply.get("detail", ""))
+        reply = ask(socket_path, protocol.Flush(job, step, timeout), timeout=timeout + 10.0)
+    except DaemonRefused as e:
+        return Flushed(False, e.reason, bucket=e.code is not ErrorCode.NO_BUCKET)
+    except CheckpointError as e:
+        return Flushed(False, str(e))
+    return Flushed(bool(reply.get("uploaded")), str(reply.get("detail", "")))
+
+
+class BucketStaging:
+    """One restore's ``stage`` requests, each asked once. Call order: ``newest`` (only when the
+    step is not given), then ``for_rank`` (before the local files are read), then ``all_ranks``
+    (only when the restore reads other ranks' pieces and ``bucket`` is True)."""
+
+    def __init__(self, socket_path: str, job: str, rank: int, world_size: int) -> None:
+        self.socket_path, self.job, self.rank, self.world_size = socket_path, job, rank, world_size
+        self.staged: Staged | None = None          # the last answer (None: not asked yet)
+
+    @property
+    def bucket(self) -> bool:
+        """The daemon staged from a bucket (False: no daemon, or one without a bucket)."""
+        return self.staged is not None and self.staged.bucket
+
+    def newest(self, local_latest: Callable[[], int | None]) -> int | None:
+        """The newest committed step, in the bucket or here (``local_latest`` when there is no bucket)."""
+        self.staged = stage(self.socket_path, self.job, None, self.rank, self.world_size)
+        return self.staged.step if self.staged.bucket else local_latest()
+
+    def for_rank(self, step: int) -> None:
+        """Have this rank's files of ``step`` here: unless the step choice staged this very step
+        (or learnt there is no bucket)."""
+        if self.staged is None or (self.staged.bucket and self.staged.step != step):
+            self.staged = stage(self.socket_path, self.job, step, self.rank, self.world_size)
+
+    def all_ranks(self, step: int) -> None:
+        """Have every rank's files of ``step`` here."""
+        stage(self.socket_path, self.job, step, self.rank, self.world_size, all_ranks=True)

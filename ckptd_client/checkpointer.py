@@ -10,26 +10,26 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ckptd.core import names, protocol
-from ckptd.core.errors import ProtocolError
-from ckptd.core.names import job_dir, step_dir, step_dir_name
+from ckptd.core.names import job_dir, step_dir_name
 from ckptd.core.protocol import CommitMode, EventOp
 from ckptd.core.reader import latest_committed
 from ckptd.core.relay_record import RankOutcome
 
-from . import bucket_restore
-from .connection import DaemonConnection
+from .bucket_restore import BucketStaging
+from .config import CheckpointerConfig, with_keywords
+from .connection import DaemonConnection, ask
 from .disk import committed_on_disk
 from .dist import dist_info
-from .errors import CheckpointError, MissingData, NotDelivered
+from .errors import CheckpointError, NotDelivered
 from .handle import CloseReport, SaveHandle, wait_all
-from .memory_restore import STORAGE, MemoryUnavailable, RestoreInfo, restore_from_memory
-from .modes import AUTO, WhenBusy, parse_when_busy, resolve_commit_mode
+from .modes import WhenBusy, parse_when_busy, resolve_commit_mode
 from .overlap import OverlapCopies, fence_list, parse_overlap
 from .relay import StoreRelay
-from .restore import PerRank, agree_step, restore_state
+from .restore import PerRank, agree_step
 from .run_scope import RunScope
 from .session import DaemonSession
 from .slots import ClientSlot, plan_layout
+from .sources import Reader, RestoreInfo, restore_chain, run_chain
 from .state import flatten_state
 
 if TYPE_CHECKING:
@@ -41,43 +41,42 @@ log = logging.getLogger("ckptd_client")
 class Checkpointer:
     """Saves through the node's ckptd daemon; restores straight from storage.
 
-    ``socket``: the daemon's socket (default ``$CKPTD_SOCKET``, else /run/ckptd/ckptd.sock).
-    ``root``: where checkpoints live; asked from the daemon when not given (given, restore
-    needs no daemon). ``rank``/``world_size``/``store`` default from torch.distributed.
-    ``commit``: ``auto`` relays completion through the c10d store when world_size > 1 and
-    a store exists (ranks may span daemons), else the daemon counts ranks itself (``local``).
-    ``commit_timeout``: how long a relayed save may take from ``save`` to its commit (the
-    relay's waits derive from it); ``local_world_size``: ranks per node, the relay's fan-in
-    group (default ``$LOCAL_WORLD_SIZE``, as torchrun sets it, else 8). Store keys: run_scope.py.
-    ``overlap`` (True, False or ``"manual"``), ``when_busy``: see ``save``.
+    Settings: ``config`` (a :class:`CheckpointerConfig`, whose fields say what each does and its
+    default), or the same names as keyword arguments (``socket`` and ``root`` also positionally);
+    a keyword that contradicts ``config`` is a TypeError. ``rank``/``world_size``/``store``
+    default from torch.distributed. Store keys: run_scope.py. ``overlap``, ``when_busy``: see ``save``.
     """
 
     def __init__(self, job: str, socket: str | None = None, root: str | None = None, *,
-                 rank: int | None = None, world_size: int | None = None, store: Any = None,
-                 num_slots: int = 2, commit: CommitMode | str = AUTO, commit_timeout: float = 600.0,
-                 restore_threads: int | None = None, overlap: bool | str = True,
-                 when_busy: WhenBusy | str = WhenBusy.BLOCK, memory: bool = True,
-                 local_world_size: int | None = None) -> None:
+                 config: CheckpointerConfig | None = None, rank: int | None = None, world_size: int | None = None,
+                 store: Any = None, num_slots: int | None = None, commit: CommitMode | str | None = None,
+                 commit_timeout: float | None = None, restore_threads: int | None = None,
+                 overlap: bool | str | None = None, when_busy: WhenBusy | str | None = None,
+                 memory: bool | None = None, local_world_size: int | None = None) -> None:
+        self.config = c = with_keywords(config, socket=socket, root=root, rank=rank, world_size=world_size,
+                                        store=store, num_slots=num_slots, commit=commit, commit_timeout=commit_timeout,
+                                        restore_threads=restore_threads, overlap=overlap, when_busy=when_busy,
+                                        memory=memory, local_world_size=local_world_size)
         self.job = names.validate_job(job)
-        self.socket_path = socket or protocol.default_socket_path()
-        self.root = os.path.abspath(root) if root else None
+        self.socket_path = c.socket or protocol.default_socket_path()
+        self.root = os.path.abspath(c.root) if c.root else None
         d_rank, d_world, d_store = dist_info()
-        self.rank = d_rank if rank is None else rank
-        self.world_size = d_world if world_size is None else world_size
+        self.rank = d_rank if c.rank is None else c.rank
+        self.world_size = d_world if c.world_size is None else c.world_size
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in [0, {self.world_size})")
-        self.store = store if store is not None else d_store
-        self.commit_mode = resolve_commit_mode(commit, self.world_size, self.store is not None)
-        self.commit_timeout = commit_timeout
-        self.run_scope = RunScope(self.store, self.job, self.rank, self.world_size, commit_timeout) \
+        self.store = c.store if c.store is not None else d_store
+        self.commit_mode = resolve_commit_mode(c.commit, self.world_size, self.store is not None)
+        self.commit_timeout = c.commit_timeout
+        self.run_scope = RunScope(self.store, self.job, self.rank, self.world_size, c.commit_timeout) \
             if self.store is not None and (self.world_size > 1 or self.commit_mode is CommitMode.RELAY) else None
         # Ranks per node (one daemon each): the relay's fan-in groups (relay.py).
-        self.local_world_size = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or 8
-        self.num_slots = num_slots
-        self.restore_threads = restore_threads or max(1, len(os.sched_getaffinity(0)))
-        self.overlap = parse_overlap(overlap)
-        self.when_busy = parse_when_busy(when_busy)
-        self._session = DaemonSession(self.socket_path, self.job, self.rank, self.world_size, num_slots,
+        self.local_world_size = c.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or 8
+        self.num_slots = c.num_slots
+        self.restore_threads = c.restore_threads or max(1, len(os.sched_getaffinity(0)))
+        self.overlap = parse_overlap(c.overlap)
+        self.when_busy = parse_when_busy(c.when_busy)
+        self._session = DaemonSession(self.socket_path, self.job, self.rank, self.world_size, c.num_slots,
                                       self._on_event, self._on_lost)
         self._copies = OverlapCopies(self.fence)
         self._handles: dict[int, SaveHandle] = {}      # step → handle (one save per step in flight)
@@ -85,15 +84,13 @@ class Checkpointer:
         self._restores = 0
         self._relay: StoreRelay | None = None
         self._closed = False
-        self.memory = memory                           # restore asks the daemon's memory tier first
+        self.memory = c.memory                         # restore asks the daemon's memory tier first
         self.last_restore: RestoreInfo | None = None   # the source (memory, peer, storage) of the last restore
 
     @property
     def slots(self) -> list[ClientSlot]:
         """The shared-memory slots now mapped (none before the first save or ``prepare``)."""
         return self._session.slots
-
-    _slots = slots      # benchmarks/gpu_check.py reads ``_slots``; prefer ``slots``
 
     def pending(self, step: int) -> SaveHandle | None:
         """The handle of ``step``'s save while it is in flight (not yet committed or failed)."""
@@ -141,7 +138,7 @@ class Checkpointer:
             error = None
         if self._handles.get(h.step) is h:
             del self._handles[h.step]
-        h._resolve(error)
+        h.settle(error)
 
     # ---- saving ------------------------------------------------------------
 
@@ -273,16 +270,17 @@ class Checkpointer:
 
     # ---- restoring ---------------------------------------------------------
 
-    def _root(self) -> str:
+    def resolve_root(self) -> str:
+        """The checkpoint root: ``root`` as configured, else the daemon's (asked once)."""
         if self.root is None:
             try:
-                self.root = protocol.request_once(self.socket_path, protocol.to_wire(protocol.Info(), 1))["root"]
-            except (ConnectionError, RuntimeError, ProtocolError) as e:
+                self.root = str(ask(self.socket_path, protocol.Info())["root"])
+            except CheckpointError as e:
                 raise CheckpointError(f"{e} (or pass root= to restore without a daemon)") from None
         return self.root
 
     def latest_step(self) -> int | None:
-        info = latest_committed(job_dir(self._root(), self.job))
+        info = latest_committed(job_dir(self.resolve_root(), self.job))
         return info.step if info else None
 
     def restore(self, state: dict[str, Any], step: int | None = None, *, per_rank: PerRank = None) -> int | None:
@@ -323,47 +321,30 @@ class Checkpointer:
         loaded: restore again, e.g. from an older ``step``. Nothing is unpickled.
         ``ckptd_client.load_tensor`` reads one tensor (or a slice) without a state.
 
-        Memory first (``memory=True``, the default): when the daemon still holds the step in memory
-        (or fetches it from a peer daemon), the raw bytes are copied from its memfd, checksums
-        checked, no storage read; at the same world size and with no DTensor in ``state`` only.
-        Otherwise, or on any doubt, storage. ``last_restore`` says which (and why not memory)."""
+        Sources (sources.py), tried in order: the daemon's memory (``memory=True``, the default:
+        the raw bytes of a step it — or a peer daemon — still holds, copied from its memfd and
+        checksummed; same world size, no DTensor in ``state``), then the files under the root (a
+        daemon with a bucket stages this rank's first), then every rank's files staged from the
+        bucket. ``last_restore`` says which served, and why each before it could not."""
         self.fence()
-        staged: bucket_restore.Staged | None = None
+        staging = BucketStaging(self.socket_path, self.job, self.rank, self.world_size)
         if step is None:                # the newest committed step, here or in the bucket
-            staged = bucket_restore.stage(self.socket_path, self.job, None, self.rank, self.world_size)
-            step = staged.step if staged.bucket else self.latest_step()
-            if self.world_size > 1 and self.run_scope is not None:
-                self._restores += 1
-                step = agree_step(self.store, self.run_scope.scope(), self._restores, self.rank, self.world_size, step)
+            step = self._agree(staging.newest(self.latest_step))
             if step is None:
                 return None
-        started, fallback = time.monotonic(), "memory restore off (memory=False)"
-        if self.memory:
-            try:
-                self.last_restore = restore_from_memory(self.socket_path, self.job, step, self.rank, self.world_size,
-                                                        state, self.restore_threads)
-                log.info("ckptd: restored step %d from %s in %.3fs", step, self.last_restore.source,
-                         self.last_restore.seconds)
-                return step
-            except MemoryUnavailable as e:
-                fallback = str(e)
-        if staged is None or (staged.bucket and staged.step != step):   # not staged yet, or ranks agreed on another
-            staged = bucket_restore.stage(self.socket_path, self.job, step, self.rank, self.world_size)
-        path = step_dir(self._root(), self.job, step)
-        if not os.path.isdir(path):
-            raise CheckpointError(f"step {step} of job {self.job!r} does not exist under {self._root()}")
-        try:
-            restore_state(path, state, rank=self.rank, world_size=self.world_size, threads=self.restore_threads,
-                          per_rank=per_rank)
-        except MissingData:           # staged for this rank only, but it reads other ranks' data: stage all
-            if not staged.bucket:     # (a checksum failure is not retried: the daemon checked what it staged)
-                raise
-            bucket_restore.stage(self.socket_path, self.job, step, self.rank, self.world_size, all_ranks=True)
-            restore_state(path, state, rank=self.rank, world_size=self.world_size, threads=self.restore_threads,
-                          per_rank=per_rank)
-        self.last_restore = RestoreInfo(step, STORAGE, time.monotonic() - started, fallback=fallback)
-        log.info("ckptd: restored step %d from storage in %.3fs (memory tier: %s)", step,
-                 self.last_restore.seconds, fallback)
+        reader = Reader(self.socket_path, self.job, self.rank, self.world_size, self.restore_threads,
+                        self.resolve_root)
+        info = self.last_restore = run_chain(restore_chain(reader, staging, memory=self.memory, per_rank=per_rank),
+                                             step, state)
+        log.info("ckptd: restored step %d from %s in %.3fs%s", step, info.source, info.seconds,
+                 f" (memory tier: {info.fallback})" if info.fallback else "")
+        return step
+
+    def _agree(self, step: int | None) -> int | None:
+        """Every rank restores rank 0's choice of step (agree_step), numbered by this run's restores."""
+        if self.world_size > 1 and self.run_scope is not None:
+            self._restores += 1
+            step = agree_step(self.store, self.run_scope.scope(), self._restores, self.rank, self.world_size, step)
         return step
 
     # ---- lifetime ----------------------------------------------------------

@@ -1,4 +1,9 @@
-"""One connection to the node's daemon: requests, and a reader thread for events."""
+"""The client's one way to talk to its daemon: a connection with numbered requests and a reader thread.
+
+A trainer's session (``hello``, slots, saves) keeps one open; a request needing no ``hello``
+(``info``, ``stage``, ``flush``, ``memory_fetch``) opens its own: :func:`ask`, or a
+``DaemonConnection`` used as a context manager when the reply's memfd must stay pinned.
+Every error reply raises :class:`DaemonRefused` with its code (FORMAT.md, "Wire protocol")."""
 from __future__ import annotations
 
 import itertools
@@ -10,10 +15,10 @@ from concurrent.futures import Future
 from typing import Any
 
 from ckptd.core import protocol
-from ckptd.core.errors import ProtocolError
-from ckptd.core.protocol import EventOp
+from ckptd.core.errors import ErrorCode, ProtocolError
+from ckptd.core.protocol import EventOp, Op
 
-from .errors import CheckpointError, NoReply, NotDelivered
+from .errors import ConnectionLost, DaemonRefused, NoReply, NotDelivered, Unreachable
 
 log = logging.getLogger("ckptd_client")
 
@@ -31,40 +36,71 @@ def _frame(msg: Outgoing, req: int) -> tuple[str, dict[str, Any]]:
     return msg.op.value, protocol.to_wire(msg, req)
 
 
+FD_OPS = (Op.HELLO.value, Op.RESIZE.value, Op.MEMORY_FETCH.value)    # ops whose ok reply carries memfds
+
+
+def reply_fds(op: str, reply: dict[str, Any]) -> int:
+    """How many memfds (SCM_RIGHTS) an ``ok`` reply to ``op`` carries: one per slot for
+    ``hello``/``resize``, the held shard's for ``memory_fetch`` (FORMAT.md's request table)."""
+    if op in (Op.HELLO.value, Op.RESIZE.value):
+        return len(reply.get("slots", ()))
+    return 1 if op == Op.MEMORY_FETCH.value else 0
+
+
+def error_code(reply: dict[str, Any]) -> ErrorCode:
+    """An error reply's code; one without (or with an unknown) code reads as REFUSED."""
+    try:
+        return ErrorCode(reply.get("code", ErrorCode.REFUSED.value))
+    except ValueError:
+        return ErrorCode.REFUSED
+
+
 class DaemonConnection:
-    """Replies are matched to requests by ``req``; every other frame is an event for ``on_event``.
+    """Replies are matched to requests by ``req``; every other frame is an event for ``on_event``
+    (none: events are dropped). Call order: ``request``/``notify`` any number of times, from any
+    thread, then ``close`` (or use it as a context manager).
 
     ``on_lost(reason)`` is called once, from whichever thread notices, when the connection
-    goes away; requests still waiting then fail with the reason."""
+    goes away; requests still waiting then fail with :class:`ConnectionLost`."""
 
-    def __init__(self, socket_path: str, on_event: EventHandler, timeout: float = 60.0, *,
-                 on_lost: LostHandler | None = None) -> None:
+    def __init__(self, socket_path: str, on_event: EventHandler | None = None, timeout: float = 60.0, *,
+                 on_lost: LostHandler | None = None, connect_timeout: float = 10.0) -> None:
         self.socket_path = socket_path
         self.timeout = timeout
         self._on_event = on_event
         self._on_lost = on_lost
         try:
-            self._sock = protocol.connect(socket_path)
+            self._sock = protocol.connect(socket_path, connect_timeout)
         except ConnectionError as e:
-            raise CheckpointError(str(e)) from None
+            raise Unreachable(str(e)) from None
         self._rx = protocol.FrameReceiver(self._sock)
         self._send_lock = threading.Lock()
         self._req_ids = itertools.count(1)
-        self._pending: dict[int, Future[dict[str, Any]]] = {}
+        self._pending: dict[int, tuple[str, Future[dict[str, Any]]]] = {}
+        self._ops: dict[int, str] = {}       # req → op until its reply is read, so its memfds are always taken
         self._lock = threading.Lock()
         self.lost: str | None = None
         self._reader = threading.Thread(target=self._read_loop, name="ckptd-client-rx", daemon=True)
         self._reader.start()
 
+    def __enter__(self) -> DaemonConnection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def request(self, msg: Outgoing, timeout: float | None = None) -> dict[str, Any]:
-        """Number and send a request, wait for its reply; an error reply raises CheckpointError."""
+        """Number and send a request, wait for its reply (its memfds, if any, in ``reply["_fds"]``:
+        the caller's to close). An error reply raises DaemonRefused; no reply in ``timeout``
+        seconds, NoReply; a connection that ends first, ConnectionLost; a send that fails, NotDelivered."""
         req = next(self._req_ids)
         op, wire = _frame(msg, req)
         fut: Future[dict[str, Any]] = Future()
         with self._lock:
             if self.lost:
                 raise NotDelivered(f"connection to ckptd at {self.socket_path} lost: {self.lost}")
-            self._pending[req] = fut
+            self._pending[req] = (op, fut)
+            self._ops[req] = op
         try:
             with self._send_lock:
                 protocol.send_frame(self._sock, wire)
@@ -81,7 +117,7 @@ class DaemonConnection:
             with self._lock:
                 self._pending.pop(req, None)
         if reply.get("op") != "ok":
-            raise CheckpointError(f"ckptd refused {op}: {reply.get('reason', 'no reason given')}")
+            raise DaemonRefused(op, error_code(reply), str(reply.get("reason", "no reason given")))
         return reply
 
     def notify(self, msg: protocol.Request) -> None:
@@ -101,12 +137,17 @@ class DaemonConnection:
                     break
                 op = msg["op"]
                 if op in ("ok", "error"):
-                    if "slots" in msg and op == "ok":
-                        msg["_fds"] = self._rx.take_fds(len(msg["slots"]))
-                    fut = self._pending.get(msg.get("req", -1))
-                    if fut is not None:
-                        fut.set_result(msg)
-                    elif op == "error":
+                    req = msg.get("req", -1)
+                    with self._lock:
+                        waiting, sent = self._pending.get(req), self._ops.pop(req, None)
+                    if op == "ok" and sent in FD_OPS:
+                        msg["_fds"] = self._rx.take_fds(reply_fds(sent, msg))
+                    if waiting is not None:
+                        waiting[1].set_result(msg)
+                        continue
+                    for fd in msg.get("_fds", ()):      # its requester gave up: nobody else will close them
+                        os.close(fd)
+                    if op == "error":
                         reason = f"daemon error: {msg.get('reason')}"
                         if msg.get("fatal"):
                             break
@@ -115,6 +156,8 @@ class DaemonConnection:
                     event = EventOp(op)
                 except ValueError:
                     log.debug("ckptd: ignoring unknown event %r", op)   # a newer daemon's, perhaps
+                    continue
+                if self._on_event is None:
                     continue
                 try:
                     self._on_event(event, msg)
@@ -130,9 +173,10 @@ class DaemonConnection:
                 return
             self.lost = reason
             pending = list(self._pending.values())
-        for fut in pending:
+        for op, fut in pending:
             if not fut.done():
-                fut.set_result({"op": "error", "reason": f"connection lost: {reason}"})
+                fut.set_exception(ConnectionLost(f"connection to ckptd at {self.socket_path} lost before it "
+                                                 f"answered {op}: {reason}"))
         for fd in self._rx.fds:
             os.close(fd)
         self._rx.fds.clear()
@@ -146,3 +190,10 @@ class DaemonConnection:
             pass
         self._reader.join(timeout=5)
         self._sock.close()
+
+
+def ask(socket_path: str, msg: Outgoing, timeout: float = 10.0) -> dict[str, Any]:
+    """One request on a connection of its own (no ``hello``: ``info``, ``stage``, ``flush``), as
+    ``DaemonConnection.request`` raises (and Unreachable when no daemon listens)."""
+    with DaemonConnection(socket_path, timeout=timeout) as conn:
+        return conn.request(msg)

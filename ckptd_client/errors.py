@@ -1,4 +1,7 @@
 """Errors the client raises."""
+from __future__ import annotations
+
+from ckptd.core.errors import ErrorCode
 
 
 class CheckpointError(RuntimeError):
@@ -17,3 +20,20 @@ class MissingData(CheckpointError):
     """A committed step here lacks a data file the restore reads (a step staged from the bucket for
     one rank, read by a rank that needs others' pieces): staging every rank's files can help;
     a checksum failure cannot be helped that way and is a plain CheckpointError."""
+
+
+class Unreachable(CheckpointError):
+    """No daemon listens on the socket (the message says which path and how to start one)."""
+
+
+class ConnectionLost(CheckpointError):
+    """The connection went away before the daemon answered: the request may or may not have been
+    carried out."""
+
+
+class DaemonRefused(CheckpointError):
+    """The daemon answered with an error reply: branch on ``code`` (FORMAT.md's error codes), show ``reason``."""
+
+    def __init__(self, op: str, code: ErrorCode, reason: str) -> None:
+        super().__init__(f"ckptd refused {op}: {reason}")
+        self.op, self.code, self.reason = op, code, reason

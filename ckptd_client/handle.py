@@ -29,8 +29,9 @@ class SaveHandle:
         self._done = threading.Event()
         self._error: str | None = None
 
-    def _resolve(self, error: str | None) -> None:
-        """(Checkpointer) settle the outcome; the first call wins, as events can race a loss."""
+    def settle(self, error: str | None) -> None:
+        """(The Checkpointer's) settle the outcome: None committed, else why not; the first call wins,
+        as events can race a loss."""
         if self._done.is_set():
             return
         self._error = error

@@ -1,22 +1,21 @@
 """Restoring from the daemon's memory tier: a copy out of a memfd, no storage read, no decoding.
 
-``Checkpointer.restore`` asks its daemon first (``memory_fetch``, FORMAT.md): the daemon answers
-with the rank's held shard — the raw bytes the trainer saved, in a memfd passed with SCM_RIGHTS,
-plus its layout, state tree and per-chunk checksums — after checking that the shard is the one
-the committed index.json records (its manifest digest). A daemon that lost it (a replacement
-node) fetches it from a peer daemon's memory first. Here each tensor is read straight into the
-live tensor (the memfd mapped read-only, copied a cache-sized piece at a time on the restore
-threads), each piece's bytes fed to its chunk's xxh3 while still in cache, every chunk's
-checksum checked, and only then is the state tree applied. Anything else —
-no daemon, a step not held, a resharding restore, a DTensor state, a checksum mismatch — raises
-:class:`MemoryUnavailable` with the reason, and the caller reads storage.
+The restore chain's first source (``sources.DaemonMemory``) asks its daemon (``memory_fetch``,
+FORMAT.md): the daemon answers with the rank's held shard — the raw bytes the trainer saved, in a
+memfd passed with SCM_RIGHTS, plus its layout, state tree and per-chunk checksums — after checking
+that the shard is the one the committed index.json records (its manifest digest). A daemon that lost
+it (a replacement node) fetches it from a peer daemon's memory first. Here each tensor is read
+straight into the live tensor (the memfd mapped read-only, copied a cache-sized piece at a time on
+the restore threads), each piece's bytes fed to its chunk's xxh3 while still in cache, every chunk's
+checksum checked, and only then is the state tree applied. Anything else — no daemon, a step not
+held, a resharding restore, a DTensor state, a checksum mismatch — raises :class:`MemoryUnavailable`
+with the reason, which the source answers as its "cannot serve, because".
 """
 from __future__ import annotations
 
 import ctypes
 import mmap
 import os
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -26,17 +25,20 @@ import torch
 
 from ckptd.core import protocol
 from ckptd.core.codec import checksum_stream
-from ckptd.core.errors import FormatError, ProtocolError
+from ckptd.core.errors import FormatError
 from ckptd.core.held import HeldMeta
 from ckptd.core.schema import TensorLayout
 from ckptd.core.tree import decode_tree, join_path
 
+from .connection import DaemonConnection
 from .dtensor import is_dtensor
+from .errors import CheckpointError, DaemonRefused, Unreachable
 from .live_state import live_tensors, tensor_leaves, tree_items
 from .reshard import DTYPES, decodable_into, tensor_bytes
-from .restore import _apply
+from .restore import apply_loaded
 
-MEMORY, PEER, STORAGE = "memory", "peer", "storage"
+MEMORY, PEER = "memory", "peer"
+FETCH_TIMEOUT_S = 300.0       # a replacement node's daemon may first fetch the shard from a peer
 TASK_BYTES = 64 << 20         # a restore thread's share of a tensor at a time
 PIECE = 512 << 10             # read and hashed at once: fits a core's L2 cache
 
@@ -46,15 +48,11 @@ class MemoryUnavailable(Exception):
 
 
 @dataclass(frozen=True)
-class RestoreInfo:
-    """How the last ``restore`` went: ``source`` is ``memory`` (this node's daemon), ``peer`` (a
-    peer daemon's copy, through this node's daemon) or ``storage``; ``fallback`` says why memory
-    was not used."""
-    step: int
+class MemoryCopy:
+    """A restore served from a held shard: ``source`` is ``memory`` (this node's daemon held it) or
+    ``peer`` (its daemon fetched a peer daemon's copy); ``raw_bytes`` were copied."""
     source: str
-    seconds: float
-    raw_bytes: int = 0
-    fallback: str | None = None
+    raw_bytes: int
 
 
 def _read_into(base: int, t: TensorLayout, out: torch.Tensor, sums: tuple[str, ...], chunk: int, first: int,
@@ -74,42 +72,39 @@ def _read_into(base: int, t: TensorLayout, out: torch.Tensor, sums: tuple[str, .
                                     "fails its checksum")
 
 
-def _fetch(socket_path: str, job: str, step: int, rank: int, world_size: int) -> tuple[Any, HeldMeta, int, str]:
+def _fetch(socket_path: str, job: str, step: int, rank: int,
+           world_size: int) -> tuple[DaemonConnection, HeldMeta, int, str]:
     """(connection, meta, memfd, source); the daemon keeps the shard pinned while the connection is open."""
     try:
-        sock = protocol.connect(socket_path, timeout=5.0)
-    except ConnectionError as e:
+        conn = DaemonConnection(socket_path, timeout=FETCH_TIMEOUT_S, connect_timeout=5.0)
+    except Unreachable as e:
         raise MemoryUnavailable(str(e)) from None
+    fd = -1
     try:
-        sock.settimeout(300.0)          # a replacement node may first fetch the shard from a peer
-        protocol.send_frame(sock, protocol.to_wire(protocol.MemoryFetch(job, rank, world_size, step), 1))
-        rx = protocol.FrameReceiver(sock)
-        reply = rx.read()
-        if reply is None or reply.get("op") != "ok":
-            raise MemoryUnavailable(str((reply or {}).get("reason", "the daemon closed the connection"))[:500])
-        fd = rx.take_fds(1)[0]
+        reply = conn.request(protocol.MemoryFetch(job, rank, world_size, step))
+        fd = reply["_fds"][0]
         meta = HeldMeta.from_wire(reply)
         if (meta.job, meta.step, meta.rank, meta.world_size) != (job, step, rank, world_size):
-            os.close(fd)
             raise MemoryUnavailable(f"the daemon answered with another shard ({meta.what})")
-        source = PEER if reply.get("source") == PEER else MEMORY
-        return sock, meta, fd, source
-    except (OSError, ProtocolError, FormatError) as e:
-        sock.close()
-        raise MemoryUnavailable(f"memory fetch failed: {e}") from None
-    except BaseException:
-        sock.close()
+        return conn, meta, fd, PEER if reply.get("source") == PEER else MEMORY
+    except BaseException as e:
+        if fd >= 0:
+            os.close(fd)
+        conn.close()
+        if isinstance(e, DaemonRefused):
+            raise MemoryUnavailable(e.reason[:500]) from None
+        if isinstance(e, (CheckpointError, FormatError)):
+            raise MemoryUnavailable(f"memory fetch failed: {e}") from None
         raise
 
 
 def restore_from_memory(socket_path: str, job: str, step: int, rank: int, world_size: int,
-                        state: dict[str, Any], threads: int) -> RestoreInfo:
+                        state: dict[str, Any], threads: int) -> MemoryCopy:
     """Load ``step`` into ``state`` from the daemon's memory (see the module docstring)."""
-    started = time.monotonic()
     live, lazy = live_tensors(state)
     if any(is_dtensor(t) for t in live.values()):
         raise MemoryUnavailable("a sharded (DTensor) state restores from storage")
-    sock, meta, fd, source = _fetch(socket_path, job, step, rank, world_size)
+    conn, meta, fd, source = _fetch(socket_path, job, step, rank, world_size)
     try:
         layout = {t.name: (t, sums) for t, sums in zip(meta.layout, meta.checksums, strict=True)}
         items = tree_items(meta.tree)
@@ -159,6 +154,6 @@ def restore_from_memory(socket_path: str, job: str, step: int, rank: int, world_
             raise MemoryUnavailable(f"bad held state tree: {e}") from None
     finally:
         os.close(fd)
-        sock.close()                 # unpins the shard on the daemon
-    _apply(state, loaded, None)
-    return RestoreInfo(step, source, time.monotonic() - started, sum(t.nbytes for t in meta.layout))
+        conn.close()                 # unpins the shard on the daemon
+    apply_loaded(state, loaded, None)
+    return MemoryCopy(source, sum(t.nbytes for t in meta.layout))

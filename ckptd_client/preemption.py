@@ -191,14 +191,14 @@ class PreemptionHandler:
         """Rank 0: have the daemon upload the step to its bucket now (nodes and disks may not come back)."""
         if self.ckpt.rank != 0 or self.bucket_timeout <= 0:
             return
-        ok, detail = bucket_restore.flush(self.ckpt.socket_path, self.ckpt.job, step, self.bucket_timeout)
-        if bucket_restore.NO_BUCKET in detail:
+        flushed = bucket_restore.flush(self.ckpt.socket_path, self.ckpt.job, step, self.bucket_timeout)
+        if not flushed.bucket:
             return
-        self.in_bucket = ok
-        if ok:
+        self.in_bucket = flushed.uploaded
+        if flushed.uploaded:
             log.warning("ckptd: preemption checkpoint of step %d is committed in the bucket", step)
         else:
-            log.error("ckptd: preemption checkpoint of step %d did not reach the bucket: %s", step, detail)
+            log.error("ckptd: preemption checkpoint of step %d did not reach the bucket: %s", step, flushed.detail)
 
     # ---- lifetime -------------------------------------------------------------
 

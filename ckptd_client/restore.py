@@ -63,8 +63,8 @@ PerRank = PerRankRule | Mapping[str, PerRankRule] | None
 """``restore``'s ``per_rank``: one rule for every per-rank entry, or a rule per top-level key."""
 
 _DTYPES = DTYPES
-__all__ = ["agree_step", "load_shard", "restore_state", "tensor_bytes", "FRESH", "RANK0", "SAME_RANK",
-           "PerRank", "PerRankRule", "ReadStats"]
+__all__ = ["agree_step", "apply_loaded", "load_shard", "restore_state", "tensor_bytes", "FRESH", "RANK0",
+           "SAME_RANK", "PerRank", "PerRankRule", "ReadStats"]
 
 
 def _decodable_into(t: torch.Tensor | None, dtype: str, shape: list[int]) -> bool:
@@ -192,12 +192,12 @@ def _restore_v1(files: StepFiles, state: dict[str, Any], rank: int, world_size: 
     loaded = load_shard(files.reader, rank, world_size, threads, targets)
     if not isinstance(loaded, dict):
         raise CheckpointError(f"{files.path}: rank {rank}'s state tree is not a dict")
-    _apply(state, loaded, None)
+    apply_loaded(state, loaded, None)
 
 
-def _apply(state: dict[str, Any], loaded: dict[Any, Any], model: torch.nn.Module | None) -> None:
+def apply_loaded(state: dict[str, Any], loaded: dict[Any, Any], model: torch.nn.Module | None) -> None:
     """Apply ``loaded``'s top-level entries to ``state``; RNG state last; FQN-keyed objects through
-    torch's ``set_*_state_dict`` when ``model`` is set."""
+    torch's ``set_*_state_dict`` when ``model`` is set. (Shared by the storage and memory restores.)"""
     later = [k for k in loaded if k in state and _restore_last(state[k])]
     for k in [k for k in loaded if k not in later] + later:
         v = loaded[k]
@@ -329,7 +329,7 @@ class _Restore:
             except (FormatError, KeyError) as e:
                 raise CheckpointError(f"{self.where()}: bad state tree under {str(k)!r} in rank {src}'s "
                                       f"manifest: {e}") from None
-        _apply(self.state, loaded, model)
+        apply_loaded(self.state, loaded, model)
 
     def need(self, path: str, name: str, src: int, live: torch.Tensor | None,
              copy_back: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Need, torch.Tensor]:

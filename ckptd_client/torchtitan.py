@@ -47,6 +47,7 @@ from ckptd.core.names import INDEX_NAME, job_dir, step_dir
 from ckptd.core.reader import list_steps
 
 from .checkpointer import Checkpointer
+from .config import CheckpointerConfig
 from .handle import SaveHandle
 from .hf import export_hf, import_hf
 
@@ -81,6 +82,12 @@ class CkptdCheckpointManager(BaseCheckpointManager):
         hf_rename: str | None = None
         """JSON file mapping canonical names to Hugging Face names, for ``last_save_in_hf``."""
 
+        def checkpointer_config(self) -> CheckpointerConfig:
+            """These settings as the ``Checkpointer``'s: ``socket`` and ``root`` carried over; the
+            copy overlap is ``manual`` (the trainer calls ``maybe_wait_for_staging`` before each
+            optimizer step, which fences); everything else as ``CheckpointerConfig``'s defaults."""
+            return CheckpointerConfig(socket=self.socket, root=self.root, overlap="manual")
+
     def __init__(self, config: Config, *, dataloader: Any, model_parts: list[torch.nn.Module], optimizers: Any,
                  lr_schedulers: Any, states: dict[str, Any], sd_adapter: Any = None, base_folder: str = "") -> None:
         self.enable = config.enable
@@ -93,7 +100,7 @@ class CkptdCheckpointManager(BaseCheckpointManager):
         self.states.update({MODEL: ModelWrapper(model_parts), OPTIMIZER: optimizers, LR_SCHEDULER: lr_schedulers})
         if dataloader is not None:
             self.states[DATALOADER] = BytesAsTensors(dataloader)
-        self.ckpt = Checkpointer(config.job, socket=config.socket, root=config.root, overlap="manual")
+        self.ckpt = Checkpointer(config.job, config=config.checkpointer_config())
         self._last: SaveHandle | None = None
         self._rank = self.ckpt.rank
 
@@ -111,8 +118,9 @@ class CkptdCheckpointManager(BaseCheckpointManager):
             self.ckpt.fence()
             self.ckpt.save(curr_step, {MODEL: self.states[MODEL]}).wait()
             if c.last_save_in_hf and self._rank == 0:
-                export_hf(step_dir(self.ckpt._root(), c.job, curr_step), os.path.join(self.folder, f"step-{curr_step}"),
-                          dtype=c.export_dtype, rename=c.hf_rename, force=True)
+                export_hf(step_dir(self.ckpt.resolve_root(), c.job, curr_step),
+                          os.path.join(self.folder, f"step-{curr_step}"), dtype=c.export_dtype, rename=c.hf_rename,
+                          force=True)
             self._purge()
             return True
         self._last = self.save_future = self.ckpt.save(curr_step, self.states)   # type: ignore[assignment]
@@ -153,9 +161,9 @@ class CkptdCheckpointManager(BaseCheckpointManager):
 
     def _import_initial(self, hf_dir: str) -> None:
         """Rank 0 commits ``hf_dir`` as step 0 of the job (once); the others wait for it."""
-        if self._rank == 0 and not os.path.exists(os.path.join(step_dir(self.ckpt._root(), self.config.job, 0),
+        if self._rank == 0 and not os.path.exists(os.path.join(step_dir(self.ckpt.resolve_root(), self.config.job, 0),
                                                                INDEX_NAME)):
-            import_hf(hf_dir, self.ckpt._root(), self.config.job, 0)
+            import_hf(hf_dir, self.ckpt.resolve_root(), self.config.job, 0)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
 
@@ -164,7 +172,7 @@ class CkptdCheckpointManager(BaseCheckpointManager):
         k = self.config.keep_latest_k
         if k <= 0 or self._rank != 0:
             return
-        committed = [s for s in list_steps(job_dir(self.ckpt._root(), self.config.job)) if s.committed]
+        committed = [s for s in list_steps(job_dir(self.ckpt.resolve_root(), self.config.job)) if s.committed]
         for s in committed[:-k]:
             try:
                 os.unlink(os.path.join(s.path, INDEX_NAME))

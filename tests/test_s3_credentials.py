@@ -63,7 +63,7 @@ def test_rotated_credentials_are_renewed_and_a_failed_refresh_fails_the_upload_c
         env = {"AWS_SHARED_CREDENTIALS_FILE": str(creds), "AWS_REGION": "us-east-1"}
         d = daemon_factory(*s3_args(srv, bucket), env=env)
         save(d.socket, 1, seed=1)
-        assert bucket_restore.flush(str(d.socket), JOB, 1, 120)[0]
+        assert bucket_restore.flush(str(d.socket), JOB, 1, 120).uploaded
 
         # Rotation: the server now takes only the new pair; the daemon still holds the old one.
         srv.keys = [(NEW_KEY, NEW_SECRET)]
@@ -85,7 +85,8 @@ def test_rotated_credentials_are_renewed_and_a_failed_refresh_fails_the_upload_c
         assert "could not be renewed" in up["last_error"] and "no credentials for profile 'default'" in \
             up["last_error"], up
         assert "S3 credentials refresh failed" in d.log_text()
-        ok, detail = bucket_restore.flush(str(d.socket), JOB, 3, 120)
+        flushed = bucket_restore.flush(str(d.socket), JOB, 3, 120)
+        ok, detail = flushed.uploaded, flushed.detail
         assert not ok and "could not be renewed" in detail, detail
 
         # A stated expiry that has passed (session credentials a tool stopped renewing): the same.
@@ -97,7 +98,7 @@ def test_rotated_credentials_are_renewed_and_a_failed_refresh_fails_the_upload_c
         # Fixed: the next step uploads; nothing secret was ever logged.
         write_credentials(creds, NEW_KEY, NEW_SECRET)
         save(d.socket, 5, seed=5)
-        assert bucket_restore.flush(str(d.socket), JOB, 5, 120)[0]
+        assert bucket_restore.flush(str(d.socket), JOB, 5, 120).uploaded
         assert b.steps(JOB)[0][-1] == 5
         assert "S3 credentials usable again" in d.log_text()
         log = d.log_text()

@@ -84,7 +84,7 @@ def test_a_corrupt_bucket_step_fails_naming_the_key_and_leaves_nothing_staged(se
     first = daemon_factory(*s3_args(seaweed, bucket), name="a", root=tmp / "root-a", env=env)
     for step in (4, 8):
         save_all(first.socket, step)
-        assert bucket_restore.flush(str(first.socket), JOB, step, 120)[0]
+        assert bucket_restore.flush(str(first.socket), JOB, step, 120).uploaded
     first.stop()
     step8 = f"{JOB}/step-000000000008"
     bad_key = f"ckpt/{step8}/rank-00001.data"

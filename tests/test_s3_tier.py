@@ -263,7 +263,8 @@ def test_retention_per_tier_and_flush(seaweed, daemon_factory):
     d = daemon_factory(*s3_args(seaweed, bucket, "--s3-keep-last", "2"), "--keep-last", "1", env=seaweed.env())
     for step in (1, 2, 3):
         save(d.socket, step, seed=step)
-        assert bucket_restore.flush(str(d.socket), JOB, step, 60) == (True, f"step {step} is committed in the bucket")
+        assert bucket_restore.flush(str(d.socket), JOB, step, 60) == \
+            bucket_restore.Flushed(True, f"step {step} is committed in the bucket")
     wait_for(lambda: b.steps(JOB) == ([2, 3], []), "bucket retention down to 2 steps")
     wait_for(lambda: sorted(p.name for p in (d.root / JOB).iterdir()) == ["step-000000000003"], "local retention")
     got, state = restore(d.socket, 2)      # not local any more: staged from the bucket

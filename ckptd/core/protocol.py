@@ -7,9 +7,10 @@ live in shared-memory slots whose file descriptors the daemon passes once, with
 SCM_RIGHTS, in the reply to ``hello``/``resize``.
 
 Requests carry ``req`` (an integer chosen by the client); the daemon answers each
-with ``{"op": "ok", "req": ...}`` or ``{"op": "error", "req": ..., "reason": ...}``.
+with ``{"op": "ok", "req": ...}`` or ``{"op": "error", "req": ..., "code": ..., "reason": ...}``.
 Events about a save (``slot_free``, ``durable``, ``committed``, ``failed``) carry
-the step and arrive whenever they happen. See FORMAT.md, "Wire protocol".
+the step and arrive whenever they happen; an error's ``code`` is an :class:`ErrorCode` (defined
+beside the other shared errors, in core/errors.py). See FORMAT.md, "Wire protocol".
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from enum import Enum
 from typing import Any, ClassVar, get_args
 
 from . import gc_pause
-from .errors import FormatError, ProtocolError
+from .errors import ErrorCode, FormatError, ProtocolError
 from .names import short, validate_tensor_name
 from .schema import DTYPE_ITEMSIZE, TensorLayout, parse_placement, validate_shape
 
@@ -236,11 +237,8 @@ def ok(req: int, **body: Any) -> dict[str, Any]:
     return {"op": "ok", "req": req, **body}
 
 
-def error(req: int, reason: str, *, fatal: bool = False) -> dict[str, Any]:
-    msg: dict[str, Any] = {"op": "error", "req": req, "reason": reason}
-    if fatal:
-        msg["fatal"] = True
-    return msg
+def error(req: int, reason: str, *, fatal: bool = False, code: ErrorCode = ErrorCode.REFUSED) -> dict[str, Any]:
+    return {"op": "error", "req": req, "code": code.value, "reason": reason, **({"fatal": True} if fatal else {})}
 
 
 def encode(msg: dict[str, Any]) -> bytes:

@@ -14,13 +14,19 @@ import logging
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
+from ckptd.core.errors import ErrorCode
+
 log = logging.getLogger("ckptd")
 
 T = TypeVar("T")
 
 
 class RequestError(Exception):
-    """A well-formed request that cannot be served; the connection stays open."""
+    """A well-formed request that cannot be served; the connection stays open. ``code``: its reply's."""
+
+    def __init__(self, reason: str, code: ErrorCode = ErrorCode.REFUSED) -> None:
+        super().__init__(reason)
+        self.code = code
 
 
 def describe_error(e: BaseException) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 
 from ckptd import __version__
 from ckptd.core import names, protocol
-from ckptd.core.errors import FormatError
+from ckptd.core.errors import ErrorCode, FormatError
 from ckptd.core.protocol import Abort, Commit, CommitMode, Hello, Info, MemoryFetch, Report, Resize, Save, Status
 from ckptd.core.rank_record import parse_records
 from ckptd.daemon.runtime import RequestError, TaskSet, bounded, describe_error
@@ -280,11 +280,13 @@ class Requests:
         try:
             reply, fds = await self.table[type(request)](session, request)
         except (RequestError, CommitError, FormatError, ValueError) as e:
-            await session.send(protocol.error(req, bounded(str(e))))
+            code = e.code if isinstance(e, RequestError) else ErrorCode.REFUSED
+            await session.send(protocol.error(req, bounded(str(e)), code=code))
             return
         except Exception as e:  # a daemon bug: answer, log it loudly, keep the connection and the daemon
             log.exception("request failed", extra={"ctx": {**session.ctx(), "op": op}})
-            await session.send(protocol.error(req, bounded(f"internal daemon error in {op}: {describe_error(e)}")))
+            await session.send(protocol.error(req, bounded(f"internal daemon error in {op}: {describe_error(e)}"),
+                                              code=ErrorCode.INTERNAL))
             return
         try:
             await session.send(protocol.ok(req, **reply), fds)

@@ -1,4 +1,4 @@
-"""How a step commits on the local file system (the decision when is ckptd.daemon.steps.coordinator').
+"""How a step commits on the local file system (the decision when is ckptd.daemon.steps.coordinator's).
 
 The commit protocol (also in FORMAT.md):
 1. every rank's data file is fsynced, then its manifest is written (tmp, fsync, rename,

@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from ckptd.core.errors import ErrorCode
 from ckptd.core.names import is_step
 from ckptd.core.protocol import Flush, Stage
 from ckptd.daemon.runtime import RequestError, TaskSet
@@ -101,7 +102,7 @@ def bucket_ops(tier: BucketService | None) -> dict[type, Handler]:
     """The op-table entries of ``stage`` and ``flush`` (an error when no bucket is configured)."""
     def need() -> BucketService:
         if tier is None:
-            raise RequestError("this daemon has no object-storage tier (s3.url is not set)")
+            raise RequestError("this daemon has no object-storage tier (s3.url is not set)", ErrorCode.NO_BUCKET)
         return tier
 
     async def stage(_session: Any, s: Stage) -> tuple[dict[str, Any], list[int]]:

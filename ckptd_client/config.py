@@ -1,0 +1,80 @@
+"""``CheckpointerConfig``: every setting of a ``Checkpointer`` in one typed, frozen value.
+
+``Checkpointer(job, config=CheckpointerConfig(...))`` takes one; its keyword arguments (the
+same names) build one, so ``Checkpointer(job, socket=..., num_slots=4)`` keeps working. A
+keyword given beside a ``config`` that says otherwise is a TypeError: one value, one place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ckptd.core.protocol import CommitMode
+
+from .modes import AUTO, WhenBusy, parse_when_busy
+from .overlap import parse_overlap
+
+
+@dataclass(frozen=True)
+class CheckpointerConfig:
+    """A ``Checkpointer``'s settings; each default is what a plain ``Checkpointer(job)`` uses."""
+
+    socket: str | None = None
+    """The daemon's socket. None: ``$CKPTD_SOCKET``, else /run/ckptd/ckptd.sock (the systemd unit's)."""
+    root: str | None = None
+    """Where checkpoints live. None: asked from the daemon; given, restores need no daemon at all."""
+    rank: int | None = None
+    """This process's rank. None: torch.distributed's (0 when it is not initialised)."""
+    world_size: int | None = None
+    """Ranks in the job. None: torch.distributed's (1 when it is not initialised)."""
+    store: Any = None
+    """The c10d store for the commit relay and the restore agreement. None: torch.distributed's, if any."""
+    num_slots: int = 2
+    """Shared-memory slots lent by the daemon: 2 lets one save be written while the next is copied."""
+    commit: CommitMode | str = AUTO
+    """``auto``: relay completion through the store when world_size > 1 and a store exists (ranks
+    may span daemons), else ``local`` (the daemon counts ranks itself); ``relay`` needs a store."""
+    commit_timeout: float = 600.0
+    """Seconds a relayed save may take from ``save`` to its commit (the relay's waits derive from it)."""
+    restore_threads: int | None = None
+    """Threads that decode and copy on restore. None: one per CPU this process may run on."""
+    overlap: bool | str = True
+    """``save``'s default copy mode: True (copy params/optimizer state in the background until the
+    optimizer step), False (copy everything before returning) or ``"manual"`` (see ``save``)."""
+    when_busy: WhenBusy | str = WhenBusy.BLOCK
+    """``save`` with every slot still being written: ``block`` waits, ``skip`` saves nothing."""
+    memory: bool = True
+    """Restore asks the daemon's memory tier first (no storage read); False: storage only."""
+    local_world_size: int | None = None
+    """Ranks per node (one daemon each), the relay's fan-in group. None: ``$LOCAL_WORLD_SIZE``, else 8."""
+
+    def __post_init__(self) -> None:
+        # Bad values fail here, where the config is built, not at the first save.
+        object.__setattr__(self, "overlap", parse_overlap(self.overlap))
+        object.__setattr__(self, "when_busy", parse_when_busy(self.when_busy))
+        if self.commit != AUTO:
+            try:
+                object.__setattr__(self, "commit", CommitMode(self.commit))
+            except ValueError:
+                raise ValueError(f"commit must be 'auto', 'local' or 'relay', got {self.commit!r}") from None
+
+
+FIELDS = tuple(f.name for f in fields(CheckpointerConfig))
+
+
+def with_keywords(config: CheckpointerConfig | None, **given: Any) -> CheckpointerConfig:
+    """The config a ``Checkpointer`` runs with: ``config``, or one built from the keyword arguments
+    ``given`` (None: not given). Keywords beside a ``config`` must agree with it (TypeError)."""
+    unknown = sorted(set(given) - set(FIELDS))
+    if unknown:
+        raise TypeError(f"Checkpointer got unexpected keyword arguments {unknown}")
+    given = {k: v for k, v in given.items() if v is not None}
+    if config is None:
+        return CheckpointerConfig(**given)
+    if not isinstance(config, CheckpointerConfig):
+        raise TypeError(f"config must be a CheckpointerConfig, got {type(config).__name__}")
+    clash = [f"{k}={v!r} (config has {getattr(config, k)!r})" for k, v in given.items()
+             if getattr(config, k) is not v and getattr(config, k) != v]
+    if clash:
+        raise TypeError(f"Checkpointer: {', '.join(clash)}: set each setting once, in config= or as a keyword")
+    return config
