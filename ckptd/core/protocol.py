@@ -1,16 +1,8 @@
 """The wire protocol between ckptd_client and the daemon: framing, messages, version.
 
-This is the one place both sides import. A frame is an 8-byte header
-(``b"CK"``, protocol version as u16, body length as u32, big-endian) followed by
-a UTF-8 JSON object with an ``op`` field. Tensor bytes never travel here: they
-live in shared-memory slots whose file descriptors the daemon passes once, with
-SCM_RIGHTS, in the reply to ``hello``/``resize``.
-
-Requests carry ``req`` (an integer chosen by the client); the daemon answers each
-with ``{"op": "ok", "req": ...}`` or ``{"op": "error", "req": ..., "code": ..., "reason": ...}``.
-Events about a save (``slot_free``, ``durable``, ``committed``, ``failed``) carry
-the step and arrive whenever they happen; an error's ``code`` is an :class:`ErrorCode` (defined
-beside the other shared errors, in core/errors.py). See FORMAT.md, "Wire protocol".
+This is the one place both sides import: the frames, the typed requests and their checks.
+The wire format itself (framing, ops, replies and error codes, events) is FORMAT.md's, "Wire
+protocol"; error codes are :class:`~ckptd.core.errors.ErrorCode`.
 """
 from __future__ import annotations
 

@@ -1,18 +1,9 @@
 """How a step commits on the local file system (the decision when is ckptd.daemon.steps.coordinator's).
 
-The commit protocol (also in FORMAT.md):
-1. every rank's data file is fsynced, then its manifest is written (tmp, fsync, rename,
-   fsync dir); the daemon then reports the rank DURABLE with the manifest's sha256;
-2. when all ``world_size`` ranks are durable — counted by this daemon (``local`` mode)
-   or gathered by rank 0's client through the job's c10d store and sent in a COMMIT
-   (``relay`` mode) — the daemon serving rank 0 checks every manifest's digest on disk (on
-   a pool of threads, while it builds the index), builds the global tensor map from the ranks'
-   records (the manifests' summaries their daemons sent with DURABLE; read from the manifests
-   only when a record is missing),
-   writes the lean side files of a large index, then ``index.json`` (tmp, fsync, rename,
-   fsync dir). Its presence is the commit;
-3. any failure before that abandons the step: no index is written, the waiting ranks are
-   told why, and the files this daemon wrote for it are removed.
+The commit protocol is FORMAT.md's ("Commit protocol"); the index build, the geometry check and
+the publish itself are ckptd.core.publish's. What is the daemon's here: every manifest checked
+against the digest its rank reported (on a pool of threads, while the index is built), and the
+publish decided once:
 
 Whether the index is published is decided once, under a :class:`PublishGate`: the rename of
 index.json into place and a withdrawal (a daemon that cannot wait for the commit any longer)
