@@ -9,8 +9,8 @@ import signal
 import sys
 
 from ckptd import __version__, bucket_cli, cli_steps
-from ckptd.cli_steps import human_size
 from ckptd.core import protocol
+from ckptd.core.describe import human_size
 from ckptd.core.errors import ProtocolError
 from ckptd.core.names import validate_job
 from ckptd.daemon.server import Daemon, describe_error

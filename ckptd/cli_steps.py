@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ckptd import bucket_cli
-from ckptd.core.describe import describe_step, render_step
+from ckptd.core.describe import describe_step, human_size, render_step
 from ckptd.core.names import STAGED_NAME, parse_step_dir_name, step_dir_name, validate_job
 from ckptd.core.reader import Fault, StepInfo, StepReader, list_steps, verify_step
 
@@ -29,14 +29,6 @@ STEP_FORMS = "STEP_DIR | ROOT JOB STEP"
 
 class UsageError(ValueError):
     """A name or path that does not name what the command needs; the text says what would."""
-
-
-def human_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
 
 
 def _age(seconds: float) -> str:
