@@ -1,4 +1,5 @@
-"""Command line: ``ckptd serve | ls | verify | inspect | status | gc | export | import``."""
+"""Command line: ``ckptd serve | ls | verify | inspect | status | gc | export | import`` (ls, verify and
+inspect: cli_steps.py; export and import: ckptd.hf.commands)."""
 from __future__ import annotations
 
 import argparse
