@@ -62,9 +62,15 @@ class SaveHandle:
         return f"<SaveHandle step={self.step} {state} stall={self.stall_s * 1e3:.1f}ms>"
 
 
+def _steps(steps: tuple[int, ...]) -> str:
+    return ("step " if len(steps) == 1 else "steps ") + ", ".join(map(str, steps))
+
+
 @dataclass(frozen=True)
 class CloseReport:
-    """What ``Checkpointer.close()`` found: every save that was in flight, by outcome."""
+    """What ``Checkpointer.close()`` waited for: the saves still in flight when it was called, by
+    outcome. Saves that had settled before (``wait()`` returned) are not in it, so its text says
+    "in flight" and never reads as a count of every save the Checkpointer made."""
     committed: tuple[int, ...] = ()
     failed: tuple[tuple[int, str], ...] = ()       # (step, reason)
     skipped: tuple[int, ...] = ()
@@ -74,10 +80,16 @@ class CloseReport:
         return not self.failed
 
     def __str__(self) -> str:
-        if self.ok:
-            return f"{len(self.committed)} save(s) committed"
-        return (f"{len(self.failed)} save(s) failed: "
-                + "; ".join(f"step {step}: {reason}" for step, reason in self.failed))
+        n = len(self.committed) + len(self.failed) + len(self.skipped)
+        if n == 0:
+            return "no save was still in flight at close"
+        parts = [f"{len(self.committed)} committed ({_steps(self.committed)})"] if self.committed else []
+        if self.skipped:
+            parts.append(f"{len(self.skipped)} skipped, no free slot ({_steps(self.skipped)})")
+        if self.failed:
+            parts.append(f"{len(self.failed)} failed: "
+                         + "; ".join(f"step {step}: {reason}" for step, reason in self.failed))
+        return f"{n} save(s) still in flight at close: " + ", ".join(parts)
 
     @staticmethod
     def of(handles: list[SaveHandle]) -> CloseReport:

@@ -129,6 +129,10 @@ def flatten_state(state: dict[str, Any], fence_on: Sequence[torch.optim.Optimize
             return torch.from_numpy(np.ascontiguousarray(obj))
         if isinstance(obj, np.generic):
             return obj.item()
+        if isinstance(obj, torch.Generator):      # no state_dict(): its state is a tensor it hands out
+            raise TypeError(f"cannot checkpoint value at {path or '<root>'!r}: a torch.Generator is not saved "
+                            "as it is; save its state, a tensor: {..., 'gen': gen.get_state()}, and after "
+                            "restore call gen.set_state(state['gen']) (the global RNGs: ckptd_client.RNGState())")
         raise TypeError(f"cannot checkpoint value at {path or '<root>'!r}: {type(obj).__name__} is neither "
                         "a tensor, a JSON-able value, nor an object with state_dict()/load_state_dict()")
 

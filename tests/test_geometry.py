@@ -450,8 +450,8 @@ def test_v1_step_verify_and_inspect(local_step: Path, area: Path) -> None:
 
 
 def test_inspect_refuses_what_is_not_a_committed_step(area: Path) -> None:
-    r = ckptd("inspect", str(area))
-    assert r.returncode == 1 and "not a step directory" in r.stderr
+    r = ckptd("inspect", str(area))          # a usage error (exit 2), not a broken step (exit 1)
+    assert r.returncode == 2 and "not a step directory" in r.stderr, r.stderr
     (area / "job" / "step-000000000003").mkdir(parents=True)
     r = ckptd("inspect", str(area / "job" / "step-000000000003"))
     assert r.returncode == 1 and "not committed" in r.stderr

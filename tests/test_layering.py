@@ -38,6 +38,7 @@ RANKS = {
     "ckptd.daemon.session": 5,     # one connected trainer rank
     "ckptd.daemon.server": 6,      # lifecycle and op table: wires everything together
     "ckptd.cli": 7,
+    "ckptd.cli_steps": 7,          # ls, verify, inspect
     "ckptd.status_text": 7,        # `ckptd status` rendered for a person
     "ckptd.bucket_cli": 7,         # the CLI's object-storage commands
     "ckptd.launch": 7,

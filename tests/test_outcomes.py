@@ -45,6 +45,23 @@ def test_close_with_a_timeout_resolves_every_handle(daemon_factory):
     assert [s for s, _ in report.failed] == [1]
 
 
+def test_close_report_says_it_counts_saves_in_flight(daemon_factory):
+    """Two saves waited for, then close(): the report holds none of them (none was in flight), and
+    its text says so. It printed "0 save(s) committed" after two committed saves."""
+    daemon = daemon_factory("--debug-write-delay", "0.5")     # step 3 is still being written at close()
+    ck = ckptd_client.Checkpointer("cr", socket=str(daemon.socket))
+    for step in (1, 2):
+        ck.save(step, {"w": torch.ones(8)}).wait(60)
+    report = ck.close(timeout=60)
+    assert report.ok and report.committed == ()
+    assert str(report) == "no save was still in flight at close"
+    ck = ckptd_client.Checkpointer("cr", socket=str(daemon.socket))
+    ck.save(3, {"w": torch.ones(8)})                   # not waited for: close() waits for it
+    report = ck.close(timeout=60)
+    assert report.committed == (3,)
+    assert str(report) == "1 save(s) still in flight at close: 1 committed (step 3)"
+
+
 RANK = r'''
 import os, signal, sys
 from datetime import timedelta

@@ -60,6 +60,15 @@ def split_text(name: str, t: dict[str, Any], world_size: int) -> str:
             + (f", {own} cop{'ies' if own != 1 else 'y'} of another shape or dtype" if own else ""))
 
 
+def human_size(n: float) -> str:
+    """``"3.9 KiB"``: what every command prints for a person (JSON output keeps the bytes)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
 def render_step(desc: dict[str, Any], size: Callable[[float], str]) -> list[str]:
     """``describe_step``'s data as text lines; ``size`` formats a byte count."""
     ws, tensors = desc["world_size"], desc["tensors"]

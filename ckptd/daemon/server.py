@@ -26,6 +26,7 @@ from ckptd.core.rank_record import parse_records
 from ckptd.daemon.runtime import RequestError, TaskSet, bounded, describe_error
 from ckptd.daemon.service import systemd
 from ckptd.daemon.service.metrics import DaemonMetrics
+from ckptd.daemon.service.root_check import check_root
 from ckptd.daemon.service.snapshot import DaemonSnapshot
 from ckptd.daemon.session import Session, peer_allowed, peer_of, refuse
 from ckptd.daemon.settings.config import DaemonConfig
@@ -133,7 +134,7 @@ class Daemon:
         """Serve until stop(); then drain in-flight writes for up to ``drain_grace`` seconds."""
         loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
-        os.makedirs(self.root, exist_ok=True)
+        check_root(self.root, create=True)      # before "serving": a save must not be the first write
         if self.config.metrics_address is not None:
             host, port = self.metrics.serve(self.config.metrics_address)
             log.info("metrics", extra={"ctx": {"address": f"{host}:{port}", "path": "/metrics"}})

@@ -6,9 +6,10 @@ import os
 import sys
 from typing import Any
 
+from ckptd.core.describe import human_size
 from ckptd.core.errors import ChecksumError
 
-from .export import export_hf
+from .export import OutputExists, export_hf
 from .importer import import_hf
 from .layout import EXPORT_DTYPES
 
@@ -17,10 +18,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         r = export_hf(args.step_dir, args.out, max_shard_size=args.max_shard_size, select=args.select,
                       dtype=args.dtype, rename=args.rename, threads=args.threads, force=args.force)
+    except OutputExists as e:                            # its text speaks of the API's force=True
+        print(f"ckptd export: {e.out} exists and is not an empty directory; --force replaces it", file=sys.stderr)
+        return 1
     except (OSError, ValueError, ChecksumError) as e:    # FormatError is a ValueError
         print(f"ckptd export: {e}", file=sys.stderr)
         return 1
-    print(f"{r.out}: {r.tensors} tensors, {r.total_size} bytes in {len(r.files)} file(s)")
+    print(f"{r.out}: {r.tensors} tensors, {human_size(r.total_size)} in {len(r.files)} file(s)")
     return 0
 
 
@@ -30,7 +34,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"ckptd import: {e}", file=sys.stderr)
         return 1
-    print(f"{r.step_dir}: committed, {r.tensors} tensors, {r.raw_bytes} bytes ({r.stored_bytes} stored)")
+    print(f"{r.step_dir}: committed, {r.tensors} tensors, {human_size(r.raw_bytes)} "
+          f"({human_size(r.stored_bytes)} stored)")
     return 0
 
 
@@ -40,13 +45,13 @@ def add_parsers(sub: Any) -> None:
         "Consolidate a committed step (any world size and sharding) into model-0000i-of-0000N.safetensors "
         "and model.safetensors.index.json, laid out as huggingface_hub.save_torch_state_dict does."))
     s.add_argument("step_dir", metavar="STEP_DIR")
-    s.add_argument("out", metavar="OUT", help="output directory (must not exist unless --force)")
+    s.add_argument("out", metavar="OUT", help="output directory: new or empty (one holding files only with --force)")
     s.add_argument("--max-shard-size", default="5GB", help="per-file limit, e.g. 5GB, 500MB, 1GiB (default 5GB)")
     s.add_argument("--select", default="model", help="key path of the state entry to export (default model)")
     s.add_argument("--dtype", choices=EXPORT_DTYPES, help="convert floating tensors to this dtype")
     s.add_argument("--rename", metavar="FILE", help="JSON object: canonical name -> exported name")
     s.add_argument("--threads", type=int, default=threads, help=f"decode threads (default {threads})")
-    s.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    s.add_argument("--force", action="store_true", help="replace OUT even if it holds files")
     s.set_defaults(func=cmd_export)
     s = sub.add_parser("import", help="commit a Hugging Face checkpoint as a step", description=(
         "Validate HF_DIR (sharded with model.safetensors.index.json, or one model.safetensors) and commit "

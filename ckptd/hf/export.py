@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -33,6 +33,21 @@ from .layout import (
 )
 from .progress import Progress
 from .safetensors_io import build_header, st_dtype
+
+
+class OutputExists(FileExistsError):
+    """OUT is there and holds something; ``force`` replaces it (an empty directory is written into)."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__(f"{out} exists and is not an empty directory; export_hf(..., force=True) replaces it")
+        self.out = out
+
+
+def _empty_dir(path: str) -> bool:
+    """Nothing at ``path``, or an empty directory (huggingface_hub and save_pretrained make one first)."""
+    if not os.path.lexists(path):
+        return True
+    return not os.path.islink(path) and os.path.isdir(path) and not os.listdir(path)
 
 
 @dataclass(frozen=True)
@@ -79,15 +94,17 @@ def export_hf(step_dir: str | os.PathLike[str], out: str | os.PathLike[str], *,
     """Write the committed step ``step_dir``'s ``select`` entry (default ``model``) to ``out`` as
     Hugging Face safetensors shards (see README, "Export to Hugging Face"). ``dtype``: convert
     floating tensors (``bfloat16``, ``float16``, ``float32``); ``rename``: a mapping (or a JSON file
-    of one) from canonical names to exported names; ``progress``: None = on a terminal only.
-    Raises FileExistsError when ``out`` exists (unless ``force``), FormatError for a bad step."""
+    of one) from canonical names to exported names; ``progress``: None = a bar on a terminal, a line
+    every ~10 s otherwise; False = quiet.
+    Raises OutputExists (a FileExistsError) when ``out`` exists and is not an empty directory (unless
+    ``force``), FormatError for a bad step."""
     out_path = os.path.abspath(os.fspath(out))
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(EXPORT_DTYPES)}")
     if isinstance(rename, (str, os.PathLike)):
         rename = load_rename(os.fspath(rename))
-    if os.path.lexists(out_path) and not force:
-        raise FileExistsError(f"{out_path} exists; pass force=True (--force) to replace it")
+    if not force and not _empty_dir(out_path):
+        raise OutputExists(out_path)
     limit = parse_size(max_shard_size, minimum=1)
     with StepSource(os.fspath(step_dir)) as source:
         plan = plan_export(source, select, dtype, rename or {}, limit)
@@ -100,8 +117,8 @@ def export_hf(step_dir: str | os.PathLike[str], out: str | os.PathLike[str], *,
             with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptd-export") as pool:
                 for name, tensors in plan.files.items():
                     _write_file(source, os.path.join(tmp, name), tensors, pool, bar)
-            if plan.sharded:
-                storage.atomic_write(os.path.join(tmp, INDEX_FILE), plan.index_json())
+            if plan.sharded:           # the mode of the shards (atomic_write's is 0640): readable alike
+                _write_whole(os.path.join(tmp, INDEX_FILE), [plan.index_json()])
             storage.fsync_dir(tmp)
             _publish(tmp, out_path, force)
         except BaseException:
@@ -112,22 +129,34 @@ def export_hf(step_dir: str | os.PathLike[str], out: str | os.PathLike[str], *,
     return ExportResult(out_path, tuple(plan.files), sum(len(t) for t in plan.files.values()), plan.total_size)
 
 
+FILE_MODE = 0o644      # an export is for others to read (a model hub, a serving node), every file alike
+
+
+def _write_whole(path: str, chunks: Iterable[bytes | memoryview]) -> None:
+    """A new file in the (unpublished) temporary directory, fsynced; the directory's rename publishes it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    try:
+        for chunk in chunks:
+            storage.write_all(fd, [chunk])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _write_file(source: StepSource, path: str, tensors: list[OutTensor], pool: ThreadPoolExecutor,
                 bar: Progress) -> None:
     header, order = build_header([(t.name, t.dtype, t.shape) for t in tensors], {"format": "pt"})
     by_name = {t.name: t for t in tensors}
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        storage.write_all(fd, [header])
+
+    def chunks() -> Iterator[bytes | memoryview]:
+        yield header
         for name, _ in order:            # data order: the header's offsets follow it
             t = by_name[name]
             data = convert(source.read_whole(t.key, pool), t.src_dtype, t.dtype)
-            storage.write_all(fd, [memoryview(data)])  # type: ignore[arg-type]
+            yield memoryview(data)  # type: ignore[arg-type]
             bar.update(t.nbytes)
             del data
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _write_whole(path, chunks())
 
 
 def _publish(tmp: str, out: str, force: bool) -> None:
@@ -135,7 +164,7 @@ def _publish(tmp: str, out: str, force: bool) -> None:
     and removed only once the new directory is in place."""
     parent = os.path.dirname(out)
     old = None
-    if force and os.path.lexists(out):
+    if force and not _empty_dir(out):           # an empty directory is replaced by the rename itself
         old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=parent)
         os.rename(out, os.path.join(old, "x"))
     os.rename(tmp, out)

@@ -41,6 +41,7 @@ from ckptd.daemon.settings.spec import (
     Flag,
     Key,
     build,
+    did_you_mean,
     env_name,
     integer,
     listof,
@@ -55,6 +56,7 @@ from ckptd.daemon.settings.spec import (
     show_duration,
     show_mode,
     show_size,
+    size_note,
     socket_path,
     table,
     walk,
@@ -168,15 +170,17 @@ class Settings:
 
 @dataclass(frozen=True)
 class DebugSettings:
-    """Test-only knobs: flags only, never the file or the environment, so no deployed config sets them."""
+    """Test-only knobs: flags only, never the file or the environment, so no deployed config sets them;
+    hidden from ``serve --help`` (docs/operations.md lists them) so no user mistakes them for tuning."""
     write_delay: float = setting(
-        0.0, parse=parse_duration, flags=(Flag("--debug-write-delay", metavar="SECONDS"),),
+        0.0, parse=parse_duration, flags=(Flag("--debug-write-delay", metavar="SECONDS", hidden=True),),
         doc="TEST ONLY: sleep this many seconds before writing each chunk, so a test can kill the daemon "
             "while a step is being written.")
-    upload_delay: float = setting(0.0, parse=parse_duration, flags=(Flag("--debug-upload-delay", metavar="SECONDS"),),
-                                  doc="TEST ONLY: sleep this many seconds before uploading each file to the bucket.")
+    upload_delay: float = setting(
+        0.0, parse=parse_duration, flags=(Flag("--debug-upload-delay", metavar="SECONDS", hidden=True),),
+        doc="TEST ONLY: sleep this many seconds before uploading each file to the bucket.")
     commit_delay: float = setting(
-        0.0, parse=parse_duration, flags=(Flag("--debug-commit-delay", metavar="SECONDS"),),
+        0.0, parse=parse_duration, flags=(Flag("--debug-commit-delay", metavar="SECONDS", hidden=True),),
         doc="TEST ONLY: sleep this many seconds before a commit writes its index, so a test can time "
             "out a COMMIT request that still commits.")
 
@@ -241,7 +245,11 @@ class Effective:
             if tbl != section:
                 lines += ["", f"[{tbl}]"]
                 section = tbl
-            lines.append(f"{name} = {key.spec.show(self[key.name])}    # {self.sources.get(key.name, 'default')}")
+            source = self.sources.get(key.name, "default")
+            if source == "default" and key.spec.default_doc:
+                source += ": " + key.spec.default_doc          # a default computed at start: say from what
+            note = size_note(self[key.name]) if key.spec.show is show_size else ""
+            lines.append(f"{name} = {key.spec.show(self[key.name])}    # {source}" + (f" ({note})" if note else ""))
         return "\n".join(lines)
 
 
@@ -272,10 +280,10 @@ def read_config_file(path: str) -> dict[str, Any]:
     flat = _flatten_toml(doc)
     unknown = sorted(k for k in flat if k not in KEYS)
     if unknown:
-        raise ConfigError(f"config {path}: unknown key {unknown[0]!r}"
-                          + (f" (and {', '.join(map(repr, unknown[1:]))})" if len(unknown) > 1 else "")
-                          + f"; known keys: {', '.join(KEYS)}")
+        raise ConfigError(f"config {path}: " + "; ".join(f"unknown key {k!r}{did_you_mean(k, KEYS)}" for k in unknown)
+                          + " (every key is in docs/operations.md)")
     return flat
+
 
 
 def load_settings(config_path: str | None = None, env: Mapping[str, str] | None = None,
@@ -357,11 +365,10 @@ def render_settings_table() -> str:
         flags = ", ".join(f"`{f.name}`" + (" (repeat)" if key.spec.repeat else "")
                           for f in key.flags if not f.hidden)
         rows.append(f"| `{key.name}` | `{key.env}` | {flags} | {key.shown_default('`')} | {key.doc} |")
-    rows.append("")
+    rows += ["", "Flags for tests only (hidden from `--help`; never read from the file or the environment):", ""]
     for key in DEBUG_KEYS.values():
         flag = " ".join(filter(None, (key.flags[0].name, key.flags[0].metavar)))
-        rows.append(f"`{flag}` (for tests; a flag only, never read from the file or the environment): "
-                    f"{key.doc.removeprefix('TEST ONLY: ')}")
+        rows.append(f"- `{flag}`: {key.doc.removeprefix('TEST ONLY: ')}")
     return "\n".join(rows)
 
 

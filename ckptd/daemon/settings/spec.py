@@ -10,12 +10,13 @@ Nothing here knows ckptd's own settings: those are config.py's.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import grp
 import math
 import os
 import pwd
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -114,8 +115,21 @@ class Key:
         first = re.split(r"(?<=\.)\s+(?=[A-Z])", self.doc, maxsplit=1)[0].rstrip(".").replace("`", "")
         if not re.match(r"[A-Z]{2}", first):         # "TEST ONLY", "SIGTERM" stay as written
             first = first[:1].lower() + first[1:]
-        shown = "no default" if self.spec.required else "default: " + self.shown_default().strip('"')
+        default = self.shown_default().strip('"')
+        shown = ("no default" if self.spec.required else
+                 f"default: {default}" if default not in ("", "[]") else "none by default")
         return f"{first} ({'repeatable; ' if self.spec.repeat else ''}{shown})"
+
+
+def did_you_mean(key: str, keys: Iterable[str]) -> str:
+    """``" (did you mean 'retention.keep_last'?)"`` for a misspelt key, or one outside its table."""
+    def score(k: str) -> float:
+        leaf, known_leaf = key.rpartition(".")[2], k.rpartition(".")[2]
+        return max(difflib.SequenceMatcher(None, key, k).ratio(),
+                   difflib.SequenceMatcher(None, leaf, known_leaf).ratio())
+    scored = sorted(((score(k), k) for k in keys), reverse=True)
+    best = [k for sc, k in scored if sc >= 0.75 and sc == scored[0][0]]
+    return f" (did you mean {' or '.join(map(repr, sorted(best)[:2]))}?)" if best else ""
 
 
 def walk(cls: type, prefix: str = "") -> Iterator[Key]:
@@ -305,6 +319,14 @@ def show_size(n: int) -> str:
         if n and n % mult == 0:
             return f'"{n // mult}{unit}"'
     return str(n)
+
+
+def size_note(n: int) -> str:
+    """A person's reading of a size ``show_size`` can spell exactly only in small units (a share of
+    RAM: ``"12342042KiB"``): ``"11.8 GiB"``; ``""`` when the literal reads well as it is."""
+    if n < 1024**3 or n % 1024**2 == 0:
+        return ""
+    return f"{n / 1024**3:.1f} GiB" if n < 1024**4 else f"{n / 1024**4:.1f} TiB"
 
 
 def show_duration(s: float) -> str:

@@ -1,0 +1,100 @@
+"""Steps as users name them: ``ckptd verify ROOT JOB STEP``, paths in ``ckptd ls``, usage errors.
+
+A wrong name or path is a usage error (exit 2) that says what was probably meant; exit 1 stays
+for a step that is really broken. Every command runs as a user types it, in its own process,
+against steps a real daemon committed.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptd_client
+
+from conftest import REPO
+
+JOB = "myjob"
+
+
+def ckptd(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckptd", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.fixture
+def root(daemon) -> Path:
+    """Steps 10 and 20 of JOB, committed by a real daemon."""
+    ck = ckptd_client.Checkpointer(JOB, socket=str(daemon.socket))
+    for step in (10, 20):
+        ck.save(step, {"model": {"w": torch.arange(4096, dtype=torch.float32)}}).wait(60)
+    ck.close(timeout=60)
+    return daemon.root
+
+
+def test_verify_and_inspect_take_root_job_step(root: Path) -> None:
+    for step in ("20", "step-20", "step-000000000020"):
+        r = ckptd("verify", str(root), JOB, step)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert r.stdout.strip() == f"{root}/{JOB}/step-000000000020: OK"
+    r = ckptd("verify", "-q", str(root / JOB / "step-000000000010"))       # the path form still works
+    assert r.returncode == 0 and r.stdout.strip().endswith(": OK"), r.stdout + r.stderr
+    r = ckptd("inspect", str(root), JOB, "10")
+    assert r.returncode == 0 and "job myjob, step 10" in r.stdout, r.stdout + r.stderr
+
+
+def test_ls_shows_each_steps_path(root: Path) -> None:
+    r = ckptd("ls", str(root))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split()[-1] == "PATH"
+    paths = [f"{root}/{JOB}/step-000000000010", f"{root}/{JOB}/step-000000000020"]
+    assert [ln.split()[-1] for ln in lines[1:]] == paths
+    rows = json.loads(ckptd("ls", str(root), JOB, "--json").stdout)
+    assert [r["path"] for r in rows] == paths
+    # what ls shows is what verify takes
+    assert ckptd("verify", "-q", rows[1]["path"]).returncode == 0
+
+
+@pytest.mark.parametrize("args, said", [
+    (["{root}/myjob/step-20"], "did you mean {root}/myjob/step-000000000020 (or `ckptd verify {root} myjob 20`)?"),
+    (["{root}/myjb/step-000000000020"], "did you mean {root}/myjob/step-000000000020?"),
+    (["{root}/myjob"], "is a job's directory, not a step; give a step: `ckptd verify {root} myjob 20`"),
+    (["{root}"], "is a checkpoint root, not a step; give a job and a step: `ckptd verify {root} JOB STEP`"),
+    (["{root}", "myjb", "20"], "no job 'myjb' under {root}; did you mean 'myjob'?"),
+    (["{root}", "myjob", "21"], "job 'myjob' under {root} has no step 21; did you mean 20?"),
+    (["{root}", "myjob", "twenty"], "step 'twenty': give a step number, e.g. 20 or step-20"),
+    (["{root}", "myjob"], "give the step too: `ckptd verify {root} myjob STEP` (its steps: 10, 20)"),
+])
+def test_a_wrong_step_name_is_a_usage_error_with_a_did_you_mean(root: Path, args: list[str], said: str) -> None:
+    r = ckptd("verify", *[a.format(root=root) for a in args])
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "FAULT" not in r.stdout, r.stdout
+    assert said.format(root=root) in r.stderr, r.stderr
+
+
+def test_inspect_names_the_step_it_could_not_find(root: Path) -> None:
+    r = ckptd("inspect", str(root / JOB / "step-20"))
+    assert r.returncode == 2 and f"did you mean {root}/{JOB}/step-000000000020" in r.stderr, r.stderr
+
+
+def test_a_real_fault_is_still_exit_1(root: Path) -> None:
+    data = root / JOB / "step-000000000020" / "rank-00000.data"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    r = ckptd("verify", "-q", str(root), JOB, "20")
+    assert r.returncode == 1 and "FAULT" in r.stdout, r.stdout + r.stderr
+
+
+def test_ls_of_a_job_that_is_not_there_fails_with_a_did_you_mean(root: Path) -> None:
+    r = ckptd("ls", str(root), "myjb")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"no job 'myjb' under {root}; did you mean 'myjob'? (jobs there: myjob)" in r.stderr, r.stderr
+    assert ckptd("ls", str(root), "myjb", "--json").returncode == 2
+    r = ckptd("ls", str(root / "nowhere"))
+    assert r.returncode == 2 and "no such directory" in r.stderr, r.stderr
