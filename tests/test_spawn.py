@@ -4,6 +4,7 @@ daemon with it (PR_SET_PDEATHSIG), ``close()`` and interpreter exit stop it."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -106,7 +107,10 @@ def kill_parent_and_check(proc: subprocess.Popen[str], pid: int, sock: str) -> N
 
 def test_spawned_daemon_dies_with_its_sigkilled_parent(tmp: Path) -> None:
     proc, pid, sock = start_parent(SPAWN_PARENT, str(tmp / "root"))
-    kill_parent_and_check(proc, pid, sock)
+    try:
+        kill_parent_and_check(proc, pid, sock)
+    finally:        # a SIGKILLed parent leaves its private directory (the daemon's log) for a post-mortem
+        shutil.rmtree(Path(sock).parent, ignore_errors=True)
     assert (tmp / "root" / "nb" / "step-000000000001" / "index.json").exists()
 
 
