@@ -24,6 +24,7 @@ from .errors import CheckpointError, NotDelivered
 from .handle import CloseReport, SaveHandle, wait_all
 from .modes import WhenBusy, parse_when_busy, resolve_commit_mode
 from .overlap import OverlapCopies, fence_list, parse_overlap
+from .own_daemon import OwnDaemon
 from .relay import StoreRelay
 from .restore import PerRank, agree_step
 from .run_scope import RunScope
@@ -45,6 +46,7 @@ class Checkpointer:
     default), or the same names as keyword arguments (``socket`` and ``root`` also positionally);
     a keyword that contradicts ``config`` is a TypeError. ``rank``/``world_size``/``store``
     default from torch.distributed. Store keys: run_scope.py. ``overlap``, ``when_busy``: see ``save``.
+    ``spawn=True`` (with ``root``): no daemon to run, one is started for this process (own_daemon.py).
     """
 
     def __init__(self, job: str, socket: str | None = None, root: str | None = None, *,
@@ -52,11 +54,11 @@ class Checkpointer:
                  store: Any = None, num_slots: int | None = None, commit: CommitMode | str | None = None,
                  commit_timeout: float | None = None, restore_threads: int | None = None,
                  overlap: bool | str | None = None, when_busy: WhenBusy | str | None = None,
-                 memory: bool | None = None, local_world_size: int | None = None) -> None:
+                 memory: bool | None = None, local_world_size: int | None = None, spawn: bool | None = None) -> None:
         self.config = c = with_keywords(config, socket=socket, root=root, rank=rank, world_size=world_size,
                                         store=store, num_slots=num_slots, commit=commit, commit_timeout=commit_timeout,
                                         restore_threads=restore_threads, overlap=overlap, when_busy=when_busy,
-                                        memory=memory, local_world_size=local_world_size)
+                                        memory=memory, local_world_size=local_world_size, spawn=spawn)
         self.job = names.validate_job(job)
         self.socket_path = c.socket or protocol.default_socket_path()
         self.root = os.path.abspath(c.root) if c.root else None
@@ -76,6 +78,13 @@ class Checkpointer:
         self.restore_threads = c.restore_threads or max(1, len(os.sched_getaffinity(0)))
         self.overlap = parse_overlap(c.overlap)
         self.when_busy = parse_when_busy(c.when_busy)
+        self.daemon: OwnDaemon | None = None          # spawn=True: this process's own daemon (own_daemon.py)
+        if c.spawn:
+            if self.world_size > 1:
+                raise ValueError(f"spawn=True starts a daemon for one process, but world_size is {self.world_size}: "
+                                 "run one daemon per node (ckptd serve) and pass socket=")
+            self.daemon = OwnDaemon(str(self.root), self, Checkpointer.close)
+            self.socket_path = self.daemon.socket
         self._session = DaemonSession(self.socket_path, self.job, self.rank, self.world_size, c.num_slots,
                                       self._on_event, self._on_lost)
         self._copies = OverlapCopies(self.fence)
@@ -369,6 +378,8 @@ class Checkpointer:
             self._finish(h, f"checkpointer closed before step {h.step} committed (close timeout {timeout}s)")
         self._copies.shutdown()
         self._session.drop()
+        if self.daemon is not None:                 # every save has settled: nothing left for it to drain
+            self.daemon.stop()
         report = CloseReport.of(handles)
         if not report.ok:
             log.warning("ckptd: %s", report)

@@ -47,11 +47,20 @@ class CheckpointerConfig:
     """Restore asks the daemon's memory tier first (no storage read); False: storage only."""
     local_world_size: int | None = None
     """Ranks per node (one daemon each), the relay's fan-in group. None: ``$LOCAL_WORLD_SIZE``, else 8."""
+    spawn: bool = False
+    """Start a private daemon for this one process (one GPU, a notebook): default settings, writing
+    to ``root`` (required), on a socket in a temporary directory; stopped by ``close()`` once the saves
+    settle, and at interpreter exit. It gets SIGTERM if this process dies (Linux). No ``socket``."""
 
     def __post_init__(self) -> None:
         # Bad values fail here, where the config is built, not at the first save.
         object.__setattr__(self, "overlap", parse_overlap(self.overlap))
         object.__setattr__(self, "when_busy", parse_when_busy(self.when_busy))
+        if self.spawn and not self.root:
+            raise ValueError("spawn=True needs root=: the directory the private daemon writes checkpoints to")
+        if self.spawn and self.socket:
+            raise ValueError(f"spawn=True starts a private daemon on its own socket; drop socket={self.socket!r} "
+                             "to spawn one, or drop spawn=True to use the daemon there")
         if self.commit != AUTO:
             try:
                 object.__setattr__(self, "commit", CommitMode(self.commit))

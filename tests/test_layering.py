@@ -25,6 +25,7 @@ RANKS = {
     "ckptd.daemon.service": 2,     # logs, systemd, the status snapshot, allocator
     "ckptd.daemon.service.metrics": 3,   # reads the snapshot and retention's results
     "ckptd.hf": 2,                 # Hugging Face safetensors export/import: imports only ckptd.core (checked below)
+    "ckptd.spawn": 2,              # a child daemon tied to its parent: imports only ckptd.core (checked below)
     "ckptd.daemon.tiers.base": 2,  # the tier contract
     "ckptd.daemon.tiers.fs": 3,    # the file-system tier: writer, commit, retention (scheduler: 4)
     "ckptd.daemon.tiers.fs.scheduler": 4,
@@ -45,7 +46,9 @@ RANKS = {
     "ckptd.s3_local": 7,           # a local SeaweedFS for tests, benchmarks and `make demo-s3`
     "ckptd.__main__": 8,
 }
-CLIENT_MAY_IMPORT = ("ckptd", "ckptd.core", "ckptd.hf")   # besides ckptd_client itself
+# Besides ckptd_client itself. ckptd.spawn: Checkpointer(spawn=True) starts a daemon as a subprocess
+# with the same code as ckptd.launch (one implementation), and needs none of the daemon to do it.
+CLIENT_MAY_IMPORT = ("ckptd", "ckptd.core", "ckptd.hf", "ckptd.spawn")
 
 
 def modules(package: str) -> dict[str, Path]:
@@ -122,11 +125,12 @@ def test_no_module_imports_a_higher_one() -> None:
     assert not bad, "\n".join(bad)
 
 
-def test_hf_imports_only_core() -> None:
-    """ckptd.hf is shared by the CLI and the client, so it stays torch-free and daemon-free."""
-    bad = [f"{name} imports {t}" for name, path in ALL.items() if in_room(name, "ckptd.hf")
+def test_hf_and_spawn_import_only_core() -> None:
+    """ckptd.hf and ckptd.spawn are shared by the CLI and the client, so they stay torch-free and daemon-free."""
+    shared = ("ckptd.hf", "ckptd.spawn")
+    bad = [f"{name} imports {t}" for name, path in ALL.items() if any(in_room(name, r) for r in shared)
            for t in imports(name, path) if in_room(t, "ckptd") and not (t == "ckptd" or in_room(t, "ckptd.core")
-                                                                          or in_room(t, "ckptd.hf"))]
+                                                                          or any(in_room(t, r) for r in shared))]
     assert not bad, "\n".join(bad)
 
 
