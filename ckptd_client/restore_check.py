@@ -81,12 +81,14 @@ class Check:
         leaves = saved_leaves(subtrees)
         saved = {path for found in leaves.values() for path, _ in found}
         missing_tensors = [p for p in live if p not in saved and not any(p.startswith(x) for x in lazy)]
+        absent = []                   # listed first: the likeliest cause of whatever else does not match
         if self.strict and missing:
-            self.add(f"the step has no {listed(missing)} (entries of the state); {LENIENT}")
+            absent.append(f"the step has no {listed(missing)} (entries of the state); {LENIENT}")
         if self.strict and missing_tensors:
             one = len(missing_tensors) == 1
-            self.add(f"tensor{'' if one else 's'} {listed(missing_tensors)} of the state {'is' if one else 'are'} "
-                     f"not in the checkpoint; {LENIENT}")
+            absent.append(f"tensor{'' if one else 's'} {listed(missing_tensors)} of the state {'is' if one else 'are'}"
+                          f" not in the checkpoint; {LENIENT}")
+        self.problems[:0] = absent
         for k, sub in subtrees.items():
             target = state[k]
             if isinstance(target, torch.nn.Module) and self.strict:
