@@ -292,7 +292,8 @@ class Checkpointer:
         info = latest_committed(job_dir(self.resolve_root(), self.job))
         return info.step if info else None
 
-    def restore(self, state: dict[str, Any], step: int | None = None, *, per_rank: PerRank = None) -> int | None:
+    def restore(self, state: dict[str, Any], step: int | None = None, *, per_rank: PerRank = None,
+                strict: bool = True) -> int | None:
         """Load the latest committed step (or ``step``) into ``state`` in place; None if there is none.
 
         The live ``state`` says what to read, whatever the saved layout was: each tensor is found
@@ -304,6 +305,9 @@ class Checkpointer:
         ranks, ``Shard(0)`` → ``Shard(1)``, FSDP2 → TP + FSDP2) and into a plain model in one
         process; at the same world size and layout each rank reads only its own files. Top-level
         entries of the step that ``state`` lacks are not read (``{"model": m}`` loads just that).
+        ``strict`` (the default): an entry of ``state`` the step lacks — a top-level key, or a
+        tensor inside one (a module's parameter) — is a CheckpointError naming every one; with
+        ``strict=False`` they are left as they are, and ``last_restore.missing`` lists them.
 
         Objects: with one DTensor-parametrised model in ``state`` the model is restored with
         ``set_model_state_dict`` and each top-level optimizer with ``set_optimizer_state_dict``
@@ -324,10 +328,12 @@ class Checkpointer:
         rank or None`` (None: fresh). Ignored at the same world size (each rank takes its own).
 
         Version-1 steps (no tensor map) restore at the same world size only. Every failure is a
-        CheckpointError naming the tensor (and the rank's file): a tensor of ``state`` the step
-        lacks, a dtype or global-shape mismatch, a missing piece, a corrupt chunk. Tensors are
-        decoded straight into ``state``, so a restore that fails can leave ``state`` partly
-        loaded: restore again, e.g. from an older ``step``. Nothing is unpickled.
+        CheckpointError naming the tensor (and the rank's file). Names, dtypes and (global) shapes
+        of everything the restore would write are checked before anything is: a mismatch (all of
+        them named at once) leaves ``state`` untouched. Tensors are then decoded straight into
+        ``state``, so only what the read itself finds — a corrupt chunk, a data file gone — or an
+        object's own ``load_state_dict`` raising can leave it partly loaded: restore again, e.g.
+        from an older ``step``. Nothing is unpickled.
         ``ckptd_client.load_tensor`` reads one tensor (or a slice) without a state.
 
         Sources (sources.py), tried in order: the daemon's memory (``memory=True``, the default:
@@ -343,10 +349,10 @@ class Checkpointer:
                 return None
         reader = Reader(self.socket_path, self.job, self.rank, self.world_size, self.restore_threads,
                         self.resolve_root)
-        info = self.last_restore = run_chain(restore_chain(reader, staging, memory=self.memory, per_rank=per_rank),
-                                             step, state)
-        log.info("ckptd: restored step %d from %s in %.3fs%s", step, info.source, info.seconds,
-                 f" (memory tier: {info.fallback})" if info.fallback else "")
+        chain = restore_chain(reader, staging, memory=self.memory, per_rank=per_rank, strict=strict)
+        info = self.last_restore = run_chain(chain, step, state)
+        log.info("ckptd: restored step %d from %s in %.3fs%s%s", step, info.source, info.seconds,
+                 f" (memory tier: {info.fallback})" if info.fallback else "", info.lacked())
         return step
 
     def _agree(self, step: int | None) -> int | None:

@@ -89,6 +89,12 @@ def _param_lists(optim_node: Any) -> list[list[Any]] | None:
     return out
 
 
+def param_group_sizes(optim_node: Any) -> list[int] | None:
+    """How many parameters each param group of a saved optimizer state dict has (None: not one)."""
+    lists = _param_lists(optim_node)
+    return None if lists is None else [len(ps) for ps in lists]
+
+
 def fqn_keyed(optim_node: Any) -> bool:
     lists = _param_lists(optim_node)
     return bool(lists) and any(isinstance(p, str) for ps in lists or [] for p in ps)

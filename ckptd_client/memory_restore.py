@@ -7,9 +7,12 @@ that the shard is the one the committed index.json records (its manifest digest)
 it (a replacement node) fetches it from a peer daemon's memory first. Here each tensor is read
 straight into the live tensor (the memfd mapped read-only, copied a cache-sized piece at a time on
 the restore threads), each piece's bytes fed to its chunk's xxh3 while still in cache, every chunk's
-checksum checked, and only then is the state tree applied. Anything else — no daemon, a step not
-held, a resharding restore, a DTensor state, a checksum mismatch — raises :class:`MemoryUnavailable`
-with the reason, which the source answers as its "cannot serve, because".
+checksum checked, and only then is the state tree applied. Before any of it, the held tree and
+layout are checked against the live state as a restore from storage checks them (restore_check.py:
+the same step, the same answer): a mismatch raises CheckpointError, nothing written. Anything else
+— no daemon, a step not held, a resharding restore, a DTensor state or a sharded tensor's piece, a
+checksum mismatch — raises :class:`MemoryUnavailable` with the reason, which the source answers as
+its "cannot serve, because".
 """
 from __future__ import annotations
 
@@ -28,14 +31,15 @@ from ckptd.core.codec import checksum_stream
 from ckptd.core.errors import FormatError
 from ckptd.core.held import HeldMeta
 from ckptd.core.schema import TensorLayout
-from ckptd.core.tree import decode_tree, join_path
+from ckptd.core.tree import decode_tree
 
 from .connection import DaemonConnection
 from .dtensor import is_dtensor
 from .errors import CheckpointError, DaemonRefused, Unreachable
-from .live_state import live_tensors, tensor_leaves, tree_items
+from .live_state import live_tensors, tree_items
 from .reshard import DTYPES, decodable_into, tensor_bytes
 from .restore import apply_loaded
+from .restore_check import Outcome, check_plain, saved_leaves
 
 MEMORY, PEER = "memory", "peer"
 FETCH_TIMEOUT_S = 300.0       # a replacement node's daemon may first fetch the shard from a peer
@@ -50,9 +54,11 @@ class MemoryUnavailable(Exception):
 @dataclass(frozen=True)
 class MemoryCopy:
     """A restore served from a held shard: ``source`` is ``memory`` (this node's daemon held it) or
-    ``peer`` (its daemon fetched a peer daemon's copy); ``raw_bytes`` were copied."""
+    ``peer`` (its daemon fetched a peer daemon's copy); ``raw_bytes`` were copied; ``outcome``:
+    what was restored and what the step lacked."""
     source: str
     raw_bytes: int
+    outcome: Outcome = Outcome()
 
 
 def _read_into(base: int, t: TensorLayout, out: torch.Tensor, sums: tuple[str, ...], chunk: int, first: int,
@@ -98,25 +104,34 @@ def _fetch(socket_path: str, job: str, step: int, rank: int,
         raise
 
 
+def _check(meta: HeldMeta, layout: dict[str, tuple[TensorLayout, Any]], state: dict[str, Any],
+           strict: bool) -> tuple[dict[Any, Any], list[str], Outcome]:
+    """(The held subtree of each entry of ``state``, the tensor names to copy, the Outcome.)"""
+    items = tree_items(meta.tree)
+    if items is None:
+        raise MemoryUnavailable("the held state tree is not a dict")
+    names = [name for k, sub in items if k in state for _, name in saved_leaves({k: sub})[k]]
+    for name in names:
+        t = layout[name][0] if name in layout else None
+        if t is None:
+            raise MemoryUnavailable(f"tensor {name!r} of the held state tree is not in its layout")
+        if t.placement is not None and tuple(t.placement.global_shape) != tuple(t.shape):
+            raise MemoryUnavailable(f"tensor {name!r} is held as a piece of a sharded tensor (storage assembles it)")
+    subtrees, outcome = check_plain(state, items, lambda n: layout[n][0],
+                                    f"step {meta.step} (held in the daemon's memory)", strict)
+    return subtrees, list(dict.fromkeys(names)), outcome
+
+
 def restore_from_memory(socket_path: str, job: str, step: int, rank: int, world_size: int,
-                        state: dict[str, Any], threads: int) -> MemoryCopy:
+                        state: dict[str, Any], threads: int, strict: bool = True) -> MemoryCopy:
     """Load ``step`` into ``state`` from the daemon's memory (see the module docstring)."""
-    live, lazy = live_tensors(state)
-    if any(is_dtensor(t) for t in live.values()):
+    if any(is_dtensor(t) for t in live_tensors(state)[0].values()):
         raise MemoryUnavailable("a sharded (DTensor) state restores from storage")
     conn, meta, fd, source = _fetch(socket_path, job, step, rank, world_size)
     try:
         layout = {t.name: (t, sums) for t, sums in zip(meta.layout, meta.checksums, strict=True)}
-        items = tree_items(meta.tree)
-        if items is None:
-            raise MemoryUnavailable("the held state tree is not a dict")
-        wanted = [(k, sub) for k, sub in items if k in state]
-        leaves: list[tuple[str, str]] = []
-        for k, sub in wanted:
-            tensor_leaves(sub, join_path("", k), leaves)
-        names, saved = [name for _, name in leaves], {path for path, _ in leaves}
-        if any(p not in saved and not any(p.startswith(x) for x in lazy) for p in live):
-            raise MemoryUnavailable("the state has tensors the held step lacks")
+        wanted, names, outcome = _check(meta, layout, state, strict)
+        live, _ = live_tensors({k: state[k] for k in wanted})
         tensors: dict[str, torch.Tensor] = {}
         chunk = max(8, meta.chunk_bytes - meta.chunk_bytes % 8)     # as codec.chunk_ranges cuts them
         size = os.fstat(fd).st_size
@@ -129,9 +144,7 @@ def restore_from_memory(socket_path: str, job: str, step: int, rank: int, world_
             with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptd-memrestore") as pool:
                 futures: list[Future[None]] = []
                 try:
-                    for name in dict.fromkeys(names):
-                        if name not in layout:
-                            raise MemoryUnavailable(f"tensor {name!r} of the held state tree is not in its layout")
+                    for name in names:
                         t, sums = layout[name]
                         target = live.get(name)
                         out = target if target is not None and decodable_into(target, t.dtype, t.shape) else \
@@ -149,11 +162,11 @@ def restore_from_memory(socket_path: str, job: str, step: int, rank: int, world_
             del mapped
             mm.close()
         try:
-            loaded = {k: decode_tree(sub, tensors.__getitem__) for k, sub in wanted}
+            loaded = {k: decode_tree(sub, tensors.__getitem__) for k, sub in wanted.items()}
         except (FormatError, KeyError) as e:
             raise MemoryUnavailable(f"bad held state tree: {e}") from None
     finally:
         os.close(fd)
         conn.close()                 # unpins the shard on the daemon
-    apply_loaded(state, loaded, None)
-    return MemoryCopy(source, sum(t.nbytes for t in meta.layout))
+    apply_loaded(state, loaded, None, strict)
+    return MemoryCopy(source, sum(t.nbytes for t in meta.layout), outcome)

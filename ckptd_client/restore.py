@@ -38,15 +38,16 @@ import torch
 from ckptd.core import storage
 from ckptd.core.errors import ChecksumError, FormatError
 from ckptd.core.global_index import LOCAL, GlobalTensor
-from ckptd.core.reader import StepReader
 from ckptd.core.regions import Region
-from ckptd.core.tree import decode_tree, join_path
+from ckptd.core.schema import Manifest
+from ckptd.core.tree import decode_tree
 
 from . import store_keys
 from .dtensor import is_dtensor, local_region, local_tensor, sharded_model_of
 from .errors import CheckpointError
-from .live_state import fqn_keyed, live_tensors, rekey_by_position, tensor_leaves, tree_items
+from .live_state import fqn_keyed, live_tensors, rekey_by_position, tree_items
 from .reshard import DTYPES, Need, ReadAt, ReadStats, StepFiles, decodable_into, read_needs, tensor_bytes
+from .restore_check import Check, Outcome, check_plain, saved_leaves
 from .state import RNGState, apply_state
 from .store_io import read_once
 
@@ -62,13 +63,8 @@ world did not have stays fresh), or ``f(rank, saved_world_size, world_size) -> s
 PerRank = PerRankRule | Mapping[str, PerRankRule] | None
 """``restore``'s ``per_rank``: one rule for every per-rank entry, or a rule per top-level key."""
 
-_DTYPES = DTYPES
 __all__ = ["agree_step", "apply_loaded", "load_shard", "restore_state", "tensor_bytes", "FRESH", "RANK0",
            "SAME_RANK", "PerRank", "PerRankRule", "ReadStats"]
-
-
-def _decodable_into(t: torch.Tensor | None, dtype: str, shape: list[int]) -> bool:
-    return t is not None and decodable_into(t, dtype, shape)
 
 
 def agree_step(store: Any, scope: str, n: int, rank: int, world_size: int, step: int | None) -> int | None:
@@ -84,22 +80,15 @@ def agree_step(store: Any, scope: str, n: int, rank: int, world_size: int, step:
     return None if value < 0 else value
 
 
-def load_shard(reader: StepReader, rank: int, world_size: int, threads: int,
+def load_shard(files: StepFiles, manifest: Manifest, rank: int, threads: int,
                targets: dict[str, torch.Tensor] | None = None) -> Any:
-    """(Format-1 steps) Decode this rank's tensors (in parallel) and rebuild its state tree;
-    checksums are verified.
+    """(Format-1 steps) Decode rank ``rank``'s tensors (``manifest``) in parallel and rebuild its
+    state tree; checksums are verified.
 
     ``targets``: tensors of the live state by name; a CPU, contiguous one of the saved dtype and
     shape is decoded into directly (already-touched memory, no second copy) — fresh memory
     would cost a page fault per 4 KiB, which dominates decoding on large states."""
-    step_path = reader.path
-    try:
-        if reader.world_size != world_size:
-            raise CheckpointError(f"{step_path} was saved by {reader.world_size} ranks; this job has {world_size}: "
-                                  "a format-1 step has no tensor map and cannot be resharded")
-        manifest = reader.manifest(rank)
-    except (FormatError, OSError) as e:
-        raise CheckpointError(f"cannot restore from {step_path}: {e}") from None
+    reader, step_path = files.reader, files.path
     tensors: dict[str, torch.Tensor] = {}
     try:
         fd = reader.open_data(rank)
@@ -110,8 +99,8 @@ def load_shard(reader: StepReader, rank: int, world_size: int, threads: int,
             futures: list[Future[None]] = []
             for entry in manifest.tensors:
                 live = (targets or {}).get(entry.name)
-                t = live if live is not None and _decodable_into(live, entry.dtype, entry.shape) else \
-                    torch.empty(entry.shape, dtype=_DTYPES[entry.dtype])
+                t = live if live is not None and decodable_into(live, entry.dtype, entry.shape) else \
+                    torch.empty(entry.shape, dtype=DTYPES[entry.dtype])
                 tensors[entry.name] = t
                 out = tensor_bytes(t)
                 futures += [pool.submit(reader.read_chunk_into, fd, entry, file_pos, raw_pos, meta, out)
@@ -167,11 +156,12 @@ def _restore_last(obj: Any) -> bool:
 # ---- the restore ------------------------------------------------------------------------------------
 
 def restore_state(step_path: str, state: dict[str, Any], *, rank: int, world_size: int, threads: int,
-                  per_rank: PerRank = None, stats: ReadStats | None = None,
-                  read_at: ReadAt = storage.read_at) -> None:
+                  per_rank: PerRank = None, strict: bool = True, stats: ReadStats | None = None,
+                  read_at: ReadAt = storage.read_at) -> Outcome:
     """Load committed step ``step_path`` into ``state`` in place, as rank ``rank`` of ``world_size``
-    (see the module docstring and ``Checkpointer.restore``). ``stats``/``read_at``: as for
-    ``load_tensor``. Raises CheckpointError (ValueError for a malformed ``per_rank``)."""
+    (see the module docstring and ``Checkpointer.restore``); every name, dtype and shape is checked
+    first (restore_check.py). ``stats``/``read_at``: as for ``load_tensor``. Raises CheckpointError
+    (ValueError for a malformed ``per_rank``)."""
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict of names to values, got {type(state).__name__}")
     if isinstance(per_rank, Mapping):
@@ -181,23 +171,33 @@ def restore_state(step_path: str, state: dict[str, Any], *, rank: int, world_siz
         _check_rule("*", per_rank)
     with StepFiles(step_path, stats, read_at) as files:
         if files.tensors is None:
-            _restore_v1(files, state, rank, world_size, threads)
-        else:
-            _Restore(files, files.tensors, state, rank, world_size, threads, per_rank).run()
+            return _restore_v1(files, state, rank, world_size, threads, strict)
+        return _Restore(files, files.tensors, state, rank, world_size, threads, per_rank, strict).run()
 
 
-def _restore_v1(files: StepFiles, state: dict[str, Any], rank: int, world_size: int, threads: int) -> None:
+def _restore_v1(files: StepFiles, state: dict[str, Any], rank: int, world_size: int, threads: int,
+                strict: bool) -> Outcome:
     """A format-1 step: this rank's own shard at the same world size, exactly as before format 2."""
-    targets, _ = live_tensors({k: v for k, v in state.items()})
-    loaded = load_shard(files.reader, rank, world_size, threads, targets)
-    if not isinstance(loaded, dict):
+    if files.world_size != world_size:
+        raise CheckpointError(f"{files.path} was saved by {files.world_size} ranks; this job has {world_size}: "
+                              "a format-1 step has no tensor map and cannot be resharded")
+    manifest = files.manifest(rank)
+    items = tree_items(manifest.tree)
+    if items is None:
         raise CheckpointError(f"{files.path}: rank {rank}'s state tree is not a dict")
-    apply_loaded(state, loaded, None)
+    entries = manifest.by_name()
+    _, outcome = check_plain(state, items, entries.get, f"step {files.step} ({files.path})", strict)
+    targets, _ = live_tensors(state)
+    loaded = load_shard(files, manifest, rank, threads, targets)
+    apply_loaded(state, {k: v for k, v in loaded.items() if k in state}, None, strict)
+    return outcome
 
 
-def apply_loaded(state: dict[str, Any], loaded: dict[Any, Any], model: torch.nn.Module | None) -> None:
+def apply_loaded(state: dict[str, Any], loaded: dict[Any, Any], model: torch.nn.Module | None,
+                 strict: bool = True) -> None:
     """Apply ``loaded``'s top-level entries to ``state``; RNG state last; FQN-keyed objects through
-    torch's ``set_*_state_dict`` when ``model`` is set. (Shared by the storage and memory restores.)"""
+    torch's ``set_*_state_dict`` when ``model`` is set. ``strict``: as ``restore``'s, for modules.
+    (Shared by the storage and memory restores, after restore_check found nothing wrong.)"""
     later = [k for k in loaded if k in state and _restore_last(state[k])]
     for k in [k for k in loaded if k not in later] + later:
         v = loaded[k]
@@ -207,13 +207,13 @@ def apply_loaded(state: dict[str, Any], loaded: dict[Any, Any], model: torch.nn.
         target = state[k]
         try:
             if model is not None and target is model:
-                from torch.distributed.checkpoint.state_dict import set_model_state_dict
-                set_model_state_dict(model, v)
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+                set_model_state_dict(model, v, options=StateDictOptions(strict=strict))
             elif model is not None and isinstance(target, torch.optim.Optimizer):
                 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
                 set_optimizer_state_dict(model, target, v)
             else:
-                state[k] = apply_state(target, v, str(k))
+                state[k] = apply_state(target, v, str(k), strict)
         except CheckpointError:
             raise
         except Exception as e:
@@ -222,8 +222,8 @@ def apply_loaded(state: dict[str, Any], loaded: dict[Any, Any], model: torch.nn.
 
 class _Restore:
     def __init__(self, files: StepFiles, tensors: dict[str, GlobalTensor], state: dict[str, Any], rank: int,
-                 world_size: int, threads: int, per_rank: PerRank) -> None:
-        self.files, self.tensors, self.state = files, tensors, state
+                 world_size: int, threads: int, per_rank: PerRank, strict: bool) -> None:
+        self.files, self.tensors, self.state, self.strict = files, tensors, state, strict
         self.rank, self.world_size, self.threads, self.per_rank = rank, world_size, threads, per_rank
         self.saved = files.world_size
         self.changed = self.saved != world_size
@@ -275,8 +275,9 @@ class _Restore:
                     out[k] = (src, sub)
         return out
 
-    def run(self) -> None:
-        subtrees = self.subtrees(self.sources())
+    def run(self) -> Outcome:
+        sources = self.sources()
+        subtrees = self.subtrees(sources)
         model = sharded_model_of(self.state)
         optims = [k for k, v in self.state.items() if isinstance(v, torch.optim.Optimizer) and k in subtrees]
         if model is None and any(fqn_keyed(subtrees[k][1]) for k in optims):
@@ -306,18 +307,18 @@ class _Restore:
         needs: list[Need] = []
         resolved: dict[str, torch.Tensor] = {}
         copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
-        saved_paths: set[str] = set()
-        for k, (src, sub) in subtrees.items():
-            leaves: list[tuple[str, str]] = []
-            tensor_leaves(sub, join_path("", k), leaves)
+        check = Check(self.where(), self.strict)
+        trees = {k: sub for k, (_, sub) in subtrees.items()}
+        for k, leaves in saved_leaves(trees).items():
             for path, name in leaves:
-                saved_paths.add(path)
-                need, target = self.need(path, name, src, live.get(path), copy_back)
+                try:
+                    need, target = self.need(path, name, subtrees[k][0], live.get(path), copy_back)
+                except CheckpointError as e:     # every mismatch named at once, before anything is read
+                    check.add(str(e))
+                    continue
                 needs.append(need)
                 resolved[name] = target
-        for path in live:
-            if path not in saved_paths and not any(path.startswith(p) for p in lazy):
-                raise CheckpointError(f"tensor {path!r} of the state is not in checkpoint {self.where()}")
+        outcome = check.finish(self.state, [k for k, src in sources.items() if src is not None], trees, live, lazy)
         read_needs(self.files, needs, self.threads, prefer=self.rank if self.rank < self.saved else None)
         with torch.no_grad():
             for dst, src_t in copy_back:
@@ -329,7 +330,8 @@ class _Restore:
             except (FormatError, KeyError) as e:
                 raise CheckpointError(f"{self.where()}: bad state tree under {str(k)!r} in rank {src}'s "
                                       f"manifest: {e}") from None
-        apply_loaded(self.state, loaded, model)
+        apply_loaded(self.state, loaded, model, self.strict)
+        return outcome
 
     def need(self, path: str, name: str, src: int, live: torch.Tensor | None,
              copy_back: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Need, torch.Tensor]:
@@ -353,8 +355,7 @@ class _Restore:
             return Need(name, Region.whole(shape), out, source), out
         live_dtype = str(live.dtype).removeprefix("torch.")
         if live_dtype != dtype:
-            raise CheckpointError(f"tensor {path!r}: the checkpoint has {dtype}, the state {live_dtype} "
-                                  f"({self.where()})")
+            raise CheckpointError(f"tensor {path!r}: the checkpoint has {dtype}, the state {live_dtype}")
         if is_dtensor(live):
             placements = tuple(live.placements)     # type: ignore[attr-defined]
             partial = self._partial.get(placements)
@@ -369,12 +370,12 @@ class _Restore:
                 raise CheckpointError(f"cannot restore into DTensor {path!r}: {e}") from None
             if tuple(gshape) != tuple(shape):
                 raise CheckpointError(f"tensor {path!r}: the checkpoint's global shape is {list(shape)}, the "
-                                      f"state's {list(gshape)} ({self.where()})")
+                                      f"state's {list(gshape)}")
             local = local_tensor(live)      # to_local()'s bytes, without building an autograd view per tensor
         else:
             if tuple(live.shape) != tuple(shape):
                 raise CheckpointError(f"tensor {path!r}: the checkpoint's shape is {list(shape)}, the state's "
-                                      f"{list(live.shape)} ({self.where()})")
+                                      f"{list(live.shape)}")
             region, local = Region.whole(shape), live
         if decodable_into(local, dtype, region.sizes):
             out = local

@@ -9,10 +9,11 @@
 
 Each source answers ``serve`` with :class:`Served`, or :class:`Unavailable` saying why not, and
 the chain goes on to the next. A source that can serve but fails — a corrupt chunk, a shape
-mismatch, a step that is nowhere — raises CheckpointError: that is the user's error and no later
-source is tried (the daemon checked whatever it staged). When no source serves, the first error
-an Unavailable carried is raised. ``Checkpointer.restore`` picks the step (all ranks agreeing)
-and runs :func:`run_chain` over :func:`restore_chain`.
+mismatch, an entry of the state the step lacks (``strict``), a step that is nowhere — raises
+CheckpointError: that is the user's error and no later source is tried (the daemon checked whatever
+it staged). Every source checks the whole state before it writes into it (restore_check.py). When
+no source serves, the first error an Unavailable carried is raised. ``Checkpointer.restore``
+picks the step (all ranks agreeing) and runs :func:`run_chain` over :func:`restore_chain`.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from .bucket_restore import BucketStaging
 from .errors import CheckpointError, MissingData
 from .memory_restore import MEMORY, PEER, MemoryUnavailable, restore_from_memory
 from .restore import PerRank, restore_state
+from .restore_check import Outcome, listed
 
 STORAGE = "storage"
 ALL_RANKS = "staged-all-ranks"
@@ -38,9 +40,11 @@ __all__ = ["MEMORY", "PEER", "STORAGE", "ALL_RANKS", "Reader", "Served", "Unavai
 
 @dataclass(frozen=True)
 class Served:
-    """A source loaded the step into the state: ``source`` is what ``RestoreInfo.source`` reports."""
+    """A source loaded the step into the state: ``source`` is what ``RestoreInfo.source`` reports;
+    ``outcome``: which entries it loaded and which the step lacked."""
     source: str
     raw_bytes: int = 0
+    outcome: Outcome = field(default=Outcome(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -55,13 +59,24 @@ class Unavailable:
 class RestoreInfo:
     """How the last ``restore`` went: ``source`` is ``memory`` (this node's daemon), ``peer`` (a
     peer daemon's copy, through this node's daemon) or ``storage``; ``fallback`` says why memory
-    was not used; ``passed``: every source that could not serve, in chain order, with its reason."""
+    was not used; ``passed``: every source that could not serve, in chain order, with its reason.
+    ``restored``: the top-level keys of the state loaded; ``missing`` (top-level keys) and
+    ``missing_tensors`` (key paths inside restored entries): what the step lacked, left as it was
+    (only with ``strict=False``; entries a ``per_rank`` rule kept fresh are in neither)."""
     step: int
     source: str
     seconds: float
     raw_bytes: int = 0
     fallback: str | None = None
     passed: tuple[Unavailable, ...] = ()
+    restored: tuple[str, ...] = ()
+    missing: tuple[str, ...] = ()
+    missing_tensors: tuple[str, ...] = ()
+
+    def lacked(self) -> str:
+        """What the step lacked, for the restore's log line ("" when nothing)."""
+        gone = self.missing + self.missing_tensors
+        return f"; not in the step, left as they were: {listed(gone)}" if gone else ""
 
 
 @dataclass(frozen=True)
@@ -90,26 +105,27 @@ class DaemonMemory(Source):
     """The daemon's held copy of this rank's shard (memory_restore.py): same world size, no DTensor."""
     name = MEMORY
 
-    def __init__(self, reader: Reader, enabled: bool) -> None:
-        self.reader, self.enabled = reader, enabled
+    def __init__(self, reader: Reader, enabled: bool, strict: bool = True) -> None:
+        self.reader, self.enabled, self.strict = reader, enabled, strict
 
     def serve(self, step: int, state: dict[str, Any]) -> Served | Unavailable:
         if not self.enabled:
             return Unavailable(self.name, "memory restore off (memory=False)")
         r = self.reader
         try:
-            copy = restore_from_memory(r.socket_path, r.job, step, r.rank, r.world_size, state, r.threads)
+            copy = restore_from_memory(r.socket_path, r.job, step, r.rank, r.world_size, state, r.threads,
+                                       self.strict)
         except MemoryUnavailable as e:
             return Unavailable(self.name, str(e))
-        return Served(copy.source, copy.raw_bytes)
+        return Served(copy.source, copy.raw_bytes, copy.outcome)
 
 
 class LocalFiles(Source):
     """The step's files under the root, this rank's staged from the bucket first when the daemon has one."""
     name = STORAGE
 
-    def __init__(self, reader: Reader, staging: BucketStaging, per_rank: PerRank) -> None:
-        self.reader, self.staging, self.per_rank = reader, staging, per_rank
+    def __init__(self, reader: Reader, staging: BucketStaging, per_rank: PerRank, strict: bool = True) -> None:
+        self.reader, self.staging, self.per_rank, self.strict = reader, staging, per_rank, strict
 
     def serve(self, step: int, state: dict[str, Any]) -> Served | Unavailable:
         r = self.reader
@@ -118,34 +134,36 @@ class LocalFiles(Source):
         if not os.path.isdir(path):
             raise CheckpointError(f"step {step} of job {r.job!r} does not exist under {r.root()}")
         try:
-            restore_state(path, state, rank=r.rank, world_size=r.world_size, threads=r.threads, per_rank=self.per_rank)
+            outcome = restore_state(path, state, rank=r.rank, world_size=r.world_size, threads=r.threads,
+                                    per_rank=self.per_rank, strict=self.strict)
         except MissingData as e:      # another rank's data file this node lacks: staging every rank's may help
             return Unavailable(self.name, str(e), e)
-        return Served(STORAGE)
+        return Served(STORAGE, outcome=outcome)
 
 
 class AllRanksStaged(Source):
     """Every rank's files of the step staged from the bucket, then read as ``LocalFiles`` reads them."""
     name = ALL_RANKS
 
-    def __init__(self, reader: Reader, staging: BucketStaging, per_rank: PerRank) -> None:
-        self.reader, self.staging, self.per_rank = reader, staging, per_rank
+    def __init__(self, reader: Reader, staging: BucketStaging, per_rank: PerRank, strict: bool = True) -> None:
+        self.reader, self.staging, self.per_rank, self.strict = reader, staging, per_rank, strict
 
     def serve(self, step: int, state: dict[str, Any]) -> Served | Unavailable:
         if not self.staging.bucket:
             return Unavailable(self.name, "no bucket to stage other ranks' files from (or no daemon)")
         r = self.reader
         self.staging.all_ranks(step)
-        restore_state(step_dir(r.root(), r.job, step), state, rank=r.rank, world_size=r.world_size,
-                      threads=r.threads, per_rank=self.per_rank)
-        return Served(STORAGE)
+        outcome = restore_state(step_dir(r.root(), r.job, step), state, rank=r.rank, world_size=r.world_size,
+                                threads=r.threads, per_rank=self.per_rank, strict=self.strict)
+        return Served(STORAGE, outcome=outcome)
 
 
-def restore_chain(reader: Reader, staging: BucketStaging, *, memory: bool, per_rank: PerRank) -> list[Source]:
+def restore_chain(reader: Reader, staging: BucketStaging, *, memory: bool, per_rank: PerRank,
+                  strict: bool = True) -> list[Source]:
     """The sources of one restore, in the order they are tried (the module docstring); ``staging``:
     this restore's, which may have staged the newest step while it was being chosen."""
-    return [DaemonMemory(reader, memory), LocalFiles(reader, staging, per_rank),
-            AllRanksStaged(reader, staging, per_rank)]
+    return [DaemonMemory(reader, memory, strict), LocalFiles(reader, staging, per_rank, strict),
+            AllRanksStaged(reader, staging, per_rank, strict)]
 
 
 def run_chain(chain: Sequence[Source], step: int, state: dict[str, Any]) -> RestoreInfo:
@@ -155,8 +173,10 @@ def run_chain(chain: Sequence[Source], step: int, state: dict[str, Any]) -> Rest
     for source in chain:
         got = source.serve(step, state)
         if isinstance(got, Served):
+            o = got.outcome
             return RestoreInfo(step, got.source, time.monotonic() - started, got.raw_bytes,
-                               fallback=passed[0].reason if passed else None, passed=tuple(passed))
+                               fallback=passed[0].reason if passed else None, passed=tuple(passed),
+                               restored=o.restored, missing=o.missing, missing_tensors=o.missing_tensors)
         passed.append(got)
     first = next((u.error for u in passed if u.error is not None), None)
     if first is not None:

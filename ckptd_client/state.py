@@ -154,9 +154,10 @@ def flatten_state(state: dict[str, Any], fence_on: Sequence[torch.optim.Optimize
     return FlatState(tree, tensors, deferrable, optimizers, placements, sharded)
 
 
-def apply_state(target: Any, loaded: Any, path: str = "") -> Any:
+def apply_state(target: Any, loaded: Any, path: str = "", strict: bool = True) -> Any:
     """Load ``loaded`` into ``target`` in place where it can (tensors, Stateful, dicts, lists);
-    return what the slot holding ``target`` should now hold."""
+    return what the slot holding ``target`` should now hold. ``strict``: a module's (torch's
+    ``load_state_dict(strict=)``: False leaves the parameters ``loaded`` lacks as they are)."""
     if isinstance(target, torch.Tensor):
         if not isinstance(loaded, torch.Tensor) or loaded.shape != target.shape:
             got = tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else type(loaded).__name__
@@ -164,16 +165,19 @@ def apply_state(target: Any, loaded: Any, path: str = "") -> Any:
         with torch.no_grad():
             target.copy_(loaded)
         return target
+    if isinstance(target, torch.nn.Module):
+        target.load_state_dict(loaded, strict=strict)
+        return target
     if is_stateful(target):
         target.load_state_dict(loaded)
         return target
     if isinstance(target, dict) and isinstance(loaded, dict):
         for k, v in loaded.items():
-            target[k] = apply_state(target[k], v, f"{path}/{k}") if k in target else v
+            target[k] = apply_state(target[k], v, f"{path}/{k}", strict) if k in target else v
         return target
     if isinstance(target, list) and isinstance(loaded, list) and len(target) == len(loaded):
         for i, v in enumerate(loaded):
-            target[i] = apply_state(target[i], v, f"{path}/{i}")
+            target[i] = apply_state(target[i], v, f"{path}/{i}", strict)
         return target
     return loaded
 

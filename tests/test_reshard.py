@@ -341,7 +341,7 @@ def test_mismatches_are_named(tmp_path: Path) -> None:
     def restore(state: dict[str, Any]) -> None:
         restore_state(str(step), state, rank=0, world_size=1, threads=1)
 
-    with pytest.raises(ckptd_client.CheckpointError, match=r"'model/extra' of the state is not in checkpoint"):
+    with pytest.raises(ckptd_client.CheckpointError, match=r"'model/extra' of the state is not in the checkpoint"):
         restore({"model": {"w": torch.zeros(64, 32), "b": torch.zeros(64), "extra": torch.zeros(1)}})
     with pytest.raises(ckptd_client.CheckpointError, match=r"'model/w': the checkpoint has float32, the state bf"):
         restore({"model": {"w": torch.zeros(64, 32, dtype=torch.bfloat16), "b": torch.zeros(64)}})
