@@ -301,11 +301,10 @@ def test_room_report(capsys: object) -> None:
     assert not undocumented, f"rooms without a docstring saying what they hold: {undocumented}"
 
 
-def readme_layout() -> set[str]:
-    """The module paths the README's Layout tree lists: a folder line (``ckptd/daemon/tiers/fs/``)
+def layout_doc() -> set[str]:
+    """The module paths docs/layout.md's tree lists: a folder line (``ckptd/daemon/tiers/fs/``)
     followed by indented ``name.py`` lines, or a top-level ``ckptd/cli.py`` line."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## Layout"):]
+    section = (REPO / "docs" / "layout.md").read_text()
     tree = section[section.index("```") + 3:]
     tree = tree[: tree.index("```")]
     listed, folder = set(), ""
@@ -319,13 +318,13 @@ def readme_layout() -> set[str]:
     return listed
 
 
-def test_readme_layout_names_every_module() -> None:
-    """The README's Layout section is where a newcomer looks first: every module, and no module that is gone."""
+def test_layout_doc_names_every_module() -> None:
+    """docs/layout.md is where a newcomer looks for a module: every module, and no module that is gone."""
     actual = {str(p.relative_to(REPO)) for p in ALL.values() if p.name != "__init__.py"}
-    listed = readme_layout()
-    assert not actual - listed, f"README.md's Layout does not list: {sorted(actual - listed)}"
+    listed = layout_doc()
+    assert not actual - listed, f"docs/layout.md does not list: {sorted(actual - listed)}"
     gone = {p for p in listed - actual if not (REPO / p).is_file()}
-    assert not gone, f"README.md's Layout lists modules that do not exist: {sorted(gone)}"
+    assert not gone, f"docs/layout.md lists modules that do not exist: {sorted(gone)}"
 
 
 if __name__ == "__main__":
