@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 # What `make lint` (and so `make test`) checks with ruff and mypy: the whole tree.
 CHECKED := ckptd ckptd_client tests benchmarks examples
 
-.PHONY: demo demo-s3 test lint bench bench-sharded bench-s3 bench-memory bench-scale install install-test clean
+.PHONY: demo demo-s3 test lint bench bench-sharded bench-s3 bench-memory bench-memory-footprint bench-scale install install-test clean
 
 # Daemon + client (the client extra brings torch; the daemon alone needs only `pip install ckptd`).
 $(VENV)/.installed: pyproject.toml
@@ -67,6 +67,11 @@ bench-s3: $(VENV)/.installed-bench
 # writes benchmarks/results/memory_restore.md and .json.
 bench-memory: $(VENV)/.installed-bench
 	$(PY) benchmarks/memory_restore_bench.py
+
+# Host memory per byte of state (Pss of the trainer's process tree, daemon included): ckptd's modes vs
+# DCP async_save vs torch_checkpointing; writes benchmarks/results/memory_footprint.md and .json.
+bench-memory-footprint: $(VENV)/.installed-bench
+	$(PY) benchmarks/memory_footprint.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache
