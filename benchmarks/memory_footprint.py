@@ -6,7 +6,9 @@ shared memory included) over the trainer's whole process tree — the trainer, a
 daemon it started, DCP's or torch_checkpointing's helper processes — sampled every 20 ms.
 
 Per method, in a fresh worker process: build a model + AdamW state of ``--mib`` MiB (weights and
-both moments, fp32), take one optimizer step, measure the tree (*before*); then ``--saves`` rounds
+both moments, fp32), take one optimizer step, measure the tree (*before*: no checkpointer yet, so
+its daemon, stager or writer process and their buffers all count as extra); set the method up
+(ckptd: start a private daemon, connect, ``prepare``); then ``--saves`` rounds
 of save → optimizer step → wait until that save is durable; 1 s later measure again (*steady*).
 Reported per byte of state: steady − before, and the peak during the saves − before. Methods run
 in rounds, interleaved (this machine's disk slows down after a few GiB), and the medians are kept.
@@ -125,11 +127,11 @@ def step(model: Any, opt: Any) -> None:
 
 def worker(method: str, mib: int, saves: int, tmp: Path) -> dict[str, Any]:
     model, opt, state_bytes = build_state(mib)
-    save, close = saver(method, model, opt, tmp)
     gc.collect()
-    time.sleep(1.0)
-    before = tree_pss(os.getpid())
+    time.sleep(0.5)
+    before = tree_pss(os.getpid())       # the trainer alone: what the checkpointer adds is all extra
     sampler = Sampler()
+    save, close = saver(method, model, opt, tmp)
     t0 = time.monotonic()
     for i in range(1, saves + 1):
         wait = save(i)
