@@ -16,6 +16,7 @@ out is keyed by what it returns, not by the module's parameters.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from bisect import bisect_left
 from collections.abc import Sequence
@@ -38,14 +39,15 @@ _DICT, _LIST, _TUPLE, _TENSOR, _OBJ, _FENCE = (object() for _ in range(6))
 class _Walk:
     """One save's walk: tokens, tensors, scalars in tree order, state dicts taken (by object id)."""
 
-    def __init__(self, state: dict[str, Any], fence_on: Sequence[torch.optim.Optimizer]) -> None:
+    def __init__(self, state: dict[str, Any], fence_on: Sequence[torch.optim.Optimizer],
+                 sharded: torch.nn.Module | None) -> None:
         self.tokens: list[Any] = []
         self.tensors: list[torch.Tensor] = []
         self.scalars: list[Any] = []
         self.taken: dict[int, Any] = {}
         self.objects: list[Any] = []          # kept alive while cached: their ids stay theirs
         self._keys: list[Any] = []            # the key path, for replacement()'s errors and FQNs
-        self._sharded = dtensor.sharded_model_of(state)
+        self.sharded = sharded
         self._top = top_optimizer_ids(state)
         self.walk(state)
         for opt in fence_on:
@@ -59,36 +61,48 @@ class _Walk:
         self.tokens += [dtensor.storage_key(p) for g in opt.param_groups for p in g["params"]]
 
     def walk(self, obj: Any) -> None:
-        """The same order and cases as ``encode_tree`` with ``flatten_state``'s callbacks."""
-        tokens = self.tokens
+        """The same order and cases as ``encode_tree`` with ``flatten_state``'s callbacks; tensor
+        and scalar values of a container are taken in its loop (most of a state's nodes)."""
+        tokens, tensors, scalars = self.tokens, self.tensors, self.scalars
         if isinstance(obj, torch.Tensor):
             tokens.append(_TENSOR)
-            self.tensors.append(obj)
+            tensors.append(obj)
         elif isinstance(obj, _SCALARS):
             tokens.append(type(obj))
-            self.scalars.append(obj)
+            scalars.append(obj)
         elif isinstance(obj, dict):
             tokens += (_DICT, len(obj))
             for k, v in obj.items():
                 tokens.append(k)
                 if type(k) is not str:
                     tokens.append(type(k))     # 1, 1.0 and True are equal keys, not equal trees
-                self._keys.append(k)
-                self.walk(v)
-                self._keys.pop()
+                if isinstance(v, torch.Tensor):
+                    tokens.append(_TENSOR)
+                    tensors.append(v)
+                elif isinstance(v, _SCALARS):
+                    tokens.append(type(v))
+                    scalars.append(v)
+                else:
+                    self._keys.append(k)
+                    self.walk(v)
+                    self._keys.pop()
         elif isinstance(obj, (list, tuple)):
             tokens += (_TUPLE if isinstance(obj, tuple) else _LIST, len(obj))
             for i, v in enumerate(obj):
-                self._keys.append(i)
-                self.walk(v)
-                self._keys.pop()
+                if isinstance(v, _SCALARS):
+                    tokens.append(type(v))
+                    scalars.append(v)
+                else:
+                    self._keys.append(i)
+                    self.walk(v)
+                    self._keys.pop()
         else:
             stateful = callable(getattr(obj, "state_dict", None))
             tokens += (_OBJ, id(obj) if stateful else type(obj))
             if id(obj) in self.taken:
                 sd = self.taken[id(obj)]
             else:
-                sd = self.taken[id(obj)] = replacement(obj, "/".join(map(str, self._keys)), self._sharded, self._top)
+                sd = self.taken[id(obj)] = replacement(obj, "/".join(map(str, self._keys)), self.sharded, self._top)
                 self.objects.append(obj)
             if isinstance(obj, torch.optim.Optimizer):
                 self.optimizer(obj)
@@ -96,11 +110,28 @@ class _Walk:
 
 
 def tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
-    """Everything that decides which bytes a tensor's copy reads."""
+    """What decides a tensor's place in the layout and whether its copy may be deferred: its
+    address (the storage it shares with a parameter or optimizer state), shape and dtype. The
+    bytes are copied from this save's tensor, so its strides, device and lazy conj/neg bits are
+    the copy's business, not the plan's."""
     if dtensor.is_dtensor(t):
         local = dtensor.local_tensor(t)
-        return (*tensor_key(local), tuple(t.placements), id(t.device_mesh), t.shape)  # type: ignore[attr-defined]
-    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.layout, t.is_conj())
+        return (local.data_ptr(), local.shape, t.dtype, tuple(t.placements), id(t.device_mesh),  # type: ignore[attr-defined]
+                t.shape)
+    return (t.data_ptr(), t.shape, t.dtype)
+
+
+def _written(found: list[torch.Tensor], flat: FlatState) -> tuple[bool, list[int] | None]:
+    """Which of the walk's tensors ``flat.tensors`` holds, in order: None for all of them (no
+    DTensor); first False when that cannot be told (then the plan is not reused)."""
+    if not flat.sharded:
+        return len(found) == len(flat.tensors), None
+    out, k = [], 0
+    for j, t in enumerate(found):
+        if k < len(flat.tensors) and flat.tensors[k][1] is dtensor.local_tensor(t):
+            out.append(j)
+            k += 1
+    return k == len(flat.tensors), out
 
 
 def _scalar_counts(node: Any, counts: dict[int, int]) -> int:
@@ -136,6 +167,12 @@ class _Cached:
     counts: dict[int, int]
     objects: list[Any]
     nodes: int                       # container nodes of the tree as first built
+    names: list[str]                 # of plan.flat.tensors
+    written: list[int] | None        # the walk's tensors that plan.flat.tensors holds (None: all)
+    # The sharded model (dtensor.sharded_model_of) the last save found: the walk takes it as
+    # this save's, since a model whose parameters became (or stopped being) DTensors hands out
+    # other tensors, whose keys differ: a miss, which checks it.
+    sharded: torch.nn.Module | None
 
 
 class PlanCache:
@@ -158,11 +195,12 @@ class PlanCache:
     def plan(self, state: dict[str, Any], fence_on: Sequence[torch.optim.Optimizer] = ()) -> Plan:
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict of names to values, got {type(state).__name__}")
+        last = self._last
+        sharded = last.sharded if last is not None else dtensor.sharded_model_of(state)
         try:
-            walk = _Walk(state, fence_on)
+            walk = _Walk(state, fence_on, sharded)
         except (TypeError, ValueError, RuntimeError, AttributeError):
             walk = None          # flatten_state raises the error with its message
-        last = self._last
         if walk is not None and last is not None and walk.tokens == last.tokens:
             try:
                 keys = [tensor_key(t) for t in walk.tensors]
@@ -170,26 +208,35 @@ class PlanCache:
                 keys = None
             if keys == last.keys:
                 self.hits += 1
-                tree = _refill(last, walk.scalars)
-                if tree is not last.plan.flat.tree:
-                    p, known = last.plan, last.counts
-                    if len(known) > 2 * last.nodes:
-                        known = _counts(tree)
-                    last = self._last = _Cached(Plan(p.flat._replace(tree=tree), p.layout, p.nbytes, p.wire),
-                                                last.tokens, last.keys, walk.scalars, _zeros(walk.scalars),
-                                                known, last.objects, last.nodes)
-                return last.plan
+                return self._reuse(last, walk)
         self.misses += 1
         self._last = None
+        if walk is not None and sharded is not dtensor.sharded_model_of(state):
+            walk = None          # its state dicts were taken for another sharded model: not reused
         flat = flatten_state(state, fence_on, walk.taken if walk is not None else None)
         layout, nbytes = plan_layout(flat.tensors, flat.placements)
         plan = Plan(flat, layout, nbytes, [e.to_wire() for e in layout])
         if walk is not None:
             counts: dict[int, int] = {}
-            if _scalar_counts(flat.tree, counts) == len(walk.scalars):   # else: never reused
+            told, written = _written(walk.tensors, flat)
+            if _scalar_counts(flat.tree, counts) == len(walk.scalars) and told:
                 self._last = _Cached(plan, walk.tokens, [tensor_key(t) for t in walk.tensors], walk.scalars,
-                                     _zeros(walk.scalars), counts, walk.objects, len(counts))
+                                     _zeros(walk.scalars), counts, walk.objects, len(counts),
+                                     [name for name, _ in flat.tensors], written, walk.sharded)
         return plan
+
+    def _reuse(self, last: _Cached, walk: _Walk) -> Plan:
+        """The last plan with this save's tensors (the same layout) and scalars."""
+        p = last.plan
+        tree = _refill(last, walk.scalars)
+        if tree is not p.flat.tree:
+            known = last.counts if len(last.counts) <= 2 * last.nodes else _counts(tree)
+            last = self._last = dataclasses.replace(
+                last, plan=Plan(p.flat._replace(tree=tree), p.layout, p.nbytes, p.wire), scalars=walk.scalars,
+                zeros=_zeros(walk.scalars), counts=known)
+            p = last.plan
+        fresh = walk.tensors if last.written is None else [dtensor.local_tensor(walk.tensors[j]) for j in last.written]
+        return Plan(p.flat._replace(tensors=list(zip(last.names, fresh, strict=True))), p.layout, p.nbytes, p.wire)
 
 
 def _counts(tree: Any) -> dict[int, int]:
