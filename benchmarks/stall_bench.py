@@ -187,7 +187,7 @@ def run_count(count: int, cfg: argparse.Namespace, socket: str, root: str, base:
     job = f"stall{count}"
     workdir = base / f"dcp{count}"
     workdir.mkdir()
-    methods = {"ckptd": CkptdOverlap(socket, root, job), "dcp": DcpAsyncStaged(workdir)}
+    methods: dict[str, Any] = {"ckptd": CkptdOverlap(socket, root, job), "dcp": DcpAsyncStaged(workdir)}
     for m in methods.values():
         m.prepare(state)
     stalls: dict[str, list[float]] = {k: [] for k in methods}
