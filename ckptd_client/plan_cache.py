@@ -6,7 +6,7 @@ collections: 0.2 s each in a torch process) on every save. The structure rarely 
 saves, so each save first takes one lean walk that records the structure as a flat list of
 tokens (containers, keys, leaf types, Stateful objects by identity, every optimizer's parameter
 addresses) and, per tensor, a key of everything that decides which bytes it holds (address,
-shape, strides, dtype, device, layout, conjugation; a DTensor's placements and mesh too). When
+shape, strides, dtype, device, lazy conj/neg bits; a DTensor's placements and mesh too). When
 both equal the last save's, the last plan is used: its tensors (views of the same bytes), its
 layout and wire form, its deferrable set. Only the JSON leaves (scalars: learning rates, loader
 positions, RNG state) are taken anew, and only the branches of the tree holding a changed one
@@ -110,28 +110,17 @@ class _Walk:
 
 
 def tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
-    """What decides a tensor's place in the layout and whether its copy may be deferred: its
-    address (the storage it shares with a parameter or optimizer state), shape and dtype. The
-    bytes are copied from this save's tensor, so its strides, device and lazy conj/neg bits are
-    the copy's business, not the plan's."""
+    """Everything that decides which bytes a tensor's copy reads, so the last plan's tensor (a
+    view of the same bytes while this is equal) is copied in its place: address, shape,
+    strides, dtype, device, lazy conj/neg bits; a DTensor's placements, mesh and global shape.
+    Copying the last plan's tensors, not this save's, leaves nothing of the walk alive after
+    ``plan()``: a module's state_dict() hands out new tensor objects each save, and keeping
+    those until the copy ends promotes them into CPython's oldest generation, whose collection
+    (0.2 s in a torch process) they then set off every few saves."""
     if dtensor.is_dtensor(t):
-        local = dtensor.local_tensor(t)
-        return (local.data_ptr(), local.shape, t.dtype, tuple(t.placements), id(t.device_mesh),  # type: ignore[attr-defined]
+        return (*tensor_key(dtensor.local_tensor(t)), tuple(t.placements), id(t.device_mesh),  # type: ignore[attr-defined]
                 t.shape)
-    return (t.data_ptr(), t.shape, t.dtype)
-
-
-def _written(found: list[torch.Tensor], flat: FlatState) -> tuple[bool, list[int] | None]:
-    """Which of the walk's tensors ``flat.tensors`` holds, in order: None for all of them (no
-    DTensor); first False when that cannot be told (then the plan is not reused)."""
-    if not flat.sharded:
-        return len(found) == len(flat.tensors), None
-    out, k = [], 0
-    for j, t in enumerate(found):
-        if k < len(flat.tensors) and flat.tensors[k][1] is dtensor.local_tensor(t):
-            out.append(j)
-            k += 1
-    return k == len(flat.tensors), out
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.is_conj(), t.is_neg())
 
 
 def _scalar_counts(node: Any, counts: dict[int, int]) -> int:
@@ -167,8 +156,6 @@ class _Cached:
     counts: dict[int, int]
     objects: list[Any]
     nodes: int                       # container nodes of the tree as first built
-    names: list[str]                 # of plan.flat.tensors
-    written: list[int] | None        # the walk's tensors that plan.flat.tensors holds (None: all)
     # The sharded model (dtensor.sharded_model_of) the last save found: the walk takes it as
     # this save's, since a model whose parameters became (or stopped being) DTensors hands out
     # other tensors, whose keys differ: a miss, which checks it.
@@ -218,15 +205,13 @@ class PlanCache:
         plan = Plan(flat, layout, nbytes, [e.to_wire() for e in layout])
         if walk is not None:
             counts: dict[int, int] = {}
-            told, written = _written(walk.tensors, flat)
-            if _scalar_counts(flat.tree, counts) == len(walk.scalars) and told:
+            if _scalar_counts(flat.tree, counts) == len(walk.scalars):   # else: never reused
                 self._last = _Cached(plan, walk.tokens, [tensor_key(t) for t in walk.tensors], walk.scalars,
-                                     _zeros(walk.scalars), counts, walk.objects, len(counts),
-                                     [name for name, _ in flat.tensors], written, walk.sharded)
+                                     _zeros(walk.scalars), counts, walk.objects, len(counts), walk.sharded)
         return plan
 
     def _reuse(self, last: _Cached, walk: _Walk) -> Plan:
-        """The last plan with this save's tensors (the same layout) and scalars."""
+        """The last plan with this save's scalars (its tensors: see tensor_key)."""
         p = last.plan
         tree = _refill(last, walk.scalars)
         if tree is not p.flat.tree:
@@ -234,9 +219,7 @@ class PlanCache:
             last = self._last = dataclasses.replace(
                 last, plan=Plan(p.flat._replace(tree=tree), p.layout, p.nbytes, p.wire), scalars=walk.scalars,
                 zeros=_zeros(walk.scalars), counts=known)
-            p = last.plan
-        fresh = walk.tensors if last.written is None else [dtensor.local_tensor(walk.tensors[j]) for j in last.written]
-        return Plan(p.flat._replace(tensors=list(zip(last.names, fresh, strict=True))), p.layout, p.nbytes, p.wire)
+        return last.plan
 
 
 def _counts(tree: Any) -> dict[int, int]:

@@ -36,7 +36,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
 def as_bytes(obj: Any) -> Any:
     """Every tensor of a state as (dtype, shape, its bytes); scalars with their type (and sign)."""
     if isinstance(obj, torch.Tensor):
-        t = obj.detach().contiguous()
+        t = obj.detach().resolve_conj().resolve_neg().contiguous()
         return (str(t.dtype), tuple(t.shape), bytes(t.reshape(-1).view(torch.uint8).numpy()))
     if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
         return as_bytes(obj.state_dict())
@@ -53,7 +53,7 @@ def fresh_like(state: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(state)
     with torch.no_grad():
         for t in _tensors(out):
-            if t.is_contiguous():
+            if t.is_contiguous() and not t.is_conj():
                 t.reshape(-1).view(torch.uint8).fill_(0x5A)
             else:
                 t.fill_(7)
@@ -155,6 +155,20 @@ def test_stride_change_over_the_same_bytes_invalidates(daemon):
         w = s["model"].weight
         w.data = w.data.t()                      # same address, shape, dtype: other values per index
     ck, _ = save_change_restore(daemon, state, transpose)
+    ck.close()
+
+
+def test_lazy_conjugate_over_the_same_bytes_invalidates(daemon):
+    """conj() of a complex tensor is a flag on a view of the same bytes: saved resolved."""
+    model = torch.nn.Module()
+    model.z = torch.nn.Parameter(torch.randn(6, dtype=torch.complex64))
+    state: dict[str, Any] = {"model": model}
+
+    def conjugate(s: dict[str, Any]) -> None:
+        z = s["model"].z
+        z.data = z.data.conj()
+    ck, target = save_change_restore(daemon, state, conjugate)
+    assert torch.equal(target["model"].z.detach(), model.z.detach().resolve_conj())
     ck.close()
 
 
