@@ -220,7 +220,7 @@ class Checkpointer:
                     break
                 msg = protocol.Save(step=step, slot=handle.slot, tensors=plan.wire,
                                     tree=flat.tree, commit=self.commit_mode.value)
-                copy = self._copies.snapshot(self._session.slots[handle.slot], layout, flat, overlap)
+                copy = self._copies.snapshot(self._session.slots[handle.slot], layout, flat, overlap, plan.splits)
                 if copy.deferred:                     # the daemon gets the layout once the copy is done
                     self._copies.begin(handle, copy, flat.optimizers, partial(conn.request, msg),
                                        partial(self._abandon_failed, handle))

@@ -21,6 +21,7 @@ import math
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import eq
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ import torch
 from ckptd.core.schema import TensorLayout
 
 from . import dtensor
-from .slots import plan_layout
+from .slots import CopySplit, plan_layout
 from .state import FlatState, flatten_state, replacement, top_optimizer_ids
 
 _SCALARS = (str, int, float, bool, type(None))     # the tree's leaves (core.tree)
@@ -142,6 +143,8 @@ class Plan:
     layout: list[TensorLayout]
     nbytes: int
     wire: list[Any]
+    # deferred set → how its snapshot splits the copy (SlotCopy), kept while the plan is reused
+    splits: dict[frozenset[int], CopySplit] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -189,11 +192,13 @@ class PlanCache:
         except (TypeError, ValueError, RuntimeError, AttributeError):
             walk = None          # flatten_state raises the error with its message
         if walk is not None and last is not None and walk.tokens == last.tokens:
+            # Key by key, each dropped once compared: a list of them would live through young
+            # collections into the oldest generation, and set off its collection (0.2 s).
             try:
-                keys = [tensor_key(t) for t in walk.tensors]
+                same = len(walk.tensors) == len(last.keys) and all(map(eq, map(tensor_key, walk.tensors), last.keys))
             except (RuntimeError, TypeError, AttributeError):
-                keys = None
-            if keys == last.keys:
+                same = False
+            if same:
                 self.hits += 1
                 return self._reuse(last, walk)
         self.misses += 1
@@ -217,7 +222,7 @@ class PlanCache:
         if tree is not p.flat.tree:
             known = last.counts if len(last.counts) <= 2 * last.nodes else _counts(tree)
             last = self._last = dataclasses.replace(
-                last, plan=Plan(p.flat._replace(tree=tree), p.layout, p.nbytes, p.wire), scalars=walk.scalars,
+                last, plan=dataclasses.replace(p, flat=p.flat._replace(tree=tree)), scalars=walk.scalars,
                 zeros=_zeros(walk.scalars), counts=known)
         return last.plan
 
