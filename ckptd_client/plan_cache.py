@@ -59,7 +59,8 @@ class _Walk:
         """Which tensors are deferrable depends on the optimizer's parameters, by address."""
         self.objects.append(opt)
         self.tokens.append(len(opt.state))
-        self.tokens += [dtensor.storage_key(p) for g in opt.param_groups for p in g["params"]]
+        self.tokens += [p.data_ptr() if type(p) is torch.nn.Parameter else dtensor.storage_key(p)
+                        for g in opt.param_groups for p in g["params"]]
 
     def walk(self, obj: Any) -> None:
         """The same order and cases as ``encode_tree`` with ``flatten_state``'s callbacks; tensor
@@ -118,7 +119,7 @@ def tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
     ``plan()``: a module's state_dict() hands out new tensor objects each save, and keeping
     those until the copy ends promotes them into CPython's oldest generation, whose collection
     (0.2 s in a torch process) they then set off every few saves."""
-    if dtensor.is_dtensor(t):
+    if type(t) is not torch.Tensor and dtensor.is_dtensor(t):
         return (*tensor_key(dtensor.local_tensor(t)), tuple(t.placements), id(t.device_mesh),  # type: ignore[attr-defined]
                 t.shape)
     return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.is_conj(), t.is_neg())
