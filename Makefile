@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 # What `make lint` (and so `make test`) checks with ruff and mypy: the whole tree.
 CHECKED := ckptd ckptd_client tests benchmarks examples
 
-.PHONY: demo demo-s3 test lint bench bench-sharded bench-s3 bench-memory bench-scale install install-test clean
+.PHONY: demo demo-s3 test lint bench bench-sharded bench-s3 bench-memory bench-scale bench-stall install install-test clean
 
 # Daemon + client (the client extra brings torch; the daemon alone needs only `pip install ckptd`).
 $(VENV)/.installed: pyproject.toml
@@ -67,6 +67,12 @@ bench-s3: $(VENV)/.installed-bench
 # writes benchmarks/results/memory_restore.md and .json.
 bench-memory: $(VENV)/.installed-bench
 	$(PY) benchmarks/memory_restore_bench.py
+
+# The trainer's stall per save over tensor counts 16 / 256 / 2,048 / 8,192 at a fixed state size:
+# ckptd overlapped vs DCP async_save (DefaultStager, async staging) vs torch_checkpointing (when
+# installed), interleaved; writes benchmarks/results/stall.md and .json.
+bench-stall: $(VENV)/.installed-bench
+	$(PY) benchmarks/stall_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache
