@@ -383,6 +383,7 @@ class Checkpointer:
         for h in list(self._handles.values()):      # before the disconnect, which would say "lost"
             self._finish(h, f"checkpointer closed before step {h.step} committed (close timeout {timeout}s)")
         self._copies.shutdown()
+        self.plans.clear()                          # it holds the last planned state's tensors
         self._session.drop()
         if self.daemon is not None:                 # every save has settled: nothing left for it to drain
             self.daemon.stop()

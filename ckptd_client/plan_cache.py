@@ -167,12 +167,16 @@ class _Cached:
 
 
 class PlanCache:
-    """The last save's plan, reused while the structure is unchanged (see the module's docstring)."""
+    """The last save's plan, reused while the structure is unchanged (see the module's docstring).
+    It holds that state's tensors and Stateful objects until the next plan or ``clear()``."""
 
     def __init__(self) -> None:
         self._last: _Cached | None = None
         self.hits = 0
         self.misses = 0
+
+    def clear(self) -> None:
+        self._last = None
 
     def warm(self, state: dict[str, Any]) -> None:
         """Plan ``state`` now (after a restore: ``load_state_dict`` gives an optimizer new state

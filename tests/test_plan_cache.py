@@ -262,3 +262,15 @@ def test_first_save_after_restore_reuses_the_plan_restore_made(daemon):
     ck2.restore(target, step=2)
     assert as_bytes(target) == expected
     ck2.close()
+
+
+def test_close_lets_go_of_the_planned_state(daemon):
+    """The cache holds the last planned state's tensors; close() drops them."""
+    import weakref
+    state: dict[str, Any] = {"w": torch.arange(10.0)}
+    ref = weakref.ref(state["w"])
+    ck = ckptd_client.Checkpointer("pc", socket=str(daemon.socket), commit="local")
+    ck.save(1, state).wait(60)
+    ck.close()
+    del state
+    assert ref() is None
