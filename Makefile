@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 # What `make lint` (and so `make test`) checks with ruff and mypy: the whole tree.
 CHECKED := ckptd ckptd_client tests benchmarks examples
 
-.PHONY: demo demo-s3 test lint bench bench-sharded bench-s3 bench-memory bench-memory-footprint bench-scale install install-test clean
+.PHONY: demo demo-s3 test lint bench bench-sharded bench-s3 bench-memory bench-memory-footprint bench-scale bench-stall install install-test clean
 
 # Daemon + client (the client extra brings torch; the daemon alone needs only `pip install ckptd`).
 $(VENV)/.installed: pyproject.toml
@@ -72,6 +72,12 @@ bench-memory: $(VENV)/.installed-bench
 # DCP async_save vs torch_checkpointing; writes benchmarks/results/memory_footprint.md and .json.
 bench-memory-footprint: $(VENV)/.installed-bench
 	$(PY) benchmarks/memory_footprint.py
+
+# The trainer's stall per save over tensor counts 16 / 256 / 2,048 / 8,192 at a fixed state size:
+# ckptd overlapped vs DCP async_save (DefaultStager, async staging) vs torch_checkpointing (when
+# installed), interleaved; writes benchmarks/results/stall.md and .json.
+bench-stall: $(VENV)/.installed-bench
+	$(PY) benchmarks/stall_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache

@@ -25,13 +25,13 @@ from .handle import CloseReport, SaveHandle, wait_all
 from .modes import WhenBusy, parse_when_busy, resolve_commit_mode
 from .overlap import OverlapCopies, fence_list, parse_overlap
 from .own_daemon import OwnDaemon
+from .plan_cache import PlanCache
 from .relay import StoreRelay
 from .restore import PerRank, agree_step
 from .run_scope import RunScope
 from .session import DaemonSession
-from .slots import ClientSlot, plan_layout
+from .slots import ClientSlot
 from .sources import Reader, RestoreInfo, restore_chain, run_chain
-from .state import flatten_state
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -88,6 +88,7 @@ class Checkpointer:
         self._session = DaemonSession(self.socket_path, self.job, self.rank, self.world_size, c.num_slots,
                                       self._on_event, self._on_lost)
         self._copies = OverlapCopies(self.fence)
+        self.plans = PlanCache()                      # the last save's plan, while the structure holds
         self._handles: dict[int, SaveHandle] = {}      # step → handle (one save per step in flight)
         self._seq = 0
         self._restores = 0
@@ -156,9 +157,7 @@ class Checkpointer:
 
         Call it once the state has its full size — after the first optimizer step, when Adam's
         moments exist — or a larger first save re-allocates the slots."""
-        flat = flatten_state(state)
-        _, nbytes = plan_layout(flat.tensors, flat.placements)
-        self._ensure_slots(nbytes)
+        self._ensure_slots(self.plans.plan(state).nbytes)
 
     def save(self, step: int, state: dict[str, Any], *, overlap: bool | str | None = None,
              when_busy: WhenBusy | str | None = None,
@@ -200,8 +199,8 @@ class Checkpointer:
         step_dir_name(step)  # validates the step number
         self.fence()
         t0 = time.perf_counter()
-        flat = flatten_state(state, fence_optims)   # raises on a bad value before any slot or request
-        layout, nbytes = plan_layout(flat.tensors, flat.placements)
+        plan = self.plans.plan(state, fence_optims)   # raises on a bad value before any slot or request
+        flat, layout = plan.flat, plan.layout
         if step in self._handles:
             raise CheckpointError(f"step {step} is already being saved")
         if self.commit_mode is CommitMode.RELAY:
@@ -213,15 +212,15 @@ class Checkpointer:
             self._ensure_relay().track(step, lambda err: self._finish(handle, err))
         for attempt in (1, 2):
             try:
-                conn = self._ensure_slots(nbytes)
+                conn = self._ensure_slots(plan.nbytes)
                 handle.slot = self._session.acquire(block=busy is WhenBusy.BLOCK)
                 if handle.slot is None:
                     handle.skipped = True
                     self._abandon(handle, None)
                     break
-                msg = protocol.Save(step=step, slot=handle.slot, tensors=[e.to_wire() for e in layout],
+                msg = protocol.Save(step=step, slot=handle.slot, tensors=plan.wire,
                                     tree=flat.tree, commit=self.commit_mode.value)
-                copy = self._copies.snapshot(self._session.slots[handle.slot], layout, flat, overlap)
+                copy = self._copies.snapshot(self._session.slots[handle.slot], layout, flat, overlap, plan.splits)
                 if copy.deferred:                     # the daemon gets the layout once the copy is done
                     self._copies.begin(handle, copy, flat.optimizers, partial(conn.request, msg),
                                        partial(self._abandon_failed, handle))
@@ -351,6 +350,7 @@ class Checkpointer:
                         self.resolve_root)
         chain = restore_chain(reader, staging, memory=self.memory, per_rank=per_rank, strict=strict)
         info = self.last_restore = run_chain(chain, step, state)
+        self.plans.warm(state)
         log.info("ckptd: restored step %d from %s in %.3fs%s%s", step, info.source, info.seconds,
                  f" (memory tier: {info.fallback})" if info.fallback else "", info.lacked())
         return step
@@ -383,6 +383,7 @@ class Checkpointer:
         for h in list(self._handles.values()):      # before the disconnect, which would say "lost"
             self._finish(h, f"checkpointer closed before step {h.step} committed (close timeout {timeout}s)")
         self._copies.shutdown()
+        self.plans.clear()                          # it holds the last planned state's tensors
         self._session.drop()
         if self.daemon is not None:                 # every save has settled: nothing left for it to drain
             self.daemon.stop()

@@ -11,7 +11,7 @@ from torch.utils.hooks import RemovableHandle
 from ckptd.core.schema import TensorLayout
 
 from .handle import SaveHandle
-from .slots import ClientSlot, SlotCopy
+from .slots import ClientSlot, CopySplit, SlotCopy
 from .state import FlatState
 
 MANUAL = "manual"       # overlap mode: every tensor copied in the background; the caller fences
@@ -63,14 +63,20 @@ class OverlapCopies:
         return self._pool
 
     def snapshot(self, slot: ClientSlot, layout: list[TensorLayout], flat: FlatState,
-                 overlap: bool | str) -> SlotCopy:
+                 overlap: bool | str, splits: dict[frozenset[int], CopySplit] | None = None) -> SlotCopy:
         """Copy what must be copied now and schedule the rest: with ``overlap=True`` the
         deferrable tensors (fenced by an optimizer's step) go to the background, with
-        ``overlap="manual"`` every tensor does (the caller fences), with False none."""
+        ``overlap="manual"`` every tensor does (the caller fences), with False none.
+        ``splits``: the plan's splits by deferred set, filled here (plan_cache)."""
         deferred = (frozenset(range(len(flat.tensors))) if overlap == MANUAL
                     else flat.deferrable if overlap else frozenset())
+        split = splits.get(deferred) if splits is not None else None
+        if split is None:
+            split = CopySplit.of(layout, flat.tensors, deferred)
+            if splits is not None:
+                splits[deferred] = split
         return SlotCopy(slot, layout, flat.tensors, deferred, self.pool() if deferred else None,
-                        self._side_streams)
+                        self._side_streams, split)
 
     def begin(self, handle: SaveHandle, copy: SlotCopy, optimizers: list[torch.optim.Optimizer],
               send: Callable[[], object], failed: Callable[[BaseException], None]) -> None:

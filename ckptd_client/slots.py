@@ -5,6 +5,7 @@ import mmap
 import os
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future
+from dataclasses import dataclass
 
 import torch
 
@@ -81,15 +82,37 @@ def _copy(slot: ClientSlot, entry: TensorLayout, t: torch.Tensor, non_blocking: 
 
 def _copy_all(slot: ClientSlot, work: list[tuple[TensorLayout, torch.Tensor]]) -> None:
     """(Copy thread) every (layout entry, tensor) into the slot, in one call where torch allows:
-    the GIL is then taken once, not per tensor."""
+    the GIL is then taken once, not per tensor. The tensors are detached (CopySplit)."""
     with torch.no_grad():
         dsts = [slot.view(entry, t.dtype) for entry, t in work]
-        srcs = [t.detach() for _, t in work]
+        srcs = [t for _, t in work]
         try:
             torch._foreach_copy_(dsts, srcs)
         except (AttributeError, RuntimeError, TypeError):
             for d, src in zip(dsts, srcs, strict=True):
                 d.copy_(src)
+
+
+@dataclass(frozen=True)
+class CopySplit:
+    """Which tensors a snapshot copies at once, which on the copy thread, which on a CUDA side
+    stream (per device): worked out per tensor, so a plan reused save after save (plan_cache)
+    keeps its split too, and a save allocates nothing per tensor for it."""
+    tensors: list[torch.Tensor]                       # the bytes to copy: a DTensor's local shard, detached
+    now: list[int]
+    later_cpu: list[tuple[TensorLayout, torch.Tensor]]
+    later_gpu: dict[torch.device, list[int]]
+
+    @classmethod
+    def of(cls, layout: list[TensorLayout], tensors: list[tuple[str, torch.Tensor]],
+           deferred: frozenset[int]) -> CopySplit:
+        local = [local_tensor(t).detach() for _, t in tensors]
+        later_gpu: dict[torch.device, list[int]] = {}
+        for i in sorted(deferred):
+            if local[i].is_cuda:
+                later_gpu.setdefault(local[i].device, []).append(i)
+        return cls(local, [i for i in range(len(local)) if i not in deferred],
+                   [(layout[i], local[i]) for i in sorted(deferred) if not local[i].is_cuda], later_gpu)
 
 
 class SlotCopy:
@@ -104,23 +127,19 @@ class SlotCopy:
 
     def __init__(self, slot: ClientSlot, layout: list[TensorLayout], tensors: list[tuple[str, torch.Tensor]],
                  deferred: frozenset[int] = frozenset(), pool: Executor | None = None,
-                 side_streams: dict[torch.device, torch.cuda.Stream] | None = None) -> None:
+                 side_streams: dict[torch.device, torch.cuda.Stream] | None = None,
+                 split: CopySplit | None = None) -> None:
         self._future: Future[None] | None = None
         self._events: list[tuple[torch.device, torch.cuda.Event]] = []
-        # The bytes of a DTensor are its local shard's: copy (and fence on) that view.
-        tensors = [(name, local_tensor(t)) for name, t in tensors]
         if pool is None:
             deferred = frozenset()
-        now = [i for i in range(len(tensors)) if i not in deferred]
-        later_cpu = [i for i in sorted(deferred) if not tensors[i][1].is_cuda]
-        later_gpu: dict[torch.device, list[int]] = {}
-        for i in sorted(deferred):
-            if tensors[i][1].is_cuda:
-                later_gpu.setdefault(tensors[i][1].device, []).append(i)
+        # The bytes of a DTensor are its local shard's: copy (and fence on) that view.
+        split = split or CopySplit.of(layout, tensors, deferred)
+        local, later_gpu = split.tensors, split.later_gpu
         with torch.no_grad():
             synced: set[torch.device] = set()
-            for i in now:
-                t = tensors[i][1]
+            for i in split.now:
+                t = local[i]
                 if t.is_cuda:
                     synced.add(t.device)
                 _copy(slot, layout[i], t, non_blocking=t.is_cuda and slot.pinned)
@@ -132,7 +151,7 @@ class SlotCopy:
                 side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(side):
                     for i in idx:
-                        t = tensors[i][1]
+                        t = local[i]
                         _copy(slot, layout[i], t, non_blocking=slot.pinned)
                         t.record_stream(side)   # the allocator must not reuse it before the copy
                     event = torch.cuda.Event()
@@ -141,7 +160,7 @@ class SlotCopy:
             for device in synced:
                 torch.cuda.current_stream(device).synchronize()
         self._pool = pool
-        self._cpu_work: list[tuple[TensorLayout, torch.Tensor]] = [(layout[i], tensors[i][1]) for i in later_cpu]
+        self._cpu_work = split.later_cpu
         self._slot = slot
 
     @property

@@ -62,13 +62,42 @@ def _check_dense(path: str, t: torch.Tensor) -> None:
         raise TypeError(f"cannot checkpoint tensor at {path!r}: dtype {t.dtype} is not supported")
 
 
-def flatten_state(state: dict[str, Any], fence_on: Sequence[torch.optim.Optimizer] = ()) -> FlatState:
+def replacement(obj: Any, path: str, sharded_model: torch.nn.Module | None, top_optimizers: set[int]) -> Any:
+    """What a non-JSON, non-tensor value is saved as (its state dict; a NumPy value as a tensor or
+    scalar), or a TypeError naming ``path``. The plan cache's walk calls it too: one definition."""
+    if is_stateful(obj):
+        if isinstance(obj, torch.nn.Module):
+            return dtensor.model_state_dict(obj) if obj is sharded_model else obj.state_dict()
+        if isinstance(obj, torch.optim.Optimizer):
+            return (dtensor.optimizer_state_dict(sharded_model, obj, path)
+                    if sharded_model is not None and id(obj) in top_optimizers else obj.state_dict())
+        return obj.state_dict()
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(obj))
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, torch.Generator):      # no state_dict(): its state is a tensor it hands out
+        raise TypeError(f"cannot checkpoint value at {path or '<root>'!r}: a torch.Generator is not saved "
+                        "as it is; save its state, a tensor: {..., 'gen': gen.get_state()}, and after "
+                        "restore call gen.set_state(state['gen']) (the global RNGs: ckptd_client.RNGState())")
+    raise TypeError(f"cannot checkpoint value at {path or '<root>'!r}: {type(obj).__name__} is neither "
+                    "a tensor, a JSON-able value, nor an object with state_dict()/load_state_dict()")
+
+
+def top_optimizer_ids(state: dict[str, Any]) -> set[int]:
+    return {id(v) for v in state.values() if isinstance(v, torch.optim.Optimizer)}
+
+
+def flatten_state(state: dict[str, Any], fence_on: Sequence[torch.optim.Optimizer] = (),
+                  taken: dict[int, Any] | None = None) -> FlatState:
     """The JSON tree of ``state`` and its tensors by key path. Fails before any I/O on a bad value.
 
     ``fence_on``: optimizers whose step the save fences although they need not be in ``state``
     (dict-style state, e.g. ``get_state_dict``'s output): tensors sharing storage with their
     parameters or state become deferrable. DTensors: see ``ckptd_client.dtensor`` (local shards,
     one writer per replicated placement, optimizer objects keyed by FQN beside a sharded model).
+    ``taken``: id(object) → what ``replacement`` already returned for it this save (the plan
+    cache's walk), so no state_dict() is taken twice.
     """
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict of names to values, got {type(state).__name__}")
@@ -82,7 +111,8 @@ def flatten_state(state: dict[str, Any], fence_on: Sequence[torch.optim.Optimize
     stable: set[int] = set()
     optimizers: list[torch.optim.Optimizer] = []
     sharded_model = dtensor.sharded_model_of(state)
-    top_optimizers = {id(v) for v in state.values() if isinstance(v, torch.optim.Optimizer)}
+    top_optimizers = top_optimizer_ids(state)
+    taken = taken or {}
 
     def add_optimizer(opt: torch.optim.Optimizer) -> None:
         if all(o is not opt for o in optimizers):
@@ -114,27 +144,12 @@ def flatten_state(state: dict[str, Any], fence_on: Sequence[torch.optim.Optimize
         return path
 
     def on_other(path: str, obj: Any) -> Any:
-        if is_stateful(obj):
-            if isinstance(obj, torch.nn.Module):
-                stable.update(dtensor.storage_key(p) for p in obj.parameters())
-                if obj is sharded_model:
-                    return dtensor.model_state_dict(obj)
-            elif isinstance(obj, torch.optim.Optimizer):
-                sd = (dtensor.optimizer_state_dict(sharded_model, obj, path)
-                      if sharded_model is not None and id(obj) in top_optimizers else obj.state_dict())
-                add_optimizer(obj)        # after: get_optimizer_state_dict may create the state
-                return sd
-            return obj.state_dict()
-        if isinstance(obj, np.ndarray):
-            return torch.from_numpy(np.ascontiguousarray(obj))
-        if isinstance(obj, np.generic):
-            return obj.item()
-        if isinstance(obj, torch.Generator):      # no state_dict(): its state is a tensor it hands out
-            raise TypeError(f"cannot checkpoint value at {path or '<root>'!r}: a torch.Generator is not saved "
-                            "as it is; save its state, a tensor: {..., 'gen': gen.get_state()}, and after "
-                            "restore call gen.set_state(state['gen']) (the global RNGs: ckptd_client.RNGState())")
-        raise TypeError(f"cannot checkpoint value at {path or '<root>'!r}: {type(obj).__name__} is neither "
-                        "a tensor, a JSON-able value, nor an object with state_dict()/load_state_dict()")
+        sd = taken[id(obj)] if id(obj) in taken else replacement(obj, path, sharded_model, top_optimizers)
+        if isinstance(obj, torch.nn.Module):
+            stable.update(dtensor.storage_key(p) for p in obj.parameters())
+        elif isinstance(obj, torch.optim.Optimizer):
+            add_optimizer(obj)        # after: get_optimizer_state_dict may create the state
+        return sd
 
     tree = encode_tree(state, on_tensor, on_other, lambda o: isinstance(o, torch.Tensor))
     sharded = {name: dt for name, _, _, dt in found if dt is not None}
