@@ -250,37 +250,3 @@ def test_torchtitan_config_maps_onto_checkpointer_config():
     titan = pytest.importorskip("ckptd_client.torchtitan")
     c = titan.CkptdCheckpointManager.Config(job="t", socket="/s.sock", root="/r")
     assert c.checkpointer_config() == CheckpointerConfig(socket="/s.sock", root="/r", overlap="manual")
-
-
-# ---- no client module reaches into another's private names --------------------------------------
-
-def _defined_here(tree: ast.AST) -> set[str]:
-    """Private names a module defines itself (functions, classes, attributes it assigns)."""
-    out = set()
-    for n in ast.walk(tree):
-        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            out.add(n.name)
-        elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
-            out.add(n.attr)
-        elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
-            out.add(n.id)
-    return out
-
-
-def test_no_client_module_uses_a_private_name_of_another():
-    """``from .x import _y``, ``module._y`` or ``obj._y`` for a ``_y`` the module does not define
-    itself (third-party internals, e.g. torch's, are not ours to police)."""
-    bad = []
-    for path in sorted((REPO / "ckptd_client").glob("*.py")):
-        tree = ast.parse(path.read_text())
-        own = _defined_here(tree)
-        third_party = {a.asname or a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
-                       for a in n.names if not a.name.startswith("ckptd")}
-        for n in ast.walk(tree):
-            if isinstance(n, ast.ImportFrom) and (n.level or (n.module or "").startswith("ckptd")):
-                bad += [f"{path.name}:{n.lineno} imports {a.name}" for a in n.names
-                        if a.name.startswith("_") and not a.name.startswith("__")]
-            elif isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__") \
-                    and n.attr not in own and ast.unparse(n.value).split(".")[0] not in third_party:
-                bad.append(f"{path.name}:{n.lineno} uses {ast.unparse(n)}")
-    assert not bad, "\n".join(bad)
