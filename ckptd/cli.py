@@ -160,7 +160,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         rep = s.get("last_report")
         stall = f" last stall {rep['stall_s'] * 1e3:.1f}ms (step {rep['step']})" if rep else ""
         print(f"  job={s['job']} rank={s['rank']}/{s['world_size']} pid={s['pid']} "
-              f"slots busy={s['busy_slots']}/{s['slots']} saves={s['saves']}{stall}")
+              f"slots busy={s['busy_slots']}/{s['slots']} held={s.get('held_slots', 0)} "
+              f"saves={s['saves']}{stall}")
     saves = st.get("saves", [])
     print(f"saves in flight: {len(saves)}")
     for w in sorted(saves, key=lambda w: (w["job"], w["step"], w["rank"])):
@@ -173,6 +174,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     print("last committed step per job:" + ("" if last else " none"))
     for job, info in sorted(last.items()):
         print(f"  {job}: {info['step'] if info['step'] is not None else '-'}")
+    hosts = st.get("host_bytes") or {}
+    print("host memory per job (each byte once):" + ("" if hosts else " none"))
+    for job, b in sorted(hosts.items()):
+        print(f"  {job}: slots {human_size(b['slots'])}, held steps {human_size(b['held'])}, "
+              f"peers' replicas {human_size(b['replicas'])}, total {human_size(sum(b.values()))}")
     for line in memory_lines(st.get("memory")):
         print(line)
     return 0

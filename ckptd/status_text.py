@@ -23,7 +23,8 @@ def memory_lines(mem: dict[str, Any] | None) -> list[str]:
         for peer, c in sorted(mem.get("peers", {}).items()):
             out.append(f"  peer {peer}: sent {_mib(c['sent_bytes'])}, {c['failures']} failed copies")
     for s in mem["held"]:
-        ranks = ", ".join(f"{r}:{v['origin']}" + (f" {v['copies']} copies" if v["copies"] is not None else "")
+        ranks = ", ".join(f"{r}:{v['origin']}" + (" (in its slot)" if v.get("in_slot") else "")
+                          + (f" {v['copies']} copies" if v["copies"] is not None else "")
                           + (" pinned" if v["pinned"] else "") for r, v in sorted(s["ranks"].items()))
         level = "replicated, " if s["replicated"] else ""
         out.append(f"  job={s['job']} step={s['step']} {level}{'committed' if s['committed'] else 'not committed'}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from typing import Any
 
 from ckptd.core import protocol
@@ -13,12 +14,19 @@ from .connection import DaemonConnection, EventHandler, LostHandler
 from .errors import CheckpointError, NotDelivered
 from .slots import ClientSlot
 
+RECLAIM_EVERY_S = 2.0       # how often a trainer whose slots are all kept asks for one back
+
 
 class DaemonSession:
     """Slots live and die with the connection that lent them, so one object owns both: a lost
     connection takes its slots along, and the next ``ensure_slots`` reconnects (the daemon may
-    have restarted). ``slot_free`` events are handled here; every other event and the loss
-    itself go on to ``on_event``/``on_lost`` (the Checkpointer's)."""
+    have restarted). ``slot_free`` and ``slot_held`` events are handled here; every other event and
+    the loss itself go on to ``on_event``/``on_lost`` (the Checkpointer's).
+
+    A slot is free (``acquire`` hands it out), in a save (the daemon reads it), or held: the
+    daemon's memory tier keeps it as the newest step's resident copy (no second copy in host
+    memory) and frees it once a newer step commits or the step fails. A held slot is not waited
+    for before the slots are resized."""
 
     def __init__(self, socket_path: str, job: str, rank: int, world_size: int, num_slots: int,
                  on_event: EventHandler, on_lost: LostHandler) -> None:
@@ -29,6 +37,7 @@ class DaemonSession:
         self.conn: DaemonConnection | None = None
         self.slots: list[ClientSlot] = []
         self._free: set[int] = set()
+        self._held: set[int] = set()
         self._cond = threading.Condition()
         self._on_event = on_event
         self._on_lost = on_lost
@@ -96,6 +105,7 @@ class DaemonSession:
         self.slots = [ClientSlot(i, fd, size) for i, (fd, size) in enumerate(lent)]
         with self._cond:
             self._free = set(range(len(self.slots)))
+            self._held = set()
 
     def drop(self) -> None:
         """Close the connection and unmap its slots (a save in flight keeps the daemon's copy)."""
@@ -107,22 +117,44 @@ class DaemonSession:
         self.slots = []
         with self._cond:
             self._free = set()
+            self._held = set()
 
     def _wait_all_free(self) -> None:
+        """Until no save reads a slot (held ones stay with the daemon's memory tier)."""
         with self._cond:
-            while len(self._free) < len(self.slots) and self.live() is not None:
+            while len(self._free | self._held) < len(self.slots) and self.live() is not None:
                 self._cond.wait(0.1)
 
     def acquire(self, block: bool = True) -> int | None:
-        """A free slot's index; None if every slot is busy and ``block`` is False."""
-        with self._cond:
-            while not self._free:
-                if self.live() is None:
+        """A free slot's index; None if every slot is busy and ``block`` is False.
+
+        When the memory tier keeps every slot (held steps whose commit this rank's daemon has
+        not seen yet, or failed steps it was never told of), the daemon is asked to give the
+        oldest back: the trainer's progress comes before a copy in memory (storage has it)."""
+        asked = -RECLAIM_EVERY_S
+        while True:
+            with self._cond:
+                if self._free:
+                    return self._free.pop()
+                conn = self.live()
+                if conn is None:
                     raise NotDelivered(f"connection to ckptd at {self.socket_path} lost")
+                stuck = bool(self.slots) and len(self._held) >= len(self.slots)
+                if not block and not stuck:
+                    return None
+            if stuck and time.monotonic() - asked >= RECLAIM_EVERY_S:
+                asked = time.monotonic()
+                conn.notify(protocol.Reclaim())
                 if not block:
                     return None
-                self._cond.wait(0.1)
-            return self._free.pop()
+            with self._cond:
+                if not self._free:
+                    self._cond.wait(0.1)
+
+    def held(self) -> int:
+        """How many slots the daemon's memory tier keeps now."""
+        with self._cond:
+            return len(self._held)
 
     def release(self, slot: int) -> None:
         """Give back a slot the daemon never received (a save abandoned before its hand-off)."""
@@ -134,7 +166,13 @@ class DaemonSession:
     def _event(self, op: EventOp, msg: dict[str, Any]) -> None:
         if op is EventOp.SLOT_FREE:
             with self._cond:
+                self._held.discard(msg["slot"])
                 self._free.add(msg["slot"])
+                self._cond.notify_all()
+            return
+        if op is EventOp.SLOT_HELD:
+            with self._cond:
+                self._held.add(msg["slot"])
                 self._cond.notify_all()
             return
         self._on_event(op, msg)

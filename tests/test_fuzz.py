@@ -362,7 +362,7 @@ def test_wrong_field_types(fd_daemon, op, data):
         "abort": {"step": 1, "reason": "r"}, "report": {"step": 1, "stall_s": 0.1, "fence_s": 0.0},
         "info": {}, "status": {}, "stage": {"job": "j", "step": None},
         "flush": {"job": "j", "step": None, "timeout": 1.0},
-        "memory_fetch": {"job": "j", "rank": 0, "world_size": 1}}
+        "memory_fetch": {"job": "j", "rank": 0, "world_size": 1}, "reclaim": {}}
     good = goods[op]
     msg = {**good, "op": op, "req": 1}
     fields = sorted(protocol.REQUEST_FIELDS[op]) + ["req"]

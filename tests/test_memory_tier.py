@@ -82,18 +82,25 @@ def _memfd_of(pid: int, name: str) -> Path:
     raise AssertionError(f"no memfd {name} in daemon {pid}")
 
 
-def test_corrupt_memory_is_detected_and_storage_used(daemon):
+@pytest.mark.parametrize("num_slots", [2, 1])
+def test_corrupt_memory_is_detected_and_storage_used(daemon, num_slots):
     """Acceptance 3 (in memory): a byte flipped in the daemon's held copy fails its checksum; the
-    restore reads storage instead and is exact, and says so."""
-    ck = ckptd_client.Checkpointer("flip", socket=str(daemon.socket))
+    restore reads storage instead and is exact, and says so. The held copy is the slot the step
+    was saved from (2 slots) or the daemon's own copy (1 slot: the trainer cannot spare it)."""
+    job = f"flip{num_slots}"
+    ck = ckptd_client.Checkpointer(job, socket=str(daemon.socket), num_slots=num_slots)
     state = state_of(1)
     ck.save(4, state).wait(60)
-    held = _memfd_of(daemon.proc.pid, "ckptd-mem-flip-4-r0")
-    with open(held, "r+b") as f:          # the daemon's own memfd, through /proc
-        f.seek(12345)
-        byte = f.read(1)
-        f.seek(12345)
-        f.write(bytes([byte[0] ^ 0x10]))
+    if num_slots == 1:
+        held = [_memfd_of(daemon.proc.pid, f"ckptd-mem-{job}-4-r0")]
+    else:       # the kept slot (the other one is free: flipping it changes nothing the restore reads)
+        held = [_memfd_of(daemon.proc.pid, f"ckptd-{job}-r0-s{i}") for i in range(2)]
+    for path in held:
+        with open(path, "r+b") as f:          # the daemon's own memfd, through /proc
+            f.seek(12345)
+            byte = f.read(1)
+            f.seek(12345)
+            f.write(bytes([byte[0] ^ 0x10]))
     target = zeros_like(state)
     assert ck.restore(target) == 4
     assert ck.last_restore.source == "storage" and "checksum" in ck.last_restore.fallback

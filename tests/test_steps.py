@@ -47,7 +47,7 @@ from ckptd.daemon.steps.coordinator import (
     StepState,
 )
 from ckptd.daemon.steps.machine import Shard, Step
-from ckptd.daemon.tiers.base import ShardRef, ShardWritten
+from ckptd.daemon.tiers.base import ShardRef, ShardWritten, SlotLoan
 from ckptd.daemon.tiers.fs.commit import PublishGate
 from ckptd.daemon.tiers.fs.tier import FsTier
 
@@ -127,10 +127,12 @@ class GatedTier(FsTier):
         await super().abort(job, step, ranks)
 
     async def write_shard(self, ref: ShardRef, data: memoryview, layout: Sequence[TensorLayout], tree: Any, *,
-                          released: Callable[[], None], abandoned: Callable[[], bool]) -> ShardWritten:
+                          released: Callable[[], None], abandoned: Callable[[], bool],
+                          loan: SlotLoan | None = None) -> ShardWritten:
         if (gate := self.before.get((ref.step, ref.rank))) is not None:
             await gate.wait()
-        result = await super().write_shard(ref, data, layout, tree, released=released, abandoned=abandoned)
+        result = await super().write_shard(ref, data, layout, tree, released=released, abandoned=abandoned,
+                                           loan=loan)
         self.written.append((ref.step, ref.rank))
         if (gate := self.after.get((ref.step, ref.rank))) is not None:
             await gate.wait()

@@ -41,11 +41,13 @@ class Op(str, Enum):
     STAGE = "stage"            # object-storage tier: fetch a step from the bucket into the local root
     FLUSH = "flush"            # object-storage tier: get a committed step into the bucket now
     MEMORY_FETCH = "memory_fetch"
+    RECLAIM = "reclaim"        # every slot of this session is kept by the memory tier: give one back
 
 
 class EventOp(str, Enum):
     """Daemon → client events about a save; they carry the step and come whenever they happen."""
     SLOT_FREE = "slot_free"
+    SLOT_HELD = "slot_held"
     DURABLE = "durable"
     COMMITTED = "committed"
     FAILED = "failed"
@@ -152,7 +154,12 @@ class MemoryFetch:      # no hello; reply: the held shard's layout (core.held.He
     op: ClassVar[Op] = Op.MEMORY_FETCH
 
 
-Request = Hello | Resize | Save | Commit | Abort | Report | Info | Status | Stage | Flush | MemoryFetch
+@dataclass(frozen=True)
+class Reclaim:          # reply: freed (a slot_free event follows when true)
+    op: ClassVar[Op] = Op.RECLAIM
+
+
+Request = Hello | Resize | Save | Commit | Abort | Report | Info | Status | Stage | Flush | MemoryFetch | Reclaim
 REQUEST_TYPES: dict[str, type] = {t.op.value: t for t in get_args(Request)}
 # Field → JSON type of each request's required fields (also what the fuzz tests draw from).
 _WIRE_TYPES: dict[str, Any] = {"str": str, "int": int, "float": (int, float), "Any": _JSON,

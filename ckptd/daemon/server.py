@@ -1,7 +1,7 @@
 """The daemon: its lifecycle, and the op table that routes each request to one handler.
 
 Everything with state lives in a room below: sessions (session.py), slot memory
-(slot_pool.py), steps and the commit rule (steps.py), storage (fs_tier.py). This module
+(slot_pool.py), steps and the commit rule (steps/), storage (tiers/). This module
 binds the socket, accepts connections, runs the periodic loops, wires the rooms together,
 and on stop drains, closes and awaits everything it started before it returns.
 """
@@ -13,7 +13,6 @@ import math
 import os
 import signal
 import socket
-import stat
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -28,6 +27,7 @@ from ckptd.daemon.service import systemd
 from ckptd.daemon.service.metrics import DaemonMetrics
 from ckptd.daemon.service.root_check import check_root
 from ckptd.daemon.service.snapshot import DaemonSnapshot
+from ckptd.daemon.service.unix_socket import bind_socket
 from ckptd.daemon.session import Session, peer_allowed, peer_of, refuse
 from ckptd.daemon.settings.config import DaemonConfig
 from ckptd.daemon.slot_pool import SlotPool
@@ -98,38 +98,6 @@ class Daemon:
 
     # ---- lifecycle -------------------------------------------------------
 
-    def bind(self) -> socket.socket:
-        """Bind the listening socket with a restrictive mode (replacing a stale socket file)."""
-        path = self.config.socket_path
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        if os.path.exists(path):
-            if not stat.S_ISSOCK(os.lstat(path).st_mode):
-                raise RuntimeError(f"{path} exists and is not a socket; refusing to replace it")
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                probe.connect(path)
-                raise RuntimeError(f"another daemon is already serving {path}")
-            except (ConnectionRefusedError, FileNotFoundError):
-                os.unlink(path)
-            finally:
-                probe.close()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o777 & ~self.config.socket_mode)
-        try:
-            sock.bind(path)
-        finally:
-            os.umask(old)
-        os.chmod(path, self.config.socket_mode)
-        if self.config.socket_group is not None:
-            try:
-                os.chown(path, -1, self.config.socket_group)
-            except OSError as e:
-                sock.close()
-                os.unlink(path)
-                raise RuntimeError(f"cannot give {path} to group {self.config.socket_group}: {e.strerror}") from None
-        sock.listen(1024)
-        return sock
-
     async def serve(self, listen_sock: socket.socket | None = None) -> None:
         """Serve until stop(); then drain in-flight writes for up to ``drain_grace`` seconds."""
         loop = asyncio.get_running_loop()
@@ -138,7 +106,7 @@ class Daemon:
         if self.config.metrics_address is not None:
             host, port = self.metrics.serve(self.config.metrics_address)
             log.info("metrics", extra={"ctx": {"address": f"{host}:{port}", "path": "/metrics"}})
-        sock = listen_sock or self.bind()
+        sock = listen_sock or bind_socket(self.config.socket_path, self.config.socket_mode, self.config.socket_group)
         await self.memory.start()
         if listen_sock is not None:
             self.socket_path = systemd.socket_path(listen_sock)
@@ -270,6 +238,7 @@ class Requests:
         self.table: dict[type, Callable[[Session, Any], Awaitable[Reply]]] = {
             Hello: self.hello, Resize: self.resize, Save: self.save, Commit: self.commit, Abort: self.abort,
             Report: self.report, Info: self.info, Status: self.status, MemoryFetch: daemon.memory.fetch,
+            protocol.Reclaim: self.reclaim,
             **bucket_ops(daemon.s3),
         }
 
@@ -334,7 +303,7 @@ class Requests:
 
     async def resize(self, session: Session, r: Resize) -> Reply:
         job = self._require_hello(session)
-        if any(s.busy for s in session.slots):
+        if any(s.busy and not s.lent for s in session.slots):
             raise RequestError("cannot resize slots while a save still holds one")
         self.d.slots.release(session.slots)
         session.slots = []
@@ -356,7 +325,8 @@ class Requests:
         layout = protocol.parse_layout(s.tensors, slot.size)
         names.check_tree_depth(s.tree)
         await self.d.steps.save(session, job, s.step, session.rank, session.world_size, CommitMode(s.commit),
-                                slot.view, layout, s.tree, released=lambda: session.slot_free(slot))
+                                slot.view, layout, s.tree, released=lambda: session.slot_free(slot),
+                                loan=session.loan(slot))
         slot.busy = True                 # the write task starts only after this returns
         session.saves += 1
         return {"step": s.step}, []
@@ -380,6 +350,11 @@ class Requests:
         job = self._require_hello(session)
         await self.d.steps.abort(job, a.step, session.rank, a.reason)
         return {"step": a.step}, []
+
+    async def reclaim(self, session: Session, _: protocol.Reclaim) -> Reply:
+        """The trainer has no slot to fill: the memory tier keeps every one (``Session.kept_slots``)."""
+        self._require_hello(session)
+        return {"freed": self.d.memory.reclaim(session.kept_slots())}, []
 
     async def report(self, session: Session, r: Report) -> Reply:
         """A client's account of one save: how long the trainer stalled (metrics and status)."""

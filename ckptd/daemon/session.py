@@ -22,6 +22,7 @@ from ckptd.core.protocol import EventOp
 from ckptd.daemon.runtime import TaskSet, bounded
 from ckptd.daemon.service.snapshot import SessionView
 from ckptd.daemon.slot_pool import Slot
+from ckptd.daemon.tiers.base import SlotLoan
 
 log = logging.getLogger("ckptd")
 
@@ -88,8 +89,9 @@ class Session:
         if self.job is None:
             return None
         return SessionView(self.job, self.rank, self.world_size, self.peer.pid, self.peer.uid, len(self.slots),
-                           sum(s.busy for s in self.slots), self.saves,
-                           dict(self.last_report) if self.last_report is not None else None)
+                           sum(s.busy and not s.lent for s in self.slots), self.saves,
+                           dict(self.last_report) if self.last_report is not None else None,
+                           sum(s.size for s in self.slots), sum(s.lent for s in self.slots))
 
     # ---- sending ---------------------------------------------------------------
 
@@ -113,12 +115,37 @@ class Session:
             self._tasks.spawn(self.send(msg), f"event {msg.get('op')} to rank {self.rank} of {self.job}")
 
     def slot_free(self, slot: Slot) -> None:
-        """A save no longer reads ``slot``: the trainer may fill it again."""
-        slot.busy = False
+        """A save no longer reads ``slot`` (nor the memory tier keeps it): the trainer may fill it again."""
+        slot.busy = slot.lent = False
         if slot not in self.slots:         # resized or session gone while writing
             slot.close()
             return
         self.event(protocol.event(EventOp.SLOT_FREE, slot=slot.index))
+
+    def loan(self, slot: Slot) -> SlotLoan:
+        """``slot`` offered to the memory tier to keep as the held copy of the shard saved in it."""
+        return SlotLoan(slot.fd, slot.mm, can_lend=lambda steps: self.can_lend(slot, steps),
+                        lend=lambda: self.slot_lent(slot), give_back=lambda: self.slot_free(slot))
+
+    def kept_slots(self) -> set[int]:
+        """The memfds of this rank's slots when the memory tier keeps every one (held steps whose
+        commit this daemon has not seen, or failed relayed steps it was never told of), else none:
+        the trainer asks for one back (``reclaim``) when it has nothing to save into."""
+        if self.slots and all(s.lent for s in self.slots):
+            return {s.fd for s in self.slots}
+        return set()
+
+    def can_lend(self, slot: Slot, steps: int) -> bool:
+        """Whether the memory tier may keep ``slot`` while it keeps up to ``steps`` steps of this job:
+        the trainer must always get a slot back once a newer step commits (or the step fails)."""
+        n = len(self.slots)
+        return slot in self.slots and (steps < n or sum(s.lent for s in self.slots) + 1 < n)
+
+    def slot_lent(self, slot: Slot) -> None:
+        """The memory tier keeps ``slot`` as a held step's bytes; ``slot_free`` when it lets go."""
+        slot.lent = True
+        if slot in self.slots:
+            self.event(protocol.event(EventOp.SLOT_HELD, slot=slot.index))
 
     def close(self) -> None:
         """Stop reading and sending; the peer sees the end of the stream at once.

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from ckptd.daemon.runtime import RequestError, describe_error
 
 MAX_SLOTS = 8
-# Python's mmap keeps a duplicate of the descriptor open for the mapping's life: one more fd per
-# slot per session. 3.13+ can do without (the mapping needs no fd); the memfd itself is closed
-# once it was sent. docs/operations.md has the daemon's fd budget.
+# The daemon keeps each slot's memfd (the memory tier may keep the slot as a step's resident copy
+# and pass it to a restoring client). Python's mmap keeps a duplicate of the descriptor open for
+# the mapping's life before 3.13: one more fd per slot. docs/operations.md has the daemon's fd budget.
 NO_FD_COPY: dict[str, bool] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
 
 
@@ -62,12 +62,14 @@ def _close_made(fut: Future[list[tuple[int, mmap.mmap]]]) -> None:
 
 @dataclass(eq=False)
 class Slot:
-    """One slot as the daemon sees it: a read-only view of the trainer's copy."""
+    """One slot as the daemon sees it: a read-only view of the trainer's copy, and its memfd."""
     index: int
     size: int
     view: memoryview
     mm: mmap.mmap
-    busy: bool = False       # a save's shard is still reading it
+    fd: int
+    busy: bool = False       # a save's shard is still reading it, or the memory tier keeps it (``lent``)
+    lent: bool = False       # the memory tier keeps it as a held step's bytes until it lets the step go
 
     def close(self) -> None:
         self.view.release()
@@ -75,6 +77,9 @@ class Slot:
             self.mm.close()
         except BufferError:
             pass  # a slice is still alive in a writer thread; the mapping goes when it is collected
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class SlotPool:
@@ -90,7 +95,8 @@ class SlotPool:
 
     async def allocate(self, owner: str, slot_bytes: int, num_slots: object,
                        abandoned: Callable[[], bool]) -> tuple[list[Slot], list[int]]:
-        """``num_slots`` slots of ``slot_bytes`` (rounded up to pages): (slots, their memfds to send).
+        """``num_slots`` slots of ``slot_bytes`` (rounded up to pages): (slots, copies of their memfds
+        to send; the caller closes those once sent).
 
         The pages are allocated on an I/O thread: GiBs of them must not stall the event loop
         and every other client. ``abandoned`` is asked once they are made: a session that
@@ -121,10 +127,21 @@ class SlotPool:
             self.in_use -= total
             _close(made)
             raise RequestError("connection closed while its slots were allocated")
-        return [Slot(i, size, memoryview(mm), mm) for i, (_, mm) in enumerate(made)], [fd for fd, _ in made]
+        slots = [Slot(i, size, memoryview(mm), mm, fd) for i, (fd, mm) in enumerate(made)]
+        sent: list[int] = []
+        try:
+            for s in slots:
+                sent.append(os.dup(s.fd))
+        except OSError as e:            # out of descriptors
+            for fd in sent:
+                os.close(fd)
+            self.release(slots)
+            raise RequestError(f"cannot pass shared-memory slots: {describe_error(e)}") from None
+        return slots, sent
 
     def release(self, slots: Sequence[Slot]) -> None:
-        """Give the slots' memory back to the budget; a slot a shard still reads closes when it is done."""
+        """Give the slots' memory back to the budget; a slot a shard still reads (or the memory tier
+        keeps) closes when it is done with it (``Session.slot_free``)."""
         for s in slots:
             self.in_use -= s.size
             if not s.busy:

@@ -76,6 +76,13 @@ class _DaemonCollector(Collector):
             last_time.add_metric([job], info.unix)
         yield last_step
         yield last_time
+        host = GaugeMetricFamily("ckptd_host_bytes", "Host memory per job, each byte once: kind=slots (trainers' "
+                                 "slots not kept by the memory tier), held (this node's steps in memory, kept "
+                                 "slots included), replicas (peers' shards held here).", labels=["job", "kind"])
+        for job, kinds in sorted(snap.host_bytes().items()):
+            for kind, n in kinds.items():
+                host.add_metric([job, kind], n)
+        yield host
         yield from _memory_metrics(snap.memory)
         yield InfoMetricFamily("ckptd_build", "ckptd version.", value={"version": snap.version})
 

@@ -37,9 +37,11 @@ class SessionView:
     pid: int
     uid: int
     slots: int
-    busy_slots: int
+    busy_slots: int               # a save reads them
     saves: int
     last_report: Mapping[str, Any] | None
+    slot_bytes: int = 0           # all its slots, the memory tier's kept ones included
+    held_slots: int = 0           # kept by the memory tier as a held step's bytes
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,8 @@ class DaemonSnapshot:
         """The ``status`` reply; ``progress`` (bytes written per shard) and ``latest`` (newest
         committed step per job in storage) come from the tier."""
         sessions = [{"job": s.job, "rank": s.rank, "world_size": s.world_size, "pid": s.pid, "uid": s.uid,
-                     "slots": s.slots, "busy_slots": s.busy_slots, "saves": s.saves,
+                     "slots": s.slots, "busy_slots": s.busy_slots, "held_slots": s.held_slots,
+                     "slot_bytes": s.slot_bytes, "saves": s.saves,
                      "last_report": dict(s.last_report) if s.last_report is not None else None}
                     for s in self.sessions]
         steps = [{"job": p.job, "step": p.step, "world_size": p.world_size, "mode": p.mode,
@@ -118,7 +121,22 @@ class DaemonSnapshot:
                 "steps": steps, "stats": self.counters.as_dict(), "slot_bytes_in_use": self.slot_bytes_in_use,
                 "slot_memory_limit": self.slot_memory_limit, "saves": saves, "last_committed": last,
                 "socket": self.socket, "draining": self.draining, "metrics": self.metrics_address,
-                "memory": self.memory.to_json() if self.memory is not None else None}
+                "memory": self.memory.to_json() if self.memory is not None else None,
+                "host_bytes": self.host_bytes()}
+
+    def host_bytes(self) -> dict[str, dict[str, int]]:
+        """Host memory per job, each byte counted once: ``slots`` (trainers' slots the memory tier
+        does not keep), ``held`` (this node's steps in the memory tier: kept slots and copies),
+        ``replicas`` (peers' shards held here)."""
+        out: dict[str, dict[str, int]] = {}
+
+        def of(job: str) -> dict[str, int]:
+            return out.setdefault(job, {"slots": 0, "held": 0, "replicas": 0})
+        for h in self.memory.held if self.memory is not None else ():
+            of(h.job)["replicas" if h.origin == "replica" else "held"] += h.nbytes
+        for s in self.sessions:
+            of(s.job)["slots"] += s.slot_bytes - (s.slot_bytes // s.slots if s.slots else 0) * s.held_slots
+        return out
 
     def jobs(self) -> list[str]:
         """Every job with a session, a step in flight or a commit here."""

@@ -46,7 +46,7 @@ from ckptd.daemon.steps.machine import (
     handed_off,
     needs_waiter,
 )
-from ckptd.daemon.tiers.base import ShardRef, ShardWritten, StorageTier
+from ckptd.daemon.tiers.base import ShardRef, ShardWritten, SlotLoan, StorageTier
 
 __all__ = ["SHARD_TRANSITIONS", "STEP_TRANSITIONS", "IllegalTransition", "ShardState", "StepCoordinator",
            "StepState"]
@@ -87,15 +87,16 @@ class StepCoordinator(Generic[W]):
 
     async def save(self, waiter: W, job: str, step: int, rank: int, world_size: int, mode: CommitMode,
                    data: memoryview, layout: Sequence[TensorLayout], tree: Any,
-                   released: Callable[[], None]) -> None:
-        """Start writing one rank's shard; ``released`` runs on the event loop once ``data`` is free.
+                   released: Callable[[], None], loan: SlotLoan | None = None) -> None:
+        """Start writing one rank's shard; ``released`` runs on the event loop once ``data`` is free
+        (or the tier keeps its slot through ``loan``: ``SlotLoan``).
         Waits (``removal_wait`` at most, then RequestError) while files of an ended attempt of the
         step are being removed."""
         await self._removed(job, step)
         if await self.tier.is_committed(job, step):      # (no suspension from here to begin)
             raise RequestError(f"step {step} of job {job!r} is already committed")
         st, shard = self.table.begin(waiter, job, step, rank, world_size, mode, sum(t.nbytes for t in layout))
-        self.writes.spawn(self._write(st, shard, data, list(layout), tree, self._threadsafe(released)),
+        self.writes.spawn(self._write(st, shard, data, list(layout), tree, self._threadsafe(released), loan),
                           f"write of {job} step {step} rank {rank}")
 
     def leader_step(self, job: str, step: int, rank: int) -> Step[W]:
@@ -202,14 +203,15 @@ class StepCoordinator(Generic[W]):
     # ---- writes, commits, failures --------------------------------------------------------
 
     async def _write(self, st: Step[W], shard: Shard[W], data: memoryview, layout: list[TensorLayout], tree: Any,
-                     released: Callable[[], None]) -> None:
+                     released: Callable[[], None], loan: SlotLoan | None) -> None:
         rank, totals = shard.rank, self.table.totals
         ctx = {"job": st.job, "step": st.step, "rank": rank}
         log.info("writing", extra={"ctx": {**ctx, "bytes": shard.raw_bytes}})
         try:
             try:
                 result = await self.tier.write_shard(ShardRef(st.job, st.step, rank, st.world_size), data, layout,
-                                                     tree, released=released, abandoned=lambda: not st.open)
+                                                     tree, released=released, abandoned=lambda: not st.open,
+                                                     loan=loan)
             except Exception as e:
                 totals.saves_failed += 1
                 if not st.open:

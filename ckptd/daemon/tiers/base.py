@@ -13,6 +13,11 @@ Call order, per step of a job, on the daemon serving some of its ranks::
                                    rank of the world is durable
       abort(job, step, ranks)                  the step failed: drop these ranks' shards
 
+``write_shard``'s ``data`` lies in a trainer's shared-memory slot. The slot goes back to the trainer
+by ``released`` (the usual way) or, where the caller offers a :class:`SlotLoan`, a tier that keeps
+shards resident (the memory tier) may instead keep the slot itself as the shard's copy: no second
+copy of the step in host memory. See ``SlotLoan`` for that call order.
+
 A shard whose write raises leaves nothing behind (the tier removes its partial bytes).
 ``commit`` must make the step visible atomically and last: a reader never sees a step
 that is not complete. ``abort`` is best effort and never touches a committed step.
@@ -27,6 +32,7 @@ does its blocking I/O on its own threads (or with async I/O), never on the calle
 """
 from __future__ import annotations
 
+import mmap
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -55,16 +61,35 @@ class ShardWritten:
     record: RankRecord | None = None     # what the commit needs of this rank (rank_record.py), if known
 
 
+@dataclass(frozen=True)
+class SlotLoan:
+    """The trainer's slot that a shard's ``data`` lies in, offered for the tier to keep.
+
+    Call order, all on the event loop: ``can_lend(steps)`` (may the trainer spare this slot while
+    the tier keeps up to ``steps`` steps of its job?); then, once the shard is durable, either
+    ``released`` as usual, or ``lend()`` *instead*: the slot is the tier's (``fd`` and ``mm``, read
+    only, stay valid) until the tier calls ``give_back()``, exactly once, when it lets the shard go.
+    The trainer does not write a lent slot; it fills it again only after ``give_back``."""
+    fd: int
+    mm: mmap.mmap
+    can_lend: Callable[[int], bool]
+    lend: Callable[[], None]
+    give_back: Callable[[], None]
+
+
 class StorageTier(ABC):
     """A place checkpoints are written to; see the module docstring for the call order."""
 
     @abstractmethod
     async def write_shard(self, ref: ShardRef, data: memoryview, layout: Sequence[TensorLayout], tree: Any, *,
-                          released: Callable[[], None], abandoned: Callable[[], bool]) -> ShardWritten:
+                          released: Callable[[], None], abandoned: Callable[[], bool],
+                          loan: SlotLoan | None = None) -> ShardWritten:
         """Store one rank's tensors (``layout`` places them in ``data``) and state tree durably.
 
         ``released`` is called exactly once, from any thread, as soon as ``data`` is no longer
-        read (so the trainer may reuse it before the shard is durable), also on failure.
+        read (so the trainer may reuse it before the shard is durable), also on failure — unless
+        the tier kept the slot through ``loan`` (see ``SlotLoan``); a tier that keeps nothing
+        resident ignores ``loan``.
         ``abandoned`` may be polled from any thread; once it is true the tier stops early,
         removes what it wrote of this shard and raises."""
 

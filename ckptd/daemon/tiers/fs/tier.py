@@ -26,7 +26,7 @@ from ckptd.core.schema import TensorLayout
 from ckptd.daemon.runtime import describe_error
 from ckptd.daemon.settings.retention import RetentionPolicy
 from ckptd.daemon.settings.write import WriteSettings
-from ckptd.daemon.tiers.base import ShardRef, ShardWritten, StorageTier
+from ckptd.daemon.tiers.base import ShardRef, ShardWritten, SlotLoan, StorageTier
 from ckptd.daemon.tiers.fs import retention
 from ckptd.daemon.tiers.fs.commit import CommitWithdrawn, PublishGate, write_index
 from ckptd.daemon.tiers.fs.writer import write_shard
@@ -70,7 +70,9 @@ class FsTier(StorageTier):
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     async def write_shard(self, ref: ShardRef, data: memoryview, layout: Sequence[TensorLayout], tree: Any, *,
-                          released: Callable[[], None], abandoned: Callable[[], bool]) -> ShardWritten:
+                          released: Callable[[], None], abandoned: Callable[[], bool],
+                          loan: SlotLoan | None = None) -> ShardWritten:
+        # ``loan`` is for tiers that keep shards resident: files are read from the slot, which is released.
         result = await self._on(self._write_pool, write_shard, self.step_path(ref.job, ref.step), ref.job, ref.step,
                                 ref.rank, ref.world_size, data, list(layout), tree, self.settings, self._codec_pool,
                                 self.window, released, abandoned)

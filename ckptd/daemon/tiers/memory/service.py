@@ -52,7 +52,7 @@ class MemoryView:
             s = steps.setdefault((h.job, h.step), {"job": h.job, "step": h.step, "committed": h.committed,
                                                    "ranks": {}, "bytes": 0})
             s["ranks"][str(h.rank)] = {"origin": h.origin, "bytes": h.nbytes, "pinned": h.pins,
-                                       "copies": copies.get((h.job, h.step, h.rank))}
+                                       "copies": copies.get((h.job, h.step, h.rank)), "in_slot": h.in_slot}
             s["bytes"] += h.nbytes
             s["committed"] = s["committed"] and h.committed
         for s in steps.values():
@@ -132,6 +132,10 @@ class MemoryService:
         log.info("restore from memory", extra={"ctx": {"job": m.job, "step": held.step, "rank": m.rank,
                                                         "bytes": held.meta.nbytes, "source": source}})
         return {**held.meta.to_wire(), "source": source}, [os.dup(held.fd)]
+
+    def reclaim(self, slot_fds: set[int]) -> bool:
+        """A trainer whose slots (``slot_fds``) are all kept as held steps gets the oldest back."""
+        return self.store.give_back_oldest(slot_fds)
 
     def release(self, conn: Hashable) -> None:
         """The connection closed: the shards it read may be evicted again."""

@@ -44,7 +44,9 @@ def new_memfd(name: str, nbytes: int) -> tuple[int, mmap.mmap]:
 
 @dataclass(eq=False)
 class Held:
-    """One shard in memory. ``meta`` is None while its bytes are being copied in."""
+    """One shard in memory. ``meta`` is None while its bytes are being copied in. Its bytes are
+    a memfd of the store's own, or the trainer's slot they were saved from (``give_back`` set:
+    closing it hands the slot back instead of freeing it)."""
     job: str
     step: int
     rank: int
@@ -57,12 +59,22 @@ class Held:
     pins: int = 0
     gone: bool = False            # evicted or dropped: closed once unpinned
     arrived: float = field(default_factory=time.monotonic)
+    give_back: Callable[[], None] | None = None     # a kept slot: back to its trainer on close
+
+    @property
+    def in_slot(self) -> bool:
+        return self.give_back is not None
 
     @property
     def key(self) -> tuple[str, int, int]:
         return self.job, self.step, self.rank
 
     def close(self) -> None:
+        if self.give_back is not None:
+            give_back, self.give_back = self.give_back, None
+            self.fd, self.mm = -1, None       # the slot's, not ours
+            give_back()
+            return
         if self.mm is not None:
             try:
                 self.mm.close()
@@ -83,6 +95,7 @@ class HeldView:
     origin: str
     committed: bool
     pins: int
+    in_slot: bool                 # the trainer's slot it was saved from, not a copy
 
 
 @dataclass
@@ -198,6 +211,19 @@ class MemoryStore:
         if held.pins == 0 and held.gone:
             held.close()
 
+    def give_back_oldest(self, fds: set[int]) -> bool:
+        """Let go of the oldest unpinned shard kept in one of these slots (``fds``): its trainer
+        needs a slot to save into. False when there is none to let go."""
+        mine = [h for h in self.entries.values() if h.in_slot and h.fd in fds and h.pins == 0]
+        if not mine:
+            return False
+        h = min(mine, key=lambda h: (h.step, h.arrived))
+        log.info("memory tier let a step go", extra={"ctx": {"job": h.job, "step": h.step, "rank": h.rank,
+                                                             "reason": "its trainer needs the slot"}})
+        self.totals.evicted += 1
+        self._remove(h)
+        return True
+
     def corrupt(self, held: Held) -> None:
         self.totals.corrupt += 1
         self._remove(held)
@@ -211,7 +237,7 @@ class MemoryStore:
             held.close()          # (one still being copied into is closed by whoever copies: cancel/filled)
 
     def views(self) -> tuple[HeldView, ...]:
-        return tuple(HeldView(h.job, h.step, h.rank, h.nbytes, h.origin, h.committed, h.pins)
+        return tuple(HeldView(h.job, h.step, h.rank, h.nbytes, h.origin, h.committed, h.pins, h.in_slot)
                      for h in sorted(list(self.entries.values()), key=lambda h: h.key) if h.meta is not None)
 
     def close(self) -> None:

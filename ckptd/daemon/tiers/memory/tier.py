@@ -1,12 +1,18 @@
 """The memory tier: a storage tier in front of another that keeps each shard's raw bytes resident.
 
-``write_shard`` copies the slot into a daemon-owned memfd on a thread *while* the inner tier
-(the file system) encodes and writes the same slot; the slot is released to the trainer only
-once both have read it, so a save costs the trainer nothing more (the copy is faster than the
-codec). The copy becomes servable when the inner write is durable (its manifest digest names
-it); ``commit``/``abort`` mark or drop it. Serving (``serve``) hands a committed shard out only
-after checking that its manifest digest is the one the committed index.json records for that
-rank; the client then checks every chunk's checksum as it loads (``ckptd_client.memory_restore``).
+Where the trainer can spare the slot a shard was saved from (``SlotLoan``: it keeps a slot to
+fill while the tier keeps ``memory.steps`` steps), the tier keeps *that slot* as the held copy:
+no second copy of the step in host memory and no copy beside the codec. The slot goes back to
+the trainer when the tier lets the step go (a newer step committed, eviction, a failed step).
+Otherwise (one slot, or more steps kept than the trainer has slots) ``write_shard`` copies the
+slot into a daemon-owned memfd on a thread *while* the inner tier (the file system) encodes and
+writes the same slot, and the slot is released once both have read it.
+
+Either way the held bytes are checksummed per chunk as they become held, and become servable
+when the inner write is durable (its manifest digest names them); ``commit``/``abort`` mark or
+drop them. Serving (``serve``) hands a committed shard out only after checking that its
+manifest digest is the one the committed index.json records for that rank; the client then
+checks every chunk's checksum as it loads (``ckptd_client.memory_restore``).
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ from ckptd.core.reader import StepReader
 from ckptd.core.schema import TensorLayout
 from ckptd.core.step_files import is_committed
 from ckptd.daemon.runtime import RequestError, describe_error
-from ckptd.daemon.tiers.base import ShardRef, ShardWritten, StorageTier
+from ckptd.daemon.tiers.base import ShardRef, ShardWritten, SlotLoan, StorageTier
 from ckptd.daemon.tiers.memory.store import LOCAL, Held, MemoryStore, new_memfd
 
 log = logging.getLogger("ckptd")
@@ -45,6 +51,32 @@ def _both(released: Callable[[], None]) -> Callable[[], None]:
         if last:
             released()
     return one
+
+
+class _HeldBack:
+    """A slot's ``released``, held back until the tier knows whether it keeps the slot: the inner
+    tier's release (any thread) and the tier's decision (the loop) may come in either order."""
+
+    def __init__(self, released: Callable[[], None]) -> None:
+        self._released = released
+        self._lock = threading.Lock()
+        self._read = False
+        self._kept: bool | None = None
+
+    def read(self) -> None:
+        """(Any thread) the inner tier no longer reads the slot."""
+        with self._lock:
+            self._read = True
+            go = self._kept is False
+        if go:
+            self._released()
+
+    def decide(self, kept: bool) -> None:
+        with self._lock:
+            self._kept = kept
+            go = not kept and self._read
+        if go:
+            self._released()
 
 
 def copy_in(held: Held, data: memoryview, layout: Sequence[TensorLayout], chunk_bytes: int
@@ -74,11 +106,14 @@ class MemoryTier(StorageTier):
         self.chunk_bytes, self.pool, self.on_held = chunk_bytes, pool, on_held
 
     async def write_shard(self, ref: ShardRef, data: memoryview, layout: Sequence[TensorLayout], tree: Any, *,
-                          released: Callable[[], None], abandoned: Callable[[], bool]) -> ShardWritten:
+                          released: Callable[[], None], abandoned: Callable[[], bool],
+                          loan: SlotLoan | None = None) -> ShardWritten:
         nbytes = span(layout)
         held = self.store.reserve(ref.job, ref.step, ref.rank, nbytes, LOCAL)
         if held is None:
             return await self.inner.write_shard(ref, data, layout, tree, released=released, abandoned=abandoned)
+        if loan is not None and loan.can_lend(self.store.steps):
+            return await self._write_kept(ref, data, layout, tree, held, loan, released, abandoned)
         loop = asyncio.get_running_loop()
         both = _both(released)
 
@@ -103,12 +138,42 @@ class MemoryTier(StorageTier):
                                                                           "error": describe_error(e)}})
             self.store.cancel(held)
             return result
-        self.store.filled(held, HeldMeta(ref.job, ref.step, ref.rank, ref.world_size, result.digest, nbytes,
+        self._filled(ref, held, result, sums, layout, tree)
+        return result
+
+    async def _write_kept(self, ref: ShardRef, data: memoryview, layout: Sequence[TensorLayout], tree: Any,
+                          held: Held, loan: SlotLoan, released: Callable[[], None],
+                          abandoned: Callable[[], bool]) -> ShardWritten:
+        """The inner tier writes from the slot while a thread checksums it; once durable the slot
+        itself becomes the held copy (``loan.lend``), and goes back when the store lets it go."""
+        back = _HeldBack(released)
+        summing = asyncio.get_running_loop().run_in_executor(
+            self.pool, layout_checksums, data, layout, self.chunk_bytes)
+        try:
+            result = await self.inner.write_shard(ref, data, layout, tree, released=back.read, abandoned=abandoned)
+            sums = await summing
+        except BaseException:
+            await asyncio.gather(summing, return_exceptions=True)
+            self.store.cancel(held)
+            back.decide(False)
+            raise
+        if held.gone:                     # dropped while it was written (its step ended)
+            self.store.cancel(held)
+            back.decide(False)
+            return result
+        held.fd, held.mm, held.give_back = loan.fd, loan.mm, loan.give_back
+        back.decide(True)
+        loan.lend()
+        self._filled(ref, held, result, sums, layout, tree)
+        return result
+
+    def _filled(self, ref: ShardRef, held: Held, result: ShardWritten, sums: tuple[tuple[str, ...], ...],
+                layout: Sequence[TensorLayout], tree: Any) -> None:
+        self.store.filled(held, HeldMeta(ref.job, ref.step, ref.rank, ref.world_size, result.digest, span(layout),
                                          self.chunk_bytes, sums, tuple(layout), tree))
         if held.meta is not None:
             self.store.trim(ref.job, self.committed_now)
             self.on_held(held)
-        return result
 
     def committed_now(self, job: str, step: int) -> bool:
         """Whether the step is committed on disk now (synchronous: the store trims under its lock)."""
