@@ -5,7 +5,6 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -54,11 +53,13 @@ class Checkpointer:
                  store: Any = None, num_slots: int | None = None, commit: CommitMode | str | None = None,
                  commit_timeout: float | None = None, restore_threads: int | None = None,
                  overlap: bool | str | None = None, when_busy: WhenBusy | str | None = None,
-                 memory: bool | None = None, local_world_size: int | None = None, spawn: bool | None = None) -> None:
+                 memory: bool | None = None, local_world_size: int | None = None, spawn: bool | None = None,
+                 prepare: bool | None = None) -> None:
         self.config = c = with_keywords(config, socket=socket, root=root, rank=rank, world_size=world_size,
                                         store=store, num_slots=num_slots, commit=commit, commit_timeout=commit_timeout,
                                         restore_threads=restore_threads, overlap=overlap, when_busy=when_busy,
-                                        memory=memory, local_world_size=local_world_size, spawn=spawn)
+                                        memory=memory, local_world_size=local_world_size, spawn=spawn,
+                                        prepare=prepare)
         self.job = names.validate_job(job)
         self.socket_path = c.socket or protocol.default_socket_path()
         self.root = os.path.abspath(c.root) if c.root else None
@@ -106,11 +107,12 @@ class Checkpointer:
         """The handle of ``step``'s save while it is in flight (not yet committed or failed)."""
         return self._handles.get(step)
 
-    def _ensure_slots(self, nbytes: int) -> DaemonConnection:
+    def _ensure_slots(self, nbytes: int) -> tuple[DaemonConnection, float]:
+        """The connection, slots for ``nbytes``, and the seconds that set-up took (``setup_s``)."""
+        t0 = time.perf_counter()
         conn = self._session.ensure_slots(nbytes)
-        if self.root is None:
-            self.root = self._session.daemon_root
-        return conn
+        self.root = self.root or self._session.daemon_root
+        return conn, time.perf_counter() - t0
 
     # ---- events from the daemon (reader thread) ----------------------------
 
@@ -212,7 +214,7 @@ class Checkpointer:
             self._ensure_relay().track(step, lambda err: self._finish(handle, err))
         for attempt in (1, 2):
             try:
-                conn = self._ensure_slots(plan.nbytes)
+                conn, handle.setup_s = self._ensure_slots(plan.nbytes)
                 handle.slot = self._session.acquire(block=busy is WhenBusy.BLOCK)
                 if handle.slot is None:
                     handle.skipped = True
@@ -246,9 +248,6 @@ class Checkpointer:
         done = self._copies.fence()
         if done is not None:
             self._session.report(done.step, done.stall_s, done.fence_s)
-
-    def _copier(self) -> ThreadPoolExecutor:
-        return self._copies.pool()
 
     def _abandon(self, handle: SaveHandle, error: str | None) -> None:
         """A save that never reached the daemon: give its slot back and resolve its handle."""
@@ -332,8 +331,7 @@ class Checkpointer:
         them named at once) leaves ``state`` untouched. Tensors are then decoded straight into
         ``state``, so only what the read itself finds — a corrupt chunk, a data file gone — or an
         object's own ``load_state_dict`` raising can leave it partly loaded: restore again, e.g.
-        from an older ``step``. Nothing is unpickled.
-        ``ckptd_client.load_tensor`` reads one tensor (or a slice) without a state.
+        from an older ``step``. Nothing is unpickled. (``load_tensor``: one tensor without a state.)
 
         Sources (sources.py), tried in order: the daemon's memory (``memory=True``, the default:
         the raw bytes of a step it — or a peer daemon — still holds, copied from its memfd and
@@ -350,7 +348,8 @@ class Checkpointer:
                         self.resolve_root)
         chain = restore_chain(reader, staging, memory=self.memory, per_rank=per_rank, strict=strict)
         info = self.last_restore = run_chain(chain, step, state)
-        self.plans.warm(state)
+        if (nbytes := self.plans.warm(state)) is not None and self.config.prepare:
+            self._session.prepare_soon(nbytes)     # the first save then costs what the others do
         log.info("ckptd: restored step %d from %s in %.3fs%s%s", step, info.source, info.seconds,
                  f" (memory tier: {info.fallback})" if info.fallback else "", info.lacked())
         return step

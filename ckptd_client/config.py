@@ -30,7 +30,9 @@ class CheckpointerConfig:
     store: Any = None
     """The c10d store for the commit relay and the restore agreement. None: torch.distributed's, if any."""
     num_slots: int = 2
-    """Shared-memory slots lent by the daemon: 2 lets one save be written while the next is copied."""
+    """Shared-memory slots lent by the daemon. With its memory tier on (the default) the daemon keeps
+    the slot of the newest committed step as its resident copy (no second copy in host memory) and
+    the next save goes into another: 2 is the least for that; 1 makes the daemon copy the step."""
     commit: CommitMode | str = AUTO
     """``auto``: relay completion through the store when world_size > 1 and a store exists (ranks
     may span daemons), else ``local`` (the daemon counts ranks itself); ``relay`` needs a store."""
@@ -47,6 +49,9 @@ class CheckpointerConfig:
     """Restore asks the daemon's memory tier first (no storage read); False: storage only."""
     local_world_size: int | None = None
     """Ranks per node (one daemon each), the relay's fan-in group. None: ``$LOCAL_WORLD_SIZE``, else 8."""
+    prepare: bool = True
+    """After ``restore``, connect and allocate the slots for the restored state in the background, so
+    the first save costs what the others do. False: a process that only restores (evaluation)."""
     spawn: bool = False
     """Start a private daemon for this one process (one GPU, a notebook): default settings, writing
     to ``root`` (required), on a socket in a temporary directory; stopped by ``close()`` once the saves

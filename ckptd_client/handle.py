@@ -16,6 +16,7 @@ class SaveHandle:
         self.seq = seq              # the client's save number (store keys follow the step, not this)
         self.stall_s = 0.0          # time save() blocked the trainer (copy + hand-off)
         self.fence_s = 0.0          # time a fence blocked the trainer (overlapped copies)
+        self.setup_s = 0.0          # of stall_s: connecting and allocating slots (a first save, a resize)
         self.started = time.monotonic()
         self.durable_s: float | None = None
         self.committed_s: float | None = None

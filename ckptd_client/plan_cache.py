@@ -178,14 +178,15 @@ class PlanCache:
     def clear(self) -> None:
         self._last = None
 
-    def warm(self, state: dict[str, Any]) -> None:
+    def warm(self, state: dict[str, Any]) -> int | None:
         """Plan ``state`` now (after a restore: ``load_state_dict`` gives an optimizer new state
-        tensors, so the next save would pay the full plan); a state that cannot be saved is left
-        for ``save`` to refuse."""
+        tensors, so the next save would pay the full plan); its bytes in a slot, or None: a state
+        that cannot be saved is left for ``save`` to refuse."""
         try:
-            self.plan(state)
+            return self.plan(state).nbytes
         except (TypeError, ValueError):
             self._last = None
+            return None
 
     def plan(self, state: dict[str, Any], fence_on: Sequence[torch.optim.Optimizer] = ()) -> Plan:
         if not isinstance(state, dict):

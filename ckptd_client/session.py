@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -14,6 +15,7 @@ from .connection import DaemonConnection, EventHandler, LostHandler
 from .errors import CheckpointError, NotDelivered
 from .slots import ClientSlot
 
+log = logging.getLogger("ckptd")
 RECLAIM_EVERY_S = 2.0       # how often a trainer whose slots are all kept asks for one back
 
 
@@ -38,6 +40,7 @@ class DaemonSession:
         self.slots: list[ClientSlot] = []
         self._free: set[int] = set()
         self._held: set[int] = set()
+        self._preparing: threading.Thread | None = None
         self._cond = threading.Condition()
         self._on_event = on_event
         self._on_lost = on_lost
@@ -72,8 +75,38 @@ class DaemonSession:
         if conn is not None:
             conn.notify(protocol.Report(step=step, stall_s=stall_s, fence_s=fence_s))
 
+    def prepare_soon(self, nbytes: int) -> None:
+        """Connect and size the slots for ``nbytes`` on a thread (after a restore, which knows the
+        state): the first save then pays no set-up. ``ensure_slots`` waits for it; a failure here
+        is left for that save to meet (and report)."""
+        self.settle()
+        if self.live() is not None and self.slots and self.slots[0].size >= nbytes:
+            return
+
+        def run() -> None:
+            try:
+                self._ensure(nbytes)
+            except (CheckpointError, OSError) as e:
+                log.debug("ckptd: slots not prepared after restore: %s", e)
+        self._preparing = threading.Thread(target=run, name="ckptd-prepare", daemon=True)
+        self._preparing.start()
+
+    def settle(self) -> float:
+        """Wait for a ``prepare_soon`` still running; the seconds waited."""
+        t = self._preparing
+        if t is None or t is threading.current_thread():    # (the preparation itself reconnecting)
+            return 0.0
+        self._preparing = None
+        t0 = time.monotonic()
+        t.join()
+        return time.monotonic() - t0
+
     def ensure_slots(self, nbytes: int) -> DaemonConnection:
         """A live connection whose slots hold ``nbytes`` each: connect, or grow the slots."""
+        self.settle()
+        return self._ensure(nbytes)
+
+    def _ensure(self, nbytes: int) -> DaemonConnection:
         nbytes = max(nbytes, 1)
         conn = self.live()
         if conn is None:
@@ -109,6 +142,7 @@ class DaemonSession:
 
     def drop(self) -> None:
         """Close the connection and unmap its slots (a save in flight keeps the daemon's copy)."""
+        self.settle()
         if self.conn is not None:
             self.conn.close()
             self.conn = None

@@ -44,7 +44,7 @@ def test_overlapped_save_fenced_by_optimizer_hook(daemon):
     # Hold the copy thread so the background copy is certainly still pending when step() runs;
     # only the optimizer pre-hook's fence can then keep step() from mutating what is copied.
     gate = threading.Event()
-    ck._copier().submit(gate.wait)
+    ck._copies.pool().submit(gate.wait)
     before = snapshot(model, opt)
     handle = ck.save(1, {"model": model, "optim": opt}, overlap=True)
     assert not handle.done()
@@ -108,7 +108,7 @@ def test_overlap_without_optimizer_in_state_copies_at_once(daemon):
     model, opt, step = make_training()
     ck = ckptd_client.Checkpointer("noopt", socket=str(daemon.socket))
     gate = threading.Event()
-    ck._copier().submit(gate.wait)                # a background copy would be stuck behind this
+    ck._copies.pool().submit(gate.wait)                # a background copy would be stuck behind this
     before = {k: v.clone() for k, v in model.state_dict().items()}
     handle = ck.save(1, {"model": model}, overlap=True)
     step()                                        # the optimizer (not in state) mutates at once

@@ -160,7 +160,7 @@ elif scenario == "overlap":
     def gated_save(ck, step_no, **kw):
         """Save with the copy thread held, so the background copy is certainly pending."""
         gate = threading.Event()
-        ck._copier().submit(gate.wait)
+        ck._copies.pool().submit(gate.wait)
         msd, osd = get_state_dict(model, opt)
         h = ck.save(step_no, {"model": msd, "optim": osd}, **kw)
         return h, gate
@@ -535,7 +535,7 @@ def test_dict_style_overlap_plain_model(daemon):
     assert "model/1.running_mean" not in deferred
     assert not flatten_state(_dict_state(model, opt)).deferrable
     gate = threading.Event()
-    ck._copier().submit(gate.wait)
+    ck._copies.pool().submit(gate.wait)
     state = _dict_state(model, opt)
     before = _values(state)
     handle = ck.save(1, state, fence_on=opt)

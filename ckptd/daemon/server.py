@@ -24,6 +24,7 @@ from ckptd.core.protocol import Abort, Commit, CommitMode, Hello, Info, MemoryFe
 from ckptd.core.rank_record import parse_records
 from ckptd.daemon.runtime import RequestError, TaskSet, bounded, describe_error
 from ckptd.daemon.service import systemd
+from ckptd.daemon.service.allocator import release_free_memory
 from ckptd.daemon.service.metrics import DaemonMetrics
 from ckptd.daemon.service.root_check import check_root
 from ckptd.daemon.service.snapshot import DaemonSnapshot
@@ -42,6 +43,7 @@ from ckptd.daemon.tiers.s3.service import BucketService, bucket_ops
 __all__ = ["Daemon", "describe_error"]
 
 log = logging.getLogger("ckptd")
+IDLE_TRIM_S = 0.5        # no shard became durable for this long: free heap pages go back to the kernel
 
 Reply = tuple[dict[str, Any], list[int]]          # reply fields, memfds to pass with it
 
@@ -70,6 +72,7 @@ class Daemon:
         self.notifier = systemd.Notifier()
         self.requests = Requests(self)
         self._stopped: asyncio.Event | None = None
+        self._trim: asyncio.TimerHandle | None = None
 
     @property
     def stats(self) -> dict[str, int]:
@@ -89,6 +92,15 @@ class Daemon:
 
     def _durable(self, result: ShardWritten) -> None:
         self.metrics.shard_durable(result.raw_bytes, result.stored_bytes, result.seconds)
+        if self._trim is not None:
+            self._trim.cancel()
+        self._trim = asyncio.get_running_loop().call_later(IDLE_TRIM_S, self._trim_when_idle)
+
+    def _trim_when_idle(self) -> None:
+        """No shard written for a while: the codec's freed buffers go back to the kernel."""
+        self._trim = None
+        if not self.steps.shard_views():
+            self.io_pool.submit(release_free_memory)
 
     def _committed(self, job: str, step: int, latency_s: float) -> None:
         self.metrics.step_committed(latency_s)
@@ -158,6 +170,8 @@ class Daemon:
                     pass
             self.tier.close()
             self.memory.close()
+            if self._trim is not None:
+                self._trim.cancel()
             self.io_pool.shutdown(wait=False, cancel_futures=True)
 
     def stop(self) -> None:

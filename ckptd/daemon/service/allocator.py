@@ -1,5 +1,17 @@
-"""The process's malloc settings: tuned once at start for the codec's chunk buffers."""
+"""The process's malloc settings: tuned once at start for the codec's chunk buffers, and the
+freed buffers handed back to the kernel once the daemon is idle."""
 from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+
+def _libc_fn(name: str) -> Callable[..., int] | None:
+    try:
+        fn: Callable[..., int] = getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None   # not glibc
+    return fn
 
 
 def tune_allocator() -> None:
@@ -7,13 +19,19 @@ def tune_allocator() -> None:
 
     Encoded chunks are a few MiB each: by default glibc mmaps and unmaps such buffers, so each
     is fresh memory faulted in page by page. Raising the mmap and trim thresholds made encoding
-    25-30 % faster here; the cost is that the daemon keeps freed memory for reuse."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return  # not glibc
+    25-30 % faster here; the cost is that the daemon keeps freed memory for reuse while it
+    writes — ``release_free_memory`` gives it back once the writes are over."""
+    mallopt = _libc_fn("mallopt")
+    if mallopt is None:
+        return
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     mallopt(M_MMAP_THRESHOLD, 64 * 1024 * 1024)
     mallopt(M_TRIM_THRESHOLD, 256 * 1024 * 1024)
+
+
+def release_free_memory() -> None:
+    """(I/O thread) Return the heap's free pages to the kernel (glibc ``malloc_trim``): between
+    saves the chunk buffers kept for speed would otherwise stay charged to the node."""
+    trim = _libc_fn("malloc_trim")
+    if trim is not None:
+        trim(0)
