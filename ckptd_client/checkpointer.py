@@ -31,6 +31,7 @@ from .run_scope import RunScope
 from .session import DaemonSession
 from .slots import ClientSlot
 from .sources import Reader, RestoreInfo, restore_chain, run_chain
+from .streamed import needs_stream, stream_save
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -166,28 +167,28 @@ class Checkpointer:
              fence_on: Optimizer | Sequence[Optimizer] | None = None) -> SaveHandle:
         """Snapshot ``state`` into a shared-memory slot and hand it to the daemon.
 
-        Overlapped (``overlap=True``, the default): when ``state`` holds an optimizer, module
-        parameters and optimizer state are copied in the background while forward/backward run,
-        and ``fence()`` — called automatically by a step pre-hook on those optimizers — waits
-        for the copy before the first mutation; everything else is copied before ``save()``
-        returns. Call ``fence()`` yourself before changing parameters outside that step.
+        Overlapped (``overlap=True``, the default): when ``state`` holds an optimizer, module parameters
+        and optimizer state are copied in the background while forward/backward run, and ``fence()`` —
+        called automatically by a step pre-hook on those optimizers — waits for the copy before the first
+        mutation; the rest is copied before ``save()`` returns. Call ``fence()`` yourself before
+        changing parameters outside that step.
 
-        ``fence_on`` (an optimizer or a list of them): for state given as dicts, e.g.
-        ``get_state_dict(model, optim)``'s output, where no optimizer object is in ``state``.
-        Those optimizers' step pre-hooks fence, and every tensor of ``state`` that shares its
-        storage with one of their parameters or state tensors (a DTensor: its local shard's) is
-        copied in the background like the object path's.
+        ``fence_on`` (an optimizer or a list of them): for state given as dicts, e.g. ``get_state_dict(model,
+        optim)``'s output, where no optimizer object is in ``state``. Those optimizers' step pre-hooks fence,
+        and every tensor of ``state`` that shares its storage with one of their parameters or state tensors
+        (a DTensor: its local shard's) is copied in the background like the object path's.
 
-        ``overlap="manual"``: every tensor is copied in the background, and nothing but the
-        ``fence_on``/state optimizers' steps (and the next save, restore or close) fences. You
-        promise to call ``fence()`` before changing any tensor of ``state`` in place in any
-        other way (buffers such as BatchNorm statistics in forward, a learning-rate tensor, an
-        EMA); a tensor changed unfenced may be saved half old, half new. Reading them (forward,
-        backward) needs no fence. ``overlap=True`` keeps deferring only what a fenced step changes.
+        ``overlap="manual"``: every tensor is copied in the background, and nothing but the ``fence_on``/
+        state optimizers' steps (and the next save, restore or close) fences. You promise to call
+        ``fence()`` before changing any tensor of ``state`` in place in any other way (buffers such as
+        BatchNorm statistics in forward, a learning-rate tensor, an EMA); a tensor changed unfenced may
+        be saved half old, half new. Reading them (forward, backward) needs no fence. ``overlap=True``
+        keeps deferring only what a fenced step changes.
 
-        Blocking copy (``overlap=False``): all of it is copied first. ``when_busy``: with every
-        slot still being written, ``block`` waits for one, ``skip`` returns a handle with
-        ``skipped=True`` at once.
+        Blocking copy (``overlap=False``): all of it is copied first. ``when_busy``: with every slot
+        still being written, ``block`` waits for one, ``skip`` returns a handle with ``skipped=True``.
+        Slots smaller than the state (the daemon's ``slot_memory_limit`` is short) stream the save
+        through them part by part: a blocking copy of every part (``ckptd_client.streamed``).
 
         DTensors are saved as their local shards (see ``ckptd_client.dtensor``). A tensor ckptd
         cannot store (sparse, nested, quantized, meta, a DTensor with Partial placements, an
@@ -215,10 +216,12 @@ class Checkpointer:
         for attempt in (1, 2):
             try:
                 conn, handle.setup_s = self._ensure_slots(plan.nbytes)
+                if needs_stream(self._session, plan):     # the daemon lent smaller slots (its budget)
+                    stream_save(self._session, conn, handle, plan, self.commit_mode.value, busy is WhenBusy.BLOCK)
+                    break
                 handle.slot = self._session.acquire(block=busy is WhenBusy.BLOCK)
                 if handle.slot is None:
                     handle.skipped = True
-                    self._abandon(handle, None)
                     break
                 msg = protocol.Save(step=step, slot=handle.slot, tensors=plan.wire,
                                     tree=flat.tree, commit=self.commit_mode.value)
@@ -238,6 +241,8 @@ class Checkpointer:
             except BaseException as e:
                 self._abandon_failed(handle, e)
                 raise
+        if handle.skipped:
+            self._abandon(handle, None)
         handle.stall_s = time.perf_counter() - t0
         if self._copies.inflight is None and not handle.skipped:
             self._session.report(step, handle.stall_s, handle.fence_s)
@@ -294,50 +299,44 @@ class Checkpointer:
                 strict: bool = True) -> int | None:
         """Load the latest committed step (or ``step``) into ``state`` in place; None if there is none.
 
-        The live ``state`` says what to read, whatever the saved layout was: each tensor is found
-        in the step's tensor map by its key path (as ``save`` names it). A DTensor gets the region
-        its local shard holds, a plain tensor the whole tensor, assembled from whichever saved
-        pieces overlap it; only the manifests of those pieces and the chunks covering the rows
-        touched are read (checksummed, decoded in parallel, straight into the live tensors where
-        the bytes are contiguous). So a step restores at another world size or mesh (N → M
-        ranks, ``Shard(0)`` → ``Shard(1)``, FSDP2 → TP + FSDP2) and into a plain model in one
-        process; at the same world size and layout each rank reads only its own files. Top-level
-        entries of the step that ``state`` lacks are not read (``{"model": m}`` loads just that).
-        ``strict`` (the default): an entry of ``state`` the step lacks — a top-level key, or a
-        tensor inside one (a module's parameter) — is a CheckpointError naming every one; with
-        ``strict=False`` they are left as they are, and ``last_restore.missing`` lists them.
+        The live ``state`` says what to read, whatever the saved layout was: each tensor is found in the step's
+        tensor map by its key path (as ``save`` names it). A DTensor gets the region its local shard holds, a plain
+        tensor the whole tensor, assembled from whichever saved pieces overlap it; only the manifests of those
+        pieces and the chunks covering the rows touched are read (checksummed, decoded in parallel, straight into
+        the live tensors where the bytes are contiguous). So a step restores at another world size or mesh (N → M
+        ranks, ``Shard(0)`` → ``Shard(1)``, FSDP2 → TP + FSDP2) and into a plain model in one process; at the same
+        world size and layout each rank reads only its own files. Top-level entries of the step that ``state`` lacks
+        are not read (``{"model": m}`` loads just that). ``strict`` (the default): an entry of ``state`` the step
+        lacks — a top-level key, or a tensor inside one (a module's parameter) — is a CheckpointError naming every
+        one; with ``strict=False`` they are left as they are, and ``last_restore.missing`` lists them.
 
         Objects: with one DTensor-parametrised model in ``state`` the model is restored with
-        ``set_model_state_dict`` and each top-level optimizer with ``set_optimizer_state_dict``
-        (Adam's state is created first if the optimizer never stepped, as DCP does). A plain
-        model (one module in ``state``) restores a sharded checkpoint's FQN-keyed optimizer state
-        the same way. Dict-style state (``get_state_dict``'s dicts) is loaded in place into the
-        dicts' tensors (a DTensor's local shard); call ``set_state_dict`` afterwards. RNG state
-        (``RNGState``, or any value with ``ckptd_restore_last = True``) is applied after every
-        other entry. Scalars (Adam's ``step``, learning rates) come back exactly.
+        ``set_model_state_dict`` and each top-level optimizer with ``set_optimizer_state_dict`` (Adam's state is
+        created first if the optimizer never stepped, as DCP does). A plain model (one module in ``state``) restores
+        a sharded checkpoint's FQN-keyed optimizer state the same way. Dict-style state (``get_state_dict``'s dicts)
+        is loaded in place into the dicts' tensors (a DTensor's local shard); call ``set_state_dict`` afterwards.
+        RNG state (``RNGState``, or any value with ``ckptd_restore_last = True``) is applied after every other
+        entry. Scalars (Adam's ``step``, learning rates) come back exactly.
 
-        ``per_rank``: entries whose non-tensor content differed between the saved ranks (the
-        step's ``per_rank_keys``: a data loader's position, RNG streams) cannot follow a change
-        of world size by themselves; restoring one that ``state`` holds raises a CheckpointError
-        naming them unless ``per_rank`` says what each gets: one rule for all, or a dict of
-        top-level key → rule. Rules: ``"fresh"`` leaves the live value as it is, ``"rank0"``
-        loads saved rank 0's, ``"same-rank"`` gives rank r saved rank r's (a rank the saved world
-        did not have stays fresh), or a callable ``(rank, saved_world_size, world_size) -> saved
-        rank or None`` (None: fresh). Ignored at the same world size (each rank takes its own).
+        ``per_rank``: entries whose non-tensor content differed between the saved ranks (the step's
+        ``per_rank_keys``: a data loader's position, RNG streams) cannot follow a change of world size by
+        themselves; restoring one that ``state`` holds raises a CheckpointError naming them unless ``per_rank`` says
+        what each gets: one rule for all, or a dict of top-level key → rule. Rules: ``"fresh"`` leaves the live
+        value as it is, ``"rank0"`` loads saved rank 0's, ``"same-rank"`` gives rank r saved rank r's (a rank the
+        saved world did not have stays fresh), or a callable ``(rank, saved_world_size, world_size) -> saved rank or
+        None`` (None: fresh). Ignored at the same world size (each rank takes its own).
 
-        Version-1 steps (no tensor map) restore at the same world size only. Every failure is a
-        CheckpointError naming the tensor (and the rank's file). Names, dtypes and (global) shapes
-        of everything the restore would write are checked before anything is: a mismatch (all of
-        them named at once) leaves ``state`` untouched. Tensors are then decoded straight into
-        ``state``, so only what the read itself finds — a corrupt chunk, a data file gone — or an
-        object's own ``load_state_dict`` raising can leave it partly loaded: restore again, e.g.
-        from an older ``step``. Nothing is unpickled. (``load_tensor``: one tensor without a state.)
+        Version-1 steps (no tensor map) restore at the same world size only. Every failure is a CheckpointError
+        naming the tensor (and the rank's file). Names, dtypes and (global) shapes of everything the restore would
+        write are checked before anything is: a mismatch (all of them named at once) leaves ``state`` untouched.
+        Tensors are then decoded straight into ``state``, so only what the read itself finds — a corrupt chunk, a
+        data file gone — or an object's own ``load_state_dict`` raising can leave it partly loaded: restore again,
+        e.g. from an older ``step``. Nothing is unpickled. (``load_tensor``: one tensor without a state.)
 
-        Sources (sources.py), tried in order: the daemon's memory (``memory=True``, the default:
-        the raw bytes of a step it — or a peer daemon — still holds, copied from its memfd and
-        checksummed; same world size, no DTensor in ``state``), then the files under the root (a
-        daemon with a bucket stages this rank's first), then every rank's files staged from the
-        bucket. ``last_restore`` says which served, and why each before it could not."""
+        Sources (sources.py), tried in order: the daemon's memory (``memory=True``, the default: the raw bytes of a
+        step it — or a peer daemon — still holds, copied from its memfd and checksummed; same world size, no DTensor
+        in ``state``), then the files under the root (a daemon with a bucket stages this rank's first), then every
+        rank's files staged from the bucket. ``last_restore`` says which served, and why each before it could not."""
         self.fence()
         staging = BucketStaging(self.socket_path, self.job, self.rank, self.world_size)
         if step is None:                # the newest committed step, here or in the bucket

@@ -38,6 +38,7 @@ class DaemonSession:
         self.daemon_root: str | None = None      # where the daemon writes, as its hello said
         self.conn: DaemonConnection | None = None
         self.slots: list[ClientSlot] = []
+        self.asked = 0                           # the slot bytes the slots were asked for
         self._free: set[int] = set()
         self._held: set[int] = set()
         self._preparing: threading.Thread | None = None
@@ -80,7 +81,7 @@ class DaemonSession:
         state): the first save then pays no set-up. ``ensure_slots`` waits for it; a failure here
         is left for that save to meet (and report)."""
         self.settle()
-        if self.live() is not None and self.slots and self.slots[0].size >= nbytes:
+        if self.live() is not None and self.slots and self.asked >= nbytes:
             return
 
         def run() -> None:
@@ -112,9 +113,9 @@ class DaemonSession:
         if conn is None:
             self.drop()
             return self._connect(nbytes)
-        if not self.slots or self.slots[0].size < nbytes:
+        if not self.slots or self.asked < nbytes:
             self._wait_all_free()
-            self._install(conn.request(protocol.Resize(slot_bytes=nbytes, num_slots=self.num_slots)))
+            self._install(conn.request(protocol.Resize(slot_bytes=nbytes, num_slots=self.num_slots)), nbytes)
         return conn
 
     def _connect(self, slot_bytes: int) -> DaemonConnection:
@@ -127,11 +128,14 @@ class DaemonSession:
             conn.close()
             raise
         self.daemon_root = reply["root"]
-        self._install(reply)
+        self._install(reply, slot_bytes)
         self.conn = conn
         return conn
 
-    def _install(self, reply: dict[str, Any]) -> None:
+    def _install(self, reply: dict[str, Any], asked: int) -> None:
+        """The slots the daemon lent for ``asked`` bytes each (smaller ones when its budget is short:
+        a save then streams through them, ``ckptd_client/streamed.py``; not asked for again)."""
+        self.asked = asked
         for s in self.slots:
             s.close()
         lent = zip(reply["_fds"], reply["slots"], strict=True)
@@ -149,6 +153,7 @@ class DaemonSession:
         for s in self.slots:
             s.close()
         self.slots = []
+        self.asked = 0
         with self._cond:
             self._free = set()
             self._held = set()

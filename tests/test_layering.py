@@ -35,6 +35,7 @@ RANKS = {
     "ckptd.daemon.tiers.memory.service": 5, # wires memory tier, peers and replication for the server
     "ckptd.daemon.tiers.s3": 4,    # the bucket: client, credentials, uploads, staging, its facade for the server
     "ckptd.daemon.slot_pool": 4,   # slot memory
+    "ckptd.daemon.streamed": 4,    # a save streamed through slots smaller than its shard
     "ckptd.daemon.steps": 5,       # step coordination
     "ckptd.daemon.session": 5,     # one connected trainer rank
     "ckptd.daemon.server": 6,      # lifecycle and op table: wires everything together

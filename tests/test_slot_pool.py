@@ -127,3 +127,20 @@ async def test_cancelled_allocation_returns_budget_and_descriptors(pool: ThreadP
     assert slots.in_use == 0
     pool.shutdown(wait=True)                     # the thread finishes; its memfds are closed then
     assert open_fds() == before
+
+
+async def test_a_budget_short_of_the_request_lends_smaller_slots(pool: ThreadPoolExecutor) -> None:
+    """Smaller slots rather than a refusal: the client streams a larger save through them."""
+    MiB = 1 << 20
+    slots = SlotPool(9 * MiB, pool)
+    made, fds = await slots.allocate("big", 64 * MiB, 2, never)
+    try:
+        assert [s.size for s in made] == [(9 * MiB // 2) // PAGE * PAGE] * 2
+        assert slots.in_use == sum(s.size for s in made) <= 9 * MiB
+        with pytest.raises(RequestError, match="slot memory limit"):   # under 1 MiB a slot left: refused
+            await slots.allocate("more", 64 * MiB, 2, never)
+    finally:
+        slots.release(made)
+        for fd in fds:
+            os.close(fd)
+    assert slots.in_use == 0

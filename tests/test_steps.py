@@ -47,7 +47,7 @@ from ckptd.daemon.steps.coordinator import (
     StepState,
 )
 from ckptd.daemon.steps.machine import Shard, Step
-from ckptd.daemon.tiers.base import ShardRef, ShardWritten, SlotLoan
+from ckptd.daemon.tiers.base import ShardRef, ShardWritten, SlotLoan, StreamedData
 from ckptd.daemon.tiers.fs.commit import PublishGate
 from ckptd.daemon.tiers.fs.tier import FsTier
 
@@ -126,7 +126,8 @@ class GatedTier(FsTier):
             await self.abort_gate.wait()
         await super().abort(job, step, ranks)
 
-    async def write_shard(self, ref: ShardRef, data: memoryview, layout: Sequence[TensorLayout], tree: Any, *,
+    async def write_shard(self, ref: ShardRef, data: memoryview | StreamedData, layout: Sequence[TensorLayout],
+                          tree: Any, *,
                           released: Callable[[], None], abandoned: Callable[[], bool],
                           loan: SlotLoan | None = None) -> ShardWritten:
         if (gate := self.before.get((ref.step, ref.rank))) is not None:

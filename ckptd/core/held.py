@@ -18,8 +18,7 @@ from typing import Any
 from .codec import checksum, chunk_ranges
 from .errors import ChecksumError, FormatError
 from .names import is_checksum, is_digest, is_rank, validate_job
-from .protocol import parse_layout
-from .schema import TensorLayout
+from .schema import TensorLayout, parse_layout
 
 MAX_HELD_BYTES = 1 << 40          # one rank's shard; anything larger on the wire is refused
 MIN_CHUNK, MAX_CHUNK = 64 * 1024, 1 << 30

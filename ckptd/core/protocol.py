@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import array
 import json
-import math
 import os
 import socket
 import struct
@@ -18,9 +17,8 @@ from enum import Enum
 from typing import Any, ClassVar, get_args
 
 from . import gc_pause
-from .errors import ErrorCode, FormatError, ProtocolError
-from .names import short, validate_tensor_name
-from .schema import DTYPE_ITEMSIZE, TensorLayout, parse_placement, validate_shape
+from .errors import ErrorCode, ProtocolError
+from .names import short
 
 PROTOCOL_VERSION = 1
 MAGIC = b"CK"
@@ -41,6 +39,7 @@ class Op(str, Enum):
     STAGE = "stage"            # object-storage tier: fetch a step from the bucket into the local root
     FLUSH = "flush"            # object-storage tier: get a committed step into the bucket now
     MEMORY_FETCH = "memory_fetch"
+    SAVE_PART = "save_part"    # the next part of a save streamed through slots smaller than its shard
     RECLAIM = "reclaim"        # every slot of this session is kept by the memory tier: give one back
 
 
@@ -90,10 +89,19 @@ class Resize:
 class Save:
     step: int
     slot: int
-    tensors: list[Any]          # [[name, dtype, shape, offset, nbytes], ...]: see parse_layout
+    tensors: list[Any]          # [[name, dtype, shape, offset, nbytes], ...]: see schema.parse_layout
     tree: Any                   # the state tree (core.tree)
     commit: str
+    stream: Any = None          # [total bytes, part bytes]: the shard comes in parts (save_part), this slot part 0
     op: ClassVar[Op] = Op.SAVE
+
+
+@dataclass(frozen=True)
+class SavePart:
+    step: int
+    slot: int
+    part: int                   # 1, 2, ...: the shard's bytes [part × part bytes, …) in this slot
+    op: ClassVar[Op] = Op.SAVE_PART
 
 
 @dataclass(frozen=True)
@@ -159,7 +167,8 @@ class Reclaim:          # reply: freed (a slot_free event follows when true)
     op: ClassVar[Op] = Op.RECLAIM
 
 
-Request = Hello | Resize | Save | Commit | Abort | Report | Info | Status | Stage | Flush | MemoryFetch | Reclaim
+Request = (Hello | Resize | Save | SavePart | Commit | Abort | Report | Info | Status | Stage | Flush | MemoryFetch
+           | Reclaim)
 REQUEST_TYPES: dict[str, type] = {t.op.value: t for t in get_args(Request)}
 # Field → JSON type of each request's required fields (also what the fuzz tests draw from).
 _WIRE_TYPES: dict[str, Any] = {"str": str, "int": int, "float": (int, float), "Any": _JSON,
@@ -196,33 +205,6 @@ def parse_request(msg: dict[str, Any]) -> tuple[int, Request]:
             raise ProtocolError(f"{op}: field {f.name!r} missing or not {f.type}")
         values[f.name] = value
     return req, typ(**values)
-
-
-def parse_layout(tensors: list[Any], slot_size: int) -> list[TensorLayout]:
-    """A save's tensor layout, checked against its slot: names, dtypes, shapes, bounds (ValueError).
-    An optional sixth element places the tensor as a piece of a sharded global tensor."""
-    out, names = [], set()
-    for t in tensors:
-        if not (isinstance(t, list) and len(t) in (5, 6)):
-            raise ValueError("each tensor must be [name, dtype, shape, offset, nbytes] (+ optional placement)")
-        name, dtype, shape, offset, nbytes = t[:5]
-        validate_tensor_name(name)
-        if name in names:
-            raise ValueError(f"duplicate tensor name {name!r}")
-        names.add(name)
-        try:
-            validate_shape(dtype, shape)
-        except FormatError as e:
-            raise ValueError(f"tensor {name!r}: {e}") from None
-        if type(offset) is not int or type(nbytes) is not int or offset < 0 \
-                or nbytes != math.prod(shape) * DTYPE_ITEMSIZE[dtype] or offset + nbytes > slot_size:
-            raise ValueError(f"tensor {name!r}: offset/size outside the slot or inconsistent with its shape")
-        try:
-            placement = parse_placement(t[5], shape, f"tensor {name!r}") if len(t) == 6 else None
-        except FormatError as e:
-            raise ValueError(str(e)) from None
-        out.append(TensorLayout(name, dtype, tuple(shape), offset, nbytes, placement))
-    return out
 
 
 # ---- events (daemon → client) ----------------------------------------------------

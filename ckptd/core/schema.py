@@ -180,6 +180,34 @@ def validate_shape(dtype: Any, shape: Any) -> None:
              f"bad shape {shape!r}")
 
 
+
+def parse_layout(tensors: list[Any], slot_size: int) -> list[TensorLayout]:
+    """A save's tensor layout, checked against its slot: names, dtypes, shapes, bounds (ValueError).
+    An optional sixth element places the tensor as a piece of a sharded global tensor."""
+    out, names = [], set()
+    for t in tensors:
+        if not (isinstance(t, list) and len(t) in (5, 6)):
+            raise ValueError("each tensor must be [name, dtype, shape, offset, nbytes] (+ optional placement)")
+        name, dtype, shape, offset, nbytes = t[:5]
+        validate_tensor_name(name)
+        if name in names:
+            raise ValueError(f"duplicate tensor name {name!r}")
+        names.add(name)
+        try:
+            validate_shape(dtype, shape)
+        except FormatError as e:
+            raise ValueError(f"tensor {name!r}: {e}") from None
+        if type(offset) is not int or type(nbytes) is not int or offset < 0 \
+                or nbytes != math.prod(shape) * DTYPE_ITEMSIZE[dtype] or offset + nbytes > slot_size:
+            raise ValueError(f"tensor {name!r}: offset/size outside the slot or inconsistent with its shape")
+        try:
+            placement = parse_placement(t[5], shape, f"tensor {name!r}") if len(t) == 6 else None
+        except FormatError as e:
+            raise ValueError(str(e)) from None
+        out.append(TensorLayout(name, dtype, tuple(shape), offset, nbytes, placement))
+    return out
+
+
 def load_json(data: bytes, what: str) -> Any:
     """A JSON document read from disk or the wire; FormatError naming ``what`` when it is not one."""
     try:

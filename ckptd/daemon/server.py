@@ -22,6 +22,7 @@ from ckptd.core import names, protocol
 from ckptd.core.errors import ErrorCode, FormatError
 from ckptd.core.protocol import Abort, Commit, CommitMode, Hello, Info, MemoryFetch, Report, Resize, Save, Status
 from ckptd.core.rank_record import parse_records
+from ckptd.core.schema import parse_layout
 from ckptd.daemon.runtime import RequestError, TaskSet, bounded, describe_error
 from ckptd.daemon.service import systemd
 from ckptd.daemon.service.allocator import release_free_memory
@@ -33,6 +34,7 @@ from ckptd.daemon.session import Session, peer_allowed, peer_of, refuse
 from ckptd.daemon.settings.config import DaemonConfig
 from ckptd.daemon.slot_pool import SlotPool
 from ckptd.daemon.steps.coordinator import StepCoordinator
+from ckptd.daemon.streamed import StreamedShard, check_stream
 from ckptd.daemon.tiers.base import ShardRef, ShardWritten
 from ckptd.daemon.tiers.fs.commit import CommitError
 from ckptd.daemon.tiers.fs.scheduler import Retention
@@ -252,7 +254,7 @@ class Requests:
         self.table: dict[type, Callable[[Session, Any], Awaitable[Reply]]] = {
             Hello: self.hello, Resize: self.resize, Save: self.save, Commit: self.commit, Abort: self.abort,
             Report: self.report, Info: self.info, Status: self.status, MemoryFetch: daemon.memory.fetch,
-            protocol.Reclaim: self.reclaim,
+            protocol.Reclaim: self.reclaim, protocol.SavePart: self.save_part,
             **bucket_ops(daemon.s3),
         }
 
@@ -331,19 +333,27 @@ class Requests:
             raise RequestError("daemon is shutting down; no new saves")
         if s.commit not in protocol.COMMIT_MODES:
             raise RequestError(f"commit mode must be one of {protocol.COMMIT_MODES}")
-        if not 0 <= s.slot < len(session.slots):
-            raise RequestError(f"no slot {s.slot}")
-        slot = session.slots[s.slot]
-        if slot.busy:
-            raise RequestError(f"slot {s.slot} is still being written")
-        layout = protocol.parse_layout(s.tensors, slot.size)
+        slot = session.idle_slot(s.slot)
+        stream = None if s.stream is None else StreamedShard(   # the shard comes in parts (save_part)
+            *check_stream(s.stream, slot.size), slot, session.slot_free, asyncio.get_running_loop(),
+            self.d.config.step_timeout)
+        layout = parse_layout(s.tensors, slot.size if stream is None else stream.total)
         names.check_tree_depth(s.tree)
+        data, released, loan = session.source(s.step, slot, stream)
         await self.d.steps.save(session, job, s.step, session.rank, session.world_size, CommitMode(s.commit),
-                                slot.view, layout, s.tree, released=lambda: session.slot_free(slot),
-                                loan=session.loan(slot))
-        slot.busy = True                 # the write task starts only after this returns
-        session.saves += 1
+                                data, layout, s.tree, released=released, loan=loan)
+        session.started(s.step, slot, stream)   # the write task starts only after this returns
         return {"step": s.step}, []
+
+    async def save_part(self, session: Session, p: protocol.SavePart) -> Reply:
+        self._require_hello(session)
+        stream = session.streams.get(p.step)
+        if stream is None:
+            raise RequestError(f"no streamed save of step {p.step} is in progress on this connection")
+        slot = session.idle_slot(p.slot)
+        stream.feed(p.part, slot)
+        slot.busy = True
+        return {"step": p.step}, []
 
     async def commit(self, session: Session, c: Commit) -> Reply:
         job = self._require_hello(session)

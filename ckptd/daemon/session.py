@@ -19,9 +19,10 @@ from typing import Any
 from ckptd.core import protocol
 from ckptd.core.errors import ProtocolError
 from ckptd.core.protocol import EventOp
-from ckptd.daemon.runtime import TaskSet, bounded
+from ckptd.daemon.runtime import RequestError, TaskSet, bounded
 from ckptd.daemon.service.snapshot import SessionView
 from ckptd.daemon.slot_pool import Slot
+from ckptd.daemon.streamed import StreamedShard
 from ckptd.daemon.tiers.base import SlotLoan
 
 log = logging.getLogger("ckptd")
@@ -74,6 +75,7 @@ class Session:
         self.rank = -1
         self.world_size = 0
         self.slots: list[Slot] = []
+        self.streams: dict[int, StreamedShard] = {}     # step → a save streamed through the slots
         self.saves = 0
         self.last_report: dict[str, Any] | None = None     # the client's latest {step, stall_s, fence_s}
         self.closed = False
@@ -122,6 +124,34 @@ class Session:
             return
         self.event(protocol.event(EventOp.SLOT_FREE, slot=slot.index))
 
+    def idle_slot(self, index: int) -> Slot:
+        """Slot ``index`` of this rank, which no save reads now (RequestError otherwise)."""
+        if not 0 <= index < len(self.slots):
+            raise RequestError(f"no slot {index}")
+        if self.slots[index].busy:
+            raise RequestError(f"slot {index} is still being written")
+        return self.slots[index]
+
+    def source(self, step: int, slot: Slot, stream: StreamedShard | None
+               ) -> tuple[memoryview | StreamedShard, Callable[[], None], SlotLoan | None]:
+        """What a save writes from (the slot, or the parts streamed through the slots), what gives
+        its slots back once the write reads no more, and the slot's loan to the memory tier."""
+        if stream is None:
+            return slot.view, lambda: self.slot_free(slot), self.loan(slot)
+
+        def end() -> None:
+            stream.finish()
+            if self.streams.get(step) is stream:
+                del self.streams[step]
+        return stream, end, None
+
+    def started(self, step: int, slot: Slot, stream: StreamedShard | None) -> None:
+        """A save from ``slot`` was accepted (and, streamed, waits for its next parts here)."""
+        slot.busy = True
+        if stream is not None:
+            self.streams[step] = stream
+        self.saves += 1
+
     def loan(self, slot: Slot) -> SlotLoan:
         """``slot`` offered to the memory tier to keep as the held copy of the shard saved in it."""
         return SlotLoan(slot.fd, slot.mm, can_lend=lambda steps: self.can_lend(slot, steps),
@@ -155,6 +185,8 @@ class Session:
         if self.closed:
             return
         self.closed = True
+        for stream in self.streams.values():     # its parts will never come
+            stream.cancel()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)   # wakes a pending read with the end of the stream
         except OSError:

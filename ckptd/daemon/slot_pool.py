@@ -7,6 +7,7 @@ kernel frees them when both are gone — a crashed trainer or daemon leaks no sh
 from __future__ import annotations
 
 import asyncio
+import logging
 import mmap
 import os
 import sys
@@ -16,7 +17,9 @@ from dataclasses import dataclass
 
 from ckptd.daemon.runtime import RequestError, describe_error
 
+log = logging.getLogger("ckptd")
 MAX_SLOTS = 8
+MIN_SLOT_BYTES = 1 << 20     # less than this per slot left in the budget: refused
 # The daemon keeps each slot's memfd (the memory tier may keep the slot as a step's resident copy
 # and pass it to a restoring client). Python's mmap keeps a duplicate of the descriptor open for
 # the mapping's life before 3.13: one more fd per slot. docs/operations.md has the daemon's fd budget.
@@ -95,8 +98,8 @@ class SlotPool:
 
     async def allocate(self, owner: str, slot_bytes: int, num_slots: object,
                        abandoned: Callable[[], bool]) -> tuple[list[Slot], list[int]]:
-        """``num_slots`` slots of ``slot_bytes`` (rounded up to pages): (slots, copies of their memfds
-        to send; the caller closes those once sent).
+        """``num_slots`` slots of ``slot_bytes`` (rounded up to pages), or smaller ones where the budget
+        has less left: (slots, copies of their memfds to send; the caller closes those once sent).
 
         The pages are allocated on an I/O thread: GiBs of them must not stall the event loop
         and every other client. ``abandoned`` is asked once they are made: a session that
@@ -107,11 +110,18 @@ class SlotPool:
             raise RequestError(f"bad slot request: {num_slots} slots of {slot_bytes} bytes (1-{MAX_SLOTS} slots)")
         page = mmap.PAGESIZE
         size = -(-slot_bytes // page) * page
+        if self.in_use + size * num_slots > self.limit:
+            # Smaller slots then: the client streams a save through them (streamed.py).
+            fit = (self.limit - self.in_use) // num_slots // page * page
+            if fit < MIN_SLOT_BYTES:
+                raise RequestError(
+                    f"slot memory limit: {num_slots} x {size} bytes requested, {self.in_use} of "
+                    f"{self.limit} bytes already in use, less than {num_slots} x {MIN_SLOT_BYTES} left "
+                    "(raise slot_memory_limit)")
+            log.info("slots smaller than asked: saves stream through them",
+                     extra={"ctx": {"owner": owner, "asked": size, "granted": fit, "slots": num_slots}})
+            size = fit
         total = size * num_slots
-        if self.in_use + total > self.limit:
-            raise RequestError(
-                f"slot memory limit: {num_slots} x {size} bytes requested, {self.in_use} of "
-                f"{self.limit} bytes already in use (raise slot_memory_limit)")
         made_later = self._executor.submit(allocate_slots, owner, size, num_slots)
         self.in_use += total
         try:

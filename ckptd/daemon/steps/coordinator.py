@@ -46,7 +46,7 @@ from ckptd.daemon.steps.machine import (
     handed_off,
     needs_waiter,
 )
-from ckptd.daemon.tiers.base import ShardRef, ShardWritten, SlotLoan, StorageTier
+from ckptd.daemon.tiers.base import ShardRef, ShardWritten, SlotLoan, StorageTier, StreamedData
 
 __all__ = ["SHARD_TRANSITIONS", "STEP_TRANSITIONS", "IllegalTransition", "ShardState", "StepCoordinator",
            "StepState"]
@@ -86,7 +86,7 @@ class StepCoordinator(Generic[W]):
     # ---- requests ------------------------------------------------------------------------
 
     async def save(self, waiter: W, job: str, step: int, rank: int, world_size: int, mode: CommitMode,
-                   data: memoryview, layout: Sequence[TensorLayout], tree: Any,
+                   data: memoryview | StreamedData, layout: Sequence[TensorLayout], tree: Any,
                    released: Callable[[], None], loan: SlotLoan | None = None) -> None:
         """Start writing one rank's shard; ``released`` runs on the event loop once ``data`` is free
         (or the tier keeps its slot through ``loan``: ``SlotLoan``).
@@ -202,7 +202,8 @@ class StepCoordinator(Generic[W]):
 
     # ---- writes, commits, failures --------------------------------------------------------
 
-    async def _write(self, st: Step[W], shard: Shard[W], data: memoryview, layout: list[TensorLayout], tree: Any,
+    async def _write(self, st: Step[W], shard: Shard[W], data: memoryview | StreamedData, layout: list[TensorLayout],
+                     tree: Any,
                      released: Callable[[], None], loan: SlotLoan | None) -> None:
         rank, totals = shard.rank, self.table.totals
         ctx = {"job": st.job, "step": st.step, "rank": rank}

@@ -77,12 +77,23 @@ class SlotLoan:
     give_back: Callable[[], None]
 
 
+class StreamedData(ABC):
+    """A shard larger than its trainer's slots: it arrives in parts, through slots reused as the
+    writer reads on (``ckptd/daemon/streamed.py``). Stands in for ``data``; a tier reads it in
+    increasing order, once, and keeps none of it resident."""
+
+    @abstractmethod
+    def read(self, t: TensorLayout, start: int, length: int, stop: Callable[[], bool]) -> memoryview:
+        """(A writer thread) bytes ``start`` … ``start + length`` of tensor ``t``, waiting for their
+        part; raises once ``stop()`` is true or no part came in time."""
+
+
 class StorageTier(ABC):
     """A place checkpoints are written to; see the module docstring for the call order."""
 
     @abstractmethod
-    async def write_shard(self, ref: ShardRef, data: memoryview, layout: Sequence[TensorLayout], tree: Any, *,
-                          released: Callable[[], None], abandoned: Callable[[], bool],
+    async def write_shard(self, ref: ShardRef, data: memoryview | StreamedData, layout: Sequence[TensorLayout],
+                          tree: Any, *, released: Callable[[], None], abandoned: Callable[[], bool],
                           loan: SlotLoan | None = None) -> ShardWritten:
         """Store one rank's tensors (``layout`` places them in ``data``) and state tree durably.
 

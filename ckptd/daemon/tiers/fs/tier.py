@@ -26,7 +26,7 @@ from ckptd.core.schema import TensorLayout
 from ckptd.daemon.runtime import describe_error
 from ckptd.daemon.settings.retention import RetentionPolicy
 from ckptd.daemon.settings.write import WriteSettings
-from ckptd.daemon.tiers.base import ShardRef, ShardWritten, SlotLoan, StorageTier
+from ckptd.daemon.tiers.base import ShardRef, ShardWritten, SlotLoan, StorageTier, StreamedData
 from ckptd.daemon.tiers.fs import retention
 from ckptd.daemon.tiers.fs.commit import CommitWithdrawn, PublishGate, write_index
 from ckptd.daemon.tiers.fs.writer import write_shard
@@ -69,7 +69,8 @@ class FsTier(StorageTier):
     async def _on(self, pool: Executor, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
-    async def write_shard(self, ref: ShardRef, data: memoryview, layout: Sequence[TensorLayout], tree: Any, *,
+    async def write_shard(self, ref: ShardRef, data: memoryview | StreamedData, layout: Sequence[TensorLayout],
+                          tree: Any, *,
                           released: Callable[[], None], abandoned: Callable[[], bool],
                           loan: SlotLoan | None = None) -> ShardWritten:
         # ``loan`` is for tiers that keep shards resident: files are read from the slot, which is released.

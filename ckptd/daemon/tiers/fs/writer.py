@@ -16,6 +16,7 @@ from ckptd.core import shard_writer
 from ckptd.core.schema import TensorLayout
 from ckptd.core.shard_writer import Encoding, ShardHooks, WrittenShard
 from ckptd.daemon.settings.write import WriteSettings
+from ckptd.daemon.tiers.base import StreamedData
 
 
 class WriteAbandoned(Exception):
@@ -23,7 +24,7 @@ class WriteAbandoned(Exception):
 
 
 def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
-                slot: memoryview, tensors: list[TensorLayout], tree: Any,
+                slot: memoryview | StreamedData, tensors: list[TensorLayout], tree: Any,
                 settings: WriteSettings, pool: Executor, window: int,
                 on_slot_released: Callable[[], None],
                 abandoned: Callable[[], bool] | None = None) -> WrittenShard:
@@ -32,6 +33,8 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
     ``abandoned`` (polled before each chunk is written): when it turns true, stop and raise
     WriteAbandoned, so a dead client's step stops costing disk bandwidth."""
     def read(t: TensorLayout, start: int, length: int) -> memoryview:
+        if isinstance(slot, StreamedData):
+            return slot.read(t, start, length, abandoned or (lambda: False))
         return slot[t.offset + start: t.offset + start + length]
 
     def before_write() -> None:

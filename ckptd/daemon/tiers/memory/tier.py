@@ -33,7 +33,7 @@ from ckptd.core.reader import StepReader
 from ckptd.core.schema import TensorLayout
 from ckptd.core.step_files import is_committed
 from ckptd.daemon.runtime import RequestError, describe_error
-from ckptd.daemon.tiers.base import ShardRef, ShardWritten, SlotLoan, StorageTier
+from ckptd.daemon.tiers.base import ShardRef, ShardWritten, SlotLoan, StorageTier, StreamedData
 from ckptd.daemon.tiers.memory.store import LOCAL, Held, MemoryStore, new_memfd
 
 log = logging.getLogger("ckptd")
@@ -105,9 +105,13 @@ class MemoryTier(StorageTier):
         self.inner, self.store, self.root = inner, store, root
         self.chunk_bytes, self.pool, self.on_held = chunk_bytes, pool, on_held
 
-    async def write_shard(self, ref: ShardRef, data: memoryview, layout: Sequence[TensorLayout], tree: Any, *,
-                          released: Callable[[], None], abandoned: Callable[[], bool],
+    async def write_shard(self, ref: ShardRef, data: memoryview | StreamedData, layout: Sequence[TensorLayout],
+                          tree: Any, *, released: Callable[[], None], abandoned: Callable[[], bool],
                           loan: SlotLoan | None = None) -> ShardWritten:
+        if not isinstance(data, memoryview):     # streamed through smaller slots: its host memory is the point
+            log.info("not held in memory: streamed through slots smaller than the shard",
+                     extra={"ctx": {"job": ref.job, "step": ref.step, "rank": ref.rank}})
+            return await self.inner.write_shard(ref, data, layout, tree, released=released, abandoned=abandoned)
         nbytes = span(layout)
         held = self.store.reserve(ref.job, ref.step, ref.rank, nbytes, LOCAL)
         if held is None:
