@@ -50,6 +50,26 @@ FLOAT_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 _UINT: dict[int, np.dtype[Any]] = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
 
 _local = threading.local()
+_caches: list[dict[Any, Any]] = []     # every thread's scratch and compressors, for drop_thread_caches
+_caches_lock = threading.Lock()
+
+
+def _thread_cache(name: str) -> dict[Any, Any]:
+    cache: dict[Any, Any] | None = _local.__dict__.get(name)
+    if cache is None:
+        cache = {}
+        setattr(_local, name, cache)
+        with _caches_lock:
+            _caches.append(cache)
+    return cache
+
+
+def drop_thread_caches() -> None:
+    """Let every thread's scratch arrays and zstd contexts go (an idle daemon: tens of MiB it would
+    otherwise keep between saves); the next chunk a thread encodes makes its own again."""
+    with _caches_lock:
+        for cache in _caches:
+            cache.clear()
 
 
 def choose_codec(dtype: str, setting: str) -> str:
@@ -106,7 +126,7 @@ class ChunkMeta:
 
 def _compressor(level: int, tuned: bool) -> zstandard.ZstdCompressor:
     """One compressor per thread and setting: zstd objects are not thread-safe."""
-    cache = _local.__dict__.setdefault("compressors", {})
+    cache = _thread_cache("compressors")
     key = (level, tuned)
     comp: zstandard.ZstdCompressor | None = cache.get(key)
     if comp is None:
@@ -133,7 +153,7 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 def _scratch(name: str, dtype: np.dtype[Any], n: int) -> np.ndarray:
     """A per-thread array of ``n`` items, reused across chunks (no allocation, no page faults)."""
-    cache = _local.__dict__.setdefault("scratch", {})
+    cache = _thread_cache("scratch")
     key = (name, dtype)
     buf: np.ndarray | None = cache.get(key)
     if buf is None or len(buf) < n:

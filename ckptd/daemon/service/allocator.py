@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 
+from ckptd.core.codec import drop_thread_caches
+
 
 def _libc_fn(name: str) -> Callable[..., int] | None:
     try:
@@ -30,8 +32,10 @@ def tune_allocator() -> None:
 
 
 def release_free_memory() -> None:
-    """(I/O thread) Return the heap's free pages to the kernel (glibc ``malloc_trim``): between
-    saves the chunk buffers kept for speed would otherwise stay charged to the node."""
+    """(I/O thread, no write running) Drop the codec's per-thread buffers and return the heap's free
+    pages to the kernel (glibc ``malloc_trim``): kept for speed during a save, they would otherwise
+    stay charged to the node between saves."""
+    drop_thread_caches()
     trim = _libc_fn("malloc_trim")
     if trim is not None:
         trim(0)
