@@ -97,12 +97,14 @@ class CkptdOverlap:
         from ckptd_client import Checkpointer
         self.ck = Checkpointer(job, socket=socket, root=root, commit="local", overlap=True)
         self.handle: Any = None
+        self.setups: list[float] = []            # each save's setup_s (connecting, allocating slots)
 
     def prepare(self, state: dict[str, Any]) -> None:
         self.ck.prepare(state)
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         self.handle = self.ck.save(step, state)
+        self.setups.append(self.handle.setup_s)
 
     def fence(self) -> None:
         self.ck.fence()
@@ -260,15 +262,16 @@ def run_count(count: int, cfg: argparse.Namespace, socket: str, root: str, base:
     t0 = time.perf_counter()
     ck2.ck.restore(state2)
     restore_s = time.perf_counter() - t0
-    time.sleep(cfg.step_ms / 1000)             # the resumed run's first step; restore() prepares the slots meanwhile
+    time.sleep(cfg.steps_before_save * cfg.step_ms / 1000)   # the resumed run trains; restore() prepared its slots
     opt2.touch_only = True
     after = measure(ck2, state2, opt2, step, cfg.after_restore, cfg.step_ms / 1000)
+    first_setup = ck2.setups[0]
     ck2.close()
     del model, opt, state, model2, opt2, state2
     gc.collect()
     w = cfg.warmup
     res: dict[str, Any] = {"count": count, "tensors": tensors, "raw_bytes": raw, "restore_s": restore_s,
-                           "after_restore_stall_s": after}
+                           "after_restore_stall_s": after, "after_restore_setup_s": first_setup}
     for name, v in stalls.items():
         res[name] = {"warmup_stall_s": v[:w], "stall_s": v[w:], "p50": percentile(v[w:], 50),
                      "p99": percentile(v[w:], 99)}
@@ -302,16 +305,18 @@ def to_markdown(res: dict[str, Any]) -> str:
         rows.append(row)
     lines.append(table(headers, rows))
     lines += ["", "First saves after `restore()` into a fresh model and optimizer (a resumed run: restore, which "
-              "prepares the slots in the background by default, one step of compute, then saves), ckptd "
-              "overlapped:", ""]
+              f"prepares the slots in the background by default, {res.get('steps_before_save', 1)} steps of compute, "
+              "then saves), ckptd overlapped:", ""]
     rows = []
     for r in res["counts"]:
         a = r["after_restore_stall_s"]
         later = percentile(a[1:], 50) if len(a) > 1 else float("nan")
-        rows.append([r["tensors"], fmt(r["restore_s"], 2, " s"), fmt(1e3 * a[0], 2), fmt(1e3 * later, 2),
+        rows.append([r["tensors"], fmt(r["restore_s"], 2, " s"), fmt(1e3 * a[0], 2),
+                     fmt(1e3 * r.get("after_restore_setup_s", float("nan")), 2), fmt(1e3 * later, 2),
                      fmt(a[0] / later, 2, "×"),
                      " / ".join(fmt(1e3 * x, 1) for x in r["ckptd"]["warmup_stall_s"])])
-    lines.append(table(["tensors", "restore", "first save after restore ms", "later saves p50 ms", "first / later",
+    lines.append(table(["tensors", "restore", "first save after restore ms", "of it setup ms", "later saves p50 ms",
+                        "first / later",
                         "warm-up saves of the first run ms"], rows))
     lines += ["", f"Wall time {res['wall_s']:.0f} s."]
     return "\n".join(lines) + "\n"
@@ -325,13 +330,16 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--after-restore", type=int, default=4)
     ap.add_argument("--step-ms", type=int, default=200)
+    ap.add_argument("--steps-before-save", type=int, default=25,
+                    help="training steps a resumed run takes before its first save")
     ap.add_argument("--out", default=str(RESULTS / "stall"))
     cfg = ap.parse_args()
     torch.set_num_threads(1)
     t_start = time.perf_counter()
     base = Path(tempfile.mkdtemp(prefix="ckptd-stall-", dir="/tmp"))
     res: dict[str, Any] = {"size_mib": cfg.size_mib, "rounds": cfg.rounds, "warmup": cfg.warmup,
-                           "step_ms": cfg.step_ms, "machine": machine_info(base),
+                           "step_ms": cfg.step_ms, "steps_before_save": cfg.steps_before_save,
+                           "machine": machine_info(base),
                            "torch_checkpointing": torch_checkpointing_status(), "counts": []}
     print(f"torch_checkpointing: {res['torch_checkpointing'] or 'measured'}", flush=True)
     try:

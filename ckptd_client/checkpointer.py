@@ -1,6 +1,7 @@
 """The training-side manager, ``Checkpointer``: saves go through the daemon, restores straight to storage."""
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -349,6 +350,7 @@ class Checkpointer:
         info = self.last_restore = run_chain(chain, step, state)
         if (nbytes := self.plans.warm(state)) is not None and self.config.prepare:
             self._session.prepare_soon(nbytes)     # the first save then costs what the others do
+        gc.collect()            # the restore's garbage now, not in a collection during the first save's stall
         log.info("ckptd: restored step %d from %s in %.3fs%s%s", step, info.source, info.seconds,
                  f" (memory tier: {info.fallback})" if info.fallback else "", info.lacked())
         return step
