@@ -350,6 +350,7 @@ class Checkpointer:
         info = self.last_restore = run_chain(chain, step, state)
         if (nbytes := self.plans.warm(state)) is not None and self.config.prepare:
             self._session.prepare_soon(nbytes)     # the first save then costs what the others do
+            self._copies.pool().submit(time.sleep, 0)   # and finds its copy thread started
         gc.collect()            # the restore's garbage now, not in a collection during the first save's stall
         log.info("ckptd: restored step %d from %s in %.3fs%s%s", step, info.source, info.seconds,
                  f" (memory tier: {info.fallback})" if info.fallback else "", info.lacked())
