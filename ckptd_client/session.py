@@ -65,7 +65,8 @@ class DaemonSession:
         conn.request(protocol.Commit(step=step, digests=wire, records=records), timeout)
 
     def abort(self, step: int, reason: str) -> None:
-        """(Relay, rank 0) some rank failed: let this daemon drop the step (if it is still there)."""
+        """Let this daemon drop the step (if it is still there): some rank failed (relay, rank 0), or a
+        streamed save broke off between parts."""
         conn = self.live()
         if conn is not None:
             conn.request(protocol.Abort(step=step, reason=reason))
