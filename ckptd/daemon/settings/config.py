@@ -124,7 +124,9 @@ class Settings:
         factory=_default_slot_memory_limit, parse=parse_size, show=show_size, default_doc="half of RAM",
         flags=(Flag("--slot-memory-limit"), Flag("--slot-memory-limit-mib", unit=MiB, hidden=True)),
         doc="Total shared memory for all connected ranks' slots, e.g. `\"64GiB\"` (each rank gets 2 slots the "
-            "size of its state by default). A rank asking for more gets an error at `hello`/first save. ≥ 1 MiB.")
+            "size of its state by default). A rank asking for more than is left gets smaller slots (down to 1 MiB "
+            "each; below that an error at `hello`/first save) and its saves stream through them: they still "
+            "commit, the trainer stalls for the whole copy, and the step is not kept in the memory tier. ≥ 1 MiB.")
     codec: str = setting(
         _WRITE.codec, choices=CODECS,
         doc="Chunk codec: `bplane` (float-aware byte planes + zstd; non-float tensors use zstd), `zstd`, "
