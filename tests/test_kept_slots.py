@@ -204,11 +204,11 @@ def test_a_closed_trainers_kept_slot_outlives_it_and_is_freed_by_the_next_run(da
     st = status(daemon.socket)
     assert not [s for s in st["sessions"] if s["job"] == "leave"]
     assert st["host_bytes"]["leave"]["held"] > 0 and st["host_bytes"]["leave"]["slots"] == 0
+    [old] = [i for i, m in memfd_inodes(daemon.proc.pid).items() if m.startswith("ckptd-leave-")]   # the kept one
     again = ckptd_client.Checkpointer("leave", socket=str(daemon.socket))
     target = zeros_like(state)
     assert again.restore(target) == 1 and again.last_restore.source == "memory"
     assert_equal(state, target)
-    [old] = [i for i, m in memfd_inodes(daemon.proc.pid).items() if m.startswith("ckptd-leave-")]
     again.save(2, target).wait(60)
     after = {i for i, m in memfd_inodes(daemon.proc.pid).items() if m.startswith("ckptd-leave-")}
     again.close()
