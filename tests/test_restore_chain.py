@@ -172,7 +172,8 @@ def test_the_bucket_fallback_follows_the_code_not_the_text(daemon, tmp, stand_in
     ck.close()
     # no_bucket, whatever the text says: the restore reads the local files.
     quiet = stand_in(ErrorCode.NO_BUCKET.value, "something else entirely")
-    restorer = ckptd_client.Checkpointer("codes", socket=str(tmp / "standin0.sock"), root=str(daemon.root))
+    restorer = ckptd_client.Checkpointer("codes", socket=str(tmp / "standin0.sock"), root=str(daemon.root),
+                                         prepare=False)     # restores only: no slots (no hello) afterwards
     target = blank()
     assert restorer.restore(target) == 2 and torch.equal(target["w"], saved["w"])
     assert quiet.ops == ["stage", "memory_fetch"]        # the newest step; memory; nothing staged after "no bucket"
