@@ -1,7 +1,6 @@
 """The training-side manager, ``Checkpointer``: saves go through the daemon, restores straight to storage."""
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
@@ -351,7 +350,6 @@ class Checkpointer:
         if (nbytes := self.plans.warm(state)) is not None and self.config.prepare:
             self._session.prepare_soon(nbytes)     # the first save then costs what the others do
             self._copies.pool().submit(time.sleep, 0)   # and finds its copy thread started
-        gc.collect()            # the restore's garbage now, not in a collection during the first save's stall
         log.info("ckptd: restored step %d from %s in %.3fs%s%s", step, info.source, info.seconds,
                  f" (memory tier: {info.fallback})" if info.fallback else "", info.lacked())
         return step
