@@ -15,6 +15,13 @@ def sessions_of(sock, job: str) -> list[dict]:
     return [s for s in status(sock)["sessions"] if s["job"] == job]
 
 
+def wait_for(cond, what: str, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
 def test_restore_prepares_the_slots_for_the_first_save(daemon) -> None:
     state = state_of(5, mib=2)
     first = ckptd_client.Checkpointer("prep", socket=str(daemon.socket))
@@ -22,16 +29,14 @@ def test_restore_prepares_the_slots_for_the_first_save(daemon) -> None:
     h.wait(60)
     assert 0 < h.setup_s <= h.stall_s            # the first save connected and allocated its slots
     first.close()
-    assert sessions_of(daemon.socket, "prep") == []
+    wait_for(lambda: sessions_of(daemon.socket, "prep") == [], "the first run's session to end")
 
     resumed = ckptd_client.Checkpointer("prep", socket=str(daemon.socket))
     target = zeros_like(state)
     assert resumed.restore(target) == 1
     assert_equal(state, target)
-    end = time.monotonic() + 60
-    while not sessions_of(daemon.socket, "prep"):  # no save yet: the background preparation connects
-        assert time.monotonic() < end, "slots never prepared after restore"
-        time.sleep(0.02)
+    # No save yet: the background preparation connects (a session shows at hello, its slots once made).
+    wait_for(lambda: [s["slots"] for s in sessions_of(daemon.socket, "prep")] == [2], "slots prepared after restore")
     [sess] = sessions_of(daemon.socket, "prep")
     assert sess["slots"] == 2 and sess["saves"] == 0
     assert sess["slot_bytes"] >= 2 * sum(t.numel() * t.element_size() for t in state.values() if hasattr(t, "numel"))
