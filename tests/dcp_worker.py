@@ -1,0 +1,132 @@
+"""Rank processes of tests/test_dcp_backend.py: ``torch.distributed.checkpoint`` with ckptd's storage
+writer and reader, on FSDP2 gloo ranks (the model and its layouts: tests/sharded_trainer.py).
+
+Modes:
+
+- ``save``: 2 FSDP2 ranks train ``--steps`` steps, write the reference (``saved.*.pt``, as
+  sharded_trainer.snapshot does), then ``dcp.save`` the ``get_state_dict`` dicts, the LR scheduler
+  (a Stateful) and ``extra`` (a ``Fraction``: a DCP byte item) with ``ckptd_client.dcp.StorageWriter``;
+  rank 0 then compares the Metadata ``dcp.save`` returned with the one the reader rebuilds
+  (``META-EQUAL True``).
+- ``async``: as ``save``, but one ``dcp.save`` at step 1, then ``dcp.async_save`` at ``--steps``
+  while training goes on. ``--kill after``: once the future resolves every rank prints
+  ``RESOLVED n`` and SIGKILLs itself. ``--kill before``: rank 1's writer holds its items back
+  (a gate in ``write_data``: the step cannot commit) and, once it is there, every rank prints
+  ``GATED n`` and SIGKILLs itself while the save is in flight.
+- ``load``: ``--layout`` (fsdp on the group's ranks, or plain in one process) from another seed,
+  ``dcp.load`` of ``--step`` with ``ckptd_client.dcp.StorageReader`` and ``set_state_dict``, then
+  writes ``loaded<world>.*.pt`` and prints ``EXTRA <repr>``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+from concurrent.futures import Future
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from ckptd_client.dcp import StorageReader, StorageWriter
+
+import sharded_trainer as st
+
+
+class GatedWriter(StorageWriter):
+    """A real writer whose ``write_data`` first waits at a gate that never opens: its rank's items
+    never reach the daemon, so the step cannot commit (``--kill before``)."""
+
+    reached = threading.Event()
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        GatedWriter.reached.set()
+        threading.Event().wait()
+        return super().write_data(plan, planner)
+
+
+def state_of(model: Any, opt: Any, sched: Any, frac: Any, note: str) -> dict[str, Any]:
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd, "sched": sched, "extra": {"frac": frac, "note": note}}
+
+
+def mode_save(a: argparse.Namespace) -> None:
+    rank, _ = st.init_group()
+    model, dp_rank, _ = st.build("fsdp", seed=1)
+    opt, sched = st.make_optim(model, t_max=20)
+    writer = StorageWriter(a.job, socket=a.socket)
+    for step in range(1, a.steps + 1):
+        st.train_step(model, opt, sched, *st.batch(step, dp_rank))
+        if a.mode == "async" and step == 1:
+            dcp.save(state_of(model, opt, sched, Fraction(1, 3), "first"), checkpoint_id="step-1",
+                     storage_writer=writer)
+            print("SAVED 1", flush=True)
+    st.snapshot(Path(a.out), "saved", model, opt, sched, {"step": a.steps})
+    state = state_of(model, opt, sched, Fraction(3, 7), "hello")
+    if a.mode == "save":
+        md = dcp.save(state, checkpoint_id=f"step-{a.steps}", storage_writer=writer)
+        print(f"SAVED {a.steps}", flush=True)
+        if rank == 0:
+            reader = StorageReader(a.job, socket=a.socket)
+            reader.reset(f"step-{a.steps}")
+            print(f"META-EQUAL {reader.read_metadata().state_dict_metadata == md.state_dict_metadata}", flush=True)
+            reader.close()
+        writer.close()
+        torch.distributed.destroy_process_group()
+        return
+    if a.kill == "before" and rank == 1:
+        writer = GatedWriter(a.job, socket=a.socket)
+    # The save's collectives run on a thread of their own: a group of their own (as torchtitan's
+    # manager does), so they never interleave with training's on the default group.
+    pg = torch.distributed.new_group(backend="gloo")
+    fut = dcp.async_save(state, checkpoint_id=f"step-{a.steps}", storage_writer=writer, process_group=pg)
+    for step in range(a.steps + 1, a.steps + 3):        # training goes on while the save is in flight
+        st.train_step(model, opt, sched, *st.batch(step, dp_rank))
+    if a.kill == "before":
+        if rank == 1:
+            GatedWriter.reached.wait()
+        torch.distributed.barrier()
+        print(f"GATED {a.steps}", flush=True)
+    else:
+        assert isinstance(fut, Future)
+        fut.result()
+        print(f"RESOLVED {a.steps}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def mode_load(a: argparse.Namespace) -> None:
+    rank, world = st.init_group()
+    model, _, _ = st.build(a.layout, seed=2)
+    opt, sched = st.make_optim(model, t_max=20)
+    state = state_of(model, opt, sched, None, "")
+    plain = a.layout == "plain"
+    dcp.load(state, checkpoint_id=f"step-{a.step}", storage_reader=StorageReader(a.job, root=a.root),
+             no_dist=plain)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    st.snapshot(Path(a.out), f"loaded{0 if plain else world}", model, opt, sched, {"step": a.step})
+    print(f"EXTRA {state['extra']['frac']!r} {state['extra']['note']}", flush=True)
+    if not plain:
+        torch.distributed.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["save", "async", "load"])
+    p.add_argument("--socket")
+    p.add_argument("--root")
+    p.add_argument("--job", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--step", type=int, default=3)
+    p.add_argument("--layout", default="fsdp")
+    p.add_argument("--kill", choices=["after", "before"], default="after")
+    a = p.parse_args()
+    mode_load(a) if a.mode == "load" else mode_save(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""ckptd as torch.distributed.checkpoint's storage (issue 23, acceptance 1 and 2): FSDP2 ranks on gloo
+(tests/dcp_worker.py) save with ``dcp.save`` / ``dcp.async_save`` through ``ckptd_client.dcp.StorageWriter``
+to a real daemon; ``dcp.load`` through ``StorageReader`` reads the step back bit for bit on 2 ranks, on
+4 (resharded by DCP's planner) and into a plain model in one process; ``ckptd verify`` passes; a
+Python object (a DCP byte item) comes back through DCP's own load path."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import sharded_trainer as st
+
+WORKER = Path(__file__).with_name("dcp_worker.py")
+pytestmark = pytest.mark.timeout(300)
+
+
+def ckptd(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True, text=True, timeout=60)
+
+
+def committed_steps(root: Path, job: str) -> set[int]:
+    """The steps ``ckptd ls`` shows committed."""
+    rows = [line.split() for line in ckptd("ls", str(root), job).stdout.splitlines()[1:]]
+    return {int(r[1]) for r in rows if len(r) > 2 and r[2] == "committed"}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose tensors differ in dtype, shape or any bit."""
+    assert sorted(a) == sorted(b)
+    return [k for k in a if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape
+            or not torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))]
+
+
+def load(path: Path) -> Any:
+    return torch.load(path, weights_only=True)
+
+
+def check_loaded(out: Path, tag: str) -> None:
+    assert not same(load(out / "saved.full.pt"), load(out / f"{tag}.full.pt"))
+    want, got = load(out / "saved.rank0.pt")["scalars"], load(out / f"{tag}.rank0.pt")["scalars"]
+    assert got["lr"] == want["lr"] and got["sched_last_epoch"] == want["sched_last_epoch"]
+
+
+def test_fsdp2_save_then_load_at_2_4_and_1_process(daemon_factory: Any, tmp: Path) -> None:
+    d = daemon_factory()
+    out = tmp / "out"
+    out.mkdir()
+    saved = st.run_group(2, "save", "--socket", str(d.socket), "--job", "j", "--out", str(out), script=WORKER)
+    assert st.lines(saved[0], "SAVED") == [["3"]] and st.lines(saved[0], "META-EQUAL") == [["True"]]
+    step = tmp / "root/j/step-000000000003"
+    v = ckptd("verify", str(step))
+    assert v.returncode == 0, v.stdout + v.stderr
+    common = ("load", "--root", str(tmp / "root"), "--job", "j", "--out", str(out), "--step", "3")
+    for world in (2, 4, 0):
+        outs = st.run_group(world, *common, *(("--layout", "plain") if world == 0 else ()), script=WORKER)
+        assert all(st.lines(o, "EXTRA") == [["Fraction(3,", "7)", "hello"]] for o in outs), outs
+        check_loaded(out, f"loaded{world}")
+    # An ordinary ckptd step: ls lists it committed, inspect shows DCP's FQNs.
+    assert committed_steps(tmp / "root", "j") == {3}
+    shown = ckptd("inspect", str(step)).stdout
+    assert "model.up.weight" in shown and "extra.frac" in shown
+
+
+def test_async_save_sigkill_after_resolve_restores(daemon_factory: Any, tmp: Path) -> None:
+    d = daemon_factory()
+    out = tmp / "out"
+    out.mkdir()
+    killed = st.finish(st.launch(2, "async", "--socket", str(d.socket), "--job", "j", "--out", str(out),
+                                 "--kill", "after", script=WORKER), 180, expect_rc=-9)
+    assert all(st.lines(o, "RESOLVED") == [["3"]] for o in killed)
+    assert ckptd("verify", str(tmp / "root/j/step-000000000003")).returncode == 0
+    st.run_group(2, "load", "--root", str(tmp / "root"), "--job", "j", "--out", str(out), "--step", "3",
+                 script=WORKER)
+    check_loaded(out, "loaded2")
+
+
+def test_async_save_sigkill_before_resolve_is_invisible(daemon_factory: Any, tmp: Path) -> None:
+    d = daemon_factory()
+    out = tmp / "out"
+    out.mkdir()
+    killed = st.finish(st.launch(2, "async", "--socket", str(d.socket), "--job", "j", "--out", str(out),
+                                 "--kill", "before", script=WORKER), 180, expect_rc=-9)
+    assert all(st.lines(o, "GATED") == [["3"]] for o in killed)
+    job = tmp / "root/j"
+    assert (job / "step-000000000001/index.json").exists()
+    assert not (job / "step-000000000003/index.json").exists()
+    assert committed_steps(tmp / "root", "j") == {1}
+    # The step before it is whole: it loads.
+    st.run_group(2, "load", "--root", str(tmp / "root"), "--job", "j", "--out", str(out), "--step", "1",
+                 script=WORKER)
