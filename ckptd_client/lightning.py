@@ -1,0 +1,173 @@
+"""Lightning's ``CheckpointIO`` over ckptd (needs ``lightning``; the rest of ckptd_client does not
+import this module).
+
+    trainer = lightning.Trainer(plugins=[CkptdCheckpointIO("my-run")],
+                                callbacks=[ModelCheckpoint(dirpath="ckpts", every_n_train_steps=100, save_last=True)])
+    trainer.fit(model, ckpt_path="last")
+
+What a save does: Lightning's checkpoint dict goes to the daemon as step ``global_step`` of the
+job (tensors through the slots; every other value into ckptd's JSON state tree — anything that
+is neither a tensor, a JSON value nor a container of them is refused with an error naming its
+key); once the step is committed, the ``.ckpt`` path Lightning chose gets a small JSON *pointer*
+(FORMAT.md, "Framework pointers"), written atomically, so ModelCheckpoint's bookkeeping
+(``last.ckpt``, top-k, ``ckpt_path="last"``) works as with files. A second save at the same
+step (``last.ckpt`` beside ``epoch=0-step=100.ckpt``) writes a pointer to the same step.
+``remove_checkpoint`` removes the pointer only; steps are deleted by the daemon's retention.
+
+``wait=False`` (``AsyncCkptdCheckpointIO``): ``save_checkpoint`` returns once the state is in a
+slot; a thread writes the pointer when the step commits, so a pointer never names a step that
+is not committed. ``teardown`` (Lightning calls it at the end of ``fit``) waits for them, as does
+``wait_for_saves``. A process killed before a step's pointer is written resumes from the pointer
+before it (the step itself may have committed: ``ckptd ls`` shows it).
+
+Loading reads the pointed-to step straight from storage (no daemon needed when ``root`` is
+given), every chunk checksummed, nothing unpickled.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.plugins import CheckpointIO
+
+from ckptd.core import storage
+from ckptd.core.names import step_dir, validate_job
+
+from .checkpointer import Checkpointer
+from .config import CheckpointerConfig
+from .errors import CheckpointError
+from .handle import SaveHandle
+from .saved_state import escape_keys, read_state, unescape_keys
+
+POINTER_KIND = "ckptd.pointer"
+MAX_POINTER_BYTES = 64 * 1024
+
+
+def write_pointer(path: str | os.PathLike[str], job: str, step: int, root: str) -> None:
+    """``path`` as a pointer to committed step ``step`` of ``job`` under ``root`` (atomic, durable)."""
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    doc = {"kind": POINTER_KIND, "job": job, "step": step, "root": os.path.abspath(root)}
+    storage.atomic_write(path, json.dumps(doc, sort_keys=True).encode())
+
+
+def read_pointer(path: str | os.PathLike[str]) -> str:
+    """The step directory the pointer at ``path`` names; CheckpointError for anything else."""
+    try:
+        doc = json.loads(storage.read_limited(os.fspath(path), MAX_POINTER_BYTES))
+        if not isinstance(doc, dict) or doc.get("kind") != POINTER_KIND:
+            raise ValueError(f"not a ckptd pointer (kind {doc.get('kind') if isinstance(doc, dict) else None!r})")
+        root, step = doc.get("root"), doc.get("step")
+        if not isinstance(root, str) or type(step) is not int:
+            raise ValueError("its root or step is malformed")
+        return step_dir(root, validate_job(doc.get("job")), step)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot load {os.fspath(path)!r} through ckptd: {e}") from None
+
+
+class CkptdCheckpointIO(CheckpointIO):
+    """Lightning ``CheckpointIO`` saving through ckptd (see the module docstring). Lightning calls
+    ``save_checkpoint`` on global rank 0 only, so the ``Checkpointer`` is a world of one
+    (rank 0, no store); ``load_checkpoint`` on every rank reads the step from storage.
+    ``config``: the ``Checkpointer``'s settings (``socket``, ``root``, ...)."""
+
+    def __init__(self, job: str, socket: str | None = None, root: str | None = None, *, wait: bool = True,
+                 config: CheckpointerConfig | None = None) -> None:
+        super().__init__()
+        self.job = validate_job(job)
+        base = config or CheckpointerConfig(socket=socket, root=root)
+        self.config = dataclasses.replace(base, rank=0, world_size=1, commit="local", overlap=False)
+        self.wait = wait
+        self._ckpt: Checkpointer | None = None
+        self._saved: dict[int, SaveHandle] = {}          # step → its save in this process
+        self._pointers: list[Future[None]] = []
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        if self._ckpt is None:
+            self._ckpt = Checkpointer(self.job, config=self.config)
+        return self._ckpt
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"CkptdCheckpointIO takes no storage_options (got {storage_options!r})")
+        step = checkpoint.get("global_step")
+        if type(step) is not int:
+            raise CheckpointError(f"checkpoint for {os.fspath(path)!r} has no integer 'global_step' "
+                                  f"(got {step!r}): ckptd keeps checkpoints by step")
+        handle = self._saved.get(step)
+        if handle is None:
+            try:
+                handle = self.checkpointer.save(step, escape_keys(checkpoint))
+            except TypeError as e:       # a value ckptd cannot store: the message names its key
+                raise CheckpointError(f"cannot save {os.fspath(path)!r} through ckptd: {e}") from None
+            self._saved = {step: handle}
+        if self.wait:
+            self._point(handle, path)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-pointers")
+        self._pointers = [f for f in self._pointers if not f.done() or f.exception() is not None]
+        self._pointers.append(self._pool.submit(self._point, handle, path))
+
+    def _point(self, handle: SaveHandle, path: str | Path) -> None:
+        handle.wait()
+        write_pointer(path, self.job, handle.step, self.checkpointer.resolve_root())
+
+    def load_checkpoint(self, path: str | Path, map_location: Any = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        state = unescape_keys(read_state(read_pointer(path)))
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{os.fspath(path)!r}: the step holds a {type(state).__name__}, not a checkpoint")
+        if map_location is not None and not callable(map_location):
+            state = _to(state, map_location)
+        return state
+
+    def remove_checkpoint(self, path: str | Path) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def wait_for_saves(self) -> None:
+        """Until every save so far is committed and its pointers written (raises the first failure)."""
+        pending, self._pointers = self._pointers, []
+        for f in pending:
+            f.result()
+
+    def teardown(self) -> None:
+        """``wait_for_saves``, then close (Lightning calls it at the end of ``fit``)."""
+        try:
+            self.wait_for_saves()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+            if self._ckpt is not None:
+                self._ckpt.close()
+                self._ckpt = None
+            self._saved = {}
+
+
+class AsyncCkptdCheckpointIO(CkptdCheckpointIO):
+    """``CkptdCheckpointIO(wait=False)``: saves return once the state is in a slot."""
+
+    def __init__(self, job: str, socket: str | None = None, root: str | None = None, *,
+                 config: CheckpointerConfig | None = None) -> None:
+        super().__init__(job, socket, root, wait=False, config=config)
+
+
+def _to(obj: Any, device: Any) -> Any:
+    import torch
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to(v, device) for v in obj)
+    return obj

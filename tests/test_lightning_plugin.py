@@ -1,0 +1,66 @@
+"""Lightning through ckptd (issue 23, acceptance 4): a real ``lightning.Trainer`` on CPU with
+``CkptdCheckpointIO`` (tests/lightning_worker.py) is SIGKILLed after a checkpoint and resumed with
+``ckpt_path="last"``: the resumed run's losses equal an uninterrupted run's bit for bit. The plugin
+refuses values ckptd cannot store, naming the key, and keeps dict keys that are paths."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptd_client.errors import CheckpointError
+from ckptd_client.lightning import CkptdCheckpointIO
+
+WORKER = Path(__file__).with_name("lightning_worker.py")
+pytestmark = pytest.mark.timeout(300)
+
+
+def run(*args: str, expect_rc: int = 0) -> dict[int, str]:
+    r = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True, timeout=180)
+    assert r.returncode == expect_rc, r.stdout[-3000:] + r.stderr[-3000:]
+    return {int(w[1]): w[2] for w in (line.split() for line in r.stdout.splitlines()) if w and w[0] == "LOSS"}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigkill_then_resume_from_last_matches(daemon_factory: Any, tmp: Path, mode: str) -> None:
+    d = daemon_factory()
+    extra = ("--async-io",) if mode == "async" else ()
+    want = run("--socket", str(d.socket), "--job", "ref", "--dir", str(tmp / "ref"), *extra)
+    assert sorted(want) == list(range(12))
+    common = ("--socket", str(d.socket), "--job", "run", "--dir", str(tmp / "run"), *extra)
+    killed = run(*common, "--kill-at", "9", expect_rc=-9)
+    assert killed == {k: want[k] for k in range(9)}
+    pointer = json.loads((tmp / "run/last.ckpt").read_text())
+    assert pointer["kind"] == "ckptd.pointer" and pointer["job"] == "run"
+    assert pointer["step"] == 8
+    resumed = run(*common, "--resume")
+    assert resumed == {k: want[k] for k in range(8, 12)}
+    v = subprocess.run([sys.executable, "-m", "ckptd", "verify", str(tmp / "root"), "run", str(pointer["step"])],
+                       capture_output=True, text=True, timeout=60)
+    assert v.returncode == 0, v.stdout + v.stderr
+
+
+def test_refuses_objects_by_key_and_keeps_path_keys(daemon_factory: Any, tmp: Path) -> None:
+    d = daemon_factory()
+    io = CkptdCheckpointIO("j", socket=str(d.socket))
+    try:
+        with pytest.raises(CheckpointError, match=r"'hyper_parameters/cls'"):
+            io.save_checkpoint({"global_step": 1, "hyper_parameters": {"cls": object()}}, tmp / "a.ckpt")
+        assert not (tmp / "a.ckpt").exists()
+        ckpt = {"global_step": 2, "callbacks": {"MC": {"best_k_models": {str(tmp / "e=0.ckpt"): torch.tensor(0.5)},
+                                                       "": 1, ".": [2], "%x": (3, "y")}}}
+        io.save_checkpoint(ckpt, tmp / "b.ckpt")
+        got = io.load_checkpoint(tmp / "b.ckpt")
+        assert got["callbacks"]["MC"][""] == 1 and got["callbacks"]["MC"]["."] == [2]
+        assert got["callbacks"]["MC"]["%x"] == (3, "y")
+        assert torch.equal(got["callbacks"]["MC"]["best_k_models"][str(tmp / "e=0.ckpt")], torch.tensor(0.5))
+        with pytest.raises(CheckpointError, match="not a ckptd pointer"):
+            (tmp / "c.ckpt").write_text("{}")
+            io.load_checkpoint(tmp / "c.ckpt")
+    finally:
+        io.teardown()
