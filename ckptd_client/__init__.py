@@ -26,7 +26,7 @@ from .hf import ExportResult, ImportResult, export_hf, import_hf, load_hf
 from .lazy import load_tensor
 from .modes import WhenBusy
 from .preemption import PreemptionHandler
-from .reshard import ReadStats
+from .read_stats import ReadStats
 from .sources import RestoreInfo, Unavailable
 from .state import RNGState
 

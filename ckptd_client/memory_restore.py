@@ -10,9 +10,9 @@ the restore threads), each piece's bytes fed to its chunk's xxh3 while still in 
 checksum checked, and only then is the state tree applied. Before any of it, the held tree and
 layout are checked against the live state as a restore from storage checks them (restore_check.py:
 the same step, the same answer): a mismatch raises CheckpointError, nothing written. Anything else
-— no daemon, a step not held, a resharding restore, a DTensor state or a sharded tensor's piece, a
-checksum mismatch — raises :class:`MemoryUnavailable` with the reason, which the source answers as
-its "cannot serve, because".
+— no daemon, a step not held, a resharding restore or a sharded tensor's piece (held_pieces.py
+serves those), a checksum mismatch — raises :class:`MemoryUnavailable` with the reason, which the
+source answers as its "cannot serve, because".
 """
 from __future__ import annotations
 
@@ -34,7 +34,6 @@ from ckptd.core.schema import TensorLayout
 from ckptd.core.tree import decode_tree
 
 from .connection import DaemonConnection
-from .dtensor import is_dtensor
 from .errors import CheckpointError, DaemonRefused, Unreachable
 from .live_state import live_tensors, tree_items
 from .reshard import DTYPES, decodable_into, tensor_bytes
@@ -48,7 +47,12 @@ PIECE = 512 << 10             # read and hashed at once: fits a core's L2 cache
 
 
 class MemoryUnavailable(Exception):
-    """The memory tier cannot serve this restore; the message says why (storage is used)."""
+    """The memory tier cannot serve this restore; the message says why (storage is used).
+    ``pieces``: the whole-shard copy cannot, but reading the step as pieces may (held_pieces.py)."""
+
+    def __init__(self, reason: str, pieces: bool = False) -> None:
+        super().__init__(reason)
+        self.pieces = pieces
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,7 @@ def _read_into(base: int, t: TensorLayout, out: torch.Tensor, sums: tuple[str, .
                                     "fails its checksum")
 
 
-def _fetch(socket_path: str, job: str, step: int, rank: int,
+def fetch_held(socket_path: str, job: str, step: int, rank: int,
            world_size: int) -> tuple[DaemonConnection, HeldMeta, int, str]:
     """(connection, meta, memfd, source); the daemon keeps the shard pinned while the connection is open."""
     try:
@@ -116,7 +120,7 @@ def _check(meta: HeldMeta, layout: dict[str, tuple[TensorLayout, Any]], state: d
         if t is None:
             raise MemoryUnavailable(f"tensor {name!r} of the held state tree is not in its layout")
         if t.placement is not None and tuple(t.placement.global_shape) != tuple(t.shape):
-            raise MemoryUnavailable(f"tensor {name!r} is held as a piece of a sharded tensor (storage assembles it)")
+            raise MemoryUnavailable(f"tensor {name!r} is held as a piece of a sharded tensor", pieces=True)
     subtrees, outcome = check_plain(state, items, lambda n: layout[n][0],
                                     f"step {meta.step} (held in the daemon's memory)", strict)
     return subtrees, list(dict.fromkeys(names)), outcome
@@ -124,10 +128,9 @@ def _check(meta: HeldMeta, layout: dict[str, tuple[TensorLayout, Any]], state: d
 
 def restore_from_memory(socket_path: str, job: str, step: int, rank: int, world_size: int,
                         state: dict[str, Any], threads: int, strict: bool = True) -> MemoryCopy:
-    """Load ``step`` into ``state`` from the daemon's memory (see the module docstring)."""
-    if any(is_dtensor(t) for t in live_tensors(state)[0].values()):
-        raise MemoryUnavailable("a sharded (DTensor) state restores from storage")
-    conn, meta, fd, source = _fetch(socket_path, job, step, rank, world_size)
+    """Load ``step`` into ``state`` from the daemon's memory (see the module docstring); a state
+    without DTensors at the saved world size (held_pieces.py serves the others)."""
+    conn, meta, fd, source = fetch_held(socket_path, job, step, rank, world_size)
     try:
         layout = {t.name: (t, sums) for t, sums in zip(meta.layout, meta.checksums, strict=True)}
         wanted, names, outcome = _check(meta, layout, state, strict)

@@ -20,7 +20,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from ckptd.core.regions import Region, row_span
 from ckptd.core.schema import DTYPE_ITEMSIZE, Manifest, TensorEntry
 
 from .errors import CheckpointError, MissingData
+from .read_stats import HeldShards, ReadStats
 
 ReadAt = Callable[[int, int, int], bytes]
 """``(fd, offset, length) -> exactly length bytes``: how data files are read (``storage.read_at``)."""
@@ -43,24 +44,6 @@ STAGING_BYTES = 256 * 1024 * 1024       # decoded bytes waiting for a strided co
 
 DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in vars(torch).values()
                                   if isinstance(d, torch.dtype)}
-
-
-@dataclass
-class ReadStats:
-    """What a load read, counted as it reads (pass one to ``load_tensor`` or a restore to see the cost).
-
-    ``manifests``: ranks whose manifest was read, in order; ``entries``: (rank, entry name) of every
-    piece read from; ``chunks``/``bytes``: data-file chunks read and their stored bytes."""
-    manifests: list[int] = field(default_factory=list)
-    entries: set[tuple[int, str]] = field(default_factory=set)
-    chunks: int = 0
-    bytes: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add_chunk(self, nbytes: int) -> None:
-        with self._lock:
-            self.chunks += 1
-            self.bytes += nbytes
 
 
 @dataclass
@@ -90,9 +73,12 @@ class StepFiles:
     most once (digest-checked), data files opened at most once. Every failure is a CheckpointError
     naming the file (and the tensor, where one is concerned). Close it (or use ``with``)."""
 
-    def __init__(self, step_path: str, stats: ReadStats | None = None, read_at: ReadAt = storage.read_at) -> None:
+    def __init__(self, step_path: str, stats: ReadStats | None = None, read_at: ReadAt = storage.read_at,
+                 held: HeldShards | None = None) -> None:
         self.stats = stats
         self.read_at = read_at
+        self.held = held
+        self.held_ranks: set[int] = set()
         try:
             self.reader = StepReader(step_path)
         except (FormatError, OSError) as e:
@@ -128,10 +114,14 @@ class StepFiles:
     def manifest(self, rank: int) -> Manifest:
         m = self._manifests.get(rank)
         if m is None:
-            try:
-                m = self.reader.manifest(rank)
-            except (FormatError, OSError) as e:
-                raise CheckpointError(f"cannot restore from {self.path}: {e}") from None
+            m = self.held.manifest(rank) if self.held is not None else None
+            if m is not None:
+                self.held_ranks.add(rank)
+            else:
+                try:
+                    m = self.reader.manifest(rank)
+                except (FormatError, OSError) as e:
+                    raise CheckpointError(f"cannot restore from {self.path}: {e}") from None
             self._manifests[rank] = m
             self._entries[rank] = m.by_name()
             if self.stats is not None:
@@ -160,6 +150,8 @@ class StepFiles:
 
     def read_chunk(self, rank: int, entry: TensorEntry, file_pos: int, meta: ChunkMeta, out: memoryview) -> None:
         """Read, verify and decode one chunk of ``entry`` into ``out`` (``meta.raw_len`` bytes)."""
+        if rank in self.held_ranks and self.held is not None:
+            return self.held.read_chunk(rank, file_pos, meta, out, self.stats)
         try:
             stored = self.read_at(self.fd(rank), file_pos, meta.stored_len)
             if self.stats is not None:

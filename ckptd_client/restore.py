@@ -46,7 +46,8 @@ from . import store_keys
 from .dtensor import is_dtensor, local_region, local_tensor, sharded_model_of
 from .errors import CheckpointError
 from .live_state import fqn_keyed, live_tensors, rekey_by_position, tree_items
-from .reshard import DTYPES, Need, ReadAt, ReadStats, StepFiles, decodable_into, read_needs, tensor_bytes
+from .read_stats import HeldShards, ReadStats
+from .reshard import DTYPES, Need, ReadAt, StepFiles, decodable_into, read_needs, tensor_bytes
 from .restore_check import Check, Outcome, check_plain, saved_leaves
 from .state import RNGState, apply_state
 from .store_io import read_once
@@ -157,10 +158,11 @@ def _restore_last(obj: Any) -> bool:
 
 def restore_state(step_path: str, state: dict[str, Any], *, rank: int, world_size: int, threads: int,
                   per_rank: PerRank = None, strict: bool = True, stats: ReadStats | None = None,
-                  read_at: ReadAt = storage.read_at) -> Outcome:
+                  read_at: ReadAt = storage.read_at, held: HeldShards | None = None) -> Outcome:
     """Load committed step ``step_path`` into ``state`` in place, as rank ``rank`` of ``world_size``
     (see the module docstring and ``Checkpointer.restore``); every name, dtype and shape is checked
-    first (restore_check.py). ``stats``/``read_at``: as for ``load_tensor``. Raises CheckpointError
+    first (restore_check.py). ``stats``/``read_at``: as for ``load_tensor``; ``held``: saved ranks
+    read from a daemon's memory instead of their files (held_pieces.py). Raises CheckpointError
     (ValueError for a malformed ``per_rank``)."""
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict of names to values, got {type(state).__name__}")
@@ -169,8 +171,9 @@ def restore_state(step_path: str, state: dict[str, Any], *, rank: int, world_siz
             _check_rule(str(key), rule)
     elif per_rank is not None:
         _check_rule("*", per_rank)
-    with StepFiles(step_path, stats, read_at) as files:
+    with StepFiles(step_path, stats, read_at, held) as files:
         if files.tensors is None:
+            files.held = None                # (a format-1 step is read from its files only)
             return _restore_v1(files, state, rank, world_size, threads, strict)
         return _Restore(files, files.tensors, state, rank, world_size, threads, per_rank, strict).run()
 

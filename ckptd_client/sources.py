@@ -1,7 +1,10 @@
 """Where a restore is served from: an explicit chain of sources, tried in order.
 
     DaemonMemory     this node's daemon's memory tier, or a peer daemon's copy fetched by it: one
-                     ``memory_fetch``, in which the daemon tries its own memory, then its peers'
+                     ``memory_fetch``, in which the daemon tries its own memory, then its peers';
+                     for a DTensor state or another world size, every saved rank's shard the
+                     restore needs, resharded as a storage restore would (held_pieces.py), with
+                     only the ranks no daemon holds read from their files
     LocalFiles       the step's files under the root; a daemon with a bucket first stages what
                      this node lacks of this rank's files (``stage``), so the bucket fills in for the disk
     AllRanksStaged   the bucket again, every rank's files: for a restore that reads other ranks'
@@ -24,11 +27,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptd.core.errors import FormatError
 from ckptd.core.names import step_dir
+from ckptd.core.reader import StepReader
 
 from .bucket_restore import BucketStaging
+from .dtensor import is_dtensor
 from .errors import CheckpointError, MissingData
+from .held_pieces import DaemonShards
+from .live_state import live_tensors
 from .memory_restore import MEMORY, PEER, MemoryUnavailable, restore_from_memory
+from .read_stats import ReadStats
 from .restore import PerRank, restore_state
 from .restore_check import Outcome, listed
 
@@ -41,10 +50,11 @@ __all__ = ["MEMORY", "PEER", "STORAGE", "ALL_RANKS", "Reader", "Served", "Unavai
 @dataclass(frozen=True)
 class Served:
     """A source loaded the step into the state: ``source`` is what ``RestoreInfo.source`` reports;
-    ``outcome``: which entries it loaded and which the step lacked."""
+    ``outcome``: which entries it loaded and which the step lacked; ``stats``: what it read, and where."""
     source: str
     raw_bytes: int = 0
     outcome: Outcome = field(default=Outcome(), compare=False)
+    stats: ReadStats | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -62,7 +72,10 @@ class RestoreInfo:
     was not used; ``passed``: every source that could not serve, in chain order, with its reason.
     ``restored``: the top-level keys of the state loaded; ``missing`` (top-level keys) and
     ``missing_tensors`` (key paths inside restored entries): what the step lacked, left as it was
-    (only with ``strict=False``; entries a ``per_rank`` rule kept fresh are in neither)."""
+    (only with ``strict=False``; entries a ``per_rank`` rule kept fresh are in neither).
+    ``from_memory``/``from_peers``: raw bytes copied from shards this node's daemon held / fetched
+    from a peer daemon; ``from_storage``: stored bytes read from data files (a source may combine
+    them: a sharded restore reads from storage only the saved ranks no daemon holds)."""
     step: int
     source: str
     seconds: float
@@ -72,6 +85,9 @@ class RestoreInfo:
     restored: tuple[str, ...] = ()
     missing: tuple[str, ...] = ()
     missing_tensors: tuple[str, ...] = ()
+    from_memory: int = 0
+    from_peers: int = 0
+    from_storage: int = 0
 
     def lacked(self) -> str:
         """What the step lacked, for the restore's log line ("" when nothing)."""
@@ -102,22 +118,60 @@ class Source(ABC):
 
 
 class DaemonMemory(Source):
-    """The daemon's held copy of this rank's shard (memory_restore.py): same world size, no DTensor."""
+    """The daemons' held copies: this rank's whole shard (memory_restore.py) for a plain state at
+    the saved world size, else the saved ranks' pieces the state needs (held_pieces.py)."""
     name = MEMORY
 
-    def __init__(self, reader: Reader, enabled: bool, strict: bool = True) -> None:
-        self.reader, self.enabled, self.strict = reader, enabled, strict
+    def __init__(self, reader: Reader, enabled: bool, per_rank: PerRank = None, strict: bool = True) -> None:
+        self.reader, self.enabled, self.per_rank, self.strict = reader, enabled, per_rank, strict
 
     def serve(self, step: int, state: dict[str, Any]) -> Served | Unavailable:
         if not self.enabled:
             return Unavailable(self.name, "memory restore off (memory=False)")
         r = self.reader
-        try:
-            copy = restore_from_memory(r.socket_path, r.job, step, r.rank, r.world_size, state, r.threads,
-                                       self.strict)
-        except MemoryUnavailable as e:
-            return Unavailable(self.name, str(e))
-        return Served(copy.source, copy.raw_bytes, copy.outcome)
+        sharded = any(is_dtensor(t) for t in live_tensors(state)[0].values())
+        if not sharded:
+            try:
+                copy = restore_from_memory(r.socket_path, r.job, step, r.rank, r.world_size, state, r.threads,
+                                           self.strict)
+            except MemoryUnavailable as e:
+                saved = _saved_world(step_dir(r.root(), r.job, step))
+                if not e.pieces and (saved is None or saved == r.world_size):
+                    return Unavailable(self.name, str(e))
+            else:
+                stats = ReadStats(held={copy.source: copy.raw_bytes})
+                return Served(copy.source, copy.raw_bytes, copy.outcome, stats)
+        return self._pieces(step, state)
+
+    def _pieces(self, step: int, state: dict[str, Any]) -> Served | Unavailable:
+        """A sharded or resharding restore reading held shards first (held_pieces.py)."""
+        r = self.reader
+        path = step_dir(r.root(), r.job, step)
+        saved = _saved_world(path)
+        if saved is None:
+            return Unavailable(self.name, f"step {step} of job {r.job!r} has no readable index under {r.root()}")
+        stats = ReadStats()
+        with DaemonShards(r.socket_path, r.job, step, saved) as held:
+            first = min(r.rank, saved - 1)       # its own saved rank's shard: needed at the same layout
+            if held.manifest(first) is None:
+                return Unavailable(self.name, held.refused[first])
+            try:
+                outcome = restore_state(path, state, rank=r.rank, world_size=r.world_size, threads=r.threads,
+                                        per_rank=self.per_rank, strict=self.strict, stats=stats, held=held)
+            except MemoryUnavailable as e:
+                return Unavailable(self.name, str(e))
+            except MissingData as e:
+                return Unavailable(self.name, f"a saved rank's shard is neither held nor on disk here: {e}", e)
+        raw = sum(stats.held.values())
+        return Served(PEER if stats.held.get(PEER) else MEMORY, raw, outcome, stats)
+
+
+def _saved_world(step_path: str) -> int | None:
+    """The world size a committed step was saved by (None: no readable index)."""
+    try:
+        return StepReader(step_path).world_size
+    except (FormatError, OSError):
+        return None
 
 
 class LocalFiles(Source):
@@ -134,11 +188,12 @@ class LocalFiles(Source):
         if not os.path.isdir(path):
             raise CheckpointError(f"step {step} of job {r.job!r} does not exist under {r.root()}")
         try:
+            stats = ReadStats()
             outcome = restore_state(path, state, rank=r.rank, world_size=r.world_size, threads=r.threads,
-                                    per_rank=self.per_rank, strict=self.strict)
+                                    per_rank=self.per_rank, strict=self.strict, stats=stats)
         except MissingData as e:      # another rank's data file this node lacks: staging every rank's may help
             return Unavailable(self.name, str(e), e)
-        return Served(STORAGE, outcome=outcome)
+        return Served(STORAGE, outcome=outcome, stats=stats)
 
 
 class AllRanksStaged(Source):
@@ -153,16 +208,17 @@ class AllRanksStaged(Source):
             return Unavailable(self.name, "no bucket to stage other ranks' files from (or no daemon)")
         r = self.reader
         self.staging.all_ranks(step)
+        stats = ReadStats()
         outcome = restore_state(step_dir(r.root(), r.job, step), state, rank=r.rank, world_size=r.world_size,
-                                threads=r.threads, per_rank=self.per_rank, strict=self.strict)
-        return Served(STORAGE, outcome=outcome)
+                                threads=r.threads, per_rank=self.per_rank, strict=self.strict, stats=stats)
+        return Served(STORAGE, outcome=outcome, stats=stats)
 
 
 def restore_chain(reader: Reader, staging: BucketStaging, *, memory: bool, per_rank: PerRank,
                   strict: bool = True) -> list[Source]:
     """The sources of one restore, in the order they are tried (the module docstring); ``staging``:
     this restore's, which may have staged the newest step while it was being chosen."""
-    return [DaemonMemory(reader, memory, strict), LocalFiles(reader, staging, per_rank, strict),
+    return [DaemonMemory(reader, memory, per_rank, strict), LocalFiles(reader, staging, per_rank, strict),
             AllRanksStaged(reader, staging, per_rank, strict)]
 
 
@@ -173,10 +229,12 @@ def run_chain(chain: Sequence[Source], step: int, state: dict[str, Any]) -> Rest
     for source in chain:
         got = source.serve(step, state)
         if isinstance(got, Served):
-            o = got.outcome
+            o, st = got.outcome, got.stats or ReadStats()
             return RestoreInfo(step, got.source, time.monotonic() - started, got.raw_bytes,
                                fallback=passed[0].reason if passed else None, passed=tuple(passed),
-                               restored=o.restored, missing=o.missing, missing_tensors=o.missing_tensors)
+                               restored=o.restored, missing=o.missing, missing_tensors=o.missing_tensors,
+                               from_memory=st.held.get(MEMORY, 0), from_peers=st.held.get(PEER, 0),
+                               from_storage=st.bytes)
         passed.append(got)
     first = next((u.error for u in passed if u.error is not None), None)
     if first is not None:

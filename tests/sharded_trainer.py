@@ -9,7 +9,8 @@ process group for the ``plain`` layout. A tiny model in one of these layouts:
 - ``fsdp-shard1``: the same with ``Shard(1)`` for matrices (``shard_placement_fn``);
 - ``tp``: a 2×2 ("dp", "tp") mesh: ``parallelize_module`` ColwiseParallel / RowwiseParallel on
   "tp", then ``fully_shard`` on "dp";
-- ``plain``: the model as it is, in one process.
+- ``plain``: the model as it is, in one process;
+- ``ddp``: ``DistributedDataParallel`` on every rank: plain tensors, one replica per rank.
 
 Modes:
 
@@ -130,7 +131,7 @@ class Net(torch.nn.Module):
         return self.head(h)
 
 
-def build(layout: str, seed: int) -> tuple[Net, int, int]:
+def build(layout: str, seed: int) -> tuple[Any, int, int]:
     """The model in ``layout`` initialised from ``seed``: (model, data-parallel rank, dp size)."""
     from torch.distributed.tensor import Shard
 
@@ -138,6 +139,9 @@ def build(layout: str, seed: int) -> tuple[Net, int, int]:
     model = Net()
     if layout == "plain":
         return model, 0, 1
+    if layout == "ddp":         # plain tensors, a replica on every rank, gradients all-reduced
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        return ddp, torch.distributed.get_rank(), torch.distributed.get_world_size()
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
@@ -246,8 +250,9 @@ def init_group() -> tuple[int, int]:
 
 def checkpointer(a: argparse.Namespace, job: str) -> Any:
     import ckptd_client
-    if a.socket:
-        return ckptd_client.Checkpointer(job, socket=a.socket)
+    if a.socket:     # "a,b": the ranks spread over the daemons in order (2 nodes: ranks 0-1 on a, 2-3 on b)
+        sockets, world = a.socket.split(","), max(1, int(os.environ["WORLD_SIZE"]))
+        return ckptd_client.Checkpointer(job, socket=sockets[int(os.environ["RANK"]) * len(sockets) // world])
     alone = int(os.environ["WORLD_SIZE"]) == 0
     return ckptd_client.Checkpointer(job, socket="/nonexistent/ckptd.sock", root=a.root,
                                      rank=0 if alone else None, world_size=1 if alone else None)
@@ -305,6 +310,9 @@ def restore_into(a: argparse.Namespace, ck: Any, spelling: str, model: Net, opt:
             # (A restore that fails on some ranks only hangs here until the group times out: a failure.)
             torch.distributed.barrier()
         os._exit(RESTORE_ERROR_EXIT)
+    info = ck.last_restore
+    if info is not None:
+        print(f"RESTORE-INFO {info.source} {info.from_memory} {info.from_peers} {info.from_storage}", flush=True)
     if spelling == "dicts" and step is not None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -369,10 +377,12 @@ def mode_train(a: argparse.Namespace) -> None:
     import ckptd_client
     rank, world = init_group()
     out = Path(a.out)
-    model, dp_rank, dp = build("fsdp", seed=1)
+    model, dp_rank, dp = build(a.layout, seed=1)
     opt, sched = make_optim(model, t_max=a.steps)
     meta: dict[str, Any] = {"epoch": 0, "step": 0, "note": "train"}
-    torch.manual_seed(1000 + rank)          # per-rank RNG streams (dropout, noise)
+    # Per-rank RNG streams (dropout, noise); the tensor-parallel ranks of one data-parallel rank
+    # share theirs, so their inputs (and the replicas they each update) stay identical.
+    torch.manual_seed(1000 + dp_rank)
     loader = RankLoader(dp_rank, dp)
     ck = checkpointer(a, a.job)
     rng = ckptd_client.RNGState()
@@ -419,7 +429,7 @@ def main() -> int:
     p.add_argument("--out", required=True, help="directory for references and results")
     p.add_argument("--socket", help="daemon socket (saves); without it, restore from --root")
     p.add_argument("--root")
-    p.add_argument("--layout", default="fsdp", choices=("fsdp", "fsdp-shard1", "tp", "plain"))
+    p.add_argument("--layout", default="fsdp", choices=("fsdp", "fsdp-shard1", "tp", "plain", "ddp"))
     p.add_argument("--spelling", default="objects", choices=("dicts", "objects"))
     p.add_argument("--tag", default="restored")
     p.add_argument("--steps", type=int, default=3)

@@ -1,0 +1,131 @@
+"""Sharded and resharding restores from the daemons' memory: other ranks' held shards as pieces.
+
+A restore whose state holds DTensors, or that runs at another world size than the step was saved
+by, needs regions of global tensors — its own saved rank's pieces at the same layout, pieces of
+several saved ranks after a reshard. :class:`DaemonShards` is the ``HeldShards`` a storage restore
+(``restore.restore_state``) consults for each saved rank it needs: it asks this node's daemon for
+that rank's held shard (``memory_fetch`` with the saved world size; the daemon serves its own
+ranks, replicas other nodes sent it, or a copy it fetches from a peer daemon, each checked against
+the committed index's manifest digest), maps the memfd read-only, and answers with the shard as a
+manifest whose entries are raw (uncompressed) chunks at their offsets in the memfd. The region
+arithmetic, the checks before anything is written and the per-rank rules are then the storage
+restore's own; only ranks no daemon holds are read from their files. Each raw chunk is copied a
+cache-sized piece at a time and hashed while in cache; a chunk failing its checksum raises
+:class:`MemoryUnavailable` (the restore chain then reads the whole step from storage: never wrong
+data). What came from where is counted in ``ReadStats.held`` (``memory``, ``peer``) and
+``ReadStats.bytes`` (storage).
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+
+import numpy as np
+
+from ckptd.core.codec import ChunkMeta, checksum_stream, chunk_ranges
+from ckptd.core.held import HeldMeta
+from ckptd.core.schema import Manifest, TensorEntry
+
+from .connection import DaemonConnection
+from .memory_restore import PIECE, MemoryUnavailable, fetch_held
+from .read_stats import HeldShards, ReadStats
+
+HELD_CODEC = "held"       # a chunk of raw bytes in a memfd (never on disk)
+
+
+def held_manifest(meta: HeldMeta) -> Manifest:
+    """The held shard as a rank manifest: one raw chunk per ``chunk_bytes`` of each tensor, its
+    entry's ``offset`` the tensor's offset in the memfd (so chunk positions are memfd offsets)."""
+    entries = []
+    for t, sums in zip(meta.layout, meta.checksums, strict=True):
+        chunks = [ChunkMeta(HELD_CODEC, n, n, sums[i], []) for i, (_, n) in
+                  enumerate(chunk_ranges(t.nbytes, meta.chunk_bytes))]
+        entries.append(TensorEntry(t.name, t.dtype, list(t.shape), t.offset, chunks, t.placement))
+    return Manifest(meta.job, meta.step, meta.rank, meta.world_size, entries, meta.tree, meta.nbytes, 0)
+
+
+class _Mapped:
+    """One fetched shard: its connection (which keeps it pinned), memfd mapping and source."""
+
+    def __init__(self, conn: DaemonConnection, meta: HeldMeta, fd: int, source: str) -> None:
+        self.conn, self.meta, self.fd, self.source = conn, meta, fd, source
+        self.mm: mmap.mmap | None = None
+        size = os.fstat(fd).st_size
+        if size < meta.nbytes:
+            raise MemoryUnavailable(f"held shard of rank {meta.rank} is {size} bytes, its layout needs {meta.nbytes}")
+        self.size = size
+        self.mm = mmap.mmap(fd, max(size, 1), mmap.MAP_SHARED, mmap.PROT_READ)
+        self.array = np.frombuffer(self.mm, dtype=np.uint8)
+        self.base = int(self.array.ctypes.data)
+
+    def close(self) -> None:
+        del self.array
+        if self.mm is not None:
+            self.mm.close()
+        os.close(self.fd)
+        self.conn.close()                # unpins the shard on the daemon
+
+
+class DaemonShards(HeldShards):
+    """The held shards of step ``step`` (saved by ``world_size`` ranks) of ``job``, fetched from the
+    daemon at ``socket_path`` as a restore asks for them; ``refused``: each saved rank the daemon
+    could not serve, and why (it is read from storage). Close it (or use ``with``) once the restore
+    has copied everything: the mappings go and the daemon may evict the shards again."""
+
+    def __init__(self, socket_path: str, job: str, step: int, world_size: int) -> None:
+        self.socket_path, self.job, self.step, self.world_size = socket_path, job, step, world_size
+        self.shards: dict[int, _Mapped] = {}
+        self.refused: dict[int, str] = {}
+        self._manifests: dict[int, Manifest] = {}
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> DaemonShards:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def manifest(self, rank: int) -> Manifest | None:
+        if rank in self._manifests or rank in self.refused:
+            return self._manifests.get(rank)
+        try:
+            conn, meta, fd, source = fetch_held(self.socket_path, self.job, self.step, rank, self.world_size)
+        except MemoryUnavailable as e:
+            self.refused[rank] = str(e)
+            return None
+        try:
+            shard = _Mapped(conn, meta, fd, source)
+        except BaseException:
+            os.close(fd)
+            conn.close()
+            raise
+        with self._lock:
+            self.shards[rank] = shard
+        m = self._manifests[rank] = held_manifest(meta)
+        return m
+
+    def read_chunk(self, rank: int, pos: int, meta: ChunkMeta, out: memoryview, stats: ReadStats | None) -> None:
+        shard = self.shards[rank]
+        n = meta.raw_len
+        if len(out) != n or pos < 0 or pos + n > shard.size:
+            raise MemoryUnavailable(f"held shard of rank {rank}: chunk at {pos} (+{n}) is outside it")
+        h = checksum_stream()
+        if n:
+            dst = int(np.frombuffer(out, dtype=np.uint8).ctypes.data)
+            for at in range(0, n, PIECE):
+                k = min(PIECE, n - at)
+                ctypes.memmove(dst + at, shard.base + pos + at, k)      # ctypes drops the GIL
+                h.update(out[at:at + k])
+        if h.hexdigest() != meta.checksum:
+            raise MemoryUnavailable(f"corrupt: memory copy of rank {rank} (step {self.step}): the chunk at byte {pos} "
+                                    "of its held shard fails its checksum")
+        if stats is not None:
+            stats.add_chunk(n, shard.source)
+
+    def close(self) -> None:
+        with self._lock:
+            shards, self.shards = list(self.shards.values()), {}
+        for s in shards:
+            s.close()
