@@ -1,0 +1,84 @@
+"""Rank process of tests/test_titan_dcp.py: tests/titan_worker.py's loop (torchtitan's llama3 debug model,
+FSDP2 on gloo, CPU) checkpointed by torchtitan's *stock* DCP checkpoint manager with ckptd as DCP's
+storage (``ckptd_client.dcp.titan.CkptdDcpCheckpointManager``, ``async_mode="async"``).
+
+Prints ``LOSS <step> <float.hex>`` per step and ``START <step>`` after loading. With ``--kill-at N``
+every rank waits for the last save (``maybe_wait_for_saving``), prints ``KILLED N`` and SIGKILLs itself
+after step N's training step (before its save).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from datetime import timedelta
+
+import torch
+from titan_worker import TokenLoader, TrainState
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--socket", required=True)
+    p.add_argument("--job", required=True)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--interval", type=int, default=2)
+    p.add_argument("--kill-at", type=int, default=0)
+    p.add_argument("--folder", required=True)
+    a = p.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+                                         rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import default_adamw
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import model_registry
+
+    from ckptd_client.dcp.titan import CkptdDcpCheckpointManager
+
+    cfg = model_registry("debugmodel").model
+    for layer in cfg.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    torch.manual_seed(0)
+    model = cfg.build()
+    model.init_weights()
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizers = default_adamw(lr=8e-4).build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
+                                              min_lr_factor=0.0).build(optimizers=optimizers, training_steps=a.steps)
+    loader, train_state = TokenLoader(rank), TrainState()
+    manager = CkptdDcpCheckpointManager.Config(
+        enable=True, job=a.job, socket=a.socket, interval=a.interval, keep_latest_k=2, folder=a.folder,
+        async_mode="async").build(dataloader=loader, model_parts=[model], optimizers=optimizers,
+                                  lr_schedulers=schedulers, states={"train_state": train_state}, sd_adapter=None)
+    manager.load(step=-1)
+    print(f"START {train_state.step}", flush=True)
+    while train_state.step < a.steps:
+        train_state.step += 1
+        tokens = loader.next()
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        manager.maybe_wait_for_staging()
+        optimizers.step()
+        optimizers.zero_grad()
+        schedulers.step()
+        print(f"LOSS {train_state.step} {float(loss.detach()).hex()}", flush=True)
+        if train_state.step == a.kill_at:
+            manager.maybe_wait_for_saving()
+            print(f"KILLED {a.kill_at}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        manager.save(train_state.step, last_step=train_state.step == a.steps)
+    manager.maybe_wait_for_saving()
+    manager.close()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
