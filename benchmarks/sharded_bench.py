@@ -51,9 +51,10 @@ from common import RESULTS, fmt, machine_info, median, table, write_results  # n
 
 HERE = Path(__file__).resolve()
 SAVE_METHODS = ("ckptd", "dcp-async", "dcp-async-staged")
-RESTORE_METHODS = ("ckptd", "dcp")
+RESTORE_METHODS = ("ckptd-memory", "ckptd", "dcp")
 LABELS = {"ckptd": "ckptd save(fence_on=optim), overlapped",
-          "ckptd-restore": "ckptd Checkpointer.restore",
+          "ckptd-restore": "ckptd Checkpointer.restore from storage (memory=False)",
+          "ckptd-memory": "ckptd Checkpointer.restore from the daemon's memory",
           "dcp-async": "DCP async_save (shm stager, staging in the call)",
           "dcp-async-staged": "DCP async_save (shm stager, async staging)",
           "dcp": "DCP load"}
@@ -62,6 +63,8 @@ JOB = "sharded"
 TARGET_STALL = 0.1
 TARGET_RESTORE_SAME = 1.0
 TARGET_RESTORE_RESHARD = 1.2
+TARGET_MEMORY_VS_MEMCPY = 2.0          # restore from memory, same layout ÷ copying the shard's bytes
+TARGET_MEMORY_RESHARD = 0.5            # restore from memory, resharding ÷ DCP load resharding
 
 # ---- the rank side ------------------------------------------------------------------------
 
@@ -259,42 +262,96 @@ class Savers:
 
 
 def restore_once(method: str, spec: dict[str, Any], ck: Any, model: torch.nn.Module, opt: torch.optim.AdamW,
-                 state: dict[str, Any], step: int, path: str, reshard: bool) -> float:
+                 state: dict[str, Any], step: int, path: str, reshard: bool) -> tuple[float, float]:
+    """(The slowest rank's restore + ``set_state_dict``, its restore call alone)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
     scramble(state)
     torch.distributed.barrier()
     t0 = time.perf_counter()
-    if method == "ckptd":
+    if method in ("ckptd", "ckptd-memory"):
         got = ck.restore(state, step=step, **(spec["ckptd_reshard_kwargs"] if reshard else {}))
         assert got == step, (got, step)
+        want = "storage" if method == "ckptd" else "memory"
+        assert ck.last_restore.source == want and (method == "ckptd" or not ck.last_restore.from_storage), \
+            (method, ck.last_restore)
     else:
         dcp.load(state, checkpoint_id=path)
+    call = time.perf_counter() - t0
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    (took,) = slowest(time.perf_counter() - t0)
-    return took
+    took, call = slowest(time.perf_counter() - t0, call)
+    return took, call
 
 
 def restore_rounds(spec: dict[str, Any], model: torch.nn.Module, opt: torch.optim.AdamW, state: dict[str, Any],
                    steps: dict[str, int], digests: dict[str, dict[str, str]], reshard: bool) -> dict[str, Any]:
     import ckptd_client
-    ck = ckptd_client.Checkpointer(JOB, socket="/nonexistent/ckptd.sock", root=spec["root"])
-    times: dict[str, list[float]] = {m: [] for m in RESTORE_METHODS}
+    cks = {"ckptd": ckptd_client.Checkpointer(JOB, socket=spec["socket"], root=spec["root"], memory=False,
+                                              prepare=False),
+           "ckptd-memory": ckptd_client.Checkpointer(JOB, socket=spec["socket"], prepare=False), "dcp": None}
+    times: dict[str, list[float]] = {m: [] for m in (*RESTORE_METHODS, "memcpy")}
+    calls: dict[str, list[float]] = {m: [] for m in RESTORE_METHODS}
     exact: dict[str, bool] = {m: True for m in RESTORE_METHODS}
-    paths = {"ckptd": "", "dcp": str(Path(spec["dcp_dir"]) / f"dcp-async-step{steps['dcp']}")}
+    paths = {"ckptd": "", "ckptd-memory": "", "dcp": str(Path(spec["dcp_dir"]) / f"dcp-async-step{steps['dcp']}")}
+    n = len(RESTORE_METHODS)
     for r in range(spec["warmup"] + spec["rounds"]):
-        order = RESTORE_METHODS[r % 2:] + RESTORE_METHODS[:r % 2]
+        order = RESTORE_METHODS[r % n:] + RESTORE_METHODS[:r % n]
         for m in order:
-            took = restore_once(m, spec, ck, model, opt, state, steps[m], paths[m], reshard)
+            src = "ckptd" if m == "ckptd-memory" else m
+            took, call = restore_once(m, spec, cks[m], model, opt, state, steps[src], paths[m], reshard)
             ok = (full_digest(state) if reshard else local_digest(state)) == \
-                digests[m]["full" if reshard else "local"]
+                digests[src]["full" if reshard else "local"]
             ok = bool(slowest(0.0 if ok else 1.0)[0] == 0.0)
             exact[m] = exact[m] and ok
             if r >= spec["warmup"]:
                 times[m].append(took)
+                calls[m].append(call)
             say(spec, f"restore{' (reshard)' if reshard else ''} round {r}: {m} {took:.3f} s, bit-exact {ok}")
-    ck.close()
-    return {"times": times, "bit_exact": exact}
+        if not reshard and r >= spec["warmup"]:
+            times["memcpy"].append(copy_shard(state))
+            times.setdefault("memfd", []).append(read_memfd(state))
+    for ck in cks.values():
+        if ck is not None:
+            ck.close()
+    return {"times": times, "calls": calls, "bit_exact": exact}
+
+
+def read_memfd(state: dict[str, Any]) -> float:
+    """The floor of reading shared memory: this rank's local shards read (``preadv``) from a memfd
+    holding their bytes into the live tensors — a daemon's slot is a memfd, and its 4 KiB pages
+    cost the kernel more per byte than a copy between two resident buffers (the slowest rank's)."""
+    tensors = [t for _, t in local_tensors(state)]
+    views = [memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()) for t in tensors]  # type: ignore[arg-type]
+    fd = os.memfd_create("ckptd-bench-floor")
+    try:
+        pos = 0
+        for v in views:
+            os.pwrite(fd, v, pos)
+            pos += len(v)
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        pos = 0
+        for v in views:
+            if len(v):
+                os.preadv(fd, [v], pos)
+            pos += len(v)
+        (took,) = slowest(time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+    return took
+
+
+def copy_shard(state: dict[str, Any]) -> float:
+    """The floor of a same-layout restore from memory: this rank's local shards copied from
+    already-resident memory into the live tensors (the slowest rank's time)."""
+    pairs = [(t, t.detach().clone()) for _, t in local_tensors(state)]
+    torch.distributed.barrier()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for dst, src in pairs:
+            dst.copy_(src)
+    (took,) = slowest(time.perf_counter() - t0)
+    return took
 
 
 def say(spec: dict[str, Any], msg: str) -> None:
@@ -397,7 +454,12 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         r = res[phase]["restore"]
         for m in RESTORE_METHODS:
             out[key][m] = {"p50": median(r["times"][m]), "min": min(r["times"][m], default=float("nan")),
-                           "bit_exact": r["bit_exact"][m], "n": len(r["times"][m])}
+                           "call_p50": median(r["calls"][m]), "bit_exact": r["bit_exact"][m],
+                           "n": len(r["times"][m])}
+    memcpy = res["save"]["restore"]["times"]["memcpy"]
+    out["memcpy_p50"] = median(memcpy) if memcpy else float("nan")
+    memfd = res["save"]["restore"]["times"].get("memfd", [])
+    out["memfd_p50"] = median(memfd) if memfd else float("nan")
     s, rs, rr = out["save"], out["restore_same"], out["restore_reshard"]
     best_dcp_stall = min(s["dcp-async"]["stall_p50"], s["dcp-async-staged"]["stall_p50"])
     out["ratios"] = {
@@ -410,6 +472,12 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
                          if s["ckptd"]["bytes_on_disk"] and s["dcp-async"]["bytes_on_disk"] else None),
         "restore_same_vs_dcp": rs["ckptd"]["p50"] / rs["dcp"]["p50"],
         "restore_reshard_vs_dcp": rr["ckptd"]["p50"] / rr["dcp"]["p50"],
+        "memory_same_vs_memcpy": rs["ckptd-memory"]["call_p50"] / out["memcpy_p50"],
+        "memory_same_vs_memfd": rs["ckptd-memory"]["call_p50"] / out["memfd_p50"],
+        "memory_same_vs_dcp": rs["ckptd-memory"]["p50"] / rs["dcp"]["p50"],
+        "memory_same_vs_storage": rs["ckptd-memory"]["p50"] / rs["ckptd"]["p50"],
+        "memory_reshard_vs_dcp": rr["ckptd-memory"]["p50"] / rr["dcp"]["p50"],
+        "memory_reshard_vs_storage": rr["ckptd-memory"]["p50"] / rr["ckptd"]["p50"],
     }
     return out
 
@@ -459,6 +527,14 @@ def to_markdown(res: dict[str, Any]) -> str:
             [f"restore p50, resharding {cfg['ranks']} → {cfg['reshard_ranks']} ranks",
              fmt(ra["restore_reshard_vs_dcp"], 3, "×"), f"≤ {TARGET_RESTORE_RESHARD}×",
              verdict(ra["restore_reshard_vs_dcp"], TARGET_RESTORE_RESHARD)],
+            [f"restore from memory p50, same layout, ÷ DCP load (its restore call ÷ copying the shard: "
+             f"{fmt(ra['memory_same_vs_memcpy'], 2, '×')}, target ≤ {TARGET_MEMORY_VS_MEMCPY}×: "
+             f"{verdict(ra['memory_same_vs_memcpy'], TARGET_MEMORY_VS_MEMCPY)}; ÷ reading the shard from a memfd: "
+             f"{fmt(ra['memory_same_vs_memfd'], 2, '×')})",
+             fmt(ra["memory_same_vs_dcp"], 3, "×"), "—", ""],
+            [f"restore from memory p50, resharding {cfg['ranks']} → {cfg['reshard_ranks']} ranks",
+             fmt(ra["memory_reshard_vs_dcp"], 3, "×"), f"≤ {TARGET_MEMORY_RESHARD}×",
+             verdict(ra["memory_reshard_vs_dcp"], TARGET_MEMORY_RESHARD)],
         ]),
         "",
         "## Save",
@@ -473,11 +549,16 @@ def to_markdown(res: dict[str, Any]) -> str:
         "",
         "## Restore",
         "",
-        table(["method", f"same world size ({cfg['ranks']}) p50", "min", "bit-exact",
-               f"reshard {cfg['ranks']} → {cfg['reshard_ranks']} p50", "min", "bit-exact"],
+        table(["method", f"same world size ({cfg['ranks']}) p50", "of it the restore call", "min", "bit-exact",
+               f"reshard {cfg['ranks']} → {cfg['reshard_ranks']} p50", "of it the restore call", "min", "bit-exact"],
               [[LABELS["ckptd-restore" if k == "ckptd" else k], fmt(rs[k]["p50"], 3, " s"),
-                fmt(rs[k]["min"], 3, " s"), rs[k]["bit_exact"], fmt(rr[k]["p50"], 3, " s"),
-                fmt(rr[k]["min"], 3, " s"), rr[k]["bit_exact"]] for k in RESTORE_METHODS]),
+                fmt(rs[k]["call_p50"], 3, " s"), fmt(rs[k]["min"], 3, " s"), rs[k]["bit_exact"],
+                fmt(rr[k]["p50"], 3, " s"), fmt(rr[k]["call_p50"], 3, " s"), fmt(rr[k]["min"], 3, " s"),
+                rr[k]["bit_exact"]] for k in RESTORE_METHODS]
+              + [["copying each rank's local shards from resident memory (torch copy_, the floor)", "",
+                  fmt(s["memcpy_p50"], 4, " s"), "", "", "", "", "", ""],
+                 ["reading each rank's local shards from a memfd (preadv, the floor for shared memory)", "",
+                  fmt(s["memfd_p50"], 4, " s"), "", "", "", "", "", ""]]),
         "",
         "## Notes",
         "",
@@ -490,6 +571,13 @@ def to_markdown(res: dict[str, Any]) -> str:
         "- Restores read files the saves just wrote, mostly from the page cache: they measure reading, decoding"
         " and copying into the live shards (and `set_state_dict`), not the disk. The resharding restore runs in a"
         " fresh group of ranks; its bit-exactness check gathers full tensors, outside the timed region.",
+        "- Restore from memory: the daemon holds the newest committed step's shards (its memory tier); each rank"
+        " maps the held shards it needs (its own at the same layout; every saved rank whose pieces it needs after a"
+        " reshard) and copies their regions, checksummed, into the live shards: no file read, no decode. One"
+        " daemon stands for every node here, so a reshard reads shards the daemon holds itself, as node A does"
+        " for node B's replicas after B is lost (tests/test_sharded_memory.py); a copy fetched from a peer at"
+        " restore time adds a loopback transfer. Against the floor (a plain copy of the local shards) the restore"
+        " call is compared, without the `set_state_dict` every method is followed by.",
         "- The ranks are processes on one machine sharing its cores (and the daemon shares them too); the machine"
         " is shared with other work, so compare rows of one run, not figures across runs.",
         "",
