@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from concurrent.futures import Executor
@@ -27,7 +28,7 @@ import numpy as np
 
 from ckptd.core.errors import FormatError
 from ckptd.core.held import HeldMeta, layout_checksums, span
-from ckptd.core.names import step_dir
+from ckptd.core.names import INDEX_NAME, step_dir
 from ckptd.core.rank_record import RankRecord
 from ckptd.core.reader import StepReader
 from ckptd.core.schema import TensorLayout
@@ -38,6 +39,7 @@ from ckptd.daemon.tiers.memory.store import LOCAL, Held, MemoryStore, new_memfd
 
 log = logging.getLogger("ckptd")
 COPY_PIECE = 64 * 1024 * 1024
+INDEXES_KEPT = 16                 # committed indexes remembered for serving (newest asked last)
 
 
 def _both(released: Callable[[], None]) -> Callable[[], None]:
@@ -104,6 +106,9 @@ class MemoryTier(StorageTier):
                  on_held: Callable[[Held], None] = lambda h: None) -> None:
         self.inner, self.store, self.root = inner, store, root
         self.chunk_bytes, self.pool, self.on_held = chunk_bytes, pool, on_held
+        # (job, step) → (index.json's inode, mtime, size; its reader; rank → manifest digest): the
+        # ranks of one restore each ask for the same step's index
+        self._indexes: dict[tuple[str, int], tuple[tuple[int, int, int], StepReader, dict[int, str]]] = {}
 
     async def write_shard(self, ref: ShardRef, data: memoryview | StreamedData, layout: Sequence[TensorLayout],
                           tree: Any, *, released: Callable[[], None], abandoned: Callable[[], bool],
@@ -218,14 +223,24 @@ class MemoryTier(StorageTier):
             if step is None:
                 raise RequestError(f"no committed step of job {job!r}")
         path = step_dir(self.root, job, step)
-        try:
-            reader = await asyncio.get_running_loop().run_in_executor(self.pool, StepReader, path)
+        try:        # the index as this daemon last read it, while index.json is the same file
+            st = os.stat(os.path.join(path, INDEX_NAME))
+            key, seen = (st.st_ino, st.st_mtime_ns, st.st_size), self._indexes.get((job, step))
+            if seen is None or seen[0] != key:
+                reader = await asyncio.get_running_loop().run_in_executor(self.pool, StepReader, path)
+                seen = self._indexes[(job, step)] = (key, reader, {})
+                while len(self._indexes) > INDEXES_KEPT:
+                    self._indexes.pop(next(iter(self._indexes)))
+            reader, digests = seen[1], seen[2]
+            if reader.world_size != world_size:
+                raise RequestError(f"step {step} was saved by {reader.world_size} ranks, not {world_size} (ask with "
+                                   "the step's own world size)")
+            if rank not in digests:      # (a large index reads only the rank's block: rank_table.py)
+                digests[rank] = str(await asyncio.get_running_loop().run_in_executor(
+                    self.pool, lambda: reader.rank_entry(rank)["manifest_digest"]))
         except (FormatError, OSError) as e:
             raise RequestError(f"step {step} of job {job!r} is not committed: {e}") from None
-        if reader.world_size != world_size:
-            raise RequestError(f"step {step} was saved by {reader.world_size} ranks, this job has {world_size}: "
-                               "a restore at another world size reads storage")
-        return step, str(reader.index["ranks"][rank]["manifest_digest"])
+        return step, digests[rank]
 
     async def serve(self, job: str, step: int | None, rank: int, world_size: int,
                     fetch_peer: Callable[[str, int, int, str], Awaitable[Held | None]] | None
