@@ -183,10 +183,14 @@ class PlanCache:
         tensors, so the next save would pay the full plan); its bytes in a slot, or None: a state
         that cannot be saved is left for ``save`` to refuse."""
         try:
-            return self.plan(state).nbytes
+            plan = self.plan(state)
         except (TypeError, ValueError):
             self._last = None
             return None
+        d = plan.flat.deferrable       # and the copy's split for an overlapped save (the default)
+        if d not in plan.splits:
+            plan.splits[d] = CopySplit.of(plan.layout, plan.flat.tensors, d)
+        return plan.nbytes
 
     def plan(self, state: dict[str, Any], fence_on: Sequence[torch.optim.Optimizer] = ()) -> Plan:
         if not isinstance(state, dict):

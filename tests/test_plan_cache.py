@@ -105,6 +105,29 @@ def test_same_structure_reuses_the_plan(daemon):
     ck.close()
 
 
+def test_restore_plans_the_first_save_and_its_copy(daemon):
+    """After restore() the first save neither plans nor works out its copy's split per tensor again
+    (the state's structure and tensors are what restore left): restore did both."""
+    model, opt = model_and_optimizer()
+    train_step(model, opt)
+    state = {"model": model, "optim": opt}
+    ck = ckptd_client.Checkpointer("pc", socket=str(daemon.socket), commit="local")
+    ck.save(1, state).wait(60)
+    target = fresh_like(state)
+    fresh = ckptd_client.Checkpointer("pc", socket=str(daemon.socket), commit="local")
+    assert fresh.restore(target, step=1) == 1
+    assert (fresh.plans.misses, fresh.plans.hits) == (1, 0)
+    warmed = fresh.plans.plan(target)
+    assert len(warmed.splits) == 1
+    (deferred, split), = warmed.splits.items()
+    assert deferred == warmed.flat.deferrable and deferred      # AdamW's tensors: fenced by its step
+    fresh.save(2, target).wait(60)
+    assert fresh.plans.misses == 1 and warmed.splits == {deferred: split}   # the same split object, reused
+    assert as_bytes(target) == as_bytes(state)
+    ck.close()
+    fresh.close()
+
+
 def test_new_parameter_invalidates(daemon):
     model, opt = model_and_optimizer()
     state: dict[str, Any] = {"model": model, "optim": opt}
