@@ -199,6 +199,8 @@ def plan(files: StepFiles, tensors: dict[str, GlobalTensor], needs: Sequence[Nee
                                       f"(held by ranks {[p.rank for p in t.pieces]}) in {files.path}")
         else:
             pieces = _distinct(t.pieces, prefer)
+            exact = [p for p in pieces if p.region == need.region]    # the same layout: one piece, no intersecting
+            pieces = exact or pieces
         covered = 0
         for p in pieces:
             where = f"tensor {need.name!r}: entry {p.name!r} of {os.path.join(files.path, rank_manifest_name(p.rank))}"
