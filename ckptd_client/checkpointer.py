@@ -333,10 +333,10 @@ class Checkpointer:
         data file gone — or an object's own ``load_state_dict`` raising can leave it partly loaded: restore again,
         e.g. from an older ``step``. Nothing is unpickled. (``load_tensor``: one tensor without a state.)
 
-        Sources (sources.py), tried in order: the daemon's memory (``memory=True``, the default: the raw bytes of a
-        step it — or a peer daemon — still holds, copied from its memfd and checksummed; same world size, no DTensor
-        in ``state``), then the files under the root (a daemon with a bucket stages this rank's first), then every
-        rank's files staged from the bucket. ``last_restore`` says which served, and why each before it could not."""
+        Sources (sources.py), tried in order: the daemon's memory (``memory=True``, the default: the raw bytes of the
+        shards it — or a peer daemon — still holds, copied from memfds and checksummed, resharded as from storage),
+        then the files under the root (a daemon with a bucket stages this rank's first), then every rank's files staged
+        from the bucket. ``last_restore`` says which served, why each before it could not, and the bytes from each."""
         self.fence()
         staging = BucketStaging(self.socket_path, self.job, self.rank, self.world_size)
         if step is None:                # the newest committed step, here or in the bucket
@@ -350,7 +350,8 @@ class Checkpointer:
         if (nbytes := self.plans.warm(state)) is not None and self.config.prepare:
             self._session.prepare_soon(nbytes)     # the first save then costs what the others do
             self._copies.pool().submit(time.sleep, 0)   # and finds its copy thread started
-        log.info("ckptd: restored step %d from %s in %.3fs%s%s", step, info.source, info.seconds,
+        log.info("ckptd: restored step %d from %s in %.3fs (bytes: %d memory, %d peers, %d storage)%s%s", step,
+                 info.source, info.seconds, info.from_memory, info.from_peers, info.from_storage,
                  f" (memory tier: {info.fallback})" if info.fallback else "", info.lacked())
         return step
 
