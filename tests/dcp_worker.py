@@ -12,7 +12,10 @@ Modes:
   while training goes on. ``--kill after``: once the future resolves every rank prints
   ``RESOLVED n`` and SIGKILLs itself. ``--kill before``: rank 1's writer holds its items back
   (a gate in ``write_data``: the step cannot commit) and, once it is there, every rank prints
-  ``GATED n`` and SIGKILLs itself while the save is in flight.
+  ``GATED n`` and SIGKILLs itself while the save is in flight. ``--process``: ``async_save`` in
+  process mode (the writer is pickled to DCP's background process, which saves through a
+  ``Checkpointer`` of its own); ``--kill none``: once the future resolves every rank prints
+  ``RESOLVED n`` and exits cleanly.
 - ``load``: ``--layout`` (fsdp on the group's ranks, or plain in one process) from another seed,
   ``dcp.load`` of ``--step`` with ``ckptd_client.dcp.StorageReader`` and ``set_state_dict``, then
   writes ``loaded<world>.*.pt`` and prints ``EXTRA <repr>``.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import threading
 from concurrent.futures import Future
 from fractions import Fraction
@@ -31,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from ckptd_client.dcp import StorageReader, StorageWriter
 
@@ -49,6 +54,13 @@ class GatedWriter(StorageWriter):
         return super().write_data(plan, planner)
 
 
+def say(line: str) -> None:
+    """``line`` in one write: DCP's background process shares this stdout and logs to it, and
+    ``print`` writes the text and its newline apart, so another line could land in between."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def state_of(model: Any, opt: Any, sched: Any, frac: Any, note: str) -> dict[str, Any]:
     msd, osd = get_state_dict(model, opt)
     return {"model": msd, "optim": osd, "sched": sched, "extra": {"frac": frac, "note": note}}
@@ -59,12 +71,23 @@ def mode_save(a: argparse.Namespace) -> None:
     model, dp_rank, _ = st.build("fsdp", seed=1)
     opt, sched = st.make_optim(model, t_max=20)
     writer = StorageWriter(a.job, socket=a.socket)
+    # The save's collectives run on a thread of their own: a group of their own (as torchtitan's
+    # manager does), so they never interleave with training's on the default group.
+    pg = torch.distributed.new_group(backend="gloo") if a.mode == "async" else None
+    if a.process:      # DCP's background process group rendezvouses there (torchrun's environment has it)
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    kind = AsyncCheckpointerType.PROCESS if a.process else AsyncCheckpointerType.THREAD
     for step in range(1, a.steps + 1):
         st.train_step(model, opt, sched, *st.batch(step, dp_rank))
         if a.mode == "async" and step == 1:
             dcp.save(state_of(model, opt, sched, Fraction(1, 3), "first"), checkpoint_id="step-1",
                      storage_writer=writer)
             print("SAVED 1", flush=True)
+        if a.process and step == 2:     # the background process's first save (the next one reuses its Checkpointer)
+            first = dcp.async_save(state_of(model, opt, sched, Fraction(2, 5), "second"), checkpoint_id="step-2",
+                                   storage_writer=writer, process_group=pg, async_checkpointer_type=kind)
+            assert isinstance(first, Future)
+            first.result()
     st.snapshot(Path(a.out), "saved", model, opt, sched, {"step": a.steps})
     state = state_of(model, opt, sched, Fraction(3, 7), "hello")
     if a.mode == "save":
@@ -80,10 +103,8 @@ def mode_save(a: argparse.Namespace) -> None:
         return
     if a.kill == "before" and rank == 1:
         writer = GatedWriter(a.job, socket=a.socket)
-    # The save's collectives run on a thread of their own: a group of their own (as torchtitan's
-    # manager does), so they never interleave with training's on the default group.
-    pg = torch.distributed.new_group(backend="gloo")
-    fut = dcp.async_save(state, checkpoint_id=f"step-{a.steps}", storage_writer=writer, process_group=pg)
+    fut = dcp.async_save(state, checkpoint_id=f"step-{a.steps}", storage_writer=writer, process_group=pg,
+                         async_checkpointer_type=kind)
     for step in range(a.steps + 1, a.steps + 3):        # training goes on while the save is in flight
         st.train_step(model, opt, sched, *st.batch(step, dp_rank))
     if a.kill == "before":
@@ -94,7 +115,13 @@ def mode_save(a: argparse.Namespace) -> None:
     else:
         assert isinstance(fut, Future)
         fut.result()
-        print(f"RESOLVED {a.steps}", flush=True)
+        say(f"RESOLVED {a.steps}")
+    if a.process:      # this process's writer saved step 1 only: 2 and 3 were saved by DCP's background process
+        say(f"WRITER-LAST {writer.last.step if writer.last is not None else None}")
+    if a.kill == "none":
+        writer.close()
+        torch.distributed.destroy_process_group()
+        return
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -123,7 +150,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--step", type=int, default=3)
     p.add_argument("--layout", default="fsdp")
-    p.add_argument("--kill", choices=["after", "before"], default="after")
+    p.add_argument("--kill", choices=["after", "before", "none"], default="after")
+    p.add_argument("--process", action="store_true")
     a = p.parse_args()
     mode_load(a) if a.mode == "load" else mode_save(a)
 

@@ -2,9 +2,12 @@
 (tests/dcp_worker.py) save with ``dcp.save`` / ``dcp.async_save`` through ``ckptd_client.dcp.StorageWriter``
 to a real daemon; ``dcp.load`` through ``StorageReader`` reads the step back bit for bit on 2 ranks, on
 4 (resharded by DCP's planner) and into a plain model in one process; ``ckptd verify`` passes; a
-Python object (a DCP byte item) comes back through DCP's own load path."""
+Python object (a DCP byte item) comes back through DCP's own load path. ``dcp.async_save`` in process
+mode pickles the writer to DCP's background process, which saves through a ``Checkpointer`` of its own
+(its ranks and store: the gloo group DCP sets up there)."""
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +15,10 @@ from typing import Any
 
 import pytest
 import torch
+
+from ckptd_client.config import CheckpointerConfig
+from ckptd_client.dcp import StorageWriter
+from ckptd_client.errors import CheckpointError
 
 import sharded_trainer as st
 
@@ -93,3 +100,36 @@ def test_async_save_sigkill_before_resolve_is_invisible(daemon_factory: Any, tmp
     # The step before it is whole: it loads.
     st.run_group(2, "load", "--root", str(tmp / "root"), "--job", "j", "--out", str(out), "--step", "1",
                  script=WORKER)
+
+
+def test_async_save_in_process_mode(daemon_factory: Any, tmp: Path) -> None:
+    """The writer (with a live Checkpointer from a dcp.save at step 1) goes to DCP's background process
+    pickled, with each of two async saves (steps 2 and 3); each future resolves once its step is
+    committed; step 3 loads bit for bit and both verify."""
+    d = daemon_factory()
+    out = tmp / "out"
+    out.mkdir()
+    saved = st.run_group(2, "async", "--process", "--kill", "none", "--socket", str(d.socket), "--job", "j",
+                         "--out", str(out), script=WORKER)
+    assert all(st.lines(o, "RESOLVED") == [["3"]] and st.lines(o, "WRITER-LAST") == [["1"]] for o in saved), saved
+    for step in (2, 3):
+        v = ckptd("verify", str(tmp / f"root/j/step-00000000000{step}"))
+        assert v.returncode == 0, v.stdout + v.stderr
+    assert committed_steps(tmp / "root", "j") == {1, 2, 3}
+    outs = st.run_group(2, "load", "--root", str(tmp / "root"), "--job", "j", "--out", str(out), "--step", "3",
+                        script=WORKER)
+    assert all(st.lines(o, "EXTRA") == [["Fraction(3,", "7)", "hello"]] for o in outs), outs
+    check_loaded(out, "loaded2")
+
+
+def test_writer_pickles_as_job_config_and_step(tmp: Path) -> None:
+    """What process mode sends: no Checkpointer, no rank, world size or store (the receiving
+    process's own); a writer whose Checkpointer would spawn a private daemon is refused, naming thread mode."""
+    w = StorageWriter("j", step=5, config=CheckpointerConfig(socket=str(tmp / "s.sock"), rank=1, world_size=2,
+                                                              store=object(), num_slots=3))
+    back = pickle.loads(pickle.dumps(w))
+    assert (back.job, back.fixed_step, back.step) == ("j", 5, 5)
+    assert back.config == CheckpointerConfig(socket=str(tmp / "s.sock"), num_slots=3)
+    spawning = StorageWriter("j", config=CheckpointerConfig(root=str(tmp / "root"), spawn=True))
+    with pytest.raises(CheckpointError, match="thread mode"):
+        pickle.dumps(spawning)

@@ -1,6 +1,7 @@
 """``StorageWriter``: DCP's writes through this rank's ``Checkpointer`` to its node's ckptd daemon."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from typing import Any
@@ -36,6 +37,14 @@ class StorageWriter(_DcpStorageWriter):
     instead (it must not be saving through ``save`` meanwhile). ``config``: the
     ``Checkpointer``'s settings (``socket``, ``root``, ``num_slots``, ``commit_timeout``...);
     ``step``: the step when DCP is given no ``checkpoint_id``.
+
+    The writer pickles (``dcp.async_save``'s process mode sends it to DCP's background process
+    with every save) as its job, settings and fixed step alone: never its ``Checkpointer`` (a
+    daemon session, threads). An unpickled writer saves through its process's own
+    ``Checkpointer`` for that job and settings (``shared_checkpointer``), whose rank, world size
+    and store are that process's torch.distributed ones: in DCP's background process, the gloo
+    group DCP sets up there (the ranks of the group ``async_save`` was given, over a TCPStore of
+    its own), so the commit relay runs through that store.
     """
 
     def __init__(self, job: str, socket: str | None = None, root: str | None = None, *, step: int | None = None,
@@ -52,6 +61,7 @@ class StorageWriter(_DcpStorageWriter):
         self.record: DcpRecord | None = None
         self.last: SaveHandle | None = None          # the last save's handle (stall, durable, committed)
         self._own = checkpointer is None
+        self._unpickled = False
         self._ckpt = checkpointer
         self._plans = ItemPlans()
         if checkpointer is not None:
@@ -66,9 +76,28 @@ class StorageWriter(_DcpStorageWriter):
     def checkpointer(self) -> Checkpointer:
         """This process's ``Checkpointer`` (made on first use: rank, world size, store from torch.distributed)."""
         if self._ckpt is None:
-            self._ckpt = Checkpointer(self.job, config=self.config)
+            if self._unpickled:
+                self._ckpt, self._own = shared_checkpointer(self.job, self.config), False
+            else:
+                self._ckpt = Checkpointer(self.job, config=self.config)
             self._adopt(self._ckpt)
         return self._ckpt
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Job, settings and fixed step (see the class docstring). Rank, world size and store are
+        left to the unpickling process's torch.distributed; a private daemon (``spawn=True``)
+        belongs to this process and cannot be reached from another: refused."""
+        config = self._ckpt.config if self._ckpt is not None and not self._own else self.config
+        if config.spawn:
+            raise CheckpointError("a StorageWriter whose Checkpointer spawns a private daemon (spawn=True) cannot "
+                                  "save from another process (dcp.async_save's process mode): use thread mode, "
+                                  "or a daemon on a socket")
+        return {"job": self.job, "step": self.fixed_step,
+                "config": dataclasses.replace(config, rank=None, world_size=None, store=None)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        StorageWriter.__init__(self, state["job"], step=state["step"], config=state["config"])
+        self._unpickled = True
 
     # ---- DCP's calls, in order -------------------------------------------------------------------
 
@@ -124,7 +153,21 @@ class StorageWriter(_DcpStorageWriter):
         return True
 
     def close(self) -> None:
-        """Close the ``Checkpointer`` this writer made (one passed in stays open)."""
+        """Close the ``Checkpointer`` this writer made (one passed in, or a shared one, stays open)."""
         if self._own and self._ckpt is not None:
             self._ckpt.close()
             self._ckpt = None
+
+
+_SHARED: dict[tuple[str, CheckpointerConfig], Checkpointer] = {}
+
+
+def shared_checkpointer(job: str, config: CheckpointerConfig) -> Checkpointer:
+    """This process's one ``Checkpointer`` for ``job`` and ``config``, made on first use, for the
+    writers unpickled here: DCP's background process unpickles a fresh copy of the writer with every
+    save, and they all save through it, so its daemon session and slots serve save after save. It
+    lives as long as the process (the daemon releases its slots when the connection closes)."""
+    ckpt = _SHARED.get((job, config))
+    if ckpt is None:
+        ckpt = _SHARED[(job, config)] = Checkpointer(job, config=config)
+    return ckpt
