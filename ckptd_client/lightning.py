@@ -1,7 +1,7 @@
-"""Lightning's ``CheckpointIO`` over ckptd (needs ``lightning``; the rest of ckptd_client does not
-import this module).
+"""Lightning's ``CheckpointIO`` over ckptd (needs ``lightning`` or the standalone ``pytorch_lightning``;
+the rest of ckptd_client does not import this module).
 
-    trainer = lightning.Trainer(plugins=[CkptdCheckpointIO("my-run")],
+    trainer = lightning.Trainer(plugins=[CkptdCheckpointIO("my-run")],      # or pytorch_lightning.Trainer
                                 callbacks=[ModelCheckpoint(dirpath="ckpts", every_n_train_steps=100, save_last=True)])
     trainer.fit(model, ckpt_path="last")
 
@@ -22,17 +22,22 @@ before it (the step itself may have committed: ``ckptd ls`` shows it).
 
 Loading reads the pointed-to step straight from storage (no daemon needed when ``root`` is
 given), every chunk checksummed, nothing unpickled.
+
+``lightning`` (``lightning.fabric``) and ``pytorch_lightning`` (``lightning_fabric``) each ship the
+same ``CheckpointIO`` as a class of their own, and each Trainer accepts only its own: the plugins
+derive from the ``CheckpointIO`` of every one of them that is installed, so the same classes plug
+into either Trainer.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
+import types
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
-
-from lightning.fabric.plugins import CheckpointIO
+from typing import TYPE_CHECKING, Any
 
 from ckptd.core import storage
 from ckptd.core.names import step_dir, validate_job
@@ -45,6 +50,33 @@ from .saved_state import escape_keys, read_state, unescape_keys
 
 POINTER_KIND = "ckptd.pointer"
 MAX_POINTER_BYTES = 64 * 1024
+LIGHTNING_PLUGINS = ("lightning.fabric.plugins", "lightning_fabric.plugins")    # lightning's, pytorch_lightning's
+
+
+def _checkpoint_io_base() -> type:
+    """The ``CheckpointIO`` of each Lightning package installed, as one base class."""
+    bases: list[type] = []
+    for name in LIGHTNING_PLUGINS:
+        try:
+            bases.append(importlib.import_module(name).CheckpointIO)
+        except ImportError:
+            continue
+    if not bases:
+        raise ImportError("ckptd_client.lightning needs lightning or pytorch_lightning: "
+                          "pip install 'ckptd[client,lightning]' (or pytorch_lightning)")
+    if len(bases) == 1:
+        return bases[0]
+    return types.new_class("CheckpointIO", tuple(bases), exec_body=lambda ns: ns.update(__module__=__name__))
+
+
+if TYPE_CHECKING:       # the test extra installs both
+    from lightning.fabric.plugins import CheckpointIO as _LightningIO
+    from lightning_fabric.plugins import CheckpointIO as _PytorchLightningIO
+
+    class CheckpointIO(_LightningIO, _PytorchLightningIO):
+        ...
+else:
+    CheckpointIO = _checkpoint_io_base()
 
 
 def write_pointer(path: str | os.PathLike[str], job: str, step: int, root: str) -> None:

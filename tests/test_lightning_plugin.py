@@ -1,7 +1,8 @@
 """Lightning through ckptd (issue 23, acceptance 4): a real ``lightning.Trainer`` on CPU with
 ``CkptdCheckpointIO`` (tests/lightning_worker.py) is SIGKILLed after a checkpoint and resumed with
 ``ckpt_path="last"``: the resumed run's losses equal an uninterrupted run's bit for bit. The plugin
-refuses values ckptd cannot store, naming the key, and keeps dict keys that are paths."""
+refuses values ckptd cannot store, naming the key, and keeps dict keys that are paths. The same plugin
+plugs into the standalone ``pytorch_lightning`` package's Trainer."""
 from __future__ import annotations
 
 import json
@@ -43,6 +44,17 @@ def test_sigkill_then_resume_from_last_matches(daemon_factory: Any, tmp: Path, m
     v = subprocess.run([sys.executable, "-m", "ckptd", "verify", str(tmp / "root"), "run", str(pointer["step"])],
                        capture_output=True, text=True, timeout=60)
     assert v.returncode == 0, v.stdout + v.stderr
+
+
+def test_pytorch_lightning_trainer_resumes_from_last(daemon_factory: Any, tmp: Path) -> None:
+    """A short variant with ``pytorch_lightning.Trainer``: 8 steps, killed after the step-4 save."""
+    d = daemon_factory()
+    want = run("--pl", "--steps", "8", "--socket", str(d.socket), "--job", "ref", "--dir", str(tmp / "ref"))
+    assert sorted(want) == list(range(8))
+    common = ("--pl", "--steps", "8", "--socket", str(d.socket), "--job", "run", "--dir", str(tmp / "run"))
+    assert run(*common, "--kill-at", "5", expect_rc=-9) == {k: want[k] for k in range(5)}
+    assert json.loads((tmp / "run/last.ckpt").read_text())["step"] == 4
+    assert run(*common, "--resume") == {k: want[k] for k in range(4, 8)}
 
 
 def test_refuses_objects_by_key_and_keeps_path_keys(daemon_factory: Any, tmp: Path) -> None:
