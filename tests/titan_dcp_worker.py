@@ -11,10 +11,9 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-from datetime import timedelta
 
 import torch
-from titan_worker import TokenLoader, TrainState
+from titan_worker import build_run
 
 
 def main() -> None:
@@ -26,32 +25,9 @@ def main() -> None:
     p.add_argument("--kill-at", type=int, default=0)
     p.add_argument("--folder", required=True)
     a = p.parse_args()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
-                                         rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
-    from torchtitan.components.optimizer.optimizer import default_adamw
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.llama3 import model_registry
-
+    rank, model, optimizers, schedulers, loader, train_state = build_run(a.steps)
     from ckptd_client.dcp.titan import CkptdDcpCheckpointManager
 
-    cfg = model_registry("debugmodel").model
-    for layer in cfg.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    torch.manual_seed(0)
-    model = cfg.build()
-    model.init_weights()
-    mesh = init_device_mesh("cpu", (world,))
-    for block in model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizers = default_adamw(lr=8e-4).build(model_parts=[model])
-    schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
-                                              min_lr_factor=0.0).build(optimizers=optimizers, training_steps=a.steps)
-    loader, train_state = TokenLoader(rank), TrainState()
     manager = CkptdDcpCheckpointManager.Config(
         enable=True, job=a.job, socket=a.socket, interval=a.interval, keep_latest_k=2, folder=a.folder,
         async_mode="async").build(dataloader=loader, model_parts=[model], optimizers=optimizers,

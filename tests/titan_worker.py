@@ -56,18 +56,10 @@ class TrainState:
         self.step = int(sd["step"])
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--socket", required=True)
-    p.add_argument("--job", required=True)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--interval", type=int, default=2)
-    p.add_argument("--kill-at", type=int, default=0)
-    p.add_argument("--folder", required=True)
-    p.add_argument("--hf-last", action="store_true", help="last step: model only, exported as HF safetensors")
-    p.add_argument("--hf-init", help="initial_load_in_hf from this directory")
-    p.add_argument("--dump", help="write the full model weights here (safetensors) at the end")
-    a = p.parse_args()
+def build_run(steps: int) -> tuple[int, Any, Any, Any, TokenLoader, TrainState]:
+    """Join the gloo group (RANK, WORLD_SIZE, MASTER_PORT) and build the run both torchtitan workers
+    train: llama3's debug model under FSDP2, AdamW, the warm-up/linear-decay schedule, the loader
+    and the train state. (rank, model, optimizers, lr schedulers, loader, train state)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
                                          rank=rank, world_size=world, timeout=timedelta(seconds=120))
@@ -77,8 +69,6 @@ def main() -> None:
     from torchtitan.components.optimizer.optimizer import default_adamw
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import model_registry
-
-    from ckptd_client.torchtitan import CkptdCheckpointManager
 
     cfg = model_registry("debugmodel").model
     for layer in cfg.layers:
@@ -92,8 +82,25 @@ def main() -> None:
     fully_shard(model, mesh=mesh)
     optimizers = default_adamw(lr=8e-4).build(model_parts=[model])
     schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
-                                              min_lr_factor=0.0).build(optimizers=optimizers, training_steps=a.steps)
-    loader, train_state = TokenLoader(rank), TrainState()
+                                              min_lr_factor=0.0).build(optimizers=optimizers, training_steps=steps)
+    return rank, model, optimizers, schedulers, TokenLoader(rank), TrainState()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--socket", required=True)
+    p.add_argument("--job", required=True)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--interval", type=int, default=2)
+    p.add_argument("--kill-at", type=int, default=0)
+    p.add_argument("--folder", required=True)
+    p.add_argument("--hf-last", action="store_true", help="last step: model only, exported as HF safetensors")
+    p.add_argument("--hf-init", help="initial_load_in_hf from this directory")
+    p.add_argument("--dump", help="write the full model weights here (safetensors) at the end")
+    a = p.parse_args()
+    rank, model, optimizers, schedulers, loader, train_state = build_run(a.steps)
+    from ckptd_client.torchtitan import CkptdCheckpointManager
+
     manager = CkptdCheckpointManager.Config(
         enable=True, job=a.job, socket=a.socket, interval=a.interval, keep_latest_k=2, folder=a.folder,
         last_save_model_only=a.hf_last, last_save_in_hf=a.hf_last, export_dtype="float32",
