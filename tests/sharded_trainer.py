@@ -82,6 +82,21 @@ def kill_all(procs: list[subprocess.Popen[str]], sig: int = signal.SIGKILL) -> N
         p.wait(timeout=30)
 
 
+def kill_after_commit(procs: list[subprocess.Popen[str]], step: int) -> list[str]:
+    """Read rank 0's output until it reports step ``step`` (or a later one) committed, then SIGKILL
+    every rank at once (``kill_all``, also when the read fails); the lines read."""
+    seen: list[str] = []
+    try:
+        assert procs[0].stdout is not None
+        for line in procs[0].stdout:
+            seen.append(line)
+            if line.startswith("COMMITTED") and int(line.split()[1]) >= step:
+                break
+    finally:
+        kill_all(procs, signal.SIGKILL)
+    return seen
+
+
 def finish(procs: list[subprocess.Popen[str]], timeout: float = 180, expect_rc: int = 0) -> list[str]:
     """Every rank's output; each must exit with ``expect_rc`` (a hung group is killed)."""
     deadline = time.monotonic() + timeout

@@ -214,14 +214,7 @@ def test_sigkill_resume_on_fewer_ranks(daemon: Any, tmp: Path) -> None:
     out.mkdir()
     common = ("--job", "killed", "--out", str(out), "--socket", str(daemon.socket))
     procs = st.launch(4, "train", *common, "--steps", "40", "--every", "4", "--step-sleep", "0.15")
-    seen: list[str] = []
-    try:
-        for line in procs[0].stdout:
-            seen.append(line)
-            if line.startswith("COMMITTED") and int(line.split()[1]) >= 8:
-                break
-    finally:
-        st.kill_all(procs, signal.SIGKILL)
+    seen = st.kill_after_commit(procs, 8)
     assert any(line.startswith("COMMITTED") for line in seen), "".join(seen) + procs[0].stdout.read()
     assert all(p.returncode == -signal.SIGKILL for p in procs), [p.returncode for p in procs]
     assert "DONE" not in "".join(seen)

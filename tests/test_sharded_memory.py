@@ -69,14 +69,7 @@ def test_restart_and_node_loss_restore_from_memory(daemon_factory: Any, tmp: Pat
 
     common = ("--job", "mem", "--out", str(out), "--socket", sockets, *steps)
     procs = st.launch(4, "train", *common, "--step-sleep", "0.3")
-    seen: list[str] = []
-    try:
-        for line in procs[0].stdout:
-            seen.append(line)
-            if line.startswith("COMMITTED") and int(line.split()[1]) >= 8:
-                break
-    finally:
-        st.kill_all(procs, signal.SIGKILL)
+    seen = st.kill_after_commit(procs, 8)
     assert "DONE" not in "".join(seen), "".join(seen)
     wait_for(lambda: replicated(a.socket, 8) and replicated(b.socket, 8), "step 8 held and replicated")
     assert remove_data_files(a.root, "mem") >= 4
