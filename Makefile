@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 # What `make lint` (and so `make test`) checks with ruff and mypy: the whole tree.
 CHECKED := ckptd ckptd_client tests benchmarks examples
 
-.PHONY: demo demo-s3 test lint bench bench-sharded bench-s3 bench-memory bench-memory-footprint bench-scale bench-stall bench-dcp install install-test clean
+.PHONY: demo demo-s3 test lint bench bench-sharded bench-s3 bench-memory bench-memory-footprint bench-scale bench-stall bench-dcp bench-parity install install-test clean
 
 # Daemon + client (the client extra brings torch; the daemon alone needs only `pip install ckptd`).
 $(VENV)/.installed: pyproject.toml
@@ -83,6 +83,13 @@ bench-stall: $(VENV)/.installed-bench
 # stall, time to durable, bytes, dcp.load; writes benchmarks/results/dcp_backend.md and .json.
 bench-dcp: $(VENV)/.installed-bench
 	$(PY) benchmarks/dcp_backend_bench.py
+
+# Parity codec throughput per core (XOR, Reed-Solomon through pyeclib: ISA-L and the portable backend;
+# zfec, GPL, installed here as a comparison only) and the memory / bytes-sent table of
+# docs/erasure-coding.md; writes benchmarks/results/parity.md and .json.
+bench-parity: $(VENV)/.installed-bench
+	$(PIP) install -q 'zfec>=1.5'
+	$(PY) benchmarks/bench_parity.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache
