@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptd.core import names, protocol
 from ckptd.core.names import job_dir, step_dir_name
-from ckptd.core.protocol import CommitMode, EventOp
+from ckptd.core.protocol import CommitMode, EventOp, SaveLevel
 from ckptd.core.reader import latest_committed
 from ckptd.core.relay_record import RankOutcome
 
@@ -21,7 +21,8 @@ from .disk import committed_on_disk
 from .dist import dist_info
 from .errors import CheckpointError, NotDelivered
 from .handle import CloseReport, SaveHandle, wait_all
-from .modes import WhenBusy, parse_when_busy, resolve_commit_mode
+from .memory_level import all_ranks_ok, is_held_step, newest_held_step, restore_held
+from .modes import WhenBusy, parse_level, parse_when_busy, resolve_commit_mode
 from .overlap import OverlapCopies, fence_list, parse_overlap
 from .own_daemon import OwnDaemon
 from .plan_cache import PlanCache
@@ -139,7 +140,7 @@ class Checkpointer:
                 self._relay.publish(h.step, RankOutcome.failed(reason))
             if h.durable_s is None or self.commit_mode is CommitMode.LOCAL:
                 # The daemon may have committed just before it went away: the index decides.
-                committed = h.durable_s is not None and committed_on_disk(self.root, self.job, h.step, h)
+                committed = h.durable_s is not None and self._on_disk(h.step, h)
                 self._finish(h, None if committed else reason)
 
     def _finish(self, h: SaveHandle, error: str | None) -> None:
@@ -147,11 +148,18 @@ class Checkpointer:
         peer rank, a commit timeout) may hide a commit that happened: the disk decides, so a handle
         never says failed for a committed step (the daemon refuses saves of committed steps, so an
         index.json there is this save's)."""
-        if error is not None and h.durable_s is not None and committed_on_disk(self.root, self.job, h.step, h):
+        if error is not None and h.durable_s is not None and self._on_disk(h.step, h):
             error = None
         if self._handles.get(h.step) is h:
             del self._handles[h.step]
         h.settle(error)
+
+    def _held(self, step: int) -> bool:
+        """Whether ``step``'s save in flight is memory-level (its job key: ``names.memory_job``)."""
+        return (h := self._handles.get(step)) is not None and h.level is SaveLevel.MEMORY
+
+    def _on_disk(self, step: int, h: SaveHandle | None) -> bool:
+        return committed_on_disk(self.root, names.memory_job(self.job) if self._held(step) else self.job, step, h)
 
     # ---- saving ------------------------------------------------------------
 
@@ -163,41 +171,34 @@ class Checkpointer:
         self._ensure_slots(self.plans.plan(state).nbytes)
 
     def save(self, step: int, state: dict[str, Any], *, overlap: bool | str | None = None,
-             when_busy: WhenBusy | str | None = None,
-             fence_on: Optimizer | Sequence[Optimizer] | None = None) -> SaveHandle:
-        """Snapshot ``state`` into a shared-memory slot and hand it to the daemon.
+             when_busy: WhenBusy | str | None = None, fence_on: Optimizer | Sequence[Optimizer] | None = None,
+             level: SaveLevel | str = SaveLevel.STORAGE) -> SaveHandle:
+        """Snapshot ``state`` into a shared-memory slot and hand it to the daemon (README, "Saving").
 
-        Overlapped (``overlap=True``, the default): when ``state`` holds an optimizer, module parameters
-        and optimizer state are copied in the background while forward/backward run, and ``fence()`` —
-        called automatically by a step pre-hook on those optimizers — waits for the copy before the first
-        mutation; the rest is copied before ``save()`` returns. Call ``fence()`` yourself before
-        changing parameters outside that step.
+        ``overlap=True`` (default): with an optimizer in ``state``, parameters and optimizer state are copied in
+        the background while forward/backward run; ``fence()`` — called by a step pre-hook on those optimizers —
+        waits for the copy before the first mutation; the rest is copied before ``save()`` returns. Call
+        ``fence()`` yourself before changing parameters outside that step. ``fence_on`` (optimizers): for dict
+        state (``get_state_dict``'s), whose tensors sharing storage with theirs are then deferred the same way.
+        ``overlap="manual"``: every tensor is deferred, and only those optimizers' steps (and the next save,
+        restore or close) fence: call ``fence()`` before changing any tensor of ``state`` in place otherwise (a
+        tensor changed unfenced may be saved half old, half new). ``overlap=False``: all copied first.
 
-        ``fence_on`` (an optimizer or a list of them): for state given as dicts, e.g. ``get_state_dict(model,
-        optim)``'s output, where no optimizer object is in ``state``. Those optimizers' step pre-hooks fence,
-        and every tensor of ``state`` that shares its storage with one of their parameters or state tensors
-        (a DTensor: its local shard's) is copied in the background like the object path's.
+        ``when_busy``: with every slot busy, ``block`` waits, ``skip`` returns ``skipped=True``. Slots smaller
+        than the state (the daemon's ``slot_memory_limit``) stream it through part by part.
 
-        ``overlap="manual"``: every tensor is copied in the background, and nothing but the ``fence_on``/
-        state optimizers' steps (and the next save, restore or close) fences. You promise to call
-        ``fence()`` before changing any tensor of ``state`` in place in any other way (buffers such as
-        BatchNorm statistics in forward, a learning-rate tensor, an EMA); a tensor changed unfenced may
-        be saved half old, half new. Reading them (forward, backward) needs no fence. ``overlap=True``
-        keeps deferring only what a fenced step changes.
+        ``level="memory"``: a memory-level step, held in the daemons' memory and replicated to their peers
+        (``[peers] replicas``), never written: save to memory every few steps, to storage every few hundred.
+        It commits once every rank's shard is held with its replicas and fails, saying why, when one cannot
+        be. ``restore()`` takes the newest step every rank can restore; memory-level steps do not survive a
+        restart of every daemon holding them (memory_level.py).
 
-        Blocking copy (``overlap=False``): all of it is copied first. ``when_busy``: with every slot
-        still being written, ``block`` waits for one, ``skip`` returns a handle with ``skipped=True``.
-        Slots smaller than the state (the daemon's ``slot_memory_limit`` is short) stream the save
-        through them part by part: a blocking copy of every part (``ckptd_client.streamed``).
-
-        DTensors are saved as their local shards (see ``ckptd_client.dtensor``). A tensor ckptd
-        cannot store (sparse, nested, quantized, meta, a DTensor with Partial placements, an
-        unsupported dtype) is a TypeError naming its key, raised before any slot is taken.
-        """
+        DTensors are saved as their local shards (``ckptd_client.dtensor``). A tensor ckptd cannot store is a
+        TypeError naming its key, raised before any slot is taken."""
         if self._closed:
             raise CheckpointError("checkpointer is closed")
         overlap = self.overlap if overlap is None else parse_overlap(overlap)
-        busy = parse_when_busy(when_busy or self.when_busy)
+        busy, level = parse_when_busy(when_busy or self.when_busy), parse_level(level)
         fence_optims = fence_list(fence_on)
         step_dir_name(step)  # validates the step number
         self.fence()
@@ -209,7 +210,7 @@ class Checkpointer:
         if self.commit_mode is CommitMode.RELAY:
             self._ensure_relay().claim(step)      # a step is saved once per run: CheckpointError if it was
         self._seq += 1
-        handle = SaveHandle(step, self._seq)
+        handle = SaveHandle(step, self._seq, level)
         self._handles[step] = handle
         if self.commit_mode is CommitMode.RELAY:
             self._ensure_relay().track(step, lambda err: self._finish(handle, err))
@@ -217,6 +218,9 @@ class Checkpointer:
             try:
                 conn, handle.setup_s = self._ensure_slots(plan.nbytes)
                 if needs_stream(self._session, plan):     # the daemon lent smaller slots (its budget)
+                    if level is SaveLevel.MEMORY:
+                        raise CheckpointError(f"a memory-level save must fit in one slot: {plan.nbytes} bytes "
+                                              "stream through smaller ones (the daemon's slot_memory_limit)")
                     stream_save(self._session, conn, handle, plan, self.commit_mode.value, busy is WhenBusy.BLOCK)
                     break
                 handle.slot = self._session.acquire(block=busy is WhenBusy.BLOCK)
@@ -224,7 +228,7 @@ class Checkpointer:
                     handle.skipped = True
                     break
                 msg = protocol.Save(step=step, slot=handle.slot, tensors=plan.wire,
-                                    tree=flat.tree, commit=self.commit_mode.value)
+                                    tree=flat.tree, commit=self.commit_mode.value, level=level.value)
                 copy = self._copies.snapshot(self._session.slots[handle.slot], layout, flat, overlap, plan.splits)
                 if copy.deferred:                     # the daemon gets the layout once the copy is done
                     self._copies.begin(handle, copy, flat.optimizers, partial(conn.request, msg),
@@ -268,9 +272,11 @@ class Checkpointer:
     def _ensure_relay(self) -> StoreRelay:
         if self._relay is None:
             assert self.run_scope is not None       # (relay mode has a store)
+            s = self._session
             self._relay = StoreRelay(self.store, self.job, self.rank, self.world_size, self.commit_timeout,
-                                     self._session.commit, self._session.abort,
-                                     lambda step: committed_on_disk(self.root, self.job, step, self._handles.get(step)),
+                                     lambda step, *a: s.commit(step, *a, memory=self._held(step)),
+                                     lambda step, why: s.abort(step, why, memory=self._held(step)),
+                                     lambda step: self._on_disk(step, self._handles.get(step)),
                                      node_size=self.local_world_size, run=self.run_scope)
         return self._relay
 
@@ -297,63 +303,58 @@ class Checkpointer:
 
     def restore(self, state: dict[str, Any], step: int | None = None, *, per_rank: PerRank = None,
                 strict: bool = True) -> int | None:
-        """Load the latest committed step (or ``step``) into ``state`` in place; None if there is none.
+        """Load the newest committed step (or ``step``) into ``state`` in place; returns it (None: there is none).
 
-        The live ``state`` says what to read, whatever the saved layout was: each tensor is found in the step's
-        tensor map by its key path (as ``save`` names it). A DTensor gets the region its local shard holds, a plain
-        tensor the whole tensor, assembled from whichever saved pieces overlap it; only the manifests of those
-        pieces and the chunks covering the rows touched are read (checksummed, decoded in parallel, straight into
-        the live tensors where the bytes are contiguous). So a step restores at another world size or mesh (N → M
-        ranks, ``Shard(0)`` → ``Shard(1)``, FSDP2 → TP + FSDP2) and into a plain model in one process; at the same
-        world size and layout each rank reads only its own files. Top-level entries of the step that ``state`` lacks
-        are not read (``{"model": m}`` loads just that). ``strict`` (the default): an entry of ``state`` the step
-        lacks — a top-level key, or a tensor inside one (a module's parameter) — is a CheckpointError naming every
-        one; with ``strict=False`` they are left as they are, and ``last_restore.missing`` lists them.
+        The live ``state`` says what to read, whatever the saved layout was (README, "Restore"): each tensor is
+        found in the step's tensor map by its key path; a DTensor gets the region its local shard holds, a plain
+        tensor the whole tensor, assembled from whichever saved pieces overlap it, reading only the chunks it
+        touches. So a step restores at another world size or mesh. ``strict`` (default): an entry of ``state``
+        the step lacks is a CheckpointError naming every one; ``strict=False`` leaves them and lists them in
+        ``last_restore.missing``. Everything is checked before anything is written; nothing is unpickled.
+        Models and optimizers load through ``set_model_state_dict``/``set_optimizer_state_dict``; RNG state last.
 
-        Objects: with one DTensor-parametrised model in ``state`` the model is restored with
-        ``set_model_state_dict`` and each top-level optimizer with ``set_optimizer_state_dict`` (Adam's state is
-        created first if the optimizer never stepped, as DCP does). A plain model (one module in ``state``) restores
-        a sharded checkpoint's FQN-keyed optimizer state the same way. Dict-style state (``get_state_dict``'s dicts)
-        is loaded in place into the dicts' tensors (a DTensor's local shard); call ``set_state_dict`` afterwards.
-        RNG state (``RNGState``, or any value with ``ckptd_restore_last = True``) is applied after every other
-        entry. Scalars (Adam's ``step``, learning rates) come back exactly.
+        ``per_rank``, at another world size, for entries that differed between saved ranks (loader positions,
+        RNG): ``"fresh"``, ``"rank0"``, ``"same-rank"`` or ``(rank, saved_world, world) -> saved rank | None``.
 
-        ``per_rank``: entries whose non-tensor content differed between the saved ranks (the step's
-        ``per_rank_keys``: a data loader's position, RNG streams) cannot follow a change of world size by
-        themselves; restoring one that ``state`` holds raises a CheckpointError naming them unless ``per_rank`` says
-        what each gets: one rule for all, or a dict of top-level key → rule. Rules: ``"fresh"`` leaves the live
-        value as it is, ``"rank0"`` loads saved rank 0's, ``"same-rank"`` gives rank r saved rank r's (a rank the
-        saved world did not have stays fresh), or a callable ``(rank, saved_world_size, world_size) -> saved rank or
-        None`` (None: fresh). Ignored at the same world size (each rank takes its own).
-
-        Version-1 steps (no tensor map) restore at the same world size only. Every failure is a CheckpointError
-        naming the tensor (and the rank's file). Names, dtypes and (global) shapes of everything the restore would
-        write are checked before anything is: a mismatch (all of them named at once) leaves ``state`` untouched.
-        Tensors are then decoded straight into ``state``, so only what the read itself finds — a corrupt chunk, a
-        data file gone — or an object's own ``load_state_dict`` raising can leave it partly loaded: restore again,
-        e.g. from an older ``step``. Nothing is unpickled. (``load_tensor``: one tensor without a state.)
-
-        Sources (sources.py), tried in order: the daemon's memory (``memory=True``, the default: the raw bytes of the
-        shards it — or a peer daemon — still holds, copied from memfds and checksummed, resharded as from storage),
-        then the files under the root (a daemon with a bucket stages this rank's first), then every rank's files staged
-        from the bucket. ``last_restore`` says which served, why each before it could not, and the bytes from each."""
+        Sources (sources.py), in order: a newer memory-level step, when every rank can read it from the daemons'
+        memory (memory_level.py); the daemon's memory (``memory=True``: held shards, this node's or a peer's,
+        checksummed, resharded as from storage); the files under the root (a daemon with a bucket stages them
+        first); every rank's files staged from the bucket. ``last_restore`` says which served, why each before it
+        could not, and the bytes from each."""
         self.fence()
         staging = BucketStaging(self.socket_path, self.job, self.rank, self.world_size)
-        if step is None:                # the newest committed step, here or in the bucket
-            step = self._agree(staging.newest(self.latest_step))
-            if step is None:
-                return None
         reader = Reader(self.socket_path, self.job, self.rank, self.world_size, self.restore_threads,
                         self.resolve_root)
-        chain = restore_chain(reader, staging, memory=self.memory, per_rank=per_rank, strict=strict)
-        info = self.last_restore = run_chain(chain, step, state)
+        held = None            # a memory-level step to try first (memory_level.py)
+        if step is None:                # the newest committed step, here or in the bucket
+            step = self._agree(staging.newest(self.latest_step))
+            if self.memory:
+                held = self._agree(newest_held_step(self.resolve_root(), self.job, step))
+        elif self.memory and is_held_step(self.resolve_root(), self.job, step):
+            held = step
+        info = None if held is None else restore_held(reader, held, state, per_rank, strict, self._all_ok)
+        if not isinstance(info, RestoreInfo):
+            if step is None:
+                return None
+            chain = restore_chain(reader, staging, memory=self.memory, per_rank=per_rank, strict=strict)
+            info = run_chain(chain, step, state, skipped=info)
+        self.last_restore = info
         if (nbytes := self.plans.warm(state)) is not None and self.config.prepare:
             self._session.prepare_soon(nbytes)     # the first save then costs what the others do
             self._copies.pool().submit(time.sleep, 0)   # and finds its copy thread started
-        log.info("ckptd: restored step %d from %s in %.3fs (bytes: %d memory, %d peers, %d storage)%s%s", step,
-                 info.source, info.seconds, info.from_memory, info.from_peers, info.from_storage,
+        log.info("ckptd: restored %sstep %d from %s in %.3fs (bytes: %d memory, %d peers, %d storage)%s%s",
+                 "memory-level " if info.level == "memory" else "", info.step, info.source, info.seconds,
+                 info.from_memory, info.from_peers, info.from_storage,
                  f" (memory tier: {info.fallback})" if info.fallback else "", info.lacked())
-        return step
+        return info.step
+
+    def _all_ok(self, ok: bool) -> bool:
+        """Whether every rank restored the memory-level step (just this one's answer without a store)."""
+        if self.world_size == 1 or self.run_scope is None:
+            return ok
+        self._restores += 1
+        return all_ranks_ok(self.store, self.run_scope.scope(), self._restores, self.world_size, ok,
+                            self.commit_timeout)
 
     def _agree(self, step: int | None) -> int | None:
         """Every rank restores rank 0's choice of step (agree_step), numbered by this run's restores."""

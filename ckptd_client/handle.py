@@ -5,14 +5,17 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ckptd.core.protocol import SaveLevel
+
 from .errors import CheckpointError
 
 
 class SaveHandle:
     """One save in flight. ``wait()`` returns once the step is committed, or raises why not."""
 
-    def __init__(self, step: int, seq: int) -> None:
+    def __init__(self, step: int, seq: int, level: SaveLevel = SaveLevel.STORAGE) -> None:
         self.step = step
+        self.level = level          # storage, or memory (a memory-level step: Checkpointer.save)
         self.seq = seq              # the client's save number (store keys follow the step, not this)
         self.stall_s = 0.0          # time save() blocked the trainer (copy + hand-off)
         self.fence_s = 0.0          # time a fence blocked the trainer (overlapped copies)

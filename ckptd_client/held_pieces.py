@@ -24,26 +24,13 @@ import threading
 
 import numpy as np
 
-from ckptd.core.codec import ChunkMeta, checksum_stream, chunk_ranges
-from ckptd.core.held import HeldMeta
-from ckptd.core.schema import Manifest, TensorEntry
+from ckptd.core.codec import ChunkMeta, checksum_stream
+from ckptd.core.held import HeldMeta, held_manifest
+from ckptd.core.schema import Manifest
 
 from .connection import DaemonConnection
 from .memory_restore import PIECE, MemoryUnavailable, fetch_held
 from .read_stats import HeldShards, ReadStats
-
-HELD_CODEC = "held"       # a chunk of raw bytes in a memfd (never on disk)
-
-
-def held_manifest(meta: HeldMeta) -> Manifest:
-    """The held shard as a rank manifest: one raw chunk per ``chunk_bytes`` of each tensor, its
-    entry's ``offset`` the tensor's offset in the memfd (so chunk positions are memfd offsets)."""
-    entries = []
-    for t, sums in zip(meta.layout, meta.checksums, strict=True):
-        chunks = [ChunkMeta(HELD_CODEC, n, n, sums[i], []) for i, (_, n) in
-                  enumerate(chunk_ranges(t.nbytes, meta.chunk_bytes))]
-        entries.append(TensorEntry(t.name, t.dtype, list(t.shape), t.offset, chunks, t.placement))
-    return Manifest(meta.job, meta.step, meta.rank, meta.world_size, entries, meta.tree, meta.nbytes, 0)
 
 
 class _Mapped:
@@ -69,13 +56,15 @@ class _Mapped:
 
 
 class DaemonShards(HeldShards):
-    """The held shards of step ``step`` (saved by ``world_size`` ranks) of ``job``, fetched from the
-    daemon at ``socket_path`` as a restore asks for them; ``refused``: each saved rank the daemon
-    could not serve, and why (it is read from storage). Close it (or use ``with``) once the restore
+    """The held shards of step ``step`` (saved by ``world_size`` ranks) of ``job`` (a job key: see
+    ``fetch_held``), fetched from the daemon at ``socket_path`` as a restore asks for them; ``refused``:
+    each saved rank the daemon could not serve, and why (it is read from storage, or with ``required``
+    — a memory-level step, which has no files — fails the restore). Close it (or use ``with``) once the restore
     has copied everything: the mappings go and the daemon may evict the shards again."""
 
-    def __init__(self, socket_path: str, job: str, step: int, world_size: int) -> None:
+    def __init__(self, socket_path: str, job: str, step: int, world_size: int, *, required: bool = False) -> None:
         self.socket_path, self.job, self.step, self.world_size = socket_path, job, step, world_size
+        self.required = required      # a rank no daemon holds is MemoryUnavailable, not read from its files
         self.shards: dict[int, _Mapped] = {}
         self.refused: dict[int, str] = {}
         self._manifests: dict[int, Manifest] = {}
@@ -94,6 +83,8 @@ class DaemonShards(HeldShards):
             conn, meta, fd, source = fetch_held(self.socket_path, self.job, self.step, rank, self.world_size)
         except MemoryUnavailable as e:
             self.refused[rank] = str(e)
+            if self.required:
+                raise MemoryUnavailable(f"saved rank {rank}: {e}") from None
             return None
         try:
             shard = _Mapped(conn, meta, fd, source)
@@ -103,7 +94,8 @@ class DaemonShards(HeldShards):
             raise
         with self._lock:
             self.shards[rank] = shard
-        m = self._manifests[rank] = held_manifest(meta)
+        m = self._manifests[rank] = held_manifest(meta.job, meta.step, meta.rank, meta.world_size, meta.layout,
+                                                  meta.checksums, meta.chunk_bytes, meta.tree)
         return m
 
     def read_chunk(self, rank: int, pos: int, meta: ChunkMeta, out: memoryview, stats: ReadStats | None) -> None:

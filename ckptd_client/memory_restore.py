@@ -30,6 +30,7 @@ from ckptd.core import protocol
 from ckptd.core.codec import checksum_stream
 from ckptd.core.errors import FormatError
 from ckptd.core.held import HeldMeta
+from ckptd.core.names import base_job, is_memory_job
 from ckptd.core.schema import TensorLayout
 from ckptd.core.tree import decode_tree
 
@@ -84,14 +85,16 @@ def _read_into(base: int, t: TensorLayout, out: torch.Tensor, sums: tuple[str, .
 
 def fetch_held(socket_path: str, job: str, step: int, rank: int,
            world_size: int) -> tuple[DaemonConnection, HeldMeta, int, str]:
-    """(connection, meta, memfd, source); the daemon keeps the shard pinned while the connection is open."""
+    """(connection, meta, memfd, source); the daemon keeps the shard pinned while the connection is open.
+    ``job``: a job, or the job key of its memory-level steps (``names.memory_job``)."""
     try:
         conn = DaemonConnection(socket_path, timeout=FETCH_TIMEOUT_S, connect_timeout=5.0)
     except Unreachable as e:
         raise MemoryUnavailable(str(e)) from None
     fd = -1
     try:
-        reply = conn.request(protocol.MemoryFetch(job, rank, world_size, step))
+        level = protocol.SaveLevel.MEMORY if is_memory_job(job) else protocol.SaveLevel.STORAGE
+        reply = conn.request(protocol.MemoryFetch(base_job(job), rank, world_size, step, level.value))
         fd = reply["_fds"][0]
         meta = HeldMeta.from_wire(reply)
         if (meta.job, meta.step, meta.rank, meta.world_size) != (job, step, rank, world_size):

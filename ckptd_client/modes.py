@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from ckptd.core.protocol import CommitMode
+from ckptd.core.protocol import CommitMode, SaveLevel
 
 AUTO = "auto"
 
@@ -19,6 +19,15 @@ def parse_when_busy(value: WhenBusy | str) -> WhenBusy:
         return WhenBusy(value)
     except ValueError:
         raise ValueError(f"when_busy must be 'block' or 'skip', got {value!r}") from None
+
+
+def parse_level(value: SaveLevel | str) -> SaveLevel:
+    """A save's level: ``storage`` (encoded and written; survives anything the disk does) or ``memory``
+    (held in the daemons' memory and K peers' only: fast and frequent, lost if every holder restarts)."""
+    try:
+        return SaveLevel(value)
+    except ValueError:
+        raise ValueError(f"level must be 'storage' or 'memory', got {value!r}") from None
 
 
 def resolve_commit_mode(value: CommitMode | str, world_size: int, has_store: bool) -> CommitMode:

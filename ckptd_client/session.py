@@ -52,7 +52,7 @@ class DaemonSession:
         return conn if conn is not None and not conn.lost else None
 
     def commit(self, step: int, digests: dict[int, str], records: list[Any] | None = None,
-               timeout: float | None = None) -> None:
+               timeout: float | None = None, *, memory: bool = False) -> None:
         """(Relay, rank 0) every rank is durable: ask this daemon to write the step's index, from
         every rank's record when given (dropped when they would not fit one frame: the daemon then
         reads the manifests), waiting ``timeout`` seconds for its answer."""
@@ -62,14 +62,14 @@ class DaemonSession:
         wire = {str(r): d for r, d in digests.items()}
         if records is not None and len(json.dumps(records)) + len(json.dumps(wire)) > protocol.MAX_FRAME_BYTES - 4096:
             records = None
-        conn.request(protocol.Commit(step=step, digests=wire, records=records), timeout)
+        conn.request(protocol.Commit(step=step, digests=wire, records=records, level=_level(memory)), timeout)
 
-    def abort(self, step: int, reason: str) -> None:
+    def abort(self, step: int, reason: str, *, memory: bool = False) -> None:
         """Let this daemon drop the step (if it is still there): some rank failed (relay, rank 0), or a
         streamed save broke off between parts."""
         conn = self.live()
         if conn is not None:
-            conn.request(protocol.Abort(step=step, reason=reason))
+            conn.request(protocol.Abort(step=step, reason=reason, level=_level(memory)))
 
     def report(self, step: int, stall_s: float, fence_s: float) -> None:
         """Tell the daemon what a save cost the trainer (for its metrics); never blocks."""
@@ -221,3 +221,8 @@ class DaemonSession:
         with self._cond:
             self._cond.notify_all()
         self._on_lost(reason)
+
+
+def _level(memory: bool) -> str:
+    """The wire's level of a step (``memory``: a memory-level step's commit or abort)."""
+    return (protocol.SaveLevel.MEMORY if memory else protocol.SaveLevel.STORAGE).value

@@ -88,6 +88,16 @@ class RestoreInfo:
     from_memory: int = 0
     from_peers: int = 0
     from_storage: int = 0
+    level: str = "storage"        # "memory": a memory-level step (memory_level.py)
+
+    @classmethod
+    def of(cls, step: int, got: Served, started: float, passed: tuple[Unavailable, ...] = (),
+           level: str = "storage") -> RestoreInfo:
+        o, st = got.outcome, got.stats or ReadStats()
+        return cls(step, got.source, time.monotonic() - started, got.raw_bytes,
+                   fallback=passed[0].reason if passed else None, passed=passed, restored=o.restored,
+                   missing=o.missing, missing_tensors=o.missing_tensors, from_memory=st.held.get(MEMORY, 0),
+                   from_peers=st.held.get(PEER, 0), from_storage=st.bytes, level=level)
 
     def lacked(self) -> str:
         """What the step lacked, for the restore's log line ("" when nothing)."""
@@ -135,7 +145,7 @@ class DaemonMemory(Source):
                 copy = restore_from_memory(r.socket_path, r.job, step, r.rank, r.world_size, state, r.threads,
                                            self.strict)
             except MemoryUnavailable as e:
-                saved = _saved_world(step_dir(r.root(), r.job, step))
+                saved = saved_world(step_dir(r.root(), r.job, step))
                 if not e.pieces and (saved is None or saved == r.world_size):
                     return Unavailable(self.name, str(e))
             else:
@@ -147,7 +157,7 @@ class DaemonMemory(Source):
         """A sharded or resharding restore reading held shards first (held_pieces.py)."""
         r = self.reader
         path = step_dir(r.root(), r.job, step)
-        saved = _saved_world(path)
+        saved = saved_world(path)
         if saved is None:
             return Unavailable(self.name, f"step {step} of job {r.job!r} has no readable index under {r.root()}")
         stats = ReadStats()
@@ -166,7 +176,7 @@ class DaemonMemory(Source):
         return Served(PEER if stats.held.get(PEER) else MEMORY, raw, outcome, stats)
 
 
-def _saved_world(step_path: str) -> int | None:
+def saved_world(step_path: str) -> int | None:
     """The world size a committed step was saved by (None: no readable index)."""
     try:
         return StepReader(step_path).world_size
@@ -222,19 +232,16 @@ def restore_chain(reader: Reader, staging: BucketStaging, *, memory: bool, per_r
             AllRanksStaged(reader, staging, per_rank, strict)]
 
 
-def run_chain(chain: Sequence[Source], step: int, state: dict[str, Any]) -> RestoreInfo:
-    """Try each source in turn until one serves; the RestoreInfo records the ones passed over."""
+def run_chain(chain: Sequence[Source], step: int, state: dict[str, Any],
+              skipped: Unavailable | None = None) -> RestoreInfo:
+    """Try each source in turn until one serves; the RestoreInfo records the ones passed over (first
+    ``skipped``: a newer memory-level step that could not be restored, memory_level.py)."""
     started = time.monotonic()
-    passed: list[Unavailable] = []
+    passed: list[Unavailable] = [] if skipped is None else [skipped]
     for source in chain:
         got = source.serve(step, state)
         if isinstance(got, Served):
-            o, st = got.outcome, got.stats or ReadStats()
-            return RestoreInfo(step, got.source, time.monotonic() - started, got.raw_bytes,
-                               fallback=passed[0].reason if passed else None, passed=tuple(passed),
-                               restored=o.restored, missing=o.missing, missing_tensors=o.missing_tensors,
-                               from_memory=st.held.get(MEMORY, 0), from_peers=st.held.get(PEER, 0),
-                               from_storage=st.bytes)
+            return RestoreInfo.of(step, got, started, tuple(passed))
         passed.append(got)
     first = next((u.error for u in passed if u.error is not None), None)
     if first is not None:

@@ -116,6 +116,13 @@ def restore_choice(scope: str, n: int) -> str:
     return f"{scope}/restore/{n}"
 
 
+def restore_votes(scope: str, n: int) -> tuple[str, str, str, str]:
+    """The run's ``n``-th restore agreement on a memory-level step: (failures, arrivals, all
+    arrived, readers) counters and flag."""
+    base = f"{scope}/restore/{n}/vote"
+    return f"{base}/failed", f"{base}/arrived", f"{base}/done", f"{base}/read"
+
+
 def preempt_step(scope: str) -> str:
     """Where the ranks agree on the step to stop at after a preemption signal."""
     return f"{scope}/preempt-step"

@@ -328,6 +328,7 @@ def restore_into(a: argparse.Namespace, ck: Any, spelling: str, model: Net, opt:
     info = ck.last_restore
     if info is not None:
         print(f"RESTORE-INFO {info.source} {info.from_memory} {info.from_peers} {info.from_storage}", flush=True)
+        print(f"RESTORE-LEVEL {info.level} {json.dumps([u.reason for u in info.passed])}", flush=True)
     if spelling == "dicts" and step is not None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -417,12 +418,14 @@ def mode_train(a: argparse.Namespace) -> None:
         if not math.isfinite(loss):
             raise RuntimeError(f"loss {loss} at step {step}")
         print(f"LOSS {step} {loss!r}", flush=True)
-        if step % a.every == 0:
+        level = "storage" if step % a.every == 0 else "memory" if a.memory_every and step % a.memory_every == 0 \
+            else None
+        if level is not None:
             meta.update(step=step, epoch=loader.epoch)
             snapshot(out, f"ref-step{step}", model, opt, sched, meta,
                      {"loader": loader.state_dict(), "torch_rng": torch.get_rng_state()})
             handles.append(ck.save(step, {"model": model, "optim": opt, "sched": sched, "meta": meta,
-                                          **extra}))
+                                          **extra}, level=level))
             print(f"SAVED {step}", flush=True)
         for h in [h for h in handles if h.done()]:
             handles.remove(h)
@@ -450,6 +453,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--memory-every", type=int, default=0, help="train: a memory-level save every N steps "
+                   "(the steps --every does not save to storage)")
     p.add_argument("--restore-kwargs", default="{}", help="JSON keyword arguments for Checkpointer.restore")
     a = p.parse_args()
     torch.set_num_threads(1)

@@ -38,7 +38,8 @@ RANKS = {
     "ckptd.daemon.streamed": 4,    # a save streamed through slots smaller than its shard
     "ckptd.daemon.steps": 5,       # step coordination
     "ckptd.daemon.session": 5,     # one connected trainer rank
-    "ckptd.daemon.server": 6,      # lifecycle and op table: wires everything together
+    "ckptd.daemon.server": 6,      # lifecycle: wires everything together
+    "ckptd.daemon.requests": 6,    # the op table: one handler per request, through every room
     "ckptd.cli": 7,
     "ckptd.cli_steps": 7,          # ls, verify, inspect
     "ckptd.status_text": 7,        # `ckptd status` rendered for a person

@@ -38,6 +38,8 @@ import zstandard
 from .errors import ChecksumError
 
 CODECS = ("none", "zstd", "bplane")
+# A memory-level step's chunk (FORMAT.md): raw bytes at their offset in a daemon's memfd, never in a file.
+HELD_CODEC = "held"
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 RAW_IF_ABOVE = 0.95
 # A segment larger than twice this is first judged on a sample of this many bytes, taken
@@ -109,7 +111,7 @@ class ChunkMeta:
         if not (isinstance(obj, list) and len(obj) == 5):
             raise ValueError("chunk entry must be [codec, raw_len, stored_len, checksum, segments]")
         codec, raw_len, stored_len, digest, segments = obj
-        if codec not in CODECS or not isinstance(digest, str):
+        if (codec not in CODECS and codec != HELD_CODEC) or not isinstance(digest, str):
             raise ValueError(f"bad chunk codec or checksum: {codec!r}")
         if not all(type(v) is int and v >= 0 for v in (raw_len, stored_len)):
             raise ValueError("chunk lengths must be non-negative integers")

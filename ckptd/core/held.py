@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .codec import checksum, chunk_ranges
+from .codec import HELD_CODEC, ChunkMeta, checksum, chunk_ranges
 from .errors import ChecksumError, FormatError
-from .names import is_checksum, is_digest, is_rank, validate_job
-from .schema import TensorLayout, parse_layout
+from .names import is_checksum, is_digest, is_rank, validate_job_key
+from .schema import Manifest, TensorEntry, TensorLayout, parse_layout
 
 MAX_HELD_BYTES = 1 << 40          # one rank's shard; anything larger on the wire is refused
 MIN_CHUNK, MAX_CHUNK = 64 * 1024, 1 << 30
@@ -75,7 +75,7 @@ class HeldMeta:
     def from_wire(cls, msg: dict[str, Any]) -> HeldMeta:
         """Validated; FormatError says what is wrong."""
         try:
-            job = validate_job(msg.get("job"))
+            job = validate_job_key(msg.get("job"))
         except (ValueError, TypeError) as e:
             raise FormatError(f"held shard: {e}") from None
         ints: list[int] = []
@@ -107,3 +107,17 @@ class HeldMeta:
 def span(layout: Sequence[TensorLayout]) -> int:
     """Bytes of a slot a layout uses (its tensors' furthest end)."""
     return max((t.offset + t.nbytes for t in layout), default=0)
+
+
+def held_manifest(job: str, step: int, rank: int, world_size: int, layout: Sequence[TensorLayout],
+                  checksums: Sequence[Sequence[str]], chunk_bytes: int, tree: Any) -> Manifest:
+    """A held shard as a rank manifest: one raw ``held`` chunk per ``chunk_bytes`` of each tensor, its
+    entry's ``offset`` the tensor's offset in the memfd (so chunk positions are memfd offsets). The
+    manifest of a memory-level step's rank (FORMAT.md), and how a restore reads any held shard."""
+    entries = []
+    for t, sums in zip(layout, checksums, strict=True):
+        chunks = [ChunkMeta(HELD_CODEC, n, n, sums[i], [[n, "r"]]) for i, (_, n) in
+                  enumerate(chunk_ranges(t.nbytes, chunk_bytes))]
+        entries.append(TensorEntry(t.name, t.dtype, list(t.shape), t.offset, chunks, t.placement))
+    raw = sum(t.nbytes for t in layout)
+    return Manifest(job, step, rank, world_size, entries, tree, raw, raw)

@@ -102,6 +102,36 @@ def validate_job(job: object) -> str:
     return job
 
 
+# Memory-level steps (saved to the daemons' memory and peers, not written to storage) live in a
+# namespace of their job's own: ``<root>/<job>/_memory/step-N`` (FORMAT.md). Its name can never be a
+# job's (a leading ``_``), so a path's meaning is never ambiguous. Inside the daemon (its steps, held
+# shards, peers) such a step belongs to the *job key* ``<job>/_memory``.
+MEMORY_LEVEL_DIR = "_memory"
+
+
+def memory_job(job: str) -> str:
+    """The job key of ``job``'s memory-level steps."""
+    return f"{validate_job(job)}/{MEMORY_LEVEL_DIR}"
+
+
+def is_memory_job(key: str) -> bool:
+    """Whether a job key names memory-level steps (``memory_job``)."""
+    return key.endswith("/" + MEMORY_LEVEL_DIR)
+
+
+def base_job(key: str) -> str:
+    """The job a job key belongs to (itself for a plain job)."""
+    return key[: -len(MEMORY_LEVEL_DIR) - 1] if is_memory_job(key) else key
+
+
+def validate_job_key(key: object) -> str:
+    """A job name, or the job key of its memory-level steps (``memory_job``); ValueError otherwise."""
+    if isinstance(key, str) and is_memory_job(key):
+        validate_job(base_job(key))
+        return key
+    return validate_job(key)
+
+
 def validate_tensor_name(name: object) -> str:
     """Tensor names are key paths (``model/layer.0.weight``); refuse anything path-like that could escape."""
     if not isinstance(name, str) or not name or len(name) > MAX_TENSOR_NAME:
@@ -183,7 +213,8 @@ def is_step_temp(name: str) -> bool:
 
 
 def job_dir(root: str, job: str) -> str:
-    return os.path.join(root, validate_job(job))
+    """``<root>/<job>``, or ``<root>/<job>/_memory`` for a memory-level job key."""
+    return os.path.join(root, *validate_job_key(job).split("/"))
 
 
 def step_dir(root: str, job: str, step: int) -> str:

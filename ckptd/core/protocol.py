@@ -18,7 +18,7 @@ from typing import Any, ClassVar, get_args
 
 from . import gc_pause
 from .errors import ErrorCode, ProtocolError
-from .names import short
+from .names import memory_job, short, validate_job
 
 PROTOCOL_VERSION = 1
 MAGIC = b"CK"
@@ -59,6 +59,22 @@ class CommitMode(str, Enum):
 
 
 COMMIT_MODES = tuple(m.value for m in CommitMode)
+
+
+class SaveLevel(str, Enum):
+    """``storage`` (encoded and written) or ``memory`` (held by daemons and peers only: FORMAT.md)."""
+    STORAGE = "storage"
+    MEMORY = "memory"
+
+
+SAVE_LEVELS = tuple(m.value for m in SaveLevel)
+
+
+def level_job(job: str, level: object) -> str:
+    """The job key of ``job`` at ``level`` (``names.memory_job`` for memory); ValueError if bad."""
+    if level not in SAVE_LEVELS:
+        raise ValueError(f"level must be one of {', '.join(SAVE_LEVELS)}, not {short(level)}")
+    return memory_job(job) if level == SaveLevel.MEMORY.value else validate_job(job)
 _JSON = (dict, list, str, int, float, bool, type(None))
 
 
@@ -93,6 +109,7 @@ class Save:
     tree: Any                   # the state tree (core.tree)
     commit: str
     stream: Any = None          # [total bytes, part bytes]: the shard comes in parts (save_part), this slot part 0
+    level: str = "storage"      # SaveLevel
     op: ClassVar[Op] = Op.SAVE
 
 
@@ -109,6 +126,7 @@ class Commit:
     step: int
     digests: dict[str, Any]     # rank (as a string: JSON keys) → manifest digest
     records: Any = None         # optional: every rank's record (core.rank_record), in rank order
+    level: str = "storage"      # the step's SaveLevel
     op: ClassVar[Op] = Op.COMMIT
 
 
@@ -116,6 +134,7 @@ class Commit:
 class Abort:
     step: int
     reason: str
+    level: str = "storage"
     op: ClassVar[Op] = Op.ABORT
 
 
@@ -159,6 +178,7 @@ class MemoryFetch:      # no hello; reply: the held shard's layout (core.held.He
     rank: int
     world_size: int
     step: Any = None            # None: the newest committed step
+    level: str = "storage"      # "memory": a memory-level step's shard
     op: ClassVar[Op] = Op.MEMORY_FETCH
 
 

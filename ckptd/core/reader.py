@@ -18,7 +18,15 @@ from .codec import ChunkMeta, checksum, decode_chunk
 from .errors import ChecksumError, FormatError
 from .global_index import GlobalTensor, build_tensor_map, parse_tensor_map
 from .map_check import MapCheck
-from .names import HEAD_NAME, INDEX_NAME, parse_step_dir_name, rank_data_name, rank_manifest_name, validate_job
+from .names import (
+    HEAD_NAME,
+    INDEX_NAME,
+    MEMORY_LEVEL_DIR,
+    parse_step_dir_name,
+    rank_data_name,
+    rank_manifest_name,
+    validate_job_key,
+)
 from .rank_table import (
     BLOCK_RANKS,
     MAX_HEAD_BYTES,
@@ -81,15 +89,19 @@ def latest_committed(job_path: str) -> StepInfo | None:
 
 
 def split_step_path(step_path: str) -> tuple[str, str, int]:
-    """(root, job, step) of ``<root>/<job>/step-N``; raises FormatError for anything else."""
+    """(root, job, step) of ``<root>/<job>/step-N`` (or ``(root, "<job>/_memory", step)`` of a
+    memory-level step's ``<root>/<job>/_memory/step-N``); raises FormatError for anything else."""
     step_path = os.path.abspath(step_path)
     job_path, name = os.path.split(step_path)
     root, job = os.path.split(job_path)
+    if job == MEMORY_LEVEL_DIR:
+        root, job = os.path.split(root)
+        job = f"{job}/{MEMORY_LEVEL_DIR}"
     step = parse_step_dir_name(name)
     if step is None:
         raise FormatError(f"{step_path}: not a step directory (expected .../<job>/step-<12 digits>)")
     try:
-        validate_job(job)
+        validate_job_key(job)
     except ValueError as e:
         raise FormatError(str(e)) from None
     return root, job, step

@@ -230,7 +230,7 @@ def _check_chunks(entry: TensorEntry) -> None:
                      f"tensor {entry.name!r}: bplane raw plane of the wrong length")
         else:
             require(len(c.segments) == 1, f"tensor {entry.name!r}: {c.codec} chunk must have one segment")
-            require(c.codec != "none" or (c.segments[0][1] == "r" and c.stored_len == c.raw_len),
+            require(c.codec not in ("none", "held") or (c.segments[0][1] == "r" and c.stored_len == c.raw_len),
                      f"tensor {entry.name!r}: uncompressed chunk with compressed segment or wrong length")
 
 

@@ -1,4 +1,4 @@
-"""The daemon: its lifecycle, and the op table that routes each request to one handler.
+"""The daemon: its lifecycle (the op table routing each request to its handler: requests.py).
 
 Everything with state lives in a room below: sessions (session.py), slot memory
 (slot_pool.py), steps and the commit rule (steps/), storage (tiers/). This module
@@ -9,21 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import signal
 import socket
-from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from ckptd import __version__
-from ckptd.core import names, protocol
-from ckptd.core.errors import ErrorCode, FormatError
-from ckptd.core.protocol import Abort, Commit, CommitMode, Hello, Info, MemoryFetch, Report, Resize, Save, Status
-from ckptd.core.rank_record import parse_records
-from ckptd.core.schema import parse_layout
-from ckptd.daemon.runtime import RequestError, TaskSet, bounded, describe_error
+from ckptd.core import names
+from ckptd.daemon.requests import Requests
+from ckptd.daemon.runtime import TaskSet, describe_error
 from ckptd.daemon.service import systemd
 from ckptd.daemon.service.allocator import release_free_memory
 from ckptd.daemon.service.metrics import DaemonMetrics
@@ -34,20 +28,17 @@ from ckptd.daemon.session import Session, peer_allowed, peer_of, refuse
 from ckptd.daemon.settings.config import DaemonConfig
 from ckptd.daemon.slot_pool import SlotPool
 from ckptd.daemon.steps.coordinator import StepCoordinator
-from ckptd.daemon.streamed import StreamedShard, check_stream
-from ckptd.daemon.tiers.base import ShardRef, ShardWritten
-from ckptd.daemon.tiers.fs.commit import CommitError
+from ckptd.daemon.tiers.base import ShardWritten
 from ckptd.daemon.tiers.fs.scheduler import Retention
 from ckptd.daemon.tiers.fs.tier import FsTier
 from ckptd.daemon.tiers.memory.service import MemoryService
-from ckptd.daemon.tiers.s3.service import BucketService, bucket_ops
+from ckptd.daemon.tiers.s3.service import BucketService
 
 __all__ = ["Daemon", "describe_error"]
 
 log = logging.getLogger("ckptd")
 IDLE_TRIM_S = 0.5        # no shard became durable for this long: free heap pages go back to the kernel
 
-Reply = tuple[dict[str, Any], list[int]]          # reply fields, memfds to pass with it
 
 
 class Daemon:
@@ -106,6 +97,8 @@ class Daemon:
 
     def _committed(self, job: str, step: int, latency_s: float) -> None:
         self.metrics.step_committed(latency_s)
+        if names.is_memory_job(job):      # a memory-level step: the memory tier prunes them; never uploaded
+            return
         self.retention.schedule(job)
         if self.s3:
             self.s3.committed(job, step)
@@ -244,154 +237,3 @@ class Daemon:
             session.slots = []
             session.close()
             await self.steps.waiter_lost(session)
-
-
-class Requests:
-    """The op table: one handler per request type, each returning (reply fields, memfds)."""
-
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
-        self.table: dict[type, Callable[[Session, Any], Awaitable[Reply]]] = {
-            Hello: self.hello, Resize: self.resize, Save: self.save, Commit: self.commit, Abort: self.abort,
-            Report: self.report, Info: self.info, Status: self.status, MemoryFetch: daemon.memory.fetch,
-            protocol.Reclaim: self.reclaim, protocol.SavePart: self.save_part,
-            **bucket_ops(daemon.s3),
-        }
-
-    async def dispatch(self, session: Session, msg: dict[str, Any]) -> None:
-        """Answer one request. A malformed one raises ProtocolError (the session ends it); one
-        that cannot be served gets an error reply; a daemon bug is logged and answered too."""
-        req, request = protocol.parse_request(msg)
-        op = request.op.value
-        try:
-            reply, fds = await self.table[type(request)](session, request)
-        except (RequestError, CommitError, FormatError, ValueError) as e:
-            code = e.code if isinstance(e, RequestError) else ErrorCode.REFUSED
-            await session.send(protocol.error(req, bounded(str(e)), code=code))
-            return
-        except Exception as e:  # a daemon bug: answer, log it loudly, keep the connection and the daemon
-            log.exception("request failed", extra={"ctx": {**session.ctx(), "op": op}})
-            await session.send(protocol.error(req, bounded(f"internal daemon error in {op}: {describe_error(e)}"),
-                                              code=ErrorCode.INTERNAL))
-            return
-        try:
-            await session.send(protocol.ok(req, **reply), fds)
-        finally:
-            for fd in fds:
-                os.close(fd)
-
-    @staticmethod
-    def _require_hello(session: Session) -> str:
-        if session.job is None:
-            raise RequestError("send hello first")
-        return session.job
-
-    def _identity(self) -> dict[str, Any]:
-        return {"root": self.d.root, "version": __version__, "pid": os.getpid()}
-
-    async def info(self, session: Session, _: Info) -> Reply:
-        return self._identity(), []
-
-    async def status(self, session: Session, _: Status) -> Reply:
-        snap = self.d.snapshot()
-        tier = self.d.tier
-        progress = {(w.job, w.step, w.rank): await tier.written_bytes(ShardRef(w.job, w.step, w.rank, w.world_size))
-                    for w in snap.shard_writes}
-        latest = {job: await tier.latest_committed(job) for job in snap.jobs()}
-        return {**snap.status(progress, latest), **({"uploads": self.d.s3.status()} if self.d.s3 else {})}, []
-
-    async def hello(self, session: Session, h: Hello) -> Reply:
-        if session.job is not None:
-            raise RequestError("hello sent twice on one connection")
-        job = names.validate_job(h.job)
-        if not names.is_rank(h.rank, h.world_size):
-            raise RequestError(f"bad rank {h.rank} / world size {h.world_size}")
-        session.job, session.rank, session.world_size = job, h.rank, h.world_size
-        try:
-            session.slots, fds = await self.d.slots.allocate(f"ckptd-{job}-r{h.rank}", h.slot_bytes, h.num_slots,
-                                                             lambda: session.closed)
-        except RequestError:
-            session.job, session.rank, session.world_size = None, -1, 0   # the hello did not happen
-            raise
-        log.info("session", extra={"ctx": {**session.ctx(), "world_size": session.world_size, "slots": len(fds),
-                                          "slot_bytes": h.slot_bytes}})
-        return {**self._identity(), "slots": [s.size for s in session.slots]}, fds
-
-    async def resize(self, session: Session, r: Resize) -> Reply:
-        job = self._require_hello(session)
-        if any(s.busy and not s.lent for s in session.slots):
-            raise RequestError("cannot resize slots while a save still holds one")
-        self.d.slots.release(session.slots)
-        session.slots = []
-        session.slots, fds = await self.d.slots.allocate(f"ckptd-{job}-r{session.rank}", r.slot_bytes, r.num_slots,
-                                                         lambda: session.closed)
-        return {"slots": [s.size for s in session.slots]}, fds
-
-    async def save(self, session: Session, s: Save) -> Reply:
-        job = self._require_hello(session)
-        if self.d.draining:
-            raise RequestError("daemon is shutting down; no new saves")
-        if s.commit not in protocol.COMMIT_MODES:
-            raise RequestError(f"commit mode must be one of {protocol.COMMIT_MODES}")
-        slot = session.idle_slot(s.slot)
-        stream = None if s.stream is None else StreamedShard(   # the shard comes in parts (save_part)
-            *check_stream(s.stream, slot.size), slot, session.slot_free, asyncio.get_running_loop(),
-            self.d.config.step_timeout)
-        layout = parse_layout(s.tensors, slot.size if stream is None else stream.total)
-        names.check_tree_depth(s.tree)
-        data, released, loan = session.source(s.step, slot, stream)
-        await self.d.steps.save(session, job, s.step, session.rank, session.world_size, CommitMode(s.commit),
-                                data, layout, s.tree, released=released, loan=loan)
-        session.started(s.step, slot, stream)   # the write task starts only after this returns
-        return {"step": s.step}, []
-
-    async def save_part(self, session: Session, p: protocol.SavePart) -> Reply:
-        self._require_hello(session)
-        stream = session.streams.get(p.step)
-        if stream is None:
-            raise RequestError(f"no streamed save of step {p.step} is in progress on this connection")
-        slot = session.idle_slot(p.slot)
-        stream.feed(p.part, slot)
-        slot.busy = True
-        return {"step": p.step}, []
-
-    async def commit(self, session: Session, c: Commit) -> Reply:
-        job = self._require_hello(session)
-        st = self.d.steps.leader_step(job, c.step, session.rank)
-        try:
-            digests = {int(r): d for r, d in c.digests.items() if isinstance(d, str)}
-        except ValueError:
-            raise RequestError("digests must map rank numbers to strings") from None
-        records = None
-        if c.records is not None:
-            if not (isinstance(c.records, list) and len(c.records) == st.world_size):
-                raise RequestError(f"records must list all {st.world_size} ranks in order")
-            records = await asyncio.get_running_loop().run_in_executor(self.d.io_pool, parse_records, c.records)
-        await self.d.steps.commit(st, digests, records)
-        return {"step": c.step}, []
-
-    async def abort(self, session: Session, a: Abort) -> Reply:
-        job = self._require_hello(session)
-        await self.d.steps.abort(job, a.step, session.rank, a.reason)
-        return {"step": a.step}, []
-
-    async def reclaim(self, session: Session, _: protocol.Reclaim) -> Reply:
-        """The trainer has no slot to fill: the memory tier keeps every one (``Session.kept_slots``)."""
-        self._require_hello(session)
-        return {"freed": self.d.memory.reclaim(session.kept_slots())}, []
-
-    async def report(self, session: Session, r: Report) -> Reply:
-        """A client's account of one save: how long the trainer stalled (metrics and status)."""
-        self._require_hello(session)
-        try:
-            stall, fence = float(r.stall_s), float(r.fence_s)
-        except OverflowError:    # an int beyond any float (JSON ints are unbounded)
-            stall = fence = math.inf
-        if not (math.isfinite(stall) and math.isfinite(fence) and 0 <= stall < 1e6 and 0 <= fence < 1e6):
-            raise RequestError("report: stall_s and fence_s must be finite, non-negative seconds")
-        session.last_report = {"step": r.step, "stall_s": stall, "fence_s": fence}
-        self.d.metrics.client_report(stall, fence)
-        log.debug("report", extra={"ctx": {"job": session.job, "rank": session.rank, "step": r.step,
-                                           "stall_s": stall, "fence_s": fence}})
-        return {"step": r.step}, []
-

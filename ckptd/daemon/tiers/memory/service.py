@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptd.core import names
-from ckptd.core.protocol import MemoryFetch
+from ckptd.core.protocol import MemoryFetch, level_job
 from ckptd.daemon.runtime import RequestError, TaskSet
 from ckptd.daemon.settings.config import DaemonConfig
 from ckptd.daemon.tiers.base import StorageTier
@@ -76,8 +76,10 @@ class MemoryService:
         if self.secret is not None and p.peers:
             self.replicator = Replicator(self.store, list(p.peers), p.name or p.listen or "", p.replicas, p.jump,
                                          self.secret, p.bandwidth, p.io_timeout, self._trim)
+        r = self.replicator
         self.memory = MemoryTier(fs, self.store, root, config.write.chunk_bytes, pool,
-                                 on_held=self.replicator.offer if self.replicator else lambda h: None)
+                                 on_held=r.offer if r else lambda h: None, replicate=r.copy_now if r else None,
+                                 k=len(r.targets) if r else 0)
         self.tier: StorageTier = self.memory if self.store.enabled else fs
         self.server: PeerServer | None = None
         self.refused = 0
@@ -120,16 +122,16 @@ class MemoryService:
 
     async def fetch(self, conn: Hashable, m: MemoryFetch) -> tuple[dict[str, Any], list[int]]:
         """``memory_fetch``: the shard's layout and a descriptor of its memfd (pinned until ``release``)."""
-        names.validate_job(m.job)          # (ValueError: an error reply) before it names any path
+        job = level_job(m.job, m.level)     # (ValueError: an error reply) before it names any path
         if m.step is not None and not names.is_step(m.step):
             raise RequestError("memory_fetch: step must be a step number or null")
         if not names.is_rank(m.rank, m.world_size):
             raise RequestError(f"bad rank {m.rank} / world size {m.world_size}")
         fetch_peer = self.replicator.fetch if self.replicator is not None else None
-        held, source = await self.memory.serve(m.job, m.step, m.rank, m.world_size, fetch_peer)
+        held, source = await self.memory.serve(job, m.step, m.rank, m.world_size, fetch_peer)
         self.reading.setdefault(conn, []).append(held)
         assert held.meta is not None
-        log.info("restore from memory", extra={"ctx": {"job": m.job, "step": held.step, "rank": m.rank,
+        log.info("restore from memory", extra={"ctx": {"job": job, "step": held.step, "rank": m.rank,
                                                         "bytes": held.meta.nbytes, "source": source}})
         return {**held.meta.to_wire(), "source": source}, [os.dup(held.fd)]
 

@@ -183,6 +183,12 @@ class MemoryStore:
                   and (ranks is None or h.rank in ranks)]:       # type: ignore[operator]
             self._remove(h)
 
+    def drop_before(self, job: str, step: int) -> None:
+        """Every unpinned shard of ``job`` older than ``step``: superseded (a storage step at least as
+        new as these memory-level steps committed)."""
+        for h in [h for h in self.entries.values() if h.job == job and h.step < step and h.pins == 0]:
+            self._remove(h)
+
     def trim(self, job: str, is_committed: Callable[[str, int], bool]) -> None:
         """Keep the newest ``steps`` committed steps of ``job`` and anything newer (see above)."""
         mine = [h for h in self.entries.values() if h.job == job and h.meta is not None]

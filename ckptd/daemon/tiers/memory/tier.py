@@ -28,13 +28,14 @@ import numpy as np
 
 from ckptd.core.errors import FormatError
 from ckptd.core.held import HeldMeta, layout_checksums, span
-from ckptd.core.names import INDEX_NAME, step_dir
+from ckptd.core.names import INDEX_NAME, base_job, is_memory_job, memory_job, step_dir
 from ckptd.core.rank_record import RankRecord
 from ckptd.core.reader import StepReader
 from ckptd.core.schema import TensorLayout
 from ckptd.core.step_files import is_committed
 from ckptd.daemon.runtime import RequestError, describe_error
 from ckptd.daemon.tiers.base import ShardRef, ShardWritten, SlotLoan, StorageTier, StreamedData
+from ckptd.daemon.tiers.memory.memory_level import Replicate, hold_shard, prune
 from ckptd.daemon.tiers.memory.store import LOCAL, Held, MemoryStore, new_memfd
 
 log = logging.getLogger("ckptd")
@@ -100,12 +101,15 @@ def copy_in(held: Held, data: memoryview, layout: Sequence[TensorLayout], chunk_
 
 class MemoryTier(StorageTier):
     """``inner`` plus resident copies in ``store``. ``on_held`` hears of each shard made servable
-    (peer replication queues it)."""
+    (peer replication queues it); ``replicate`` sends a memory-level step's shard to its ``k`` peers
+    at once (memory_level.py), which must all acknowledge before it counts as durable."""
 
     def __init__(self, inner: StorageTier, store: MemoryStore, root: str, chunk_bytes: int, pool: Executor,
-                 on_held: Callable[[Held], None] = lambda h: None) -> None:
+                 on_held: Callable[[Held], None] = lambda h: None, replicate: Replicate | None = None,
+                 k: int = 0) -> None:
         self.inner, self.store, self.root = inner, store, root
         self.chunk_bytes, self.pool, self.on_held = chunk_bytes, pool, on_held
+        self.replicate, self.k = replicate, k
         # (job, step) → (index.json's inode, mtime, size; its reader; rank → manifest digest): the
         # ranks of one restore each ask for the same step's index
         self._indexes: dict[tuple[str, int], tuple[tuple[int, int, int], StepReader, dict[int, str]]] = {}
@@ -113,6 +117,13 @@ class MemoryTier(StorageTier):
     async def write_shard(self, ref: ShardRef, data: memoryview | StreamedData, layout: Sequence[TensorLayout],
                           tree: Any, *, released: Callable[[], None], abandoned: Callable[[], bool],
                           loan: SlotLoan | None = None) -> ShardWritten:
+        if is_memory_job(ref.job):                # a memory-level step: held and replicated, not written
+            if not isinstance(data, memoryview):
+                released()
+                raise RequestError("a memory-level save must fit in one slot (it was streamed)")
+            return await hold_shard(self.store, self.pool, self.root, self.chunk_bytes, ref, data, layout, tree,
+                                    released=released, abandoned=abandoned, loan=loan, copy_in=copy_in,
+                                    replicate=self.replicate, k=self.k)
         if not isinstance(data, memoryview):     # streamed through smaller slots: its host memory is the point
             log.info("not held in memory: streamed through slots smaller than the shard",
                      extra={"ctx": {"job": ref.job, "step": ref.step, "rank": ref.rank}})
@@ -193,6 +204,14 @@ class MemoryTier(StorageTier):
         await self.inner.commit(job, step, world_size, digests, records)
         self.store.committed(job, step)
         self.store.trim(job, self.committed_now)
+        # Memory-level steps superseded (a newer one, or a storage step at least as new) go.
+        if not is_memory_job(job):
+            self.store.drop_before(memory_job(job), step + 1)
+        try:         # (never an error: the step is committed)
+            await asyncio.get_running_loop().run_in_executor(
+                self.pool, prune, self.root, base_job(job), self.store.steps, None if is_memory_job(job) else step)
+        except Exception as e:
+            log.warning("memory-level steps not pruned", extra={"ctx": {"job": job, "error": describe_error(e)}})
 
     async def withdraw_commits(self) -> None:
         await self.inner.withdraw_commits()

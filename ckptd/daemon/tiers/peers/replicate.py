@@ -132,7 +132,17 @@ class Replicator:
                 if not held.gone:
                     self.trim(held.job)    # a newer commit may have wanted it gone while it was pinned
 
-    async def _send(self, held: Held, target: str) -> None:
+    async def copy_now(self, held: Held) -> int:
+        """A memory-level step's shard sent to every target now, beside the queues (its rank is durable
+        only once they all hold it); returns how many acknowledged."""
+        self.store.pin(held)
+        try:
+            sent = await asyncio.gather(*(self._send(held, t) for t in self.targets))
+        finally:
+            self.store.unpin(held)
+        return sum(sent)
+
+    async def _send(self, held: Held, target: str) -> bool:
         ctx = {"job": held.job, "step": held.step, "rank": held.rank, "peer": target}
         link = PeerLink(target, self.secret, self.me, self.timeout)
         try:
@@ -141,13 +151,14 @@ class Replicator:
         except (OSError, ProtocolError) as e:
             self.per_peer[target].failures += 1
             log.warning("replication failed", extra={"ctx": {**ctx, "error": describe_error(e)}})
-            return
+            return False
         finally:
             link.close()
         assert held.meta is not None
         self.per_peer[target].sent_bytes += held.meta.nbytes
         self.acked.setdefault(held.key, set()).add(target)
         log.info("replicated", extra={"ctx": {**ctx, "bytes": held.meta.nbytes}})
+        return True
 
     async def _probe(self, peer: str, job: str, step: int, rank: int, digest: str) -> bool:
         """Whether ``peer`` holds the shard; False (logged) when it cannot say within the timeout."""

@@ -1,0 +1,194 @@
+"""The op table: one handler per request type, each checking its request and acting through the daemon's rooms.
+
+Handlers answer (reply fields, memfds) or raise RequestError (an error reply; the connection stays);
+``dispatch`` turns a malformed frame into a ProtocolError (the session ends it) and a daemon bug into
+an internal-error reply, logged. The wire itself is FORMAT.md's, "Wire protocol".
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from ckptd import __version__
+from ckptd.core import names, protocol
+from ckptd.core.errors import ErrorCode, FormatError
+from ckptd.core.protocol import Abort, Commit, CommitMode, Hello, Info, MemoryFetch, Report, Resize, Save, Status
+from ckptd.core.rank_record import parse_records
+from ckptd.core.schema import parse_layout
+from ckptd.daemon.runtime import RequestError, bounded, describe_error
+from ckptd.daemon.session import Session
+from ckptd.daemon.streamed import StreamedShard, check_stream
+from ckptd.daemon.tiers.base import ShardRef
+from ckptd.daemon.tiers.fs.commit import CommitError
+from ckptd.daemon.tiers.s3.service import bucket_ops
+
+if TYPE_CHECKING:
+    from ckptd.daemon.server import Daemon
+
+log = logging.getLogger("ckptd")
+Reply = tuple[dict[str, Any], list[int]]          # reply fields, memfds to pass with it
+
+
+class Requests:
+    """The op table: one handler per request type, each returning (reply fields, memfds)."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+        self.table: dict[type, Callable[[Session, Any], Awaitable[Reply]]] = {
+            Hello: self.hello, Resize: self.resize, Save: self.save, Commit: self.commit, Abort: self.abort,
+            Report: self.report, Info: self.info, Status: self.status, MemoryFetch: daemon.memory.fetch,
+            protocol.Reclaim: self.reclaim, protocol.SavePart: self.save_part,
+            **bucket_ops(daemon.s3),
+        }
+
+    async def dispatch(self, session: Session, msg: dict[str, Any]) -> None:
+        """Answer one request. A malformed one raises ProtocolError (the session ends it); one
+        that cannot be served gets an error reply; a daemon bug is logged and answered too."""
+        req, request = protocol.parse_request(msg)
+        op = request.op.value
+        try:
+            reply, fds = await self.table[type(request)](session, request)
+        except (RequestError, CommitError, FormatError, ValueError) as e:
+            code = e.code if isinstance(e, RequestError) else ErrorCode.REFUSED
+            await session.send(protocol.error(req, bounded(str(e)), code=code))
+            return
+        except Exception as e:  # a daemon bug: answer, log it loudly, keep the connection and the daemon
+            log.exception("request failed", extra={"ctx": {**session.ctx(), "op": op}})
+            await session.send(protocol.error(req, bounded(f"internal daemon error in {op}: {describe_error(e)}"),
+                                              code=ErrorCode.INTERNAL))
+            return
+        try:
+            await session.send(protocol.ok(req, **reply), fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    @staticmethod
+    def _require_hello(session: Session) -> str:
+        if session.job is None:
+            raise RequestError("send hello first")
+        return session.job
+
+    def _identity(self) -> dict[str, Any]:
+        return {"root": self.d.root, "version": __version__, "pid": os.getpid()}
+
+    async def info(self, session: Session, _: Info) -> Reply:
+        return self._identity(), []
+
+    async def status(self, session: Session, _: Status) -> Reply:
+        snap = self.d.snapshot()
+        tier = self.d.tier
+        progress = {(w.job, w.step, w.rank): await tier.written_bytes(ShardRef(w.job, w.step, w.rank, w.world_size))
+                    for w in snap.shard_writes}
+        latest = {job: await tier.latest_committed(job) for job in snap.jobs()}
+        return {**snap.status(progress, latest), **({"uploads": self.d.s3.status()} if self.d.s3 else {})}, []
+
+    async def hello(self, session: Session, h: Hello) -> Reply:
+        if session.job is not None:
+            raise RequestError("hello sent twice on one connection")
+        job = names.validate_job(h.job)
+        if not names.is_rank(h.rank, h.world_size):
+            raise RequestError(f"bad rank {h.rank} / world size {h.world_size}")
+        session.job, session.rank, session.world_size = job, h.rank, h.world_size
+        try:
+            session.slots, fds = await self.d.slots.allocate(f"ckptd-{job}-r{h.rank}", h.slot_bytes, h.num_slots,
+                                                             lambda: session.closed)
+        except RequestError:
+            session.job, session.rank, session.world_size = None, -1, 0   # the hello did not happen
+            raise
+        log.info("session", extra={"ctx": {**session.ctx(), "world_size": session.world_size, "slots": len(fds),
+                                          "slot_bytes": h.slot_bytes}})
+        return {**self._identity(), "slots": [s.size for s in session.slots]}, fds
+
+    async def resize(self, session: Session, r: Resize) -> Reply:
+        job = self._require_hello(session)
+        if any(s.busy and not s.lent for s in session.slots):
+            raise RequestError("cannot resize slots while a save still holds one")
+        self.d.slots.release(session.slots)
+        session.slots = []
+        session.slots, fds = await self.d.slots.allocate(f"ckptd-{job}-r{session.rank}", r.slot_bytes, r.num_slots,
+                                                         lambda: session.closed)
+        return {"slots": [s.size for s in session.slots]}, fds
+
+    def _job_key(self, session: Session, level: str) -> str:
+        """The session's job, or its memory-level job key for ``level="memory"`` (memory tier on)."""
+        job = protocol.level_job(self._require_hello(session), level)
+        if names.is_memory_job(job) and not self.d.memory.store.enabled:
+            raise RequestError("memory-level saves need the memory tier: set [memory] steps ≥ 1 and a budget")
+        return job
+
+    async def save(self, session: Session, s: Save) -> Reply:
+        job = self._job_key(session, s.level)
+        if self.d.draining:
+            raise RequestError("daemon is shutting down; no new saves")
+        if s.commit not in protocol.COMMIT_MODES:
+            raise RequestError(f"commit mode must be one of {protocol.COMMIT_MODES}")
+        if s.stream is not None and names.is_memory_job(job):
+            raise RequestError("a memory-level save must fit in one slot: this state streams through slots "
+                               "smaller than it (raise slot_memory_limit, or save this step to storage)")
+        slot = session.idle_slot(s.slot)
+        stream = None if s.stream is None else StreamedShard(   # the shard comes in parts (save_part)
+            *check_stream(s.stream, slot.size), slot, session.slot_free, asyncio.get_running_loop(),
+            self.d.config.step_timeout)
+        layout = parse_layout(s.tensors, slot.size if stream is None else stream.total)
+        names.check_tree_depth(s.tree)
+        data, released, loan = session.source(s.step, slot, stream)
+        await self.d.steps.save(session, job, s.step, session.rank, session.world_size, CommitMode(s.commit),
+                                data, layout, s.tree, released=released, loan=loan)
+        session.started(s.step, slot, stream)   # the write task starts only after this returns
+        return {"step": s.step}, []
+
+    async def save_part(self, session: Session, p: protocol.SavePart) -> Reply:
+        self._require_hello(session)
+        stream = session.streams.get(p.step)
+        if stream is None:
+            raise RequestError(f"no streamed save of step {p.step} is in progress on this connection")
+        slot = session.idle_slot(p.slot)
+        stream.feed(p.part, slot)
+        slot.busy = True
+        return {"step": p.step}, []
+
+    async def commit(self, session: Session, c: Commit) -> Reply:
+        job = self._job_key(session, c.level)
+        st = self.d.steps.leader_step(job, c.step, session.rank)
+        try:
+            digests = {int(r): d for r, d in c.digests.items() if isinstance(d, str)}
+        except ValueError:
+            raise RequestError("digests must map rank numbers to strings") from None
+        records = None
+        if c.records is not None:
+            if not (isinstance(c.records, list) and len(c.records) == st.world_size):
+                raise RequestError(f"records must list all {st.world_size} ranks in order")
+            records = await asyncio.get_running_loop().run_in_executor(self.d.io_pool, parse_records, c.records)
+        await self.d.steps.commit(st, digests, records)
+        return {"step": c.step}, []
+
+    async def abort(self, session: Session, a: Abort) -> Reply:
+        job = protocol.level_job(self._require_hello(session), a.level)
+        await self.d.steps.abort(job, a.step, session.rank, a.reason)
+        return {"step": a.step}, []
+
+    async def reclaim(self, session: Session, _: protocol.Reclaim) -> Reply:
+        """The trainer has no slot to fill: the memory tier keeps every one (``Session.kept_slots``)."""
+        self._require_hello(session)
+        return {"freed": self.d.memory.reclaim(session.kept_slots())}, []
+
+    async def report(self, session: Session, r: Report) -> Reply:
+        """A client's account of one save: how long the trainer stalled (metrics and status)."""
+        self._require_hello(session)
+        try:
+            stall, fence = float(r.stall_s), float(r.fence_s)
+        except OverflowError:    # an int beyond any float (JSON ints are unbounded)
+            stall = fence = math.inf
+        if not (math.isfinite(stall) and math.isfinite(fence) and 0 <= stall < 1e6 and 0 <= fence < 1e6):
+            raise RequestError("report: stall_s and fence_s must be finite, non-negative seconds")
+        session.last_report = {"step": r.step, "stall_s": stall, "fence_s": fence}
+        self.d.metrics.client_report(stall, fence)
+        log.debug("report", extra={"ctx": {"job": session.job, "rank": session.rank, "step": r.step,
+                                           "stall_s": stall, "fence_s": fence}})
+        return {"step": r.step}, []
+

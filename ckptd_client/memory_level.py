@@ -1,0 +1,103 @@
+"""Memory-level steps on the restore side: finding the newest, restoring it from the daemons' memory,
+and every rank agreeing that it did.
+
+A memory-level step (``save(..., level="memory")``; ``ckptd/daemon/tiers/memory/memory_level.py``)
+has an index and raw ``held`` manifests under ``<root>/<job>/_memory/step-N`` and no data files: its
+bytes exist only in the daemons' memory (the saving node's and K peers'). ``Checkpointer.restore``
+without a step restores the newest memory-level step newer than the newest storage step when every
+rank can read all it needs of it from memory or peers (:func:`restore_held`, each saved rank's shard
+through ``memory_fetch``, resharded as from storage), and otherwise the storage step, saying why in
+``RestoreInfo.passed``. "Every rank" is agreed through the job's store (:func:`all_ranks_ok`): one
+rank that cannot read its pieces (its daemon and the shard's peers gone) sends every rank to storage,
+so no run resumes from two different steps.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ckptd.core import step_files
+from ckptd.core.names import job_dir, memory_job, step_dir
+from ckptd.core.reader import list_steps
+
+from . import store_keys
+from .errors import CheckpointError
+from .held_pieces import DaemonShards
+from .memory_restore import MEMORY, PEER, MemoryUnavailable
+from .read_stats import ReadStats
+from .restore import PerRank, restore_state
+from .sources import Reader, RestoreInfo, Served, Unavailable, saved_world
+from .store_io import StoreWaiter
+
+MEMORY_LEVEL = "memory-level"
+
+
+def newest_held_step(root: str, job: str, above: int | None) -> int | None:
+    """The newest committed memory-level step of ``job`` newer than ``above`` (None: none)."""
+    steps = [s.step for s in list_steps(job_dir(root, memory_job(job))) if s.committed]
+    newer = [s for s in steps if above is None or s > above]
+    return newer[-1] if newer else None
+
+
+def is_held_step(root: str, job: str, step: int) -> bool:
+    """Whether ``step`` is a committed memory-level step of ``job`` and no storage step."""
+    return step_files.is_committed(step_dir(root, memory_job(job), step)) \
+        and not step_files.is_committed(step_dir(root, job, step))
+
+
+def serve_held(reader: Reader, step: int, state: dict[str, Any], per_rank: PerRank,
+               strict: bool) -> Served | Unavailable:
+    """This rank's part of memory-level step ``step`` from the daemons' memory: every saved rank it
+    needs must be held by this node's daemon or a peer it reaches (there are no files to read)."""
+    job = memory_job(reader.job)
+    path = step_dir(reader.root(), job, step)
+    saved = saved_world(path)
+    if saved is None:
+        return Unavailable(MEMORY_LEVEL, f"memory-level step {step} has no readable index under {reader.root()}")
+    stats = ReadStats()
+    try:
+        with DaemonShards(reader.socket_path, job, step, saved, required=True) as held:
+            outcome = restore_state(path, state, rank=reader.rank, world_size=reader.world_size,
+                                    threads=reader.threads, per_rank=per_rank, strict=strict, stats=stats, held=held)
+    except MemoryUnavailable as e:
+        return Unavailable(MEMORY_LEVEL, f"memory-level step {step}: {e}")
+    return Served(PEER if stats.held.get(PEER) else MEMORY, sum(stats.held.values()), outcome, stats)
+
+
+def restore_held(reader: Reader, step: int, state: dict[str, Any], per_rank: PerRank, strict: bool,
+                 all_ok: Callable[[bool], bool]) -> RestoreInfo | Unavailable:
+    """Memory-level step ``step`` into ``state`` on every rank, or on none (``all_ok``: whether every
+    rank served; an error is raised only after this rank took part in that agreement)."""
+    started = time.monotonic()
+    error: BaseException | None = None
+    try:
+        got = serve_held(reader, step, state, per_rank, strict)
+    except Exception as e:         # every rank must still reach the agreement, or the others wait for it
+        got, error = Unavailable(MEMORY_LEVEL, str(e)), e
+    everyone = all_ok(isinstance(got, Served))
+    if error is not None:
+        raise error
+    if isinstance(got, Unavailable):
+        return got
+    if not everyone:
+        return Unavailable(MEMORY_LEVEL, f"memory-level step {step}: another rank could not restore it from memory")
+    return RestoreInfo.of(step, got, started, level="memory")
+
+
+def all_ranks_ok(store: Any, scope: str, n: int, world_size: int, ok: bool, timeout: float) -> bool:
+    """Whether every rank answered ``ok`` in the run's ``n``-th restore agreement: one counter of
+    failures, one of arrivals, a key the last arrival sets; the last reader deletes them."""
+    failed, arrived, done, read = store_keys.restore_votes(scope, n)
+    if not ok:
+        store.add(failed, 1)
+    if store.add(arrived, 1) >= world_size:
+        store.set(done, "1")
+    if not StoreWaiter(store).wait([done], timeout):
+        raise CheckpointError(f"restore: not every rank said within {timeout:g}s whether it restored the "
+                              "memory-level step (a rank died or hangs)")
+    bad = int(store.add(failed, 0))
+    if store.add(read, 1) >= world_size:
+        for key in (failed, arrived, done, read):
+            store.delete_key(key)
+    return bad == 0

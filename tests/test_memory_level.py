@@ -1,0 +1,139 @@
+"""Memory-level saves (issue 20, acceptance 4): steps held in the daemons' memory and their peers', not written.
+
+Two daemons on loopback stand for two nodes (one shared root, peers of each other, K = 1). Real
+FSDP2 ranks (tests/sharded_trainer.py, gloo, one per daemon) save to memory every step and to
+storage every 5 steps. A restart after a SIGKILL restores the newest memory-level step (newer than
+the newest storage step), bit-exact, and trains on exactly as an uninterrupted run; with every daemon
+SIGKILLed the memory-level steps are gone and the restore takes the storage step and says why. A
+memory-level step that cannot be held (budget) or replicated (a dead peer) fails its handle; nothing
+of it looks committed.
+"""
+# mypy: disable-error-code="union-attr,index"
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptd_client
+from ckptd_client import CheckpointError
+
+import sharded_trainer as st
+from test_acceptance import free_port
+from test_peers import peer_args, secret_file
+from test_sharded import assert_bit_identical
+from test_sharded_memory import load, losses, restore_info
+
+pytestmark = pytest.mark.timeout(600)
+STEPS, EVERY = 12, 5
+
+
+def committed_held_steps(root: Path, job: str) -> list[int]:
+    return sorted(int(p.parent.name.split("-")[1]) for p in (root / job / "_memory").glob("step-*/index.json"))
+
+
+def level_line(out: str) -> tuple[str, list[str]]:
+    got = st.lines(out, "RESTORE-LEVEL")
+    assert len(got) == 1, out
+    level, *rest = got[0]
+    return level, json.loads(" ".join(rest))
+
+
+def test_memory_level_steps_restore_newest_then_storage_when_daemons_die(daemon_factory: Any, tmp: Path) -> None:
+    addrs = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    secret = secret_file(tmp / "secret", "s3cret-shared-by-every-node-0123456789")
+    a = daemon_factory(*peer_args(addrs[0], addrs, secret), name="a")
+    b = daemon_factory(*peer_args(addrs[1], addrs, secret), name="b")
+    ref_out, out = tmp / "ref", tmp / "out"
+    ref_out.mkdir()
+    out.mkdir()
+    steps = ("--steps", str(STEPS), "--every", str(EVERY), "--memory-every", "1", "--layout", "fsdp")
+    reference = st.run_group(2, "train", "--job", "ref", "--out", str(ref_out), "--socket", f"{a.socket},{b.socket}",
+                             *steps)
+    assert all("DONE" in o for o in reference)
+    # Storage steps 5 and 10 pruned the memory-level steps at or below them; 11 and 12 stay (memory.steps = 1
+    # keeps the newest held, the directory of the newest only).
+    assert committed_held_steps(a.root, "ref") == [12]
+    assert not list((a.root / "ref" / "_memory").glob("step-*/rank-*.data"))      # nothing was written
+
+    # 1. SIGKILL after memory-level step 7 committed: the restart gets the newest memory-level step, not 5.
+    common = ("--job", "mem", "--out", str(out), "--socket", f"{a.socket},{b.socket}", *steps)
+    procs = st.launch(2, "train", *common, "--step-sleep", "0.3")
+    st.kill_after_commit(procs, 7)
+    newest = committed_held_steps(a.root, "mem")[-1]
+    assert newest >= 7 and newest % EVERY != 0
+    outs = st.run_group(2, "train", *common)
+    for rank, o in enumerate(outs):
+        assert st.lines(o, "RESTORED") == [[str(newest)]], o
+        source, mem, peer, storage = restore_info(o)
+        assert source in ("memory", "peer") and storage == 0 and mem + peer > 0, o
+        assert level_line(o) == ("memory", []), o
+        got, want = load(out / f"restored-w2.rank{rank}.pt"), load(out / f"ref-step{newest}.rank{rank}.pt")
+        assert_bit_identical(got["local"], want["local"], f"rank {rank}'s shards of memory-level step {newest}")
+        assert got["scalars"] == want["scalars"]
+        assert torch.equal(got["torch_rng"], want["torch_rng"])
+        want_losses = {s: v for s, v in losses(reference[rank]).items() if s > newest}
+        assert losses(o) == want_losses and sorted(want_losses) == list(range(newest + 1, STEPS + 1)), o
+
+    # 2. Every daemon SIGKILLed (their memory is gone): fresh daemons; the restore takes storage step 10.
+    for d in (a, b):
+        d.proc.kill()
+        d.proc.wait()
+    assert committed_held_steps(a.root, "mem") == [STEPS]
+    a2, b2 = daemon_factory(name="a2"), daemon_factory(name="b2")
+    outs = st.run_group(2, "train", "--job", "mem", "--out", str(out), "--socket", f"{a2.socket},{b2.socket}",
+                        "--steps", str(STEPS + 1), "--every", str(EVERY), "--layout", "fsdp")
+    for rank, o in enumerate(outs):
+        assert st.lines(o, "RESTORED") == [["10"]], o
+        level, passed = level_line(o)
+        assert level == "storage" and restore_info(o)[0] == "storage", o
+        assert passed and passed[0].startswith(f"memory-level step {STEPS}"), o
+        got, want = load(out / f"restored-w2.rank{rank}.pt"), load(out / f"ref-step10.rank{rank}.pt")
+        assert_bit_identical(got["local"], want["local"], f"rank {rank}'s shards of storage step 10")
+
+
+def small_state(mib: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(mib)
+    return {"w": torch.randn(mib * 1024 * 256, generator=g), "meta": {"step": mib}}
+
+
+def test_memory_level_step_over_budget_or_unreplicated_fails_its_handle(daemon_factory: Any, tmp: Path) -> None:
+    """A memory-level step that cannot be held fails its handle with the reason: over the memory budget,
+    or a replica its peer never acknowledged; neither leaves a committed memory-level step. A storage
+    save of the same state commits (a shard not held in memory is still written)."""
+    d = daemon_factory("--memory-budget", "2MiB", name="small")
+    ck = ckptd_client.Checkpointer("budget", socket=str(d.socket), rank=0, world_size=1)
+    with pytest.raises(CheckpointError, match="does not fit the memory budget"):
+        ck.save(1, small_state(4), level="memory").wait(60)
+    assert committed_held_steps(d.root, "budget") == []
+    ck.save(2, small_state(4)).wait(60)
+    ck.save(3, small_state(1), level="memory").wait(60)       # one that fits commits
+    assert committed_held_steps(d.root, "budget") == [3]
+    state = {"w": torch.zeros(1024 * 256), "meta": {}}
+    assert ck.restore(state) == 3 and ck.last_restore.level == "memory" and ck.last_restore.from_storage == 0
+    assert torch.equal(state["w"], small_state(1)["w"]) and state["meta"] == {"step": 1}
+    ck.close()
+
+    dead = f"127.0.0.1:{free_port()}"           # a peer nobody listens on
+    me = f"127.0.0.1:{free_port()}"
+    secret = secret_file(tmp / "secret", "s3cret-shared-by-every-node-0123456789")
+    p = daemon_factory(*peer_args(me, [me, dead], secret), "--peer-io-timeout", "2", name="lonely")
+    ck = ckptd_client.Checkpointer("lonely", socket=str(p.socket), rank=0, world_size=1)
+    with pytest.raises(CheckpointError, match="0 of its 1 peer replicas"):
+        ck.save(1, small_state(1), level="memory").wait(60)
+    assert committed_held_steps(p.root, "lonely") == []
+    with pytest.raises(ValueError, match="level must be"):
+        ck.save(2, small_state(1), level="disk")
+    ck.close()
+
+
+def test_memory_level_save_needs_the_memory_tier(daemon_factory: Any) -> None:
+    d = daemon_factory("--memory-steps", "0", name="nomem")
+    ck = ckptd_client.Checkpointer("nomem", socket=str(d.socket), rank=0, world_size=1)
+    with pytest.raises(CheckpointError, match="memory-level saves need the memory tier"):
+        ck.save(1, small_state(1), level="memory").wait(60)
+    ck.save(2, small_state(1)).wait(60)
+    ck.close()
