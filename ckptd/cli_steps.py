@@ -19,7 +19,7 @@ from typing import Any
 
 from ckptd import bucket_cli
 from ckptd.core.describe import describe_step, human_size, render_step
-from ckptd.core.names import STAGED_NAME, parse_step_dir_name, step_dir_name, validate_job
+from ckptd.core.names import MEMORY_LEVEL_DIR, STAGED_NAME, parse_step_dir_name, step_dir_name, validate_job
 from ckptd.core.reader import Fault, StepInfo, StepReader, list_steps, verify_step
 
 USAGE = 2       # argparse's exit status for a usage error; 1 stays a FAULT (or a failed command)
@@ -166,10 +166,10 @@ def _dir_bytes(path: str) -> int:
     return total
 
 
-def _row(job: str, info: StepInfo, now: float) -> dict[str, Any]:
+def _row(job: str, info: StepInfo, now: float, memory: bool = False) -> dict[str, Any]:
     raw = stored = None
     verified = False        # format 2: the index's digest covers the sizes shown
-    state = "committed" if info.committed else "uncommitted"
+    state = ("memory-level" if memory else "committed") if info.committed else "uncommitted"
     if os.path.isfile(os.path.join(info.path, STAGED_NAME)):    # a copy from the bucket, not a commit here
         state = "staged" if info.committed else "staging"
     if info.committed:
@@ -180,7 +180,8 @@ def _row(job: str, info: StepInfo, now: float) -> dict[str, Any]:
             verified = index["format_version"] >= 2
         except (ValueError, OSError) as e:      # FormatError, or a file over its size limit
             state = f"invalid ({e})"
-    return {"job": job, "step": info.step, "state": state, "path": info.path, "bytes_on_disk": _dir_bytes(info.path),
+    return {"job": job, "step": info.step, "state": state, "level": "memory" if memory else "storage",
+            "path": info.path, "bytes_on_disk": _dir_bytes(info.path),
             "raw_bytes": raw, "stored_bytes": stored, "sizes_verified": verified,
             "ratio": round(raw / stored, 3) if raw and stored else None,
             "age_s": round(now - os.stat(info.path).st_mtime, 1)}
@@ -198,9 +199,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     except UsageError as e:
         missing = e
     now = time.time()
-    rows: list[dict[str, Any]] = [] if missing else [
-        _row(job, info, now) for job in ([args.job] if args.job else jobs_under(args.root))
-        for info in list_steps(os.path.join(args.root, job))]
+    rows: list[dict[str, Any]] = [] if missing else sorted((
+        _row(job, info, now, memory) for job in ([args.job] if args.job else jobs_under(args.root))
+        for memory in (False, True)
+        for info in list_steps(os.path.join(args.root, job, *([MEMORY_LEVEL_DIR] if memory else [])))),
+        key=lambda r: (r["job"], r["step"], r["level"]))
     if missing is None or args.job:
         bucket_cli.add_tiers(rows, args)       # a job the bucket has is listed on a node that has none of it
     if missing is not None and not rows:
@@ -221,6 +224,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
               f"{raw_text:>11s} {format(r['ratio'], '.3f') if r['ratio'] else '-':>6} "
               f"{_age(r['age_s']) if r['age_s'] is not None else '-':>7s}  {r['path'] or '-'}"
               + (f"  {r['tiers']}" if "tiers" in r else ""))
+    if any(r["level"] == "memory" for r in rows):
+        print("memory-level: held in the daemons' memory and their peers' only (ON DISK: its index and manifests); "
+              "gone once every daemon holding it restarted")
     if any(r["raw_bytes"] is not None and not r["sizes_verified"] for r in rows):
         print("* format-1 step: sizes from an index with no digest (unverified; `ckptd verify` checks the data)")
     return 0

@@ -27,6 +27,7 @@ def memory_lines(mem: dict[str, Any] | None) -> list[str]:
                           + (f" {v['copies']} copies" if v["copies"] is not None else "")
                           + (" pinned" if v["pinned"] else "") for r, v in sorted(s["ranks"].items()))
         level = "replicated, " if s["replicated"] else ""
-        out.append(f"  job={s['job']} step={s['step']} {level}{'committed' if s['committed'] else 'not committed'}"
+        kind = "memory-level step" if s.get("level") == "memory" else "step"
+        out.append(f"  job={s['job']} {kind}={s['step']} {level}{'committed' if s['committed'] else 'not committed'}"
                    f" {_mib(s['bytes'])} ranks {ranks}")
     return out

@@ -23,6 +23,8 @@ from ckptd_client import CheckpointError
 
 import sharded_trainer as st
 from test_acceptance import free_port
+from test_cli_steps import ckptd
+from test_memory_tier import status
 from test_peers import peer_args, secret_file
 from test_sharded import assert_bit_identical
 from test_sharded_memory import load, losses, restore_info
@@ -112,6 +114,16 @@ def test_memory_level_step_over_budget_or_unreplicated_fails_its_handle(daemon_f
     ck.save(2, small_state(4)).wait(60)
     ck.save(3, small_state(1), level="memory").wait(60)       # one that fits commits
     assert committed_held_steps(d.root, "budget") == [3]
+    # ls and status show it as a memory-level step, beside the storage step.
+    ls = ckptd("ls", str(d.root), "budget", "--json")
+    assert ls.returncode == 0, ls.stderr
+    assert [(r["step"], r["level"], r["state"]) for r in json.loads(ls.stdout)] == [
+        (2, "storage", "committed"), (3, "memory", "memory-level")]
+    text = ckptd("ls", str(d.root), "budget").stdout
+    assert "memory-level: held in the daemons' memory" in text, text
+    held = [(s["job"], s["step"], s["level"]) for s in status(d.socket)["memory"]["held"]]
+    assert ("budget", 3, "memory") in held, held
+    assert "job=budget memory-level step=3" in ckptd("status", "--socket", str(d.socket)).stdout
     state = {"w": torch.zeros(1024 * 256), "meta": {}}
     assert ck.restore(state) == 3 and ck.last_restore.level == "memory" and ck.last_restore.from_storage == 0
     assert torch.equal(state["w"], small_state(1)["w"]) and state["meta"] == {"step": 1}

@@ -49,8 +49,9 @@ class MemoryView:
         copies = {(r.job, r.step, r.rank): r.copies for r in self.replicas}
         steps: dict[tuple[str, int], dict[str, Any]] = {}
         for h in self.held:
-            s = steps.setdefault((h.job, h.step), {"job": h.job, "step": h.step, "committed": h.committed,
-                                                   "ranks": {}, "bytes": 0})
+            s = steps.setdefault((h.job, h.step), {"job": names.base_job(h.job), "step": h.step,
+                                                   "level": "memory" if names.is_memory_job(h.job) else "storage",
+                                                   "committed": h.committed, "ranks": {}, "bytes": 0})
             s["ranks"][str(h.rank)] = {"origin": h.origin, "bytes": h.nbytes, "pinned": h.pins,
                                        "copies": copies.get((h.job, h.step, h.rank)), "in_slot": h.in_slot}
             s["bytes"] += h.nbytes
@@ -59,7 +60,7 @@ class MemoryView:
             own = [r["copies"] for r in s["ranks"].values() if r["copies"] is not None]
             s["replicated"] = bool(own) and self.k > 0 and all(c >= self.k + 1 for c in own)
         return {"steps_per_job": self.steps, "budget_bytes": self.budget, "used_bytes": self.used,
-                "held": sorted(steps.values(), key=lambda s: (s["job"], s["step"])),
+                "held": sorted(steps.values(), key=lambda s: (s["job"], s["step"], s["level"])),
                 "totals": vars(self.totals).copy(), "replicas_k": self.k, "peer_address": self.peer_address,
                 "peers_refused": self.peers_refused, "replication_failures": self.replication_failures,
                 "replicated_bytes": self.replicated_bytes,
