@@ -10,6 +10,9 @@ through torchtitan's interface (``load(step)``, ``save(curr_step, last_step)``,
   ``load_step``: as torchtitan's manager. Saves are asynchronous: ``save`` returns after the
   memory copy started (overlapped with the next forward/backward); ``maybe_wait_for_staging``,
   which the trainer calls right before ``optimizers.step()``, fences on that copy.
+- ``memory_interval``: memory-level saves between the storage saves (``Checkpointer.save(level=
+  "memory")``), e.g. every 10 steps in memory and every 500 to storage; ``load`` then restores the
+  newest step every rank can restore from the daemons' memory, else the newest stored one.
 - ``keep_latest_k``: after each commit, rank 0 removes this job's committed steps older than the
   newest k (index.json first, so a step is never half visible). 0 keeps all.
 - ``last_save_model_only`` / ``export_dtype`` / ``last_save_in_hf``: the last step saves only the
@@ -81,6 +84,10 @@ class CkptdCheckpointManager(BaseCheckpointManager):
         """Checkpoint root, if it is not the daemon's (restores read it without the daemon)."""
         hf_rename: str | None = None
         """JSON file mapping canonical names to Hugging Face names, for ``last_save_in_hf``."""
+        memory_interval: int = 0
+        """A memory-level save every this many steps between the storage saves of ``interval`` (0: none):
+        held in the daemons' memory and their peers', never written (``Checkpointer.save(level="memory")``);
+        a resume takes the newest step every rank can restore, memory-level or stored."""
 
         def checkpointer_config(self) -> CheckpointerConfig:
             """These settings as the ``Checkpointer``'s: ``socket`` and ``root`` carried over; the
@@ -111,9 +118,13 @@ class CkptdCheckpointManager(BaseCheckpointManager):
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         c = self.config
-        if c.load_only or not (last_step or curr_step % c.interval == 0
-                               or (curr_step == 1 and c.enable_first_step_checkpoint)):
+        if c.load_only:
             return False
+        if not (last_step or curr_step % c.interval == 0 or (curr_step == 1 and c.enable_first_step_checkpoint)):
+            if not (c.memory_interval and curr_step % c.memory_interval == 0):
+                return False
+            self._last = self.save_future = self.ckpt.save(curr_step, self.states, level="memory")  # type: ignore[assignment]
+            return True
         if last_step and c.last_save_model_only:
             self.ckpt.fence()
             self.ckpt.save(curr_step, {MODEL: self.states[MODEL]}).wait()
@@ -129,19 +140,19 @@ class CkptdCheckpointManager(BaseCheckpointManager):
 
     def _load(self, step: int = -1) -> bool:
         c = self.config
+        loadable = {k: v for k, v in self.states.items() if k not in c.exclude_from_loading}
         if step == -1:
             latest = self.ckpt.latest_step()
+            if c.memory_interval and latest != 0:    # the newest step every rank can restore, memory-level if newer
+                if self.ckpt.restore(loadable) is not None:
+                    return True
             step = -1 if latest is None else latest
         if step == -1 and c.initial_load_in_hf and c.initial_load_path:
             self._import_initial(c.initial_load_path)
             step = 0
         if step == -1:
             return False
-        if step == 0:
-            state = {MODEL: self.states[MODEL]}
-        else:
-            state = {k: v for k, v in self.states.items() if k not in c.exclude_from_loading}
-        self.ckpt.restore(state, step)
+        self.ckpt.restore({MODEL: self.states[MODEL]} if step == 0 else loadable, step)
         return True
 
     def _maybe_wait_for_staging(self) -> None:

@@ -1,8 +1,9 @@
 """The torchtitan checkpoint manager (issue 8, acceptance 4): torchtitan's llama3 debug model trained
 on CPU by 2 FSDP2 gloo ranks (tests/titan_worker.py says how and why its own loop), SIGKILLed after
-a commit, resumed in new processes: the remaining steps' losses equal an uninterrupted run's bit
-for bit. The resumed run's last save goes out as Hugging Face safetensors (last_save_in_hf), and a
-new job starts from that directory (initial_load_in_hf, through ckptd import)."""
+a commit, resumed in new processes (from a memory-level step: memory_interval): the remaining steps'
+losses equal an uninterrupted run's bit for bit. The resumed run's last save goes out as Hugging Face
+safetensors (last_save_in_hf), and a new job starts from that directory (initial_load_in_hf, through
+ckptd import)."""
 from __future__ import annotations
 
 import shutil
@@ -37,14 +38,18 @@ def test_sigkill_resume_matches_uninterrupted_run(daemon: DaemonProcess, tmp: Pa
     ref = st.run_group(2, *common, "--job", "ref", script=WORKER, timeout=600)
     want = losses(ref[0])
     assert sorted(want) == [1, 2, 3, 4]
-    killed = st.finish(st.launch(2, *common, "--job", "run", "--kill-at", "3", script=WORKER), 600, expect_rc=-9)
-    assert "KILLED 3" in killed[0] and losses(killed[0]) == {k: want[k] for k in (1, 2, 3)}
-    steps = sorted(p.name for p in (tmp / "root/run").iterdir())
+    # memory_interval=1: memory-level saves at 1 and 3 around the storage save at 2; killed before saving 4.
+    memory = ("--memory-interval", "1")
+    killed = st.finish(st.launch(2, *common, *memory, "--job", "run", "--kill-at", "4", script=WORKER), 600,
+                       expect_rc=-9)
+    assert "KILLED 4" in killed[0] and losses(killed[0]) == {k: want[k] for k in (1, 2, 3, 4)}
+    steps = sorted(p.name for p in (tmp / "root/run").glob("step-*"))
     assert steps == ["step-000000000002"] and (tmp / "root/run" / steps[0] / "index.json").exists()
-    resumed = st.run_group(2, *common, "--job", "run", "--hf-last", "--dump", str(tmp / "final.safetensors"),
-                           script=WORKER, timeout=600)
-    assert st.lines(resumed[0], "START") == [["2"]]
-    assert losses(resumed[0]) == {3: want[3], 4: want[4]}
+    assert (tmp / "root/run/_memory/step-000000000003/index.json").exists()
+    resumed = st.run_group(2, *common, *memory, "--job", "run", "--hf-last", "--dump",
+                           str(tmp / "final.safetensors"), script=WORKER, timeout=600)
+    assert st.lines(resumed[0], "START") == [["3"]]      # the memory-level step, newer than storage step 2
+    assert losses(resumed[0]) == {4: want[4]}
     # last_save_in_hf: the final model, exported as Hugging Face safetensors, equals the live one.
     final = load_file(tmp / "final.safetensors")
     exported = load_file(tmp / "titan/step-4/model.safetensors")

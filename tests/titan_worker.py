@@ -93,6 +93,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--interval", type=int, default=2)
     p.add_argument("--kill-at", type=int, default=0)
+    p.add_argument("--memory-interval", type=int, default=0, help="memory-level saves every N steps")
     p.add_argument("--folder", required=True)
     p.add_argument("--hf-last", action="store_true", help="last step: model only, exported as HF safetensors")
     p.add_argument("--hf-init", help="initial_load_in_hf from this directory")
@@ -102,7 +103,8 @@ def main() -> None:
     from ckptd_client.torchtitan import CkptdCheckpointManager
 
     manager = CkptdCheckpointManager.Config(
-        enable=True, job=a.job, socket=a.socket, interval=a.interval, keep_latest_k=2, folder=a.folder,
+        enable=True, job=a.job, socket=a.socket, interval=a.interval, memory_interval=a.memory_interval,
+        keep_latest_k=2, folder=a.folder,
         last_save_model_only=a.hf_last, last_save_in_hf=a.hf_last, export_dtype="float32",
         initial_load_in_hf=a.hf_init is not None, initial_load_path=a.hf_init).build(
         dataloader=loader, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
