@@ -106,9 +106,10 @@ def build_from_records(records: Sequence[RankRecord]) -> tuple[dict[str, GlobalT
             raise FormatError(f"tensor {key!r} is sharded on some ranks and a plain tensor on others")
         first = held[0][0]
         prints = {(e.dtype, e.shape, e.fp) for e, _ in held}
+        for shape in {e.shape for e, _ in held} - wholes.keys():    # one Region per shape, not per rank
+            wholes[shape] = Region.whole(shape)
         out[key] = GlobalTensor(key, first.dtype, tuple(first.shape), LOCAL,
-                                tuple(Piece(rank, e.name, wholes.setdefault(e.shape, Region.whole(e.shape)),
-                                            None if e.dtype == first.dtype else e.dtype)
+                                tuple(Piece(rank, e.name, wholes[e.shape], None if e.dtype == first.dtype else e.dtype)
                                       for e, rank in held),
                                 same=len(prints) == 1 and len(held) == len(records))
     return out, per_rank_keys(records, out)

@@ -209,7 +209,7 @@ def is_step_file(name: str) -> bool:
 
 def is_step_temp(name: str) -> bool:
     """Whether ``name`` is the temp name of a step file (left behind if its writer was killed)."""
-    return _STEP_TEMP_RE.match(name) is not None
+    return ".tmp." in name and _STEP_TEMP_RE.match(name) is not None    # (the substring: 10× a step's 65k names)
 
 
 def job_dir(root: str, job: str) -> str:
