@@ -19,6 +19,8 @@ from ckptd.daemon.settings.spec import (
 )
 
 MIN_IO_TIMEOUT_S, MAX_IO_TIMEOUT_S = 0.1, 3600.0
+REDUNDANCY = ("copies", "parity")
+MAX_GROUP = 64                      # stripes.MAX_GROUP (settings import only core)
 
 
 def _io_timeout(v: object) -> float:
@@ -81,6 +83,20 @@ class PeerSettings:
         doc="Longest a peer may go without sending or taking a byte (connect, handshake, every read and "
             "write); past it that one copy or fetch fails, is logged with the peer's address and counted, "
             "and the other peers and storage go on. 0.1 s to 1 h.")
+    redundancy: str = setting(
+        "copies", choices=REDUNDANCY, flags=(Flag("--peer-redundancy"),),
+        doc="How a lost node's held shards survive: `copies` (K full copies on peers, `replicas`) or `parity` "
+            "(erasure-coded: groups of `group` nodes of `peers`, `parity` pieces per stripe; any `parity` nodes "
+            "of a group may be lost, at about parity/(group − parity) of a shard's memory per node; "
+            "docs/erasure-coding.md).")
+    group: int = setting(
+        4, parse=integer(3, MAX_GROUP), flags=(Flag("--peer-group"),),
+        doc="G: nodes per parity group (`redundancy = \"parity\"`), cut from `peers` in the `jump` order; "
+            "at least `parity` + 2 and at most the number of peers (the last group takes the remainder).")
+    parity: int = setting(
+        1, parse=integer(1, 16), flags=(Flag("--peer-parity"),),
+        doc="P: parity pieces per stripe (`redundancy = \"parity\"`): 1 is XOR, 2 or more Reed-Solomon "
+            "(ISA-L); a group survives the loss of any P of its nodes.")
 
 
 def check_peers(memory: MemorySettings, p: PeerSettings, src: dict[str, str], error: type[Exception]) -> None:
@@ -95,3 +111,11 @@ def check_peers(memory: MemorySettings, p: PeerSettings, src: dict[str, str], er
     if p.peers and me not in p.peers:
         raise error(f"{src['peers.peers']}: peers.peers: this node ({me}) is not in the list; set peers.name "
                     "to its entry")
+    if p.redundancy == "parity":
+        where = src["peers.redundancy"]
+        if p.group < p.parity + 2:
+            raise error(f"{where}: peers.group: a parity group of G = {p.group} with P = {p.parity} parity pieces "
+                        f"per stripe must have G >= P + 2 = {p.parity + 2} (else parity is a full copy)")
+        if p.peers and len(p.peers) < p.group:
+            raise error(f"{where}: peers.peers: parity groups of G = {p.group} need at least {p.group} nodes in "
+                        f"peers, got {len(p.peers)}")
