@@ -23,6 +23,9 @@ Then the client sends requests, each answered in turn:
     {"op": "put", <held meta>} + payload   → {"op": "ok"} | {"op": "error", "reason"}
     {"op": "get", job, step, rank, digest} → {"op": "held", <held meta>} + payload | {"op": "missing"}
     {"op": "has", job, step, rank, digest} → {"op": "yes"} | {"op": "missing"}
+
+and, with ``[peers] redundancy = "parity"``, the piece ops ``put_piece``, ``get_parity`` and
+``get_piece`` (ckptd/daemon/tiers/peers/layout.py), each payload carrying its xxh3-64 ``checksum``.
 """
 from __future__ import annotations
 

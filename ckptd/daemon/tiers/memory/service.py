@@ -12,7 +12,7 @@ import logging
 import os
 from collections.abc import Hashable
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptd.core import names
@@ -22,7 +22,10 @@ from ckptd.daemon.settings.config import DaemonConfig
 from ckptd.daemon.tiers.base import StorageTier
 from ckptd.daemon.tiers.memory.store import Held, HeldView, MemoryStore, MemoryTotals
 from ckptd.daemon.tiers.memory.tier import MemoryTier
+from ckptd.daemon.tiers.peers.layout import ParityLayout
 from ckptd.daemon.tiers.peers.link import PeerServer, load_secret, split_address
+from ckptd.daemon.tiers.peers.parity import ParityNode
+from ckptd.daemon.tiers.peers.parity_hold import ParityHolder
 from ckptd.daemon.tiers.peers.replicate import PeerCounts, Replicator, ReplicaView
 
 log = logging.getLogger("ckptd")
@@ -44,6 +47,9 @@ class MemoryView:
     replication_failures: int
     replicated_bytes: int
     per_peer: dict[str, PeerCounts]         # each replication target's counters
+    redundancy: str = "copies"               # or "parity" (then ``protected`` and ``parity_bytes`` say)
+    protected: dict[tuple[str, int, int], bool] = field(default_factory=dict)   # own shards: in their parity
+    parity_bytes: int = 0                    # parity buffers this node holds for its group
 
     def to_json(self) -> dict[str, Any]:
         copies = {(r.job, r.step, r.rank): r.copies for r in self.replicas}
@@ -55,6 +61,8 @@ class MemoryView:
             s["ranks"][str(h.rank)] = {"origin": h.origin, "bytes": h.nbytes, "pinned": h.pins,
                                        "copies": copies.get((h.job, h.step, h.rank)), "in_slot": h.in_slot}
             s["bytes"] += h.nbytes
+            if self.redundancy == "parity" and h.origin == "local":
+                s["protected"] = s.get("protected", True) and self.protected.get((h.job, h.step, h.rank), False)
             s["committed"] = s["committed"] and h.committed
         for s in steps.values():
             own = [r["copies"] for r in s["ranks"].values() if r["copies"] is not None]
@@ -63,7 +71,8 @@ class MemoryView:
                 "held": sorted(steps.values(), key=lambda s: (s["job"], s["step"], s["level"])),
                 "totals": vars(self.totals).copy(), "replicas_k": self.k, "peer_address": self.peer_address,
                 "peers_refused": self.peers_refused, "replication_failures": self.replication_failures,
-                "replicated_bytes": self.replicated_bytes,
+                "replicated_bytes": self.replicated_bytes, "redundancy": self.redundancy,
+                "parity_held_bytes": self.parity_bytes,
                 "peers": {p: {"sent_bytes": c.sent_bytes, "failures": c.failures} for p, c in self.per_peer.items()}}
 
 
@@ -74,13 +83,20 @@ class MemoryService:
         p = config.peers
         self.secret = load_secret(p.secret_file) if p.secret_file and (p.listen or p.peers) else None
         self.replicator: Replicator | None = None
-        if self.secret is not None and p.peers:
+        self.parity: ParityNode | None = None          # redundancy = "parity": this node's pieces, rebuilds
+        self.holder: ParityHolder | None = None        # ... and the parity it holds for its group
+        if self.secret is not None and p.peers and p.redundancy == "parity":
+            layout = ParityLayout.of(list(p.peers), p.name or p.listen or "", p.group, p.parity, p.jump)
+            self.parity = ParityNode(self.store, layout, self.secret, p.bandwidth, p.io_timeout, self._trim)
+            self.holder = ParityHolder(self.store, layout, p.io_timeout)
+        elif self.secret is not None and p.peers:
             self.replicator = Replicator(self.store, list(p.peers), p.name or p.listen or "", p.replicas, p.jump,
                                          self.secret, p.bandwidth, p.io_timeout, self._trim)
         r = self.replicator
+        on_held = r.offer if r else self.parity.offer if self.parity else lambda h: None
         self.memory = MemoryTier(fs, self.store, root, config.write.chunk_bytes, pool,
-                                 on_held=r.offer if r else lambda h: None, replicate=r.copy_now if r else None,
-                                 k=len(r.targets) if r else 0)
+                                 on_held=on_held, replicate=r.copy_now if r else self.parity.protect_now
+                                 if self.parity else None, k=len(r.targets) if r else 1 if self.parity else 0)
         self.tier: StorageTier = self.memory if self.store.enabled else fs
         self.server: PeerServer | None = None
         self.refused = 0
@@ -90,12 +106,15 @@ class MemoryService:
     async def start(self) -> None:
         p = self.config.peers
         if p.listen is not None and self.secret is not None:
-            self.server = PeerServer(self.store, self.secret, self._trim, self._refused, p.io_timeout)
+            self.server = PeerServer(self.store, self.secret, self._trim, self._refused, p.io_timeout,
+                                     pieces=self.holder)
             host, port = await self.server.start(*split_address(p.listen))
             log.info("peer listener", extra={"ctx": {"address": f"{host}:{port}", "peers": list(p.peers),
                                                      "targets": self.replicator.targets if self.replicator else []}})
         if self.replicator is not None:
             self.tasks.spawn(self.replicator.run(), "replication")
+        if self.parity is not None:
+            self.tasks.spawn(self.parity.run(), "parity")
         if self.store.enabled:
             self.tasks.spawn(self._settle_loop(), "memory tier commit check")
 
@@ -113,6 +132,8 @@ class MemoryService:
         await self.tasks.cancel_all()
 
     def close(self) -> None:
+        if self.holder is not None:
+            self.holder.close()
         self.store.close()
 
     def _refused(self) -> None:
@@ -128,7 +149,8 @@ class MemoryService:
             raise RequestError("memory_fetch: step must be a step number or null")
         if not names.is_rank(m.rank, m.world_size):
             raise RequestError(f"bad rank {m.rank} / world size {m.world_size}")
-        fetch_peer = self.replicator.fetch if self.replicator is not None else None
+        fetch_peer = self.replicator.fetch if self.replicator is not None else \
+            self.parity.rebuild if self.parity is not None else None
         held, source = await self.memory.serve(job, m.step, m.rank, m.world_size, fetch_peer)
         self.reading.setdefault(conn, []).append(held)
         assert held.meta is not None
@@ -153,4 +175,13 @@ class MemoryService:
                           r.views() if r is not None else (), self.config.peers.replicas if r is not None else 0,
                           f"{address[0]}:{address[1]}" if address else None, self.refused,
                           r.failures if r is not None else 0, r.sent_bytes if r is not None else 0,
-                          {t: PeerCounts(c.sent_bytes, c.failures) for t, c in r.per_peer.items()} if r else {})
+                          {t: PeerCounts(c.sent_bytes, c.failures) for t, c in r.per_peer.items()} if r else {},
+                          self.config.peers.redundancy, self._protected(),
+                          self.holder.held_bytes() if self.holder else 0)
+
+    def _protected(self) -> dict[tuple[str, int, int], bool]:
+        par = self.parity
+        if par is None:
+            return {}
+        return {(h.job, h.step, h.rank): par.protected(h.job, h.step, h.rank, h.meta.nbytes)
+                for h in self.store.entries.values() if h.origin == "local" and h.meta is not None}

@@ -155,6 +155,34 @@ class MemoryStore:
         self.used += need
         return held
 
+    def charge(self, nbytes: int, what: str) -> bool:
+        """Budget ``nbytes`` for something other than a held shard (a parity buffer), evicting the
+        oldest unpinned shards as ``reserve`` does; False (nothing charged) when it cannot fit."""
+        if not self.enabled:
+            return False
+        victims = sorted((h for h in self.entries.values() if h.pins == 0 and h.meta is not None),
+                         key=lambda h: (h.step, h.arrived))
+        free = self.budget - self.used
+        if free + sum(h.nbytes for h in victims) < nbytes:
+            self.totals.skipped += 1
+            log.warning("not held in memory: over the memory budget",
+                        extra={"ctx": {"what": what, "bytes": nbytes, "budget": self.budget, "used": self.used}})
+            return False
+        for h in victims:
+            if free >= nbytes:
+                break
+            log.info("evicted from memory", extra={"ctx": {"job": h.job, "step": h.step, "rank": h.rank,
+                                                           "bytes": h.nbytes, "reason": "memory budget"}})
+            self.totals.evicted += 1
+            free += h.nbytes
+            self._remove(h)
+        self.used += nbytes
+        return True
+
+    def uncharge(self, nbytes: int) -> None:
+        """What ``charge`` budgeted is freed."""
+        self.used -= nbytes
+
     def filled(self, held: Held, meta: HeldMeta) -> None:
         """Its bytes are in and checked: it may be served (once its step is committed and verified)."""
         if held.gone:

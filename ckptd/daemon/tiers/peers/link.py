@@ -15,13 +15,14 @@ import logging
 import os
 import stat
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ckptd.core import peer_protocol as pp
 from ckptd.core.errors import ChecksumError, FormatError, ProtocolError
 from ckptd.core.held import MAX_HELD_BYTES, HeldMeta, verify
 from ckptd.daemon.runtime import describe_error
 from ckptd.daemon.tiers.memory.store import REPLICA, Held, MemoryStore, new_memfd
+from ckptd.daemon.tiers.peers.layout import PIECE_OPS
 
 log = logging.getLogger("ckptd")
 MIN_SECRET_BYTES = 16
@@ -86,14 +87,22 @@ async def receive_held(store: MemoryStore, reader: asyncio.StreamReader, msg: di
     return held
 
 
+class PieceOps(Protocol):
+    """The parity holder's side of the piece ops (parity_hold.py), when ``redundancy = "parity"``."""
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, msg: dict[str, Any],
+                     plen: int, node: str) -> None: ...
+
+
 class PeerServer:
     """Serves other daemons: ``put`` (keep a replica of their shard), ``get`` (send one we hold) and
-    ``has`` (say whether we hold it). A connection idle or stalled for ``timeout`` s is closed."""
+    ``has`` (say whether we hold it); in parity mode also the piece ops
+    (``layout.PIECE_OPS``). A connection idle or stalled for ``timeout`` s is closed."""
 
     def __init__(self, store: MemoryStore, secret: bytes, trim: Callable[[str], None],
-                 refused: Callable[[], None], timeout: float) -> None:
+                 refused: Callable[[], None], timeout: float, pieces: PieceOps | None = None) -> None:
         self.store, self.secret, self.trim, self.refused = store, secret, trim, refused
-        self.timeout = timeout
+        self.timeout, self.pieces = timeout, pieces
         self.server: asyncio.base_events.Server | None = None
         self.address: tuple[str, int] | None = None
 
@@ -124,6 +133,8 @@ class PeerServer:
                     await self._put(reader, writer, msg, plen, node)
                 elif msg["op"] == "get" and plen == 0:
                     await self._get(writer, msg)
+                elif msg["op"] in PIECE_OPS and self.pieces is not None:
+                    await self.pieces.handle(reader, writer, msg, plen, node)
                 elif msg["op"] == "has" and plen == 0:
                     await pp.send(writer, {"op": "yes" if self._lookup(msg) is not None else "missing"},
                                   timeout=self.timeout)

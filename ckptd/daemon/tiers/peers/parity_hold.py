@@ -1,0 +1,233 @@
+"""The parity holder: other members' data pieces folded into parity buffers, and pieces served back.
+
+Serves the piece ops of ``layout.py`` for :class:`~ckptd.daemon.tiers.peers.link.PeerServer`. A
+parity buffer is a memfd charged to the memory store's budget like a replica (before a byte of the
+piece is read; a piece that does not fit is refused and the sender's step is not *protected*). It
+is keyed by (job, step, stripe, lane) and records which (member, rank, manifest digest, size) it
+holds, so a rebuild checks what it decodes against the committed index. A piece folded twice would
+cancel itself out: a repeated (member, rank, digest) is acknowledged and not folded again. Buffers
+of a job beyond its newest ``memory.steps + 1`` steps go.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import mmap
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptd.core import peer_protocol as pp
+from ckptd.core.codec import checksum
+from ckptd.core.errors import FormatError, ProtocolError
+from ckptd.core.held import HeldMeta
+from ckptd.daemon.runtime import describe_error
+from ckptd.daemon.tiers.memory.store import MemoryStore, new_memfd
+from ckptd.daemon.tiers.peers.layout import ParityLayout
+from ckptd.daemon.tiers.peers.stripes import piece_size
+
+log = logging.getLogger("ckptd")
+MAX_LANES = 1024
+
+
+@dataclass
+class Folded:
+    member: int
+    rank: int
+    digest: str
+    nbytes: int
+    meta: dict[str, Any]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"member": self.member, "rank": self.rank, "digest": self.digest, "nbytes": self.nbytes}
+
+
+@dataclass(eq=False)
+class ParityUnit:
+    """One parity buffer: row ``q`` of stripe ``stripe``, lane ``lane`` of (job, step)."""
+    job: str
+    step: int
+    stripe: int
+    lane: int
+    q: int
+    size: int = 0
+    fd: int = -1
+    mm: mmap.mmap | None = None
+    record: dict[int, Folded] = field(default_factory=dict)    # member → what it folded in
+
+    def close(self) -> None:
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:
+                pass
+            self.mm = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class ParityHolder:
+    def __init__(self, store: MemoryStore, layout: ParityLayout, timeout: float) -> None:
+        self.store, self.layout, self.timeout = store, layout, timeout
+        self.units: dict[tuple[str, int, int, int], ParityUnit] = {}
+        self.lock = asyncio.Lock()
+
+    # ---- serving ---------------------------------------------------------------------------
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, msg: dict[str, Any],
+                     plen: int, node: str) -> None:
+        op = msg["op"]
+        if op == "put_piece":
+            try:
+                reply = await self._put(reader, msg, plen, node)
+            except (FormatError, ValueError) as e:
+                log.warning("parity piece refused", extra={"ctx": {"from": node, "reason": describe_error(e)}})
+                raise ProtocolError(str(e)) from None
+            await pp.send(writer, reply, timeout=self.timeout)
+        elif op == "get_parity" and plen == 0:
+            await self._get_parity(writer, msg)
+        elif op == "get_piece" and plen == 0:
+            await self._get_piece(writer, msg)
+        else:
+            raise ProtocolError(f"bad peer request {str(op)[:40]!r} with {plen} payload bytes")
+
+    async def _put(self, reader: asyncio.StreamReader, msg: dict[str, Any], plen: int, node: str) -> dict[str, Any]:
+        lay = self.layout
+        wire = msg.get("meta")
+        meta = HeldMeta.from_wire(wire if isinstance(wire, dict) else {})
+        s, lane, member, want = msg.get("stripe"), msg.get("lane"), msg.get("member"), msg.get("checksum")
+        if (msg.get("job"), msg.get("step"), msg.get("rank"), msg.get("digest")) != \
+                (meta.job, meta.step, meta.rank, meta.digest):
+            raise FormatError("put_piece: names a shard its meta does not describe")
+        if not (type(s) is int and 0 <= s < lay.size and type(lane) is int and 0 <= lane < MAX_LANES
+                and type(member) is int and isinstance(want, str)):
+            raise FormatError("put_piece: bad stripe, lane, member or checksum")
+        st = lay.stripe(s)
+        if lay.member not in st.parity or member not in st.data:
+            raise FormatError(f"put_piece: member {member} has no data piece in stripe {s} whose parity is here")
+        piece = lay.cut(meta.nbytes, member).piece_in(s)
+        if plen != piece.length or plen == 0:
+            raise FormatError(f"put_piece: {plen} bytes for a piece of {piece.length}")
+        key = (meta.job, meta.step, s, lane)
+        unit = self.units.get(key)
+        if unit is not None and member in unit.record:
+            await pp.skip(reader, plen, timeout=self.timeout)
+            f = unit.record[member]
+            if (f.rank, f.digest) == (meta.rank, meta.digest):
+                return {"op": "ok"}            # folded already: once more would cancel it out
+            return {"op": "error", "reason": f"lane {lane} of stripe {s} already holds member {member}'s rank {f.rank}"}
+        size = piece_size(meta.nbytes, lay.size, lay.p)
+        grow = max(0, size - (unit.size if unit is not None else 0))
+        if grow and not self.store.charge(grow, f"parity {meta.job} step {meta.step} stripe {s}"):
+            await pp.skip(reader, plen, timeout=self.timeout)
+            return {"op": "error", "reason": "over this peer's memory budget"}
+        data = bytearray(plen)
+        try:
+            await pp.recv_payload(reader, memoryview(data), timeout=self.timeout)
+        finally:
+            if grow:
+                self.store.uncharge(grow)   # the reservation; charged again exactly below, under the lock
+        if checksum(data) != want:
+            self.store.totals.corrupt += 1
+            log.warning("parity piece refused: checksum", extra={"ctx": {"from": node, "job": meta.job,
+                                                                         "step": meta.step, "rank": meta.rank}})
+            return {"op": "error", "reason": "piece fails its checksum"}
+        async with self.lock:                # one fold (and growth) at a time
+            unit = self.units.get(key)
+            if unit is not None and member in unit.record:
+                return {"op": "ok"} if unit.record[member].digest == meta.digest else \
+                    {"op": "error", "reason": f"lane {lane} of stripe {s} already holds member {member}"}
+            need = max(0, size - (unit.size if unit is not None else 0))
+            if need and not self.store.charge(need, f"parity {meta.job} step {meta.step} stripe {s}"):
+                return {"op": "error", "reason": "over this peer's memory budget"}
+            if unit is None:
+                unit = self.units[key] = ParityUnit(meta.job, meta.step, s, lane, st.parity.index(lay.member))
+                self._trim(meta.job)
+                if key not in self.units:
+                    self.store.uncharge(need)
+                    return {"op": "error", "reason": f"step {meta.step} is older than the steps kept here"}
+            if need:
+                await self._grow(unit, size)
+            assert unit.mm is not None
+            view = memoryview(unit.mm)[:unit.size]
+            try:
+                lay.codec.fold(view, unit.q, {st.row(member): data})
+            finally:
+                view.release()
+            unit.record[member] = Folded(member, meta.rank, meta.digest, meta.nbytes, meta.to_wire())
+        log.info("parity piece folded", extra={"ctx": {"job": meta.job, "step": meta.step, "rank": meta.rank,
+                                                       "stripe": s, "lane": lane, "bytes": plen, "from": node}})
+        return {"op": "ok"}
+
+    async def _grow(self, unit: ParityUnit, size: int) -> None:
+        fd, mm = await asyncio.get_running_loop().run_in_executor(
+            None, new_memfd, f"ckptd-parity-{unit.job}-{unit.step}-s{unit.stripe}-l{unit.lane}", size)
+        if unit.mm is not None:     # (under the holder's lock: nothing folds into it meanwhile)
+            mm[:unit.size] = unit.mm[:unit.size]
+        unit.close()
+        unit.fd, unit.mm, unit.size = fd, mm, size
+
+    def _find(self, msg: dict[str, Any]) -> tuple[ParityUnit, Folded] | None:
+        job, step, s, rank, digest = (msg.get(k) for k in ("job", "step", "stripe", "rank", "digest"))
+        for (j, t, ss, _), unit in self.units.items():
+            if (j, t, ss) == (job, step, s):
+                for f in unit.record.values():
+                    if (f.rank, f.digest) == (rank, digest):
+                        return unit, f
+        return None
+
+    async def _get_parity(self, writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
+        found = self._find(msg)
+        if found is None or found[0].mm is None:
+            await pp.send(writer, {"op": "missing"}, timeout=self.timeout)
+            return
+        unit, f = found
+        assert unit.mm is not None
+        view = memoryview(unit.mm)[:unit.size]
+        try:
+            await pp.send(writer, {"op": "parity", "q": unit.q, "lane": unit.lane, "checksum": checksum(view),
+                                   "record": [x.to_wire() for x in unit.record.values()], "meta": f.meta},
+                          view, timeout=self.timeout)
+        finally:
+            view.release()
+
+    async def _get_piece(self, writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
+        job, step, rank, digest, s = (msg.get(k) for k in ("job", "step", "rank", "digest", "stripe"))
+        held = self.store.get(job, step, rank) if isinstance(job, str) and type(step) is int \
+            and type(rank) is int else None
+        if held is None or held.meta is None or held.mm is None or held.meta.digest != digest \
+                or type(s) is not int or not 0 <= s < self.layout.size \
+                or self.layout.member not in self.layout.stripe(s).data:
+            await pp.send(writer, {"op": "missing"}, timeout=self.timeout)
+            return
+        piece = self.layout.cut(held.meta.nbytes).piece_in(s)
+        self.store.pin(held)
+        try:
+            view = memoryview(held.mm)[piece.offset:piece.offset + piece.length]
+            try:
+                await pp.send(writer, {"op": "piece", "checksum": checksum(view)}, view, timeout=self.timeout)
+            finally:
+                view.release()
+        finally:
+            self.store.unpin(held)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def _trim(self, job: str) -> None:
+        keep = sorted({u.step for u in self.units.values() if u.job == job}, reverse=True)[: self.store.steps + 1]
+        for key, unit in list(self.units.items()):
+            if unit.job == job and unit.step not in keep:
+                self._drop(key)
+
+    def _drop(self, key: tuple[str, int, int, int]) -> None:
+        unit = self.units.pop(key)
+        self.store.uncharge(unit.size)
+        unit.close()
+
+    def held_bytes(self) -> int:
+        return sum(u.size for u in self.units.values())
+
+    def close(self) -> None:
+        for key in list(self.units):
+            self._drop(key)

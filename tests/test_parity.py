@@ -1,0 +1,175 @@
+"""Erasure-coded peer redundancy (issue 24): daemons on loopback stand for nodes of one parity group;
+a lost node's rank is rebuilt from the other members' pieces and parity, checked, or storage serves."""
+# mypy: disable-error-code="union-attr,index,operator"
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptd_client
+from ckptd.daemon.settings.config import ConfigError, load_settings
+
+from test_acceptance import free_port
+from test_memory_tier import assert_equal, remove_data_files, status, zeros_like
+from test_peers import peer_args, secret_file, wait_for
+
+JOB, STEP, WORLD = "par", 3, 4
+PARITY = ("--peer-redundancy", "parity", "--peer-group", "4", "--peer-parity", "1")
+
+# One rank per node: saves STEP of its state (sizes differ per rank) through the relay commit, then waits
+# for the others so rank 0's store outlives them.
+RANK = textwrap.dedent("""
+    import sys, torch, ckptd_client
+    from datetime import timedelta
+    sys.path.insert(0, sys.argv[5])
+    from test_parity import state_for
+    sock, job, rank, world, _, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), \\
+        sys.argv[5], int(sys.argv[6])
+    store = torch.distributed.TCPStore("127.0.0.1", port, world, rank == 0, timedelta(seconds=60))
+    ck = ckptd_client.Checkpointer(job, socket=sock, rank=rank, world_size=world, store=store, commit="relay",
+                                   commit_timeout=60)
+    ck.save(int(sys.argv[7]), state_for(rank)).wait(120)
+    if sys.argv[8] == "memory":             # and a memory-level step after it: held, never written
+        ck.save(int(sys.argv[7]) + 1, state_for(rank, memory=True), level="memory").wait(120)
+    ck.close()
+    store.set(f"done{rank}", "1")
+    if rank == 0:
+        store.wait([f"done{r}" for r in range(world)], timedelta(seconds=100))
+    print("SAVED", flush=True)
+""")
+
+
+def state_for(rank: int, memory: bool = False) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s state: shards of different sizes, so pieces and parity buffers differ too."""
+    g = torch.Generator().manual_seed(100 + rank + 1000 * memory)
+    return {"w": torch.randn(200_000 + 37_000 * rank, generator=g), "b": torch.randn(1000, generator=g).bfloat16()}
+
+
+def start_group(daemon_factory, tmp: Path, memory: bool = False) -> tuple[list[Any], list[str], Path]:
+    """Four nodes, one parity group (G = 4, P = 1), one rank each; step STEP saved (and STEP + 1 at the
+    memory level with ``memory``) and protected on every node."""
+    addrs = [f"127.0.0.1:{free_port()}" for _ in range(WORLD)]
+    secret = secret_file(tmp / "secret", "s3cret-shared-by-every-node-0123456789")
+    nodes = [daemon_factory(*peer_args(a, addrs, secret, *PARITY), name=f"n{i}") for i, a in enumerate(addrs)]
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(nodes[r].socket), JOB, str(r), str(WORLD),
+                               str(Path(__file__).parent), str(port), str(STEP), "memory" if memory else "storage"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(WORLD)]
+    for p in procs:
+        out, _ = p.communicate(timeout=240)
+        assert p.returncode == 0 and "SAVED" in out, out + "".join(n.log_text() for n in nodes)
+    for n in nodes:
+        wait_for(lambda: protected(n.socket), f"{n} step {STEP} protected")   # noqa: B023 (called at once)
+    return nodes, addrs, secret
+
+
+@pytest.fixture
+def group(daemon_factory, tmp):
+    return start_group(daemon_factory, tmp)
+
+
+def protected(sock: Path) -> bool:
+    return any(s["step"] == STEP and s["committed"] and s.get("protected") for s in status(sock)["memory"]["held"])
+
+
+def restore_rank(sock: Path, rank: int) -> ckptd_client.Checkpointer:
+    want = state_for(rank)
+    target = zeros_like(want)
+    ck = ckptd_client.Checkpointer(JOB, socket=str(sock), rank=rank, world_size=WORLD)
+    assert ck.restore(target, step=STEP) == STEP
+    assert_equal(target, want)
+    return ck
+
+
+def test_lost_node_rebuilt_from_parity_bit_exact(group, daemon_factory):
+    """Acceptance 1 (one rank per node): after the commit every node's step is protected and each
+    node holds parity for the group; node 1's daemon is SIGKILLed and every data file deleted; a survivor,
+    then a fresh daemon for node 1, rebuilds rank 1 from the other three (no byte from storage), bit-exact."""
+    nodes, addrs, secret = group
+    st = status(nodes[0].socket)["memory"]
+    assert st["redundancy"] == "parity" and st["parity_held_bytes"] > 0
+    nodes[1].kill()
+    assert remove_data_files(nodes[0].root, JOB) == WORLD
+    ck = restore_rank(nodes[2].socket, 1)           # any survivor of the group rebuilds it too
+    assert ck.last_restore.source == "peer", ck.last_restore
+    fresh = daemon_factory(*peer_args(addrs[1], addrs, secret, *PARITY), name="n1b")
+    ck = restore_rank(fresh.socket, 1)
+    assert ck.last_restore.source == "peer", ck.last_restore
+    assert "rebuilt from parity" in fresh.log_text()
+
+
+def test_memory_level_step_rebuilt_from_parity(daemon_factory, tmp):
+    """A memory-level step is durable once its pieces are in their parity; with node 1 lost, its rank
+    restores the memory-level step rebuilt from the group, no byte from storage."""
+    nodes, addrs, secret = start_group(daemon_factory, tmp, memory=True)
+    held = {(s["step"], s.get("protected")) for s in status(nodes[1].socket)["memory"]["held"]}
+    assert (STEP + 1, True) in held, held          # (only the memory level has that step)
+    nodes[1].kill()
+    fresh = daemon_factory(*peer_args(addrs[1], addrs, secret, *PARITY), name="n1b")
+    want = state_for(1, memory=True)
+    target = zeros_like(want)
+    ck = ckptd_client.Checkpointer(JOB, socket=str(fresh.socket), rank=1, world_size=WORLD)
+    assert ck.restore(target) == STEP + 1
+    assert ck.last_restore.level == "memory" and ck.last_restore.from_storage == 0, ck.last_restore
+    assert_equal(target, want)
+
+
+def test_two_lost_with_p1_falls_back_to_storage_and_says_why(group, daemon_factory):
+    """Acceptance 2 (P = 1): two nodes of the group lost; the rebuild gives up and the restore reads storage."""
+    nodes, addrs, secret = group
+    nodes[1].kill()
+    nodes[2].kill()
+    fresh = daemon_factory(*peer_args(addrs[1], addrs, secret, *PARITY, "--peer-io-timeout", "2"), name="n1b")
+    ck = restore_rank(fresh.socket, 1)
+    assert ck.last_restore.source == "storage", ck.last_restore
+    log = fresh.log_text()
+    assert "parity rebuild failed" in log and "more than P = 1" in log, log[-3000:]
+
+
+def test_corrupt_parity_is_detected_never_served(group, daemon_factory):
+    """Acceptance 3: a byte flipped in a holder's parity buffer (its memfd, through /proc) is caught by
+    the rebuilt shard's checksums; the restore reads storage, bit-exact."""
+    nodes, addrs, secret = group
+    flipped = set()
+    for fd in Path(f"/proc/{nodes[0].pid}/fd").iterdir():
+        try:
+            target, inode = os.readlink(fd), os.stat(fd).st_ino
+        except OSError:
+            continue
+        # stripe 0 holds rank 1's first piece, its parity on member 0 (the buffer's fd and its mapping's dup)
+        if f"ckptd-parity-{JOB}-{STEP}-s0-" in target and inode not in flipped:
+            with open(fd, "r+b") as f:
+                f.seek(100)
+                b = f.read(1)
+                f.seek(100)
+                f.write(bytes([b[0] ^ 0x40]))
+            flipped.add(inode)
+    assert len(flipped) == 1
+    nodes[1].kill()
+    fresh = daemon_factory(*peer_args(addrs[1], addrs, secret, *PARITY), name="n1b")
+    ck = restore_rank(fresh.socket, 1)
+    assert ck.last_restore.source == "storage", ck.last_restore
+    assert "fails its checksums" in fresh.log_text()
+
+
+def test_parity_settings_are_checked(tmp):
+    """G >= P + 2 and at least G nodes in peers, said at start with the key."""
+    secret = secret_file(tmp / "secret", "s3cret-shared-by-every-node-0123456789")
+    addrs = [f"127.0.0.1:{7000 + i}" for i in range(3)]
+    env = {"CKPTD_ROOT": str(tmp), "CKPTD_PEERS_LISTEN": addrs[0], "CKPTD_PEERS_PEERS": ",".join(addrs),
+           "CKPTD_PEERS_SECRET_FILE": str(secret), "CKPTD_PEERS_REDUNDANCY": "parity"}
+    with pytest.raises(ConfigError, match="need at least 4 nodes in peers"):
+        load_settings(None, env={**env, "CKPTD_PEERS_GROUP": "4"})
+    with pytest.raises(ConfigError, match="G >= P \\+ 2"):
+        load_settings(None, env={**env, "CKPTD_PEERS_GROUP": "3", "CKPTD_PEERS_PARITY": "2"})
+    with pytest.raises(ConfigError, match="must be one of"):
+        load_settings(None, env={**env, "CKPTD_PEERS_REDUNDANCY": "raid"})
+    assert load_settings(None, env={**env, "CKPTD_PEERS_GROUP": "3"})["peers.group"] == 3
