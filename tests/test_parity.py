@@ -52,22 +52,24 @@ def state_for(rank: int, memory: bool = False) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(200_000 + 37_000 * rank, generator=g), "b": torch.randn(1000, generator=g).bfloat16()}
 
 
-def start_group(daemon_factory, tmp: Path, memory: bool = False) -> tuple[list[Any], list[str], Path]:
-    """Four nodes, one parity group (G = 4, P = 1), one rank each; step STEP saved (and STEP + 1 at the
-    memory level with ``memory``) and protected on every node."""
-    addrs = [f"127.0.0.1:{free_port()}" for _ in range(WORLD)]
+def start_group(daemon_factory, tmp: Path, memory: bool = False, n: int = WORLD, per_node: int = 1,
+                parity: tuple[str, ...] = PARITY) -> tuple[list[Any], list[str], Path]:
+    """``n`` nodes in parity groups (``parity``: G = 4, P = 1), ``per_node`` ranks each (rank r on node
+    r // per_node); step STEP saved (and STEP + 1 at the memory level with ``memory``) and protected
+    on every node."""
+    addrs = [f"127.0.0.1:{free_port()}" for _ in range(n)]
     secret = secret_file(tmp / "secret", "s3cret-shared-by-every-node-0123456789")
-    nodes = [daemon_factory(*peer_args(a, addrs, secret, *PARITY), name=f"n{i}") for i, a in enumerate(addrs)]
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(nodes[r].socket), JOB, str(r), str(WORLD),
+    nodes = [daemon_factory(*peer_args(a, addrs, secret, *parity), name=f"n{i}") for i, a in enumerate(addrs)]
+    port, world = free_port(), n * per_node
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(nodes[r // per_node].socket), JOB, str(r), str(world),
                                str(Path(__file__).parent), str(port), str(STEP), "memory" if memory else "storage"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(WORLD)]
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(world)]
     for p in procs:
         out, _ = p.communicate(timeout=240)
         assert p.returncode == 0 and "SAVED" in out, out + "".join(n.log_text() for n in nodes)
-    for n in nodes:
-        wait_for(lambda: protected(n.socket), f"{n} step {STEP} protected")   # noqa: B023 (called at once)
+    for node in nodes:
+        wait_for(lambda: protected(node.socket), f"{node} step {STEP} protected")   # noqa: B023 (called at once)
     return nodes, addrs, secret
 
 
@@ -80,10 +82,10 @@ def protected(sock: Path) -> bool:
     return any(s["step"] == STEP and s["committed"] and s.get("protected") for s in status(sock)["memory"]["held"])
 
 
-def restore_rank(sock: Path, rank: int) -> ckptd_client.Checkpointer:
+def restore_rank(sock: Path, rank: int, world: int = WORLD) -> ckptd_client.Checkpointer:
     want = state_for(rank)
     target = zeros_like(want)
-    ck = ckptd_client.Checkpointer(JOB, socket=str(sock), rank=rank, world_size=WORLD)
+    ck = ckptd_client.Checkpointer(JOB, socket=str(sock), rank=rank, world_size=world)
     assert ck.restore(target, step=STEP) == STEP
     assert_equal(target, want)
     return ck
@@ -120,6 +122,20 @@ def test_memory_level_step_rebuilt_from_parity(daemon_factory, tmp):
     assert ck.restore(target) == STEP + 1
     assert ck.last_restore.level == "memory" and ck.last_restore.from_storage == 0, ck.last_restore
     assert_equal(target, want)
+
+
+def test_two_ranks_per_node_two_lost_with_p2(daemon_factory, tmp):
+    """Acceptance 2 (P = 2, lighter: 5 daemons, G = 5, 2 ranks per node, so two lanes): nodes 1 and 3
+    lost; a fresh daemon for node 1 rebuilds ranks 2 and 3 (Reed-Solomon), bit-exact, none from storage."""
+    p2 = ("--peer-redundancy", "parity", "--peer-group", "5", "--peer-parity", "2")
+    nodes, addrs, secret = start_group(daemon_factory, tmp, n=5, per_node=2, parity=p2)
+    nodes[1].kill()
+    nodes[3].kill()
+    assert remove_data_files(nodes[0].root, JOB) == 10
+    fresh = daemon_factory(*peer_args(addrs[1], addrs, secret, *p2), name="n1b")
+    for rank in (2, 3):
+        ck = restore_rank(fresh.socket, rank, world=10)
+        assert ck.last_restore.source == "peer", ck.last_restore
 
 
 def test_two_lost_with_p1_falls_back_to_storage_and_says_why(group, daemon_factory):
