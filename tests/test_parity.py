@@ -3,6 +3,7 @@ a lost node's rank is rebuilt from the other members' pieces and parity, checked
 # mypy: disable-error-code="union-attr,index,operator"
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -174,6 +175,58 @@ def test_corrupt_parity_is_detected_never_served(group, daemon_factory):
     ck = restore_rank(fresh.socket, 1)
     assert ck.last_restore.source == "storage", ck.last_restore
     assert "fails its checksums" in fresh.log_text()
+
+
+def test_piece_ops_check_checksums_sizes_and_repeats(group):
+    """The piece ops on the wire: a holder answers get_parity with the record and meta; a put_piece
+    whose payload fails its checksum is refused (nothing folded), one of the wrong size drops the
+    connection, a repeated piece is acknowledged without folding it twice (the parity is unchanged)."""
+    nodes, addrs, secret = group
+    from ckptd.core import peer_protocol as pp
+    from ckptd.core.codec import checksum
+    from ckptd.core.errors import ProtocolError
+    from ckptd.daemon.tiers.peers.link import PeerLink
+    from ckptd.daemon.tiers.peers.stripes import cut
+
+    async def ask(msg: dict[str, Any], payload: bytes | None = None) -> tuple[dict[str, Any], bytes]:
+        link = await PeerLink(addrs[0], secret.read_bytes().strip(), "test", 5.0).open()
+        assert link.reader is not None and link.writer is not None
+        try:
+            await pp.send(link.writer, msg, payload, timeout=5.0)
+            reply, plen = await pp.recv(link.reader, 1 << 30, timeout=5.0)
+            data = bytearray(plen)
+            await pp.recv_payload(link.reader, memoryview(data), timeout=5.0)
+            return reply, bytes(data)
+        finally:
+            link.close()
+
+    async def run() -> None:
+        # stripe 0's parity is on member 0 (node 0); rank 1 (member 1) has its first piece there
+        reply, parity = await ask({"op": "get_parity", "job": JOB, "step": STEP, "stripe": 0, "rank": 1,
+                                   "digest": status_digest()})
+        assert reply["op"] == "parity" and reply["q"] == 0 and checksum(parity) == reply["checksum"]
+        assert sorted(f["rank"] for f in reply["record"]) == [1, 2, 3]       # member 0 holds parity there
+        meta = reply["meta"]
+        piece = cut(meta["nbytes"], 4, 1, 1).piece_in(0)
+        body = bytes(range(256)) * (piece.length // 256) + bytes(piece.length % 256)
+        put = {"op": "put_piece", "job": JOB, "step": STEP, "rank": 1, "digest": meta["digest"], "stripe": 0,
+               "lane": 0, "member": 1, "meta": meta}
+        bad, _ = await ask({**put, "lane": 1, "checksum": "0" * 16}, body)
+        assert bad["op"] == "error" and "checksum" in bad["reason"], bad
+        with pytest.raises((ProtocolError, OSError)):       # refused before its payload is read: dropped
+            await ask({**put, "lane": 1, "checksum": checksum(body[:-1])}, body[:-1])
+        again, _ = await ask({**put, "checksum": checksum(body)}, body)
+        assert again["op"] == "ok"                       # lane 0 already holds member 1's rank 1: not refolded
+        reply2, parity2 = await ask({"op": "get_parity", "job": JOB, "step": STEP, "stripe": 0, "rank": 1,
+                                     "digest": meta["digest"]})
+        assert parity2 == parity and reply2["record"] == reply["record"]
+
+    def status_digest() -> str:
+        from ckptd.core.names import step_dir
+        from ckptd.core.reader import StepReader
+        return str(StepReader(step_dir(str(nodes[0].root), JOB, STEP)).rank_entry(1)["manifest_digest"])
+
+    asyncio.run(run())
 
 
 def test_parity_settings_are_checked(tmp):
