@@ -17,7 +17,9 @@ def memory_lines(mem: dict[str, Any] | None) -> list[str]:
            f"{mem['steps_per_job']} committed step(s) per job; held={t['held']} evicted={t['evicted']} "
            f"not-held={t['skipped']} served={t['served']} corrupt={t['corrupt']}"]
     if mem.get("peer_address") or mem.get("replicas_k"):
-        out.append(f"peers: listening on {mem.get('peer_address') or '-'}, K={mem['replicas_k']}, "
+        kind = (f"parity, {_mib(mem.get('parity_held_bytes', 0))} of parity held" if mem.get("redundancy") == "parity"
+                else f"K={mem['replicas_k']}")
+        out.append(f"peers: listening on {mem.get('peer_address') or '-'}, {kind}, "
                    f"refused={mem['peers_refused']} replication failures={mem['replication_failures']} "
                    f"sent {_mib(mem['replicated_bytes'])}")
         for peer, c in sorted(mem.get("peers", {}).items()):
@@ -27,6 +29,8 @@ def memory_lines(mem: dict[str, Any] | None) -> list[str]:
                           + (f" {v['copies']} copies" if v["copies"] is not None else "")
                           + (" pinned" if v["pinned"] else "") for r, v in sorted(s["ranks"].items()))
         level = "replicated, " if s["replicated"] else ""
+        if "protected" in s:        # redundancy = "parity": this node's pieces are in their parity
+            level += "protected, " if s["protected"] else "degraded (parity incomplete), "
         kind = "memory-level step" if s.get("level") == "memory" else "step"
         out.append(f"  job={s['job']} {kind}={s['step']} {level}{'committed' if s['committed'] else 'not committed'}"
                    f" {_mib(s['bytes'])} ranks {ranks}")

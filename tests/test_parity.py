@@ -99,6 +99,10 @@ def test_lost_node_rebuilt_from_parity_bit_exact(group, daemon_factory):
     nodes, addrs, secret = group
     st = status(nodes[0].socket)["memory"]
     assert st["redundancy"] == "parity" and st["parity_held_bytes"] > 0
+    text = subprocess.run([sys.executable, "-m", "ckptd", "status", "--socket", str(nodes[0].socket)],
+                          capture_output=True, text=True, timeout=60).stdout
+    assert f"job={JOB} step={STEP} protected, committed" in text, text
+    assert "parity, " in text and "of parity held" in text, text
     nodes[1].kill()
     assert remove_data_files(nodes[0].root, JOB) == WORLD
     ck = restore_rank(nodes[2].socket, 1)           # any survivor of the group rebuilds it too

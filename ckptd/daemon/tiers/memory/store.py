@@ -133,23 +133,8 @@ class MemoryStore:
         elif old is not None:
             return None           # a restore reads the old copy: keep it, hold no second one
         need = max(mmap.PAGESIZE, nbytes)
-        victims = sorted((h for h in self.entries.values() if h.pins == 0 and h.meta is not None),
-                         key=lambda h: (h.step, h.arrived))
-        free = self.budget - self.used
-        if free + sum(h.nbytes for h in victims) < need:
-            self.totals.skipped += 1
-            log.warning("not held in memory: over the memory budget",
-                        extra={"ctx": {"job": job, "step": step, "rank": rank, "bytes": nbytes,
-                                       "budget": self.budget, "used": self.used}})
+        if not self._make_room(need, {"job": job, "step": step, "rank": rank, "bytes": nbytes}):
             return None
-        for h in victims:
-            if free >= need:
-                break
-            log.info("evicted from memory", extra={"ctx": {"job": h.job, "step": h.step, "rank": h.rank,
-                                                           "bytes": h.nbytes, "reason": "memory budget"}})
-            self.totals.evicted += 1
-            free += h.nbytes
-            self._remove(h)
         held = Held(job, step, rank, need, origin)
         self.entries[held.key] = held
         self.used += need
@@ -158,25 +143,30 @@ class MemoryStore:
     def charge(self, nbytes: int, what: str) -> bool:
         """Budget ``nbytes`` for something other than a held shard (a parity buffer), evicting the
         oldest unpinned shards as ``reserve`` does; False (nothing charged) when it cannot fit."""
-        if not self.enabled:
+        if not self.enabled or not self._make_room(nbytes, {"what": what, "bytes": nbytes}):
             return False
+        self.used += nbytes
+        return True
+
+    def _make_room(self, need: int, ctx: dict[str, object]) -> bool:
+        """Evict the oldest unpinned shards until ``need`` bytes fit the budget; False (nothing
+        evicted, counted as skipped) when even evicting all of them would not make room."""
         victims = sorted((h for h in self.entries.values() if h.pins == 0 and h.meta is not None),
                          key=lambda h: (h.step, h.arrived))
         free = self.budget - self.used
-        if free + sum(h.nbytes for h in victims) < nbytes:
+        if free + sum(h.nbytes for h in victims) < need:
             self.totals.skipped += 1
             log.warning("not held in memory: over the memory budget",
-                        extra={"ctx": {"what": what, "bytes": nbytes, "budget": self.budget, "used": self.used}})
+                        extra={"ctx": {**ctx, "budget": self.budget, "used": self.used}})
             return False
         for h in victims:
-            if free >= nbytes:
+            if free >= need:
                 break
             log.info("evicted from memory", extra={"ctx": {"job": h.job, "step": h.step, "rank": h.rank,
                                                            "bytes": h.nbytes, "reason": "memory budget"}})
             self.totals.evicted += 1
             free += h.nbytes
             self._remove(h)
-        self.used += nbytes
         return True
 
     def uncharge(self, nbytes: int) -> None:
