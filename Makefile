@@ -86,10 +86,12 @@ bench-dcp: $(VENV)/.installed-bench
 
 # Parity codec throughput per core (XOR, Reed-Solomon through pyeclib: ISA-L and the portable backend;
 # zfec, GPL, installed here as a comparison only) and the memory / bytes-sent table of
-# docs/erasure-coding.md; writes benchmarks/results/parity.md and .json.
+# docs/erasure-coding.md; writes benchmarks/results/parity.md and .json. Then the same schemes on 8 real
+# daemons: memory, bytes sent, rebuild vs full-copy fetch vs storage (benchmarks/results/parity_daemons.md).
 bench-parity: $(VENV)/.installed-bench
 	$(PIP) install -q 'zfec>=1.5'
 	$(PY) benchmarks/bench_parity.py
+	$(PY) benchmarks/parity_daemons_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache

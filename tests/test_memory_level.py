@@ -137,6 +137,9 @@ def test_memory_level_step_over_budget_or_unreplicated_fails_its_handle(daemon_f
     with pytest.raises(CheckpointError, match="0 of its 1 peer replicas"):
         ck.save(1, small_state(1), level="memory").wait(60)
     assert committed_held_steps(p.root, "lonely") == []
+    # Nothing of it is left: no held shard (its slot went back to the trainer), no manifest.
+    assert status(p.socket)["memory"]["held"] == []
+    assert not list((p.root / "lonely" / "_memory").glob("step-*/rank-*.json"))
     with pytest.raises(ValueError, match="level must be"):
         ck.save(2, small_state(1), level="disk")
     ck.close()

@@ -36,7 +36,7 @@ from ckptd.core.names import job_dir, memory_job, rank_manifest_name, step_dir
 from ckptd.core.rank_record import summarize
 from ckptd.core.reader import list_steps
 from ckptd.core.schema import TensorLayout, digest_bytes, encode_json
-from ckptd.core.step_files import remove_step
+from ckptd.core.step_files import remove_rank_files, remove_step
 from ckptd.daemon.tiers.base import ShardRef, ShardWritten, SlotLoan
 from ckptd.daemon.tiers.memory.store import LOCAL, Held, MemoryStore, new_memfd
 
@@ -92,6 +92,7 @@ async def hold_shard(store: MemoryStore, pool: Executor, root: str, chunk_bytes:
         store.cancel(held)
         if kept:
             released()
+        await _remove_manifest(loop, pool, root, ref)
         raise
     digest = digest_bytes(body)
     if kept:
@@ -100,11 +101,20 @@ async def hold_shard(store: MemoryStore, pool: Executor, root: str, chunk_bytes:
         loan.lend()
     store.filled(held, HeldMeta(ref.job, ref.step, ref.rank, ref.world_size, digest, nbytes, chunk_bytes, sums,
                                 tuple(layout), tree))
-    acked = await replicate(held) if replicate is not None and k > 0 else 0
-    if acked < k:        # (the coordinator fails the step: abort drops the held shard, its slot goes back)
-        raise NotHeld(f"memory-level step {ref.step}: rank {ref.rank}'s shard reached {acked} of its {k} peer "
-                      "replicas (see the daemon log for each peer's error)")
+    try:
+        acked = await replicate(held) if replicate is not None and k > 0 else 0
+        if acked < k:
+            raise NotHeld(f"memory-level step {ref.step}: rank {ref.rank}'s shard reached {acked} of its {k} peer "
+                          "replicas (see the daemon log for each peer's error)")
+    except BaseException:       # a failed write leaves nothing: the held shard (its slot goes back), the manifest
+        store.drop_step(ref.job, ref.step, {ref.rank})
+        await _remove_manifest(loop, pool, root, ref)
+        raise
     return ShardWritten(nbytes, 0, digest, time.monotonic() - t0, summarize(manifest, digest))
+
+
+async def _remove_manifest(loop: asyncio.AbstractEventLoop, pool: Executor, root: str, ref: ShardRef) -> None:
+    await loop.run_in_executor(pool, remove_rank_files, step_dir(root, ref.job, ref.step), ref.rank)
 
 
 def prune(root: str, job: str, keep: int, at_or_below: int | None) -> list[int]:

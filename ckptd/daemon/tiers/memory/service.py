@@ -50,6 +50,7 @@ class MemoryView:
     redundancy: str = "copies"               # or "parity" (then ``protected`` and ``parity_bytes`` say)
     protected: dict[tuple[str, int, int], bool] = field(default_factory=dict)   # own shards: in their parity
     parity_bytes: int = 0                    # parity buffers this node holds for its group
+    parity_sent: int = 0                     # data pieces this node sent to its stripes' parity holders
 
     def to_json(self) -> dict[str, Any]:
         copies = {(r.job, r.step, r.rank): r.copies for r in self.replicas}
@@ -72,7 +73,7 @@ class MemoryView:
                 "totals": vars(self.totals).copy(), "replicas_k": self.k, "peer_address": self.peer_address,
                 "peers_refused": self.peers_refused, "replication_failures": self.replication_failures,
                 "replicated_bytes": self.replicated_bytes, "redundancy": self.redundancy,
-                "parity_held_bytes": self.parity_bytes,
+                "parity_held_bytes": self.parity_bytes, "parity_sent_bytes": self.parity_sent,
                 "peers": {p: {"sent_bytes": c.sent_bytes, "failures": c.failures} for p, c in self.per_peer.items()}}
 
 
@@ -177,7 +178,8 @@ class MemoryService:
                           r.failures if r is not None else 0, r.sent_bytes if r is not None else 0,
                           {t: PeerCounts(c.sent_bytes, c.failures) for t, c in r.per_peer.items()} if r else {},
                           self.config.peers.redundancy, self._protected(),
-                          self.holder.held_bytes() if self.holder else 0)
+                          self.holder.held_bytes() if self.holder else 0,
+                          self.parity.sent_bytes if self.parity else 0)
 
     def _protected(self) -> dict[tuple[str, int, int], bool]:
         par = self.parity
