@@ -124,7 +124,7 @@ def test_memory_level_step_over_budget_or_unreplicated_fails_its_handle(daemon_f
     held = [(s["job"], s["step"], s["level"]) for s in status(d.socket)["memory"]["held"]]
     assert ("budget", 3, "memory") in held, held
     assert "job=budget memory-level step=3" in ckptd("status", "--socket", str(d.socket)).stdout
-    state = {"w": torch.zeros(1024 * 256), "meta": {}}
+    state: dict[str, Any] = {"w": torch.zeros(1024 * 256), "meta": {}}
     assert ck.restore(state) == 3 and ck.last_restore.level == "memory" and ck.last_restore.from_storage == 0
     assert torch.equal(state["w"], small_state(1)["w"]) and state["meta"] == {"step": 1}
     ck.close()
