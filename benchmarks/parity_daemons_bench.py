@@ -110,12 +110,12 @@ def run_scheme(name: str, flags: tuple[str, ...], g: int, p: int, mib: int, base
     fresh: DaemonProcess | None = None
     try:
         port = free_port()
-        t0 = time.perf_counter()
         procs = [subprocess.Popen([sys.executable, "-c", RANK, str(nodes[r].socket), str(r), str(NODES), str(port),
                                    str(mib)], env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(NODES)]
         for pr in procs:
             if pr.wait(600) != 0:
                 raise RuntimeError(f"{name}: a rank failed")
+        t0 = time.perf_counter()        # every rank's handle committed (and its process gone)
         for d in nodes:
             wait(lambda: ready(d, g > 0), f"{name}: {d.socket} step protected/replicated")  # noqa: B023
         protect_s = time.perf_counter() - t0
@@ -161,7 +161,7 @@ def to_markdown(res: dict[str, Any]) -> str:
         "(`memory=False`, page cache warm). Every restore bit-exact. Formulas: docs/erasure-coding.md.",
         "",
         table(["scheme", "extra memory per node ÷ shard (measured)", "(formula)", "÷ K = 1 copy",
-               "sent per node ÷ shard (measured)", "(formula)", "commit → protected/replicated on every node",
+               "sent per node ÷ shard (measured)", "(formula)", "then until protected / replicated on every node",
                "rebuild / fetch of rank 1", "÷ full-copy fetch", "storage restore"],
               [[r["scheme"], fmt(r["extra_per_shard"], 3), fmt(r["formula_extra_per_shard"], 3),
                 fmt(r["extra_per_shard"] / copy["extra_per_shard"], 3), fmt(r["sent_per_shard"], 3),

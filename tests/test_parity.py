@@ -92,11 +92,12 @@ def restore_rank(sock: Path, rank: int, world: int = WORLD) -> ckptd_client.Chec
     return ck
 
 
-def test_lost_node_rebuilt_from_parity_bit_exact(group, daemon_factory):
-    """Acceptance 1 (one rank per node): after the commit every node's step is protected and each
-    node holds parity for the group; node 1's daemon is SIGKILLed and every data file deleted; a survivor,
-    then a fresh daemon for node 1, rebuilds rank 1 from the other three (no byte from storage), bit-exact."""
-    nodes, addrs, secret = group
+def test_lost_node_rebuilt_from_parity_bit_exact(daemon_factory, tmp):
+    """Acceptance 1: 4 daemons, G = 4, P = 1, 8 ranks (2 per daemon): after the commit every node's step
+    is protected and each node holds parity for the group; node 1's daemon is SIGKILLed and every data
+    file deleted; a survivor, then a fresh daemon for node 1, rebuilds ranks 2 and 3 from the other
+    three nodes (no byte from storage), bit-exact."""
+    nodes, addrs, secret = start_group(daemon_factory, tmp, per_node=2)
     st = status(nodes[0].socket)["memory"]
     assert st["redundancy"] == "parity" and st["parity_held_bytes"] > 0
     text = subprocess.run([sys.executable, "-m", "ckptd", "status", "--socket", str(nodes[0].socket)],
@@ -104,12 +105,13 @@ def test_lost_node_rebuilt_from_parity_bit_exact(group, daemon_factory):
     assert f"job={JOB} step={STEP} protected, committed" in text, text
     assert "parity, " in text and "of parity held" in text, text
     nodes[1].kill()
-    assert remove_data_files(nodes[0].root, JOB) == WORLD
-    ck = restore_rank(nodes[2].socket, 1)           # any survivor of the group rebuilds it too
-    assert ck.last_restore.source == "peer", ck.last_restore
+    assert remove_data_files(nodes[0].root, JOB) == 2 * WORLD
+    ck = restore_rank(nodes[2].socket, 2, world=2 * WORLD)       # any survivor of the group rebuilds it too
+    assert ck.last_restore.source == "peer" and ck.last_restore.from_storage == 0, ck.last_restore
     fresh = daemon_factory(*peer_args(addrs[1], addrs, secret, *PARITY), name="n1b")
-    ck = restore_rank(fresh.socket, 1)
-    assert ck.last_restore.source == "peer", ck.last_restore
+    for rank in (2, 3):
+        ck = restore_rank(fresh.socket, rank, world=2 * WORLD)
+        assert ck.last_restore.source == "peer" and ck.last_restore.from_storage == 0, ck.last_restore
     assert "rebuilt from parity" in fresh.log_text()
 
 
