@@ -17,12 +17,8 @@ data). What came from where is counted in ``ReadStats.held`` (``memory``, ``peer
 """
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import threading
-
-import numpy as np
 
 from ckptd.core.codec import ChunkMeta, checksum_stream
 from ckptd.core.held import HeldMeta, held_manifest
@@ -33,24 +29,19 @@ from .memory_restore import PIECE, MemoryUnavailable, fetch_held
 from .read_stats import HeldShards, ReadStats
 
 
-class _Mapped:
-    """One fetched shard: its connection (which keeps it pinned), memfd mapping and source."""
+class _Held:
+    """One fetched shard: its connection (which keeps it pinned), memfd and source. Read with
+    ``preadv`` (the kernel copies from the memfd's pages: no mapping to set up and fault in, page by
+    page, for each restore)."""
 
     def __init__(self, conn: DaemonConnection, meta: HeldMeta, fd: int, source: str) -> None:
         self.conn, self.meta, self.fd, self.source = conn, meta, fd, source
-        self.mm: mmap.mmap | None = None
         size = os.fstat(fd).st_size
         if size < meta.nbytes:
             raise MemoryUnavailable(f"held shard of rank {meta.rank} is {size} bytes, its layout needs {meta.nbytes}")
         self.size = size
-        self.mm = mmap.mmap(fd, max(size, 1), mmap.MAP_SHARED, mmap.PROT_READ)
-        self.array = np.frombuffer(self.mm, dtype=np.uint8)
-        self.base = int(self.array.ctypes.data)
 
     def close(self) -> None:
-        del self.array
-        if self.mm is not None:
-            self.mm.close()
         os.close(self.fd)
         self.conn.close()                # unpins the shard on the daemon
 
@@ -65,7 +56,7 @@ class DaemonShards(HeldShards):
     def __init__(self, socket_path: str, job: str, step: int, world_size: int, *, required: bool = False) -> None:
         self.socket_path, self.job, self.step, self.world_size = socket_path, job, step, world_size
         self.required = required      # a rank no daemon holds is MemoryUnavailable, not read from its files
-        self.shards: dict[int, _Mapped] = {}
+        self.shards: dict[int, _Held] = {}
         self.refused: dict[int, str] = {}
         self._manifests: dict[int, Manifest] = {}
         self._lock = threading.Lock()
@@ -87,7 +78,7 @@ class DaemonShards(HeldShards):
                 raise MemoryUnavailable(f"saved rank {rank}: {e}") from None
             return None
         try:
-            shard = _Mapped(conn, meta, fd, source)
+            shard = _Held(conn, meta, fd, source)
         except BaseException:
             os.close(fd)
             conn.close()
@@ -104,12 +95,11 @@ class DaemonShards(HeldShards):
         if len(out) != n or pos < 0 or pos + n > shard.size:
             raise MemoryUnavailable(f"held shard of rank {rank}: chunk at {pos} (+{n}) is outside it")
         h = checksum_stream()
-        if n:
-            dst = int(np.frombuffer(out, dtype=np.uint8).ctypes.data)
-            for at in range(0, n, PIECE):
-                k = min(PIECE, n - at)
-                ctypes.memmove(dst + at, shard.base + pos + at, k)      # ctypes drops the GIL
-                h.update(out[at:at + k])
+        for at in range(0, n, PIECE):      # each piece hashed while it is in cache; preadv drops the GIL
+            k = min(PIECE, n - at)
+            if os.preadv(shard.fd, [out[at:at + k]], pos + at) != k:
+                raise MemoryUnavailable(f"held shard of rank {rank}: short read at byte {pos + at}")
+            h.update(out[at:at + k])
         if h.hexdigest() != meta.checksum:
             raise MemoryUnavailable(f"corrupt: memory copy of rank {rank} (step {self.step}): the chunk at byte {pos} "
                                     "of its held shard fails its checksum")
