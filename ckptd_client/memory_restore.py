@@ -5,8 +5,8 @@ FORMAT.md): the daemon answers with the rank's held shard — the raw bytes the 
 memfd passed with SCM_RIGHTS, plus its layout, state tree and per-chunk checksums — after checking
 that the shard is the one the committed index.json records (its manifest digest). A daemon that lost
 it (a replacement node) fetches it from a peer daemon's memory first. Here each tensor is read
-straight into the live tensor (the memfd mapped read-only, copied a cache-sized piece at a time on
-the restore threads), each piece's bytes fed to its chunk's xxh3 while still in cache, every chunk's
+straight into the live tensor (``preadv`` from the memfd a cache-sized piece at a time on the restore
+threads: the kernel copies from its pages, no mapping to fault in), each piece's bytes fed to its chunk's xxh3 while still in cache, every chunk's
 checksum checked, and only then is the state tree applied. Before any of it, the held tree and
 layout are checked against the live state as a restore from storage checks them (restore_check.py:
 the same step, the same answer): a mismatch raises CheckpointError, nothing written. Anything else
@@ -16,14 +16,11 @@ source answers as its "cannot serve, because".
 """
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from ckptd.core import protocol
@@ -66,17 +63,19 @@ class MemoryCopy:
     outcome: Outcome = Outcome()
 
 
-def _read_into(base: int, t: TensorLayout, out: torch.Tensor, sums: tuple[str, ...], chunk: int, first: int,
+def _read_into(fd: int, t: TensorLayout, out: torch.Tensor, sums: tuple[str, ...], chunk: int, first: int,
                last: int) -> None:
-    """Chunks ``first``..``last`` of tensor ``t``: copied from the mapped memfd (at address ``base``)
-    into ``out`` a cache-sized piece at a time, each piece hashed while it is still in the CPU's cache."""
-    view, dst = tensor_bytes(out), out.data_ptr()
+    """Chunks ``first``..``last`` of tensor ``t``: read from the memfd with ``preadv`` (the kernel copies
+    from its pages: no mapping to fault in page by page) into ``out`` a cache-sized piece at a time,
+    each piece hashed while it is still in the CPU's cache."""
+    view = tensor_bytes(out)
     for i in range(first, last):
         start, end = i * chunk, min((i + 1) * chunk, t.nbytes)
         h = checksum_stream()
         for pos in range(start, end, PIECE):
             n = min(PIECE, end - pos)
-            ctypes.memmove(dst + pos, base + t.offset + pos, n)      # ctypes drops the GIL
+            if os.preadv(fd, [view[pos:pos + n]], t.offset + pos) != n:      # (drops the GIL)
+                raise MemoryUnavailable(f"held shard: short read of tensor {t.name!r} at byte {pos}")
             h.update(view[pos:pos + n])
         if h.hexdigest() != sums[i]:
             raise MemoryUnavailable(f"corrupt: memory copy of tensor {t.name!r}: chunk {i} (bytes {start}..{end}) "
@@ -143,30 +142,23 @@ def restore_from_memory(socket_path: str, job: str, step: int, rank: int, world_
         size = os.fstat(fd).st_size
         if size < meta.nbytes:
             raise MemoryUnavailable(f"held shard is {size} bytes, its layout needs {meta.nbytes}")
-        mm = mmap.mmap(fd, max(size, 1), mmap.MAP_SHARED, mmap.PROT_READ)
-        mapped = np.frombuffer(mm, dtype=np.uint8)
-        base = mapped.ctypes.data
-        try:
-            with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptd-memrestore") as pool:
-                futures: list[Future[None]] = []
-                try:
-                    for name in names:
-                        t, sums = layout[name]
-                        target = live.get(name)
-                        out = target if target is not None and decodable_into(target, t.dtype, t.shape) else \
-                            torch.empty(t.shape, dtype=DTYPES[t.dtype])
-                        tensors[name] = out
-                        per = max(1, TASK_BYTES // chunk)
-                        futures += [pool.submit(_read_into, base, t, out, sums, chunk, i, min(i + per, len(sums)))
-                                    for i in range(0, len(sums), per)]
-                    for f in futures:
-                        f.result()
-                finally:
-                    for f in futures:       # (on failure: the ones not started never run)
-                        f.cancel()
-        finally:                            # every copy has ended here (the pool was shut down)
-            del mapped
-            mm.close()
+        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptd-memrestore") as pool:
+            futures: list[Future[None]] = []
+            try:
+                for name in names:
+                    t, sums = layout[name]
+                    target = live.get(name)
+                    out = target if target is not None and decodable_into(target, t.dtype, t.shape) else \
+                        torch.empty(t.shape, dtype=DTYPES[t.dtype])
+                    tensors[name] = out
+                    per = max(1, TASK_BYTES // chunk)
+                    futures += [pool.submit(_read_into, fd, t, out, sums, chunk, i, min(i + per, len(sums)))
+                                for i in range(0, len(sums), per)]
+                for f in futures:
+                    f.result()
+            finally:
+                for f in futures:       # (on failure: the ones not started never run)
+                    f.cancel()
         try:
             loaded = {k: decode_tree(sub, tensors.__getitem__) for k, sub in wanted.items()}
         except (FormatError, KeyError) as e:
