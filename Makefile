@@ -92,6 +92,7 @@ bench-parity: $(VENV)/.installed-bench
 	$(PIP) install -q 'zfec>=1.5'
 	$(PY) benchmarks/bench_parity.py
 	$(PY) benchmarks/parity_daemons_bench.py
+	$(PY) benchmarks/peer_tls_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache

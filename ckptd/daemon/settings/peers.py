@@ -97,6 +97,19 @@ class PeerSettings:
         1, parse=integer(1, 16), flags=(Flag("--peer-parity"),),
         doc="P: parity pieces per stripe (`redundancy = \"parity\"`): 1 is XOR, 2 or more Reed-Solomon "
             "(ISA-L); a group survives the loss of any P of its nodes.")
+    tls_cert: str | None = setting(
+        None, parse=optional_path, default_doc="off", flags=(Flag("--peer-tls-cert"),),
+        doc="This node's certificate (PEM) for TLS on peer traffic. TLS is on when `tls_cert`, `tls_key` and "
+            "`tls_ca` are all set: mutual TLS 1.2 or later, each side's certificate checked against `tls_ca` "
+            "(the chain only: peers are addressed by IP), the HMAC handshake on top; off by default.")
+    tls_key: str | None = setting(
+        None, parse=optional_path, default_doc="off", flags=(Flag("--peer-tls-key"),),
+        doc="This node's private key (PEM) for `tls_cert`; like `secret_file` it must be readable by nobody "
+            "but root or the daemon's user, or the daemon refuses to start.")
+    tls_ca: str | None = setting(
+        None, parse=optional_path, default_doc="off", flags=(Flag("--peer-tls-ca"),),
+        doc="CA certificate(s) (PEM) that every peer's certificate must be signed by; a TLS daemon and a "
+            "plain one cannot talk (that copy fails and is logged).")
 
 
 def check_peers(memory: MemorySettings, p: PeerSettings, src: dict[str, str], error: type[Exception]) -> None:
@@ -107,6 +120,11 @@ def check_peers(memory: MemorySettings, p: PeerSettings, src: dict[str, str], er
         raise error(f"{src['peers.listen']}: peers: peer copies live in the memory tier; memory.steps is 0")
     if p.secret_file is None:
         raise error(f"{src['peers.secret_file']}: peers.secret_file: peers need a shared secret file")
+    tls = {"tls_cert": p.tls_cert, "tls_key": p.tls_key, "tls_ca": p.tls_ca}
+    missing = [k for k, v in tls.items() if v is None]
+    if 0 < len(missing) < len(tls):
+        raise error(f"{src['peers.' + missing[0]]}: peers.{missing[0]}: TLS on peer traffic needs tls_cert, "
+                    f"tls_key and tls_ca together; missing: {', '.join('peers.' + k for k in missing)}")
     me = p.name or p.listen
     if p.peers and me not in p.peers:
         raise error(f"{src['peers.peers']}: peers.peers: this node ({me}) is not in the list; set peers.name "

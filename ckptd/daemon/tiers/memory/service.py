@@ -27,6 +27,7 @@ from ckptd.daemon.tiers.peers.link import PeerServer, load_secret, split_address
 from ckptd.daemon.tiers.peers.parity import ParityNode
 from ckptd.daemon.tiers.peers.parity_hold import ParityHolder
 from ckptd.daemon.tiers.peers.replicate import PeerCounts, Replicator, ReplicaView
+from ckptd.daemon.tiers.peers.tls import load_tls
 
 log = logging.getLogger("ckptd")
 SETTLE_INTERVAL_S = 0.5
@@ -83,16 +84,19 @@ class MemoryService:
         self.store = MemoryStore(config.memory.budget, config.memory.steps)
         p = config.peers
         self.secret = load_secret(p.secret_file) if p.secret_file and (p.listen or p.peers) else None
+        self.tls = load_tls(p.tls_cert, p.tls_key, p.tls_ca) if self.secret is not None else None
+        client_tls = self.tls.client if self.tls else None      # every PeerLink (copies, fetches, probes, pieces)
         self.replicator: Replicator | None = None
         self.parity: ParityNode | None = None          # redundancy = "parity": this node's pieces, rebuilds
         self.holder: ParityHolder | None = None        # ... and the parity it holds for its group
         if self.secret is not None and p.peers and p.redundancy == "parity":
             layout = ParityLayout.of(list(p.peers), p.name or p.listen or "", p.group, p.parity, p.jump)
-            self.parity = ParityNode(self.store, layout, self.secret, p.bandwidth, p.io_timeout, self._trim)
+            self.parity = ParityNode(self.store, layout, self.secret, p.bandwidth, p.io_timeout, self._trim,
+                                     tls=client_tls)
             self.holder = ParityHolder(self.store, layout, p.io_timeout)
         elif self.secret is not None and p.peers:
             self.replicator = Replicator(self.store, list(p.peers), p.name or p.listen or "", p.replicas, p.jump,
-                                         self.secret, p.bandwidth, p.io_timeout, self._trim)
+                                         self.secret, p.bandwidth, p.io_timeout, self._trim, tls=client_tls)
         r = self.replicator
         on_held = r.offer if r else self.parity.offer if self.parity else lambda h: None
         self.memory = MemoryTier(fs, self.store, root, config.write.chunk_bytes, pool,
@@ -108,9 +112,10 @@ class MemoryService:
         p = self.config.peers
         if p.listen is not None and self.secret is not None:
             self.server = PeerServer(self.store, self.secret, self._trim, self._refused, p.io_timeout,
-                                     pieces=self.holder)
+                                     pieces=self.holder, tls=self.tls.server if self.tls else None)
             host, port = await self.server.start(*split_address(p.listen))
             log.info("peer listener", extra={"ctx": {"address": f"{host}:{port}", "peers": list(p.peers),
+                                                     "tls": self.tls is not None,
                                                      "targets": self.replicator.targets if self.replicator else []}})
         if self.replicator is not None:
             self.tasks.spawn(self.replicator.run(), "replication")

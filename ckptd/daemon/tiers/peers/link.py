@@ -6,6 +6,7 @@ refused and logged (never the secret). A received replica is reserved against th
 memory budget before a byte of it is read, and is kept only if every chunk's checksum matches.
 Every connect, read and write, both sides, is bounded by ``peers.io_timeout`` (``timeout``
 here): a stopped or wedged peer fails that one exchange (``StalledError``) and is let go.
+With ``peers.tls_*`` set every connection is mutual TLS (``tls.py``) underneath the same frames.
 Replication (sending our shards out, in the background) is ``replicate.py``.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl
 import stat
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -47,6 +49,15 @@ def load_secret(path: str) -> bytes:
     if len(secret) < MIN_SECRET_BYTES:
         raise RuntimeError(f"peer secret file {path}: the secret must be at least {MIN_SECRET_BYTES} bytes")
     return secret
+
+
+def tls_error(e: BaseException) -> str | None:
+    """An ``ssl`` failure as one line (its errno means nothing); None for any other error."""
+    if isinstance(e, ssl.SSLError):
+        return f"TLS handshake failed: {e.reason or e}"
+    if isinstance(e, ConnectionAbortedError) and "SSL" in str(e):
+        return f"TLS handshake failed: {e}"
+    return None
 
 
 def split_address(addr: str) -> tuple[str, int]:
@@ -100,14 +111,18 @@ class PeerServer:
     (``layout.PIECE_OPS``). A connection idle or stalled for ``timeout`` s is closed."""
 
     def __init__(self, store: MemoryStore, secret: bytes, trim: Callable[[str], None],
-                 refused: Callable[[], None], timeout: float, pieces: PieceOps | None = None) -> None:
+                 refused: Callable[[], None], timeout: float, pieces: PieceOps | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.store, self.secret, self.trim, self.refused = store, secret, trim, refused
-        self.timeout, self.pieces = timeout, pieces
+        self.timeout, self.pieces, self.tls = timeout, pieces, tls
         self.server: asyncio.base_events.Server | None = None
         self.address: tuple[str, int] | None = None
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
-        self.server = await asyncio.start_server(self._serve, host, port, limit=pp.PIECE * 2)
+        # TLS by the server itself: a connection whose certificate is refused never reaches _serve (the
+        # linking side logs the failure). Not start_tls in _serve: a ClientHello that arrives first is lost.
+        self.server = await asyncio.start_server(self._serve, host, port, limit=pp.PIECE * 2, ssl=self.tls,
+                                                 ssl_handshake_timeout=self.timeout if self.tls else None)
         self.address = self.server.sockets[0].getsockname()[:2]
         return self.address
 
@@ -123,7 +138,7 @@ class PeerServer:
             node = await pp.server_handshake(reader, writer, self.secret, timeout=self.timeout)
         except (ProtocolError, OSError) as e:
             self.refused()
-            log.warning("peer refused", extra={"ctx": {"remote": where, "reason": describe_error(e)}})
+            log.warning("peer refused", extra={"ctx": {"remote": where, "reason": tls_error(e) or describe_error(e)}})
             writer.close()
             return
         try:
@@ -191,10 +206,12 @@ class PeerServer:
 
 
 class PeerLink:
-    """One authenticated connection to a peer (client side); every wait bounded by ``timeout`` s."""
+    """One authenticated connection to a peer (client side), over TLS when ``tls`` is given; every wait
+    bounded by ``timeout`` s."""
 
-    def __init__(self, address: str, secret: bytes, node: str, timeout: float) -> None:
-        self.address, self.secret, self.node, self.timeout = address, secret, node, timeout
+    def __init__(self, address: str, secret: bytes, node: str, timeout: float,
+                 tls: ssl.SSLContext | None = None) -> None:
+        self.address, self.secret, self.node, self.timeout, self.tls = address, secret, node, timeout, tls
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
@@ -202,12 +219,18 @@ class PeerLink:
         host, port = split_address(self.address)
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port, limit=pp.PIECE * 2), self.timeout)
+                asyncio.open_connection(host, port, limit=pp.PIECE * 2, ssl=self.tls,
+                                        server_hostname="" if self.tls else None), self.timeout)
         except asyncio.TimeoutError:
             raise pp.StalledError(f"peer stalled: no connection within {self.timeout:g} s") from None
+        except ssl.SSLError as e:
+            raise ProtocolError(f"peer {self.address}: {tls_error(e)}") from None
         self.reader, self.writer = reader, writer
         try:
             await pp.client_handshake(reader, writer, self.secret, self.node, timeout=self.timeout)
+        except ssl.SSLError as e:         # TLS 1.3: the listener refuses our certificate after the handshake
+            self.close()
+            raise ProtocolError(f"peer {self.address}: {tls_error(e)}") from None
         except BaseException:
             self.close()
             raise

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Callable
 from typing import Any
 
@@ -43,8 +44,9 @@ class GiveUp(Exception):
 
 class ParityNode:
     def __init__(self, store: MemoryStore, layout: ParityLayout, secret: bytes, bandwidth: int, timeout: float,
-                 trim: Callable[[str], None]) -> None:
+                 trim: Callable[[str], None], tls: ssl.SSLContext | None = None) -> None:
         self.store, self.layout, self.secret, self.timeout, self.trim = store, layout, secret, timeout, trim
+        self.tls = tls
         self.bucket = TokenBucket(bandwidth)
         self.queue: asyncio.Queue[tuple[Held, int]] = asyncio.Queue(QUEUE_MAX)
         self.lanes: dict[tuple[str, int], dict[int, int]] = {}       # (job, step) → rank → lane
@@ -114,7 +116,7 @@ class ParityNode:
         meta = held.meta
         ctx = {"job": held.job, "step": held.step, "rank": held.rank, "stripe": s, "peer": addr}
         counts = self.per_peer.setdefault(addr, PeerCounts())
-        link = PeerLink(addr, self.secret, self.layout.me, self.timeout)
+        link = PeerLink(addr, self.secret, self.layout.me, self.timeout, self.tls)
         view = memoryview(held.mm)[offset:offset + length]
         try:
             await link.open()
@@ -262,7 +264,7 @@ class ParityNode:
 
     async def _ask(self, addr: str, msg: dict[str, Any], want: str) -> tuple[dict[str, Any], bytes] | None:
         """One request to a peer; its answer and payload (transport checksum checked), or None (logged)."""
-        link = PeerLink(addr, self.secret, self.layout.me, self.timeout)
+        link = PeerLink(addr, self.secret, self.layout.me, self.timeout, self.tls)
         try:
             await link.open()
             assert link.reader is not None and link.writer is not None

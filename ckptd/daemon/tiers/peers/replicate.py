@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,9 +83,10 @@ class PeerCounts:
 
 class Replicator:
     def __init__(self, store: MemoryStore, peers: list[str], me: str, k: int, jump: int, secret: bytes,
-                 bandwidth: int, timeout: float, trim: Callable[[str], None]) -> None:
+                 bandwidth: int, timeout: float, trim: Callable[[str], None],
+                 tls: ssl.SSLContext | None = None) -> None:
         self.store, self.peers, self.me, self.k, self.secret = store, peers, me, k, secret
-        self.timeout, self.trim = timeout, trim
+        self.timeout, self.trim, self.tls = timeout, trim, tls
         self.targets = targets(peers, me, k, jump)
         self.bucket = TokenBucket(bandwidth)
         self.queues: dict[str, asyncio.Queue[Held]] = {t: asyncio.Queue(QUEUE_MAX) for t in self.targets}
@@ -144,7 +146,7 @@ class Replicator:
 
     async def _send(self, held: Held, target: str) -> bool:
         ctx = {"job": held.job, "step": held.step, "rank": held.rank, "peer": target}
-        link = PeerLink(target, self.secret, self.me, self.timeout)
+        link = PeerLink(target, self.secret, self.me, self.timeout, self.tls)
         try:
             await link.open()
             await link.put(held, self.bucket.take)
@@ -162,7 +164,7 @@ class Replicator:
 
     async def _probe(self, peer: str, job: str, step: int, rank: int, digest: str) -> bool:
         """Whether ``peer`` holds the shard; False (logged) when it cannot say within the timeout."""
-        link = PeerLink(peer, self.secret, self.me, self.timeout)
+        link = PeerLink(peer, self.secret, self.me, self.timeout, self.tls)
         try:
             await link.open()
             return await link.has(job, step, rank, digest)
@@ -175,7 +177,7 @@ class Replicator:
 
     async def _get(self, peer: str, job: str, step: int, rank: int, digest: str) -> Held | None:
         """The shard from ``peer`` (checked, held here), or None (logged) if that failed."""
-        link = PeerLink(peer, self.secret, self.me, self.timeout)
+        link = PeerLink(peer, self.secret, self.me, self.timeout, self.tls)
         try:
             await link.open()
             return await link.get(self.store, job, step, rank, digest)
