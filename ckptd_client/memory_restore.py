@@ -6,8 +6,9 @@ memfd passed with SCM_RIGHTS, plus its layout, state tree and per-chunk checksum
 that the shard is the one the committed index.json records (its manifest digest). A daemon that lost
 it (a replacement node) fetches it from a peer daemon's memory first. Here each tensor is read
 straight into the live tensor (``preadv`` from the memfd a cache-sized piece at a time on the restore
-threads: the kernel copies from its pages, no mapping to fault in), each piece's bytes fed to its chunk's xxh3 while still in cache, every chunk's
-checksum checked, and only then is the state tree applied. Before any of it, the held tree and
+threads: the kernel copies from its pages, no mapping to fault in), each piece's bytes fed to its
+chunk's xxh3 while still in cache, every chunk's checksum checked, and only then is the state tree
+applied. Before any of it, the held tree and
 layout are checked against the live state as a restore from storage checks them (restore_check.py:
 the same step, the same answer): a mismatch raises CheckpointError, nothing written. Anything else
 — no daemon, a step not held, a resharding restore or a sharded tensor's piece (held_pieces.py
