@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import ssl
-import stat
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -25,6 +23,7 @@ from ckptd.core.held import MAX_HELD_BYTES, HeldMeta, verify
 from ckptd.daemon.runtime import describe_error
 from ckptd.daemon.tiers.memory.store import REPLICA, Held, MemoryStore, new_memfd
 from ckptd.daemon.tiers.peers.layout import PIECE_OPS
+from ckptd.daemon.tiers.peers.tls import check_file
 
 log = logging.getLogger("ckptd")
 MIN_SECRET_BYTES = 16
@@ -33,17 +32,7 @@ MIN_SECRET_BYTES = 16
 def load_secret(path: str) -> bytes:
     """The shared secret: a file only its owner (root or this daemon's user) may read. RuntimeError
     (the daemon does not start) if not."""
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        raise RuntimeError(f"peer secret file {path}: {e.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise RuntimeError(f"peer secret file {path}: not a regular file")
-    if st.st_mode & 0o077:
-        raise RuntimeError(f"peer secret file {path} is readable or writable by group or others "
-                         f"(mode {stat.S_IMODE(st.st_mode):04o}); chmod 600 it")
-    if st.st_uid not in (0, os.geteuid()):
-        raise RuntimeError(f"peer secret file {path} belongs to uid {st.st_uid}, not root or this daemon's user")
+    check_file("peer secret file", path, True)
     with open(path, "rb") as f:
         secret = f.read(4096).strip()
     if len(secret) < MIN_SECRET_BYTES:

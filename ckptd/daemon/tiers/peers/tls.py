@@ -19,20 +19,23 @@ class PeerTLS:
     client: ssl.SSLContext       # for asyncio.open_connection(ssl=..., server_hostname="")
 
 
-def _readable(what: str, path: str, private: bool) -> None:
+def check_file(what: str, path: str, private: bool) -> None:
+    """A file the daemon reads at start (``what``: "peer secret file", "peer TLS key", ...): a regular
+    file it can read; ``private`` (a secret or a key): also owned by root or this daemon's user and
+    closed to group and others. RuntimeError (the daemon does not start) naming the fix otherwise."""
     try:
         st = os.stat(path)
     except OSError as e:
-        raise RuntimeError(f"peer TLS {what} {path}: {e.strerror}") from None
+        raise RuntimeError(f"{what} {path}: {e.strerror}") from None
     if not stat.S_ISREG(st.st_mode):
-        raise RuntimeError(f"peer TLS {what} {path}: not a regular file")
+        raise RuntimeError(f"{what} {path}: not a regular file")
     if private and st.st_mode & 0o077:
-        raise RuntimeError(f"peer TLS {what} {path} is readable or writable by group or others "
+        raise RuntimeError(f"{what} {path} is readable or writable by group or others "
                            f"(mode {stat.S_IMODE(st.st_mode):04o}); chmod 600 it")
     if private and st.st_uid not in (0, os.geteuid()):
-        raise RuntimeError(f"peer TLS {what} {path} belongs to uid {st.st_uid}, not root or this daemon's user")
+        raise RuntimeError(f"{what} {path} belongs to uid {st.st_uid}, not root or this daemon's user")
     if not os.access(path, os.R_OK):
-        raise RuntimeError(f"peer TLS {what} {path}: not readable by this daemon")
+        raise RuntimeError(f"{what} {path}: not readable by this daemon")
 
 
 def load_tls(cert: str | None, key: str | None, ca: str | None) -> PeerTLS | None:
@@ -40,9 +43,9 @@ def load_tls(cert: str | None, key: str | None, ca: str | None) -> PeerTLS | Non
     (the daemon does not start) when a file is missing, unreadable, too open or not valid PEM."""
     if cert is None or key is None or ca is None:
         return None
-    _readable("certificate", cert, False)
-    _readable("key", key, True)
-    _readable("CA", ca, False)
+    check_file("peer TLS certificate", cert, False)
+    check_file("peer TLS key", key, True)
+    check_file("peer TLS CA", ca, False)
     contexts = []
     for ctx in (ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)):
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
