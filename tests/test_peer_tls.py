@@ -11,9 +11,9 @@ import pytest
 import ckptd_client
 from ckptd.launch import spawn_daemon
 
-from test_acceptance import assert_same_tensors, finish, free_port, launch
+from test_acceptance import finish, free_port, launch
 from test_memory_tier import remove_data_files, state_of, status
-from test_peers import held_steps, peer_args, secret_file, wait_for
+from test_peers import held_steps, peer_args, restart_on_new_node_b, secret_file, wait_for
 
 SECRET = "tls-and-hmac-both-0123456789abcdef"
 
@@ -59,13 +59,7 @@ def test_tls_daemons_replicate_and_a_fresh_one_restores_from_peer_memory(daemon_
     b.kill()
     assert remove_data_files(a.root, "tls") >= 4
     b2 = daemon_factory(*peer_args(addrs[1], addrs, secret, *make_node(ca, "b2")), name="b2")
-    outs = finish(launch(4, [a.socket, b2.socket], "tls", tmp / "again", "--steps", "8", "--every", "4"))
-    for rank, out in enumerate(outs):
-        assert "RESTORED 8" in out, out
-        assert f"RESTORE_SOURCE {'memory' if rank < 2 else 'peer'}" in out, out
-    for rank in range(4):
-        assert_same_tensors(tmp / f"first.rank{rank}.safetensors", tmp / f"again.rank{rank}.safetensors")
-    assert "fetched from peer" in b2.log_text()
+    restart_on_new_node_b(a, b2, "tls", tmp)
     assert status(a.socket)["memory"]["peers_refused"] == 0
 
 

@@ -74,7 +74,13 @@ def test_node_loss_ranks_restore_from_peer_memory(nodes, daemon_factory, tmp):
     b.kill()
     assert remove_data_files(a.root, "lost") >= 4
     b2 = daemon_factory(*peer_args(addrs[1], addrs, secret), name="b2")
-    outs = finish(launch(4, [a.socket, b2.socket], "lost", tmp / "again", "--steps", "8", "--every", "4"))
+    restart_on_new_node_b(a, b2, "lost", tmp)
+
+
+def restart_on_new_node_b(a, b2, job: str, tmp: Path) -> None:
+    """4 ranks restart over daemon A and node B's fresh daemon ``b2``: each restores step 8, A's ranks
+    from A's memory, B's from a peer's (fetched by b2), bit-identical to what the first run saved."""
+    outs = finish(launch(4, [a.socket, b2.socket], job, tmp / "again", "--steps", "8", "--every", "4"))
     for rank, out in enumerate(outs):
         assert "RESTORED 8" in out, out
         assert f"RESTORE_SOURCE {'memory' if rank < 2 else 'peer'}" in out, out
