@@ -113,6 +113,11 @@ def test_lost_node_rebuilt_from_parity_bit_exact(daemon_factory, tmp):
         ck = restore_rank(fresh.socket, rank, world=2 * WORLD)
         assert ck.last_restore.source == "peer" and ck.last_restore.from_storage == 0, ck.last_restore
     assert "rebuilt from parity" in fresh.log_text()
+    # each stripe was decoded at its parity holder: the fresh node took in exactly its shards' bytes
+    mem = status(fresh.socket)["memory"]
+    (held,) = [s for s in mem["held"] if s["step"] == STEP]
+    assert sorted(held["ranks"]) == ["2", "3"] and mem["rebuild_received_bytes"] == held["bytes"], mem
+    assert sum(status(n.socket)["memory"]["reduce_fetched_bytes"] for n in (nodes[0], nodes[2], nodes[3])) > 0
 
 
 def test_memory_level_step_rebuilt_from_parity(daemon_factory, tmp):

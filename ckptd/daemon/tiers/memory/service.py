@@ -26,6 +26,7 @@ from ckptd.daemon.tiers.peers.layout import ParityLayout
 from ckptd.daemon.tiers.peers.link import PeerServer, load_secret, split_address
 from ckptd.daemon.tiers.peers.parity import ParityNode
 from ckptd.daemon.tiers.peers.parity_hold import ParityHolder
+from ckptd.daemon.tiers.peers.rebuild import Rebuilder
 from ckptd.daemon.tiers.peers.replicate import PeerCounts, Replicator, ReplicaView
 from ckptd.daemon.tiers.peers.tls import load_tls
 
@@ -52,6 +53,9 @@ class MemoryView:
     protected: dict[tuple[str, int, int], bool] = field(default_factory=dict)   # own shards: in their parity
     parity_bytes: int = 0                    # parity buffers this node holds for its group
     parity_sent: int = 0                     # data pieces this node sent to its stripes' parity holders
+    rebuild_in: int = 0                      # decoded pieces this node received rebuilding lost shards
+    reduce_in: int = 0                       # rows this node fetched as a holder decoding others' pieces
+    pieces_out: int = 0                      # pieces and parity this node served (get_piece/parity, reduce)
 
     def to_json(self) -> dict[str, Any]:
         copies = {(r.job, r.step, r.rank): r.copies for r in self.replicas}
@@ -75,6 +79,8 @@ class MemoryView:
                 "peers_refused": self.peers_refused, "replication_failures": self.replication_failures,
                 "replicated_bytes": self.replicated_bytes, "redundancy": self.redundancy,
                 "parity_held_bytes": self.parity_bytes, "parity_sent_bytes": self.parity_sent,
+                "rebuild_received_bytes": self.rebuild_in, "reduce_fetched_bytes": self.reduce_in,
+                "pieces_served_bytes": self.pieces_out,
                 "peers": {p: {"sent_bytes": c.sent_bytes, "failures": c.failures} for p, c in self.per_peer.items()}}
 
 
@@ -89,11 +95,13 @@ class MemoryService:
         self.replicator: Replicator | None = None
         self.parity: ParityNode | None = None          # redundancy = "parity": this node's pieces, rebuilds
         self.holder: ParityHolder | None = None        # ... and the parity it holds for its group
+        self.rebuilder: Rebuilder | None = None        # ... and lost shards of its group decoded
         if self.secret is not None and p.peers and p.redundancy == "parity":
             layout = ParityLayout.of(list(p.peers), p.name or p.listen or "", p.group, p.parity, p.jump)
             self.parity = ParityNode(self.store, layout, self.secret, p.bandwidth, p.io_timeout, self._trim,
                                      tls=client_tls)
-            self.holder = ParityHolder(self.store, layout, p.io_timeout)
+            self.rebuilder = Rebuilder(self.store, layout, self.secret, p.io_timeout, tls=client_tls)
+            self.holder = ParityHolder(self.store, layout, p.io_timeout, self.rebuilder.reduce)
         elif self.secret is not None and p.peers:
             self.replicator = Replicator(self.store, list(p.peers), p.name or p.listen or "", p.replicas, p.jump,
                                          self.secret, p.bandwidth, p.io_timeout, self._trim, tls=client_tls)
@@ -156,7 +164,7 @@ class MemoryService:
         if not names.is_rank(m.rank, m.world_size):
             raise RequestError(f"bad rank {m.rank} / world size {m.world_size}")
         fetch_peer = self.replicator.fetch if self.replicator is not None else \
-            self.parity.rebuild if self.parity is not None else None
+            self.rebuilder.rebuild if self.rebuilder is not None else None
         held, source = await self.memory.serve(job, m.step, m.rank, m.world_size, fetch_peer)
         self.reading.setdefault(conn, []).append(held)
         assert held.meta is not None
@@ -184,7 +192,10 @@ class MemoryService:
                           {t: PeerCounts(c.sent_bytes, c.failures) for t, c in r.per_peer.items()} if r else {},
                           self.config.peers.redundancy, self._protected(),
                           self.holder.held_bytes() if self.holder else 0,
-                          self.parity.sent_bytes if self.parity else 0)
+                          self.parity.sent_bytes if self.parity else 0,
+                          self.rebuilder.received if self.rebuilder else 0,
+                          self.rebuilder.fetched if self.rebuilder else 0,
+                          self.holder.served if self.holder else 0)
 
     def _protected(self) -> dict[tuple[str, int, int], bool]:
         par = self.parity

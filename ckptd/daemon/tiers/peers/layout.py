@@ -20,6 +20,11 @@ Wire (after the peer handshake, ``ckptd.core.peer_protocol``), each payload chec
     {"op": "get_piece", job, step, rank, digest, stripe}
         → {"op": "piece", checksum} + the held shard's data piece in that stripe | {"op": "missing"}
 
+    {"op": "reduce_piece", job, step, stripe, rank, digest}
+        → {"op": "piece", checksum, member, meta} + the named shard's piece in that stripe, decoded by this
+          parity holder from its parity and the stripe's other rows (rebuild.py) | {"op": "missing"}
+          | {"op": "error", reason}
+
 ``record`` lists ``{member, rank, digest, nbytes}`` of every shard folded into the buffer; ``meta`` is
 the named rank's held meta (layout and per-chunk checksums) as the sender sent it.
 """
@@ -30,7 +35,7 @@ from dataclasses import dataclass
 from ckptd.daemon.tiers.peers.erasure import ParityCodec, make_codec
 from ckptd.daemon.tiers.peers.stripes import Cut, Group, Stripe, cut, group_of, stripe
 
-PIECE_OPS = ("put_piece", "get_parity", "get_piece")
+PIECE_OPS = ("put_piece", "get_parity", "get_piece", "reduce_piece")
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ piece is read; a piece that does not fit is refused and the sender's step is not
 is keyed by (job, step, stripe, lane) and records which (member, rank, manifest digest, size) it
 holds, so a rebuild checks what it decodes against the committed index. A piece folded twice would
 cancel itself out: a repeated (member, rank, digest) is acknowledged and not folded again. Buffers
-of a job beyond its newest ``memory.steps + 1`` steps go.
+of a job beyond its newest ``memory.steps + 1`` steps go. ``reduce_piece`` hands a buffer and its record
+to the rebuild's holder side (``Reducer``: rebuild.py's ``Rebuilder.reduce``), which decodes the named
+shard's piece of the stripe, and sends that.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import asyncio
 import logging
 import mmap
 import os
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,10 +27,13 @@ from ckptd.core.held import HeldMeta
 from ckptd.daemon.runtime import describe_error
 from ckptd.daemon.tiers.memory.store import MemoryStore, new_memfd
 from ckptd.daemon.tiers.peers.layout import ParityLayout
+from ckptd.daemon.tiers.peers.rebuild import GiveUp
 from ckptd.daemon.tiers.peers.stripes import piece_size
 
 log = logging.getLogger("ckptd")
 MAX_LANES = 1024
+# (job, step, stripe, owner member, q, own parity row, record member → folded) → the owner's decoded piece
+Reducer = Callable[[str, int, int, int, int, bytes, dict[int, dict[str, Any]]], Awaitable[bytes]]
 
 
 @dataclass
@@ -68,10 +74,11 @@ class ParityUnit:
 
 
 class ParityHolder:
-    def __init__(self, store: MemoryStore, layout: ParityLayout, timeout: float) -> None:
-        self.store, self.layout, self.timeout = store, layout, timeout
+    def __init__(self, store: MemoryStore, layout: ParityLayout, timeout: float, reduce: Reducer) -> None:
+        self.store, self.layout, self.timeout, self.reduce = store, layout, timeout, reduce
         self.units: dict[tuple[str, int, int, int], ParityUnit] = {}
         self.lock = asyncio.Lock()
+        self.served = 0          # bytes of pieces, parity and decoded pieces sent to other nodes
 
     # ---- serving ---------------------------------------------------------------------------
 
@@ -89,6 +96,8 @@ class ParityHolder:
             await self._get_parity(writer, msg)
         elif op == "get_piece" and plen == 0:
             await self._get_piece(writer, msg)
+        elif op == "reduce_piece" and plen == 0:
+            await self._reduce_piece(writer, msg, node)
         else:
             raise ProtocolError(f"bad peer request {str(op)[:40]!r} with {plen} payload bytes")
 
@@ -189,8 +198,28 @@ class ParityHolder:
             await pp.send(writer, {"op": "parity", "q": unit.q, "lane": unit.lane, "checksum": checksum(view),
                                    "record": [x.to_wire() for x in unit.record.values()], "meta": f.meta},
                           view, timeout=self.timeout)
+            self.served += len(view)
         finally:
             view.release()
+
+    async def _reduce_piece(self, writer: asyncio.StreamWriter, msg: dict[str, Any], node: str) -> None:
+        found = self._find(msg)
+        if found is None or found[0].mm is None:
+            await pp.send(writer, {"op": "missing"}, timeout=self.timeout)
+            return
+        unit, f = found
+        assert unit.mm is not None
+        own, record = bytes(unit.mm[:unit.size]), {m: x.to_wire() for m, x in unit.record.items()}
+        try:
+            piece = await self.reduce(unit.job, unit.step, unit.stripe, f.member, unit.q, own, record)
+        except (GiveUp, ValueError) as e:           # (ValueError: the codec's)
+            log.warning("parity reduce refused", extra={"ctx": {"for": node, "job": unit.job, "step": unit.step,
+                                                                "stripe": unit.stripe, "reason": str(e)}})
+            await pp.send(writer, {"op": "error", "reason": str(e)}, timeout=self.timeout)
+            return
+        await pp.send(writer, {"op": "piece", "checksum": checksum(piece), "member": f.member, "meta": f.meta},
+                      piece, timeout=self.timeout)
+        self.served += len(piece)
 
     async def _get_piece(self, writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
         job, step, rank, digest, s = (msg.get(k) for k in ("job", "step", "rank", "digest", "stripe"))
@@ -207,6 +236,7 @@ class ParityHolder:
             view = memoryview(held.mm)[piece.offset:piece.offset + piece.length]
             try:
                 await pp.send(writer, {"op": "piece", "checksum": checksum(view)}, view, timeout=self.timeout)
+                self.served += len(view)
             finally:
                 view.release()
         finally:
