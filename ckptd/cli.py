@@ -22,7 +22,7 @@ from ckptd.daemon.settings.config import DEBUG_KEYS, DEFAULT_CONFIG_PATH, KEYS, 
 from ckptd.daemon.settings.spec import Key
 from ckptd.daemon.tiers.fs.retention import collect_root
 from ckptd.hf import commands as hf_commands
-from ckptd.status_text import memory_lines
+from ckptd.status_text import group_lines, memory_lines
 
 # Flags derived from the settings' definition (config.py): serve takes them all, gc the retention ones.
 SERVE_KEYS = [*KEYS.values(), *DEBUG_KEYS.values()]
@@ -140,7 +140,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     try:
-        st = protocol.request_once(args.socket, {"op": "status"})
+        st = protocol.request_once(args.socket, {"op": "status", **({"group": True} if args.group else {})})
     except (ConnectionError, RuntimeError, ProtocolError, OSError) as e:
         print(f"ckptd status: {e}", file=sys.stderr)
         return 1
@@ -179,7 +179,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     for job, b in sorted(hosts.items()):
         print(f"  {job}: slots {human_size(b['slots'])}, held steps {human_size(b['held'])}, "
               f"peers' replicas {human_size(b['replicas'])}, total {human_size(sum(b.values()))}")
-    for line in memory_lines(st.get("memory")):
+    for line in [*memory_lines(st.get("memory")), *(group_lines(st.get("groups")) if args.group else [])]:
         print(line)
     return 0
 
@@ -206,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--socket", default=protocol.default_socket_path(),
                    help="daemon socket (default: $CKPTD_SOCKET or %(default)s)")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--group", action="store_true",
+                   help="parity mode: ask every member of this node's group whether each held step is protected")
     s.set_defaults(func=cmd_status)
 
     s = sub.add_parser("gc", help="apply retention by hand", description=(

@@ -35,3 +35,17 @@ def memory_lines(mem: dict[str, Any] | None) -> list[str]:
         out.append(f"  job={s['job']} {kind}={s['step']} {level}{'committed' if s['committed'] else 'not committed'}"
                    f" {_mib(s['bytes'])} ranks {ranks}")
     return out
+
+
+def group_lines(groups: list[dict[str, Any]] | None) -> list[str]:
+    """``ckptd status --group``: each held step of this node's parity group, protected or degraded, why."""
+    if groups is None:
+        return ["parity group: this daemon is not in parity mode"]
+    if not groups:
+        return ["parity group: no held steps"]
+    out = []
+    for g in groups:
+        out.append(f"group {g['group']} ({g['members']} nodes): job={g['job']} step={g['step']} {g['state']}, "
+                   f"{g['ranks']} ranks held")
+        out += [f"  {why}" for why in g["why"]]
+    return out

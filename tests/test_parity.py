@@ -83,6 +83,12 @@ def protected(sock: Path) -> bool:
     return any(s["step"] == STEP and s["committed"] and s.get("protected") for s in status(sock)["memory"]["held"])
 
 
+def group_status(sock: Path) -> list[dict[str, Any]]:
+    from ckptd.core import protocol
+    return [g for g in protocol.request_once(str(sock), {"op": "status", "group": True})["groups"]
+            if g["job"] == JOB]
+
+
 def restore_rank(sock: Path, rank: int, world: int = WORLD) -> ckptd_client.Checkpointer:
     want = state_for(rank)
     target = zeros_like(want)
@@ -104,7 +110,11 @@ def test_lost_node_rebuilt_from_parity_bit_exact(daemon_factory, tmp):
                           capture_output=True, text=True, timeout=60).stdout
     assert f"job={JOB} step={STEP} protected, committed" in text, text
     assert "parity, " in text and "of parity held" in text, text
+    (whole,) = group_status(nodes[0].socket)                 # every member asked: all the group's parity is there
+    assert (whole["step"], whole["state"], whole["ranks"], whole["why"]) == (STEP, "protected", 2 * WORLD, []), whole
     nodes[1].kill()
+    (after,) = group_status(nodes[2].socket)
+    assert after["state"] == "degraded" and after["why"][0].startswith(f"member 1 ({addrs[1]}) unreachable"), after
     assert remove_data_files(nodes[0].root, JOB) == 2 * WORLD
     ck = restore_rank(nodes[2].socket, 2, world=2 * WORLD)       # any survivor of the group rebuilds it too
     assert ck.last_restore.source == "peer" and ck.last_restore.from_storage == 0, ck.last_restore
@@ -118,6 +128,11 @@ def test_lost_node_rebuilt_from_parity_bit_exact(daemon_factory, tmp):
     (held,) = [s for s in mem["held"] if s["step"] == STEP]
     assert sorted(held["ranks"]) == ["2", "3"] and mem["rebuild_received_bytes"] == held["bytes"], mem
     assert sum(status(n.socket)["memory"]["reduce_fetched_bytes"] for n in (nodes[0], nodes[2], nodes[3])) > 0
+    # the replacement answers but holds none of the parity member 1 held: still degraded, and it says where
+    text = subprocess.run([sys.executable, "-m", "ckptd", "status", "--group", "--socket", str(nodes[0].socket)],
+                          capture_output=True, text=True, timeout=60).stdout
+    assert f"group 0 (4 nodes): job={JOB} step={STEP} degraded, 6 ranks held" in text, text
+    assert "is not in member 1's parity" in text and "unreachable" not in text, text
 
 
 def test_memory_level_step_rebuilt_from_parity(daemon_factory, tmp):

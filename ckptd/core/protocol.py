@@ -154,6 +154,7 @@ class Info:
 @dataclass(frozen=True)
 class Status:
     op: ClassVar[Op] = Op.STATUS
+    group: bool = False     # parity mode: also ask the group's members whether each step is protected
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,7 @@ Request = (Hello | Resize | Save | SavePart | Commit | Abort | Report | Info | S
            | Reclaim)
 REQUEST_TYPES: dict[str, type] = {t.op.value: t for t in get_args(Request)}
 # Field → JSON type of each request's required fields (also what the fuzz tests draw from).
-_WIRE_TYPES: dict[str, Any] = {"str": str, "int": int, "float": (int, float), "Any": _JSON,
+_WIRE_TYPES: dict[str, Any] = {"str": str, "int": int, "float": (int, float), "bool": bool, "Any": _JSON,
                                "list[Any]": list, "dict[str, Any]": dict}
 REQUEST_FIELDS: dict[str, dict[str, Any]] = {
     op: {f.name: _WIRE_TYPES[str(f.type)] for f in fields(t) if f.default is MISSING}

@@ -79,13 +79,15 @@ class Requests:
     async def info(self, session: Session, _: Info) -> Reply:
         return self._identity(), []
 
-    async def status(self, session: Session, _: Status) -> Reply:
+    async def status(self, session: Session, req: Status) -> Reply:
         snap = self.d.snapshot()
+        groups = await self.d.memory.group_state() if req.group else None
         tier = self.d.tier
         progress = {(w.job, w.step, w.rank): await tier.written_bytes(ShardRef(w.job, w.step, w.rank, w.world_size))
                     for w in snap.shard_writes}
         latest = {job: await tier.latest_committed(job) for job in snap.jobs()}
-        return {**snap.status(progress, latest), **({"uploads": self.d.s3.status()} if self.d.s3 else {})}, []
+        return {**snap.status(progress, latest), **({"uploads": self.d.s3.status()} if self.d.s3 else {}),
+                **({"groups": groups} if req.group else {})}, []
 
     async def hello(self, session: Session, h: Hello) -> Reply:
         if session.job is not None:

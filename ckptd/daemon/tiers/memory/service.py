@@ -22,6 +22,7 @@ from ckptd.daemon.settings.config import DaemonConfig
 from ckptd.daemon.tiers.base import StorageTier
 from ckptd.daemon.tiers.memory.store import Held, HeldView, MemoryStore, MemoryTotals
 from ckptd.daemon.tiers.memory.tier import MemoryTier
+from ckptd.daemon.tiers.peers.group_state import group_state
 from ckptd.daemon.tiers.peers.layout import ParityLayout
 from ckptd.daemon.tiers.peers.link import PeerServer, load_secret, split_address
 from ckptd.daemon.tiers.peers.parity import ParityNode
@@ -196,6 +197,15 @@ class MemoryService:
                           self.rebuilder.received if self.rebuilder else 0,
                           self.rebuilder.fetched if self.rebuilder else 0,
                           self.holder.served if self.holder else 0)
+
+    async def group_state(self) -> list[dict[str, Any]] | None:
+        """Parity mode: every step of this node's group, protected or degraded (each member asked, each
+        answer bounded by ``peers.io_timeout``); None in copies mode."""
+        if self.holder is None or self.secret is None:
+            return None
+        p = self.config.peers
+        return await group_state(self.holder.layout, self.holder.report(), self.secret, p.io_timeout,
+                                 self.tls.client if self.tls else None)
 
     def _protected(self) -> dict[tuple[str, int, int], bool]:
         par = self.parity

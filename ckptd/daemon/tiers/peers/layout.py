@@ -25,6 +25,8 @@ Wire (after the peer handshake, ``ckptd.core.peer_protocol``), each payload chec
           parity holder from its parity and the stripe's other rows (rebuild.py) | {"op": "missing"}
           | {"op": "error", reason}
 
+    {"op": "group_report"} → this node's held shards and its parity buffers' records (group_state.py)
+
 ``record`` lists ``{member, rank, digest, nbytes}`` of every shard folded into the buffer; ``meta`` is
 the named rank's held meta (layout and per-chunk checksums) as the sender sent it.
 """
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 from ckptd.daemon.tiers.peers.erasure import ParityCodec, make_codec
 from ckptd.daemon.tiers.peers.stripes import Cut, Group, Stripe, cut, group_of, stripe
 
-PIECE_OPS = ("put_piece", "get_parity", "get_piece", "reduce_piece")
+PIECE_OPS = ("put_piece", "get_parity", "get_piece", "reduce_piece", "group_report")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from ckptd.core.errors import FormatError, ProtocolError
 from ckptd.core.held import HeldMeta
 from ckptd.daemon.runtime import describe_error
 from ckptd.daemon.tiers.memory.store import MemoryStore, new_memfd
+from ckptd.daemon.tiers.peers import group_state
 from ckptd.daemon.tiers.peers.layout import ParityLayout
 from ckptd.daemon.tiers.peers.rebuild import GiveUp
 from ckptd.daemon.tiers.peers.stripes import piece_size
@@ -98,6 +99,8 @@ class ParityHolder:
             await self._get_piece(writer, msg)
         elif op == "reduce_piece" and plen == 0:
             await self._reduce_piece(writer, msg, node)
+        elif op == "group_report" and plen == 0:
+            await pp.send(writer, self.report(), timeout=self.timeout)
         else:
             raise ProtocolError(f"bad peer request {str(op)[:40]!r} with {plen} payload bytes")
 
@@ -241,6 +244,15 @@ class ParityHolder:
                 view.release()
         finally:
             self.store.unpin(held)
+
+    def report(self) -> dict[str, Any]:
+        """This node's part of its group's state (group_state.py): its own held shards, and what each of
+        its parity buffers folded."""
+        own = [(h.job, h.step, h.rank, h.meta.digest, h.meta.nbytes) for h in self.store.entries.values()
+               if h.origin == "local" and h.meta is not None and not h.gone]
+        folded = [(u.job, u.step, u.stripe, f.member, f.rank, f.digest) for u in self.units.values()
+                  for f in u.record.values()]
+        return group_state.report(own, folded)
 
     # ---- lifecycle -------------------------------------------------------------------------
 

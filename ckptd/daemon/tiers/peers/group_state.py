@@ -1,0 +1,101 @@
+"""Is a step protected across its whole parity group? (``ckptd status --group``)
+
+A node can tell on its own only that its pieces were acknowledged; a group's step is *protected*
+when every stripe of it has its parity: for every shard any member holds of the step, each of its
+non-empty pieces is recorded as folded in by every parity holder of that piece's stripe. A holder
+that restarted has lost its parity even though the senders' acknowledgements stand, so this asks
+every member (``group_report``: its own held shards and the records of its parity buffers) and
+checks piece by piece. A member that does not answer within the timeout makes every step degraded,
+named as the reason; nothing is waited for longer.
+
+Wire (a piece op, ``layout.PIECE_OPS``): ``{"op": "group_report"}`` → ``{"op": "group_report",
+"own": [[job, step, rank, digest, nbytes], …], "folded": [[job, step, stripe, member, rank,
+digest], …]}``.
+"""
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import Iterable
+from typing import Any
+
+from ckptd.core import peer_protocol as pp
+from ckptd.core.errors import ProtocolError
+from ckptd.daemon.runtime import describe_error
+from ckptd.daemon.tiers.peers.layout import ParityLayout
+from ckptd.daemon.tiers.peers.link import PeerLink
+
+REPORT_MAX = 200_000          # entries a member may list (own shards + folded records)
+
+
+def report(own: Iterable[tuple[str, int, int, str, int]],
+           folded: Iterable[tuple[str, int, int, int, int, str]]) -> dict[str, Any]:
+    """A member's answer: its own held shards and what its parity buffers folded."""
+    return {"op": "group_report", "own": [list(x) for x in own], "folded": [list(x) for x in folded]}
+
+
+async def ask(layout: ParityLayout, member: int, secret: bytes, timeout: float,
+              tls: ssl.SSLContext | None) -> dict[str, Any] | str:
+    """Member ``member``'s report, or why there is none."""
+    link = PeerLink(layout.address(member), secret, layout.me, timeout, tls)
+    try:
+        await link.open()
+        assert link.reader is not None and link.writer is not None
+        await pp.send(link.writer, {"op": "group_report"}, timeout=timeout)
+        reply, plen = await pp.recv(link.reader, timeout=timeout)
+        if reply.get("op") != "group_report" or plen:
+            return f"answered {str(reply.get('op'))[:40]!r}"
+        return reply
+    except (OSError, ProtocolError) as e:
+        return describe_error(e)
+    finally:
+        link.close()
+
+
+def _entries(rep: dict[str, Any], key: str, n: int) -> list[tuple[Any, ...]]:
+    items = rep.get(key)
+    if not isinstance(items, list) or len(items) > REPORT_MAX:
+        raise ValueError(f"bad {key!r} list")
+    out = [tuple(x) for x in items if isinstance(x, list) and len(x) == n]
+    if len(out) != len(items):
+        raise ValueError(f"bad {key!r} entry")
+    return out
+
+
+def judge(layout: ParityLayout, reports: dict[int, dict[str, Any] | str]) -> list[dict[str, Any]]:
+    """Per (job, step) any member holds: ``protected`` or ``degraded`` with the reasons, from every
+    member's report (member → report, or why it has none)."""
+    lost = {m: why for m, why in reports.items() if isinstance(why, str)}
+    own: dict[tuple[str, int], list[tuple[int, int, str, int]]] = {}
+    folded: set[tuple[Any, ...]] = set()
+    for m, rep in reports.items():
+        if isinstance(rep, str):
+            continue
+        try:
+            for job, step, rank, digest, nbytes in _entries(rep, "own", 5):
+                own.setdefault((job, step), []).append((m, rank, digest, nbytes))
+            folded |= {(m, *f) for f in _entries(rep, "folded", 6)}
+        except (ValueError, TypeError) as e:
+            lost[m] = f"a malformed report: {e}"
+    out = []
+    for (job, step), shards in sorted(own.items(), key=lambda x: (str(x[0][0]), x[0][1])):
+        why = [f"member {m} ({layout.address(m)}) unreachable: {r}" for m, r in sorted(lost.items())]
+        for m, rank, digest, nbytes in sorted(shards):
+            if type(nbytes) is not int or nbytes < 0:
+                continue
+            for piece in layout.cut(nbytes, m).pieces:
+                stripe = layout.stripe(piece.stripe)
+                for holder in stripe.parity if piece.length else ():
+                    if holder not in lost and (holder, job, step, piece.stripe, m, rank, digest) not in folded:
+                        why.append(f"rank {rank}'s piece of stripe {piece.stripe} is not in member {holder}'s parity")
+        out.append({"job": job, "step": step, "group": layout.group.index, "members": layout.size,
+                    "ranks": len(shards), "state": "degraded" if why else "protected", "why": why[:20]})
+    return out
+
+
+async def group_state(layout: ParityLayout, mine: dict[str, Any], secret: bytes, timeout: float,
+                      tls: ssl.SSLContext | None) -> list[dict[str, Any]]:
+    """This node's group, every member asked at once (this node's own report is ``mine``)."""
+    others = [m for m in range(layout.size) if m != layout.member]
+    got = await asyncio.gather(*(ask(layout, m, secret, timeout, tls) for m in others))
+    return judge(layout, {layout.member: mine, **dict(zip(others, got, strict=True))})
