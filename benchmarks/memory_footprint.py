@@ -75,20 +75,20 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def pss(pid: int) -> int:
-    """Pss of one process in bytes (0 once it is gone)."""
+def pss(pid: int, field: str = "Pss") -> int:
+    """Pss (or another smaps_rollup field) of one process in bytes (0 once it is gone)."""
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
-                if line.startswith("Pss:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
 
 
-def tree_pss(root: int) -> int:
-    return sum(pss(p) for p in [root, *children(root)])
+def tree_pss(root: int, field: str = "Pss") -> int:
+    return sum(pss(p, field) for p in [root, *children(root)])
 
 
 class Sampler:
@@ -152,6 +152,9 @@ def worker(method: str, mib: int, saves: int, tmp: Path) -> dict[str, Any]:
     time.sleep(0.5)
     trim_own_heap()
     before = tree_pss(os.getpid())       # the trainer alone: what the checkpointer adds is all extra
+    # The file-backed part (shared libraries' pages, split among every process mapping them, this
+    # tree's or not): recorded to tell a change in the node's other processes from the checkpointer's.
+    file_pss = {"before": tree_pss(os.getpid(), "Pss_File")}
     sampler = Sampler()
     idle: dict[str, int] = {}
 
@@ -160,7 +163,9 @@ def worker(method: str, mib: int, saves: int, tmp: Path) -> dict[str, Any]:
         gc.collect()
         trim_own_heap()
         idle["tree"] = tree_pss(os.getpid())
+        file_pss["idle"] = tree_pss(os.getpid(), "Pss_File")
         idle["daemon"] = pss(daemon_pid) if daemon_pid is not None else 0
+        idle["pid"] = daemon_pid or 0
 
     save, close = saver(method, model, opt, tmp, set_up)
     ready = tree_pss(os.getpid())        # set up (ckptd: daemon started, slots allocated), nothing saved yet
@@ -177,10 +182,13 @@ def worker(method: str, mib: int, saves: int, tmp: Path) -> dict[str, Any]:
     gc.collect()
     trim_own_heap()
     steady = tree_pss(os.getpid())
+    file_pss["steady"] = tree_pss(os.getpid(), "Pss_File")
+    steady_daemon = pss(idle["pid"]) if idle["pid"] else 0
     peak = max(sampler.stop(), steady)
     close()
     return {"method": method, "state_bytes": state_bytes, "before": before, "idle": idle["tree"],
-            "daemon_idle": idle["daemon"], "ready": ready, "steady": steady,
+            "daemon_idle": idle["daemon"], "daemon_steady": steady_daemon, "file_pss": file_pss,
+            "ready": ready, "steady": steady,
             "peak": peak, "extra_per_byte": (steady - before) / state_bytes,
             "peak_per_byte": (peak - before) / state_bytes,
             "extra_per_byte_idle": (steady - idle["tree"]) / state_bytes,
