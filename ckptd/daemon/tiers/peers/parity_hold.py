@@ -189,10 +189,16 @@ class ParityHolder:
                         return unit, f
         return None
 
-    async def _get_parity(self, writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
+    async def _found(self, writer: asyncio.StreamWriter, msg: dict[str, Any]) -> tuple[ParityUnit, Folded] | None:
+        """The buffer holding the rank the request names, or None (``missing`` answered)."""
         found = self._find(msg)
         if found is None or found[0].mm is None:
             await pp.send(writer, {"op": "missing"}, timeout=self.timeout)
+            return None
+        return found
+
+    async def _get_parity(self, writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
+        if (found := await self._found(writer, msg)) is None:
             return
         unit, f = found
         assert unit.mm is not None
@@ -206,9 +212,7 @@ class ParityHolder:
             view.release()
 
     async def _reduce_piece(self, writer: asyncio.StreamWriter, msg: dict[str, Any], node: str) -> None:
-        found = self._find(msg)
-        if found is None or found[0].mm is None:
-            await pp.send(writer, {"op": "missing"}, timeout=self.timeout)
+        if (found := await self._found(writer, msg)) is None:
             return
         unit, f = found
         assert unit.mm is not None
