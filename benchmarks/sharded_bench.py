@@ -418,7 +418,8 @@ def run_ranks(world: int, spec: dict[str, Any], base: Path, timeout: float) -> d
     path = base / f"spec-{spec['phase']}.json"
     path.write_text(json.dumps(spec))
     procs = [subprocess.Popen([sys.executable, str(HERE), "--rank-worker", str(path)],
-                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"})
+                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
+                                   "LOCAL_WORLD_SIZE": str(world)})        # as torchrun sets them
              for r in range(world)]
     deadline = time.monotonic() + timeout
     try:

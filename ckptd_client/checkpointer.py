@@ -78,7 +78,8 @@ class Checkpointer:
         # Ranks per node (one daemon each): the relay's fan-in groups (relay.py).
         self.local_world_size = c.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or 8
         self.num_slots = c.num_slots
-        self.restore_threads = c.restore_threads or max(1, len(os.sched_getaffinity(0)))
+        sharing = c.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or 1   # ranks on these CPUs
+        self.restore_threads = c.restore_threads or max(1, len(os.sched_getaffinity(0)) // sharing)
         self.overlap = parse_overlap(c.overlap)
         self.when_busy = parse_when_busy(c.when_busy)
         self.daemon: OwnDaemon | None = None          # spawn=True: this process's own daemon (own_daemon.py)

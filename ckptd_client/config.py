@@ -39,7 +39,9 @@ class CheckpointerConfig:
     commit_timeout: float = 600.0
     """Seconds a relayed save may take from ``save`` to its commit (the relay's waits derive from it)."""
     restore_threads: int | None = None
-    """Threads that decode and copy on restore. None: one per CPU this process may run on."""
+    """Threads that decode and copy on restore. None: the CPUs this process may run on, shared among
+    the node's ranks (``local_world_size``, or ``LOCAL_WORLD_SIZE`` as torchrun sets it; else not shared),
+    at least one."""
     overlap: bool | str = True
     """``save``'s default copy mode: True (copy params/optimizer state in the background until the
     optimizer step), False (copy everything before returning) or ``"manual"`` (see ``save``)."""
