@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from ckptd.core.schema import TensorLayout
 from ckptd.core.tree import decode_tree
 
 from .connection import DaemonConnection
+from .dtensor import is_dtensor, local_placement, local_tensor
 from .errors import CheckpointError, DaemonRefused, Unreachable
 from .live_state import live_tensors, tree_items
 from .reshard import DTYPES, decodable_into, tensor_bytes
@@ -83,6 +85,25 @@ def _read_into(fd: int, t: TensorLayout, out: torch.Tensor, sums: tuple[str, ...
                                     "fails its checksum")
 
 
+def _read_all(fd: int, reads: list[tuple[TensorLayout, torch.Tensor, tuple[str, ...], int, int]], chunk: int,
+              threads: int) -> None:
+    """Every ``_read_into`` of ``reads``: on ``threads`` restore threads, or in this one when it is 1."""
+    if threads <= 1:
+        for t, out, sums, first, last in reads:
+            _read_into(fd, t, out, sums, chunk, first, last)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="ckptd-memrestore") as pool:
+        futures: list[Future[None]] = []
+        try:
+            futures = [pool.submit(_read_into, fd, t, out, sums, chunk, first, last)
+                       for t, out, sums, first, last in reads]
+            for f in futures:
+                f.result()
+        finally:
+            for f in futures:       # (on failure: the ones not started never run)
+                f.cancel()
+
+
 def fetch_held(socket_path: str, job: str, step: int, rank: int,
            world_size: int) -> tuple[DaemonConnection, HeldMeta, int, str]:
     """(connection, meta, memfd, source); the daemon keeps the shard pinned while the connection is open.
@@ -111,22 +132,54 @@ def fetch_held(socket_path: str, job: str, step: int, rank: int,
         raise
 
 
+def _same_piece(live: Any, t: TensorLayout) -> torch.Tensor | None:
+    """The live DTensor's local tensor when it is exactly the held piece ``t`` (same global tensor, same
+    region, readable in place), else None (the restore reads the step as pieces instead)."""
+    if t.placement is None or not is_dtensor(live):
+        return None
+    try:
+        place = local_placement(live)
+    except TypeError:                # padded or otherwise unusual local shards
+        return None
+    local = local_tensor(live)
+    if (place.global_shape, place.offsets) != (tuple(t.placement.global_shape), tuple(t.placement.offsets)) \
+            or not decodable_into(local, t.dtype, t.shape):
+        return None
+    return local
+
+
 def _check(meta: HeldMeta, layout: dict[str, tuple[TensorLayout, Any]], state: dict[str, Any],
-           strict: bool) -> tuple[dict[Any, Any], list[str], Outcome]:
-    """(The held subtree of each entry of ``state``, the tensor names to copy, the Outcome.)"""
+           strict: bool) -> tuple[dict[Any, Any], list[str], dict[str, torch.Tensor], dict[str, torch.Tensor], Outcome]:
+    """(The held subtree of each entry of ``state``, the tensor names to copy, the live DTensors'
+    local tensors that are held pieces read in place — a sharded state at its saved layout — the live
+    tensors by name, and the Outcome.)"""
     items = tree_items(meta.tree)
     if items is None:
         raise MemoryUnavailable("the held state tree is not a dict")
+    live, _ = live_tensors({k: state[k] for k, _ in items if k in state})
     names = [name for k, sub in items if k in state for _, name in saved_leaves({k: sub})[k]]
+    in_place: dict[str, torch.Tensor] = {}
     for name in names:
         t = layout[name][0] if name in layout else None
-        if t is None:
-            raise MemoryUnavailable(f"tensor {name!r} of the held state tree is not in its layout")
+        if t is None:      # (a replica another rank wrote: a sharded restore reads it from that rank's shard)
+            raise MemoryUnavailable(f"tensor {name!r} of the held state tree is not in its layout", pieces=True)
+        target = live.get(name)
         if t.placement is not None and tuple(t.placement.global_shape) != tuple(t.shape):
-            raise MemoryUnavailable(f"tensor {name!r} is held as a piece of a sharded tensor", pieces=True)
-    subtrees, outcome = check_plain(state, items, lambda n: layout[n][0],
-                                    f"step {meta.step} (held in the daemon's memory)", strict)
-    return subtrees, list(dict.fromkeys(names)), outcome
+            local = _same_piece(target, t)
+            if local is None:
+                raise MemoryUnavailable(f"tensor {name!r} is held as a piece of a sharded tensor", pieces=True)
+            in_place[name] = local
+        elif is_dtensor(target):
+            raise MemoryUnavailable(f"tensor {name!r} is a DTensor, held whole", pieces=True)
+    if any(is_dtensor(v) for path, v in live.items() if path not in in_place):
+        raise MemoryUnavailable("a DTensor of the state is not a held piece of this rank", pieces=True)
+
+    def saved(name: str) -> Any:        # a piece read in place is checked as the whole DTensor it belongs to
+        t = layout[name][0]
+        return SimpleNamespace(dtype=t.dtype, shape=t.placement.global_shape) if name in in_place and t.placement \
+            else t
+    subtrees, outcome = check_plain(state, items, saved, f"step {meta.step} (held in the daemon's memory)", strict)
+    return subtrees, list(dict.fromkeys(names)), in_place, live, outcome
 
 
 def restore_from_memory(socket_path: str, job: str, step: int, rank: int, world_size: int,
@@ -136,30 +189,25 @@ def restore_from_memory(socket_path: str, job: str, step: int, rank: int, world_
     conn, meta, fd, source = fetch_held(socket_path, job, step, rank, world_size)
     try:
         layout = {t.name: (t, sums) for t, sums in zip(meta.layout, meta.checksums, strict=True)}
-        wanted, names, outcome = _check(meta, layout, state, strict)
-        live, _ = live_tensors({k: state[k] for k in wanted})
+        wanted, names, in_place, live, outcome = _check(meta, layout, state, strict)
         tensors: dict[str, torch.Tensor] = {}
         chunk = max(8, meta.chunk_bytes - meta.chunk_bytes % 8)     # as codec.chunk_ranges cuts them
         size = os.fstat(fd).st_size
         if size < meta.nbytes:
             raise MemoryUnavailable(f"held shard is {size} bytes, its layout needs {meta.nbytes}")
-        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptd-memrestore") as pool:
-            futures: list[Future[None]] = []
-            try:
-                for name in names:
-                    t, sums = layout[name]
-                    target = live.get(name)
-                    out = target if target is not None and decodable_into(target, t.dtype, t.shape) else \
-                        torch.empty(t.shape, dtype=DTYPES[t.dtype])
-                    tensors[name] = out
-                    per = max(1, TASK_BYTES // chunk)
-                    futures += [pool.submit(_read_into, fd, t, out, sums, chunk, i, min(i + per, len(sums)))
-                                for i in range(0, len(sums), per)]
-                for f in futures:
-                    f.result()
-            finally:
-                for f in futures:       # (on failure: the ones not started never run)
-                    f.cancel()
+        reads: list[tuple[TensorLayout, torch.Tensor, tuple[str, ...], int, int]] = []
+        for name in names:
+            t, sums = layout[name]
+            target = live.get(name)
+            if name in in_place:         # read into the DTensor's local shard; the tree gets the DTensor
+                out, tensors[name] = in_place[name], live[name]
+            else:
+                out = target if target is not None and decodable_into(target, t.dtype, t.shape) else \
+                    torch.empty(t.shape, dtype=DTYPES[t.dtype])
+                tensors[name] = out
+            per = max(1, TASK_BYTES // chunk)
+            reads += [(t, out, sums, i, min(i + per, len(sums))) for i in range(0, len(sums), per)]
+        _read_all(fd, reads, chunk, threads)
         try:
             loaded = {k: decode_tree(sub, tensors.__getitem__) for k, sub in wanted.items()}
         except (FormatError, KeyError) as e:

@@ -50,11 +50,13 @@ __all__ = ["MEMORY", "PEER", "STORAGE", "ALL_RANKS", "Reader", "Served", "Unavai
 @dataclass(frozen=True)
 class Served:
     """A source loaded the step into the state: ``source`` is what ``RestoreInfo.source`` reports;
-    ``outcome``: which entries it loaded and which the step lacked; ``stats``: what it read, and where."""
+    ``outcome``: which entries it loaded and which the step lacked; ``stats``: what it read, and where;
+    ``whole``: this rank's own held shard was copied whole into the state's tensors (no region reads)."""
     source: str
     raw_bytes: int = 0
     outcome: Outcome = field(default=Outcome(), compare=False)
     stats: ReadStats | None = field(default=None, compare=False)
+    whole: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,10 @@ class RestoreInfo:
     (only with ``strict=False``; entries a ``per_rank`` rule kept fresh are in neither).
     ``from_memory``/``from_peers``: raw bytes copied from shards this node's daemon held / fetched
     from a peer daemon; ``from_storage``: stored bytes read from data files (a source may combine
-    them: a sharded restore reads from storage only the saved ranks no daemon holds)."""
+    them: a sharded restore reads from storage only the saved ranks no daemon holds). ``whole``:
+    served from memory by copying this rank's own held shard whole into its tensors (a plain state, or
+    DTensors whose local shards are exactly the saved pieces: the same layout, tensors allocated);
+    False: read as regions (storage, or a reshard, or DTensors the state does not have yet)."""
     step: int
     source: str
     seconds: float
@@ -89,6 +94,7 @@ class RestoreInfo:
     from_peers: int = 0
     from_storage: int = 0
     level: str = "storage"        # "memory": a memory-level step (memory_level.py)
+    whole: bool = False
 
     @classmethod
     def of(cls, step: int, got: Served, started: float, passed: tuple[Unavailable, ...] = (),
@@ -97,7 +103,7 @@ class RestoreInfo:
         return cls(step, got.source, time.monotonic() - started, got.raw_bytes,
                    fallback=passed[0].reason if passed else None, passed=passed, restored=o.restored,
                    missing=o.missing, missing_tensors=o.missing_tensors, from_memory=st.held.get(MEMORY, 0),
-                   from_peers=st.held.get(PEER, 0), from_storage=st.bytes, level=level)
+                   from_peers=st.held.get(PEER, 0), from_storage=st.bytes, level=level, whole=got.whole)
 
     def lacked(self) -> str:
         """What the step lacked, for the restore's log line ("" when nothing)."""
@@ -140,24 +146,28 @@ class DaemonMemory(Source):
             return Unavailable(self.name, "memory restore off (memory=False)")
         r = self.reader
         sharded = any(is_dtensor(t) for t in live_tensors(state)[0].values())
-        if not sharded:
+        # A sharded state at its saved world size is tried as a whole-shard copy too: its local shards
+        # are read in place when they are exactly the held pieces (the same layout); else pieces.
+        saved = saved_world(step_dir(r.root(), r.job, step)) if sharded else -1     # (-1: not read yet)
+        if not sharded or saved == r.world_size:
             try:
                 copy = restore_from_memory(r.socket_path, r.job, step, r.rank, r.world_size, state, r.threads,
                                            self.strict)
             except MemoryUnavailable as e:
-                saved = saved_world(step_dir(r.root(), r.job, step))
-                if not e.pieces and (saved is None or saved == r.world_size):
+                saved = saved_world(step_dir(r.root(), r.job, step)) if saved == -1 else saved
+                if not sharded and not e.pieces and (saved is None or saved == r.world_size):
                     return Unavailable(self.name, str(e))
             else:
                 stats = ReadStats(held={copy.source: copy.raw_bytes})
-                return Served(copy.source, copy.raw_bytes, copy.outcome, stats)
-        return self._pieces(step, state)
+                return Served(copy.source, copy.raw_bytes, copy.outcome, stats, whole=True)
+        return self._pieces(step, state, None if saved == -1 else saved)
 
-    def _pieces(self, step: int, state: dict[str, Any]) -> Served | Unavailable:
-        """A sharded or resharding restore reading held shards first (held_pieces.py)."""
+    def _pieces(self, step: int, state: dict[str, Any], saved: int | None) -> Served | Unavailable:
+        """A sharded or resharding restore reading held shards first (held_pieces.py); ``saved``: the
+        step's saved world size if already read."""
         r = self.reader
         path = step_dir(r.root(), r.job, step)
-        saved = saved_world(path)
+        saved = saved or saved_world(path)
         if saved is None:
             return Unavailable(self.name, f"step {step} of job {r.job!r} has no readable index under {r.root()}")
         stats = ReadStats()

@@ -173,6 +173,8 @@ def apply_state(target: Any, loaded: Any, path: str = "", strict: bool = True) -
     """Load ``loaded`` into ``target`` in place where it can (tensors, Stateful, dicts, lists);
     return what the slot holding ``target`` should now hold. ``strict``: a module's (torch's
     ``load_state_dict(strict=)``: False leaves the parameters ``loaded`` lacks as they are)."""
+    if loaded is target:               # read in place already (a memory restore): nothing to copy
+        return target
     if isinstance(target, torch.Tensor):
         if not isinstance(loaded, torch.Tensor) or loaded.shape != target.shape:
             got = tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else type(loaded).__name__

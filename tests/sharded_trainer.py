@@ -329,6 +329,7 @@ def restore_into(a: argparse.Namespace, ck: Any, spelling: str, model: Net, opt:
     if info is not None:
         print(f"RESTORE-INFO {info.source} {info.from_memory} {info.from_peers} {info.from_storage}", flush=True)
         print(f"RESTORE-LEVEL {info.level} {json.dumps([u.reason for u in info.passed])}", flush=True)
+        print(f"RESTORE-WHOLE {info.whole}", flush=True)
     if spelling == "dicts" and step is not None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -82,7 +82,7 @@ def test_each_source_says_why_it_cannot_serve(daemon, tmp):
     r = reader(daemon.socket, daemon.root, "why")
     # Memory serves what it holds; memory=False, no daemon, a step it never held: each says why not.
     target = blank()
-    assert DaemonMemory(r, enabled=True).serve(5, target) == Served(MEMORY, saved["w"].nbytes)
+    assert DaemonMemory(r, enabled=True).serve(5, target) == Served(MEMORY, saved["w"].nbytes, whole=True)
     assert torch.equal(target["w"], saved["w"])
     assert DaemonMemory(r, enabled=False).serve(5, blank()) == Unavailable(MEMORY, "memory restore off (memory=False)")
     nowhere = Reader(str(tmp / "none.sock"), "why", 0, 1, 2, lambda: str(daemon.root))

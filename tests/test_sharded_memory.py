@@ -23,7 +23,7 @@ import sharded_trainer as st
 from test_acceptance import free_port
 from test_memory_tier import remove_data_files
 from test_peers import held_steps, peer_args, secret_file, wait_for
-from test_sharded import assert_bit_identical
+from test_sharded import SAVED_STEP, assert_bit_identical
 
 pytestmark = pytest.mark.timeout(600)
 STEPS, EVERY = 16, 4
@@ -113,3 +113,34 @@ def test_restart_and_node_loss_restore_from_memory(daemon_factory: Any, tmp: Pat
         assert all(math.isfinite(v) for v in losses(o).values()) and "DONE" in o
     assert_bit_identical(load(out / "restored-w2.full.pt"), load(out / f"ref-step{STEPS}.full.pt"),
                          f"step {STEPS} resharded 4 -> 2 from node A's memory")
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_same_layout_held_shard_read_whole_into_dtensors(daemon_factory: Any, tmp: Path, layout: str) -> None:
+    """DCP's spelling (``get_state_dict`` dicts: AdamW state allocated) at the saved layout: each rank's
+    held shard is copied whole into its DTensors' local shards (``RestoreInfo.whole``, no region
+    planning), 0 bytes from storage (every data file deleted), every local shard and AdamW tensor
+    bit-identical; under TP the ranks that did not write the replicated biases (tp coordinate 1) read
+    those from the writers' shards, as pieces. The objects spelling, whose fresh optimizer has no state
+    yet, is read as pieces everywhere."""
+    daemon = daemon_factory(name="n0")
+    out = tmp / "out"
+    out.mkdir()
+    saved = st.run_group(4, "save", "--layout", layout, "--job", layout, "--socket", str(daemon.socket),
+                         "--out", str(out), "--steps", str(SAVED_STEP))
+    assert f"COMMITTED {SAVED_STEP}" in saved[0], saved[0]
+    writers = {0, 2} if layout == "tp" else {0, 1, 2, 3}
+    for spelling in ("dicts", "objects"):
+        job = f"{layout}-{spelling}"
+        wait_for(lambda: any(s["step"] == SAVED_STEP and s["committed"] and s["job"] == job  # noqa: B023 (at once)
+                             for s in held_steps(daemon.socket)), f"{job} step held")
+        assert remove_data_files(daemon.root, job) == 4
+        outs = st.run_group(4, "restore", "--layout", layout, "--spelling", spelling, "--job", job,
+                            "--socket", str(daemon.socket), "--out", str(out), "--tag", spelling)
+        for rank, o in enumerate(outs):
+            assert restore_info(o)[0] == "memory" and restore_info(o)[3] == 0, o
+            whole = spelling == "dicts" and rank in writers
+            assert st.lines(o, "RESTORE-WHOLE") == [[str(whole)]], o
+            want, got = load(out / f"saved.rank{rank}.pt"), load(out / f"{spelling}.rank{rank}.pt")
+            assert got["placements"] == want["placements"], f"rank {rank}: the layout changed"
+            assert_bit_identical(got["local"], want["local"], f"{spelling} rank {rank} local shard")
