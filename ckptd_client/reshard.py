@@ -270,7 +270,8 @@ class _Runner:
     def __init__(self, files: StepFiles, threads: int, budget: int) -> None:
         self.files = files
         self.budget = budget
-        self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptd-restore")
+        self.pool: ThreadPoolExecutor | _Inline = _Inline() if threads <= 1 else \
+            ThreadPoolExecutor(threads, thread_name_prefix="ckptd-restore")
         self.cond = threading.Condition()
         self.staged = 0
         self.error: BaseException | None = None
@@ -358,6 +359,17 @@ class _Runner:
             with self.cond:
                 self.staged -= job.staged
                 self.cond.notify_all()
+
+
+class _Inline:
+    """One restore thread: each read runs in the restoring thread itself as it is submitted (no pool
+    to hand it to; the staging budget is free again before the next is planned)."""
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        fn(*args)
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
 
 
 def read_needs(files: StepFiles, needs: Sequence[Need], threads: int, staging_bytes: int = STAGING_BYTES,

@@ -67,7 +67,7 @@ def launch(world: int, *args: str, script: Path = HERE) -> list[subprocess.Popen
     procs: list[subprocess.Popen[str]] = []
     for rank in range(max(1, world)):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+               "LOCAL_WORLD_SIZE": str(max(1, world)), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # as torchrun
         leader = procs[0].pid if procs else 0
         procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
