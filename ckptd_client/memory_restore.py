@@ -11,9 +11,12 @@ chunk's xxh3 while still in cache, every chunk's checksum checked, and only then
 applied. Before any of it, the held tree and
 layout are checked against the live state as a restore from storage checks them (restore_check.py:
 the same step, the same answer): a mismatch raises CheckpointError, nothing written. Anything else
-— no daemon, a step not held, a resharding restore or a sharded tensor's piece (held_pieces.py
-serves those), a checksum mismatch — raises :class:`MemoryUnavailable` with the reason, which the
-source answers as its "cannot serve, because".
+— no daemon, a step not held, a resharding restore or a sharded tensor's piece that is not exactly
+a live DTensor's local shard (held_pieces.py serves those), a checksum mismatch — raises
+:class:`MemoryUnavailable` with the reason, which the source answers as its "cannot serve, because".
+A DTensor state at its saved layout is read here too: each held piece straight into the local shard
+it is (``_same_piece``), and the DTensor itself goes into the loaded tree, so applying it copies
+nothing.
 """
 from __future__ import annotations
 
@@ -184,8 +187,8 @@ def _check(meta: HeldMeta, layout: dict[str, tuple[TensorLayout, Any]], state: d
 
 def restore_from_memory(socket_path: str, job: str, step: int, rank: int, world_size: int,
                         state: dict[str, Any], threads: int, strict: bool = True) -> MemoryCopy:
-    """Load ``step`` into ``state`` from the daemon's memory (see the module docstring); a state
-    without DTensors at the saved world size (held_pieces.py serves the others)."""
+    """Load ``step`` into ``state`` from the daemon's memory (see the module docstring): a state at the
+    saved world size whose tensors are plain, or DTensors whose local shards are the held pieces."""
     conn, meta, fd, source = fetch_held(socket_path, job, step, rank, world_size)
     try:
         layout = {t.name: (t, sums) for t, sums in zip(meta.layout, meta.checksums, strict=True)}
