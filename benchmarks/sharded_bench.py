@@ -18,7 +18,8 @@ after ``--warmup`` rounds that are not counted), each save in an episode of its 
 - time to durable: from the save call until the last rank knows the checkpoint is complete on
   disk (ckptd: its handle committed, index.json in place; DCP: its future done, .metadata written).
 - restore at the same world size and at another one (``--ranks`` → ``--reshard-ranks``, a
-  fresh rank group): ``Checkpointer.restore`` vs DCP ``load`` into the dicts, each followed by
+  fresh rank group): ``Checkpointer.restore`` vs DCP ``load`` (page cache warm, and dropped first)
+  into the dicts, each followed by
   ``set_state_dict``; the slowest rank's time. Every restore is checked bit-exact (local shards
   at the same world size; full tensors, gathered, at another).
 Results: benchmarks/results/sharded.md and sharded.json (``--out`` to change).
@@ -51,13 +52,14 @@ from common import RESULTS, fmt, machine_info, median, table, write_results  # n
 
 HERE = Path(__file__).resolve()
 SAVE_METHODS = ("ckptd", "dcp-async", "dcp-async-staged")
-RESTORE_METHODS = ("ckptd-memory", "ckptd", "dcp")
+RESTORE_METHODS = ("ckptd-memory", "ckptd", "dcp", "dcp-cold")
 LABELS = {"ckptd": "ckptd save(fence_on=optim), overlapped",
           "ckptd-restore": "ckptd Checkpointer.restore from storage (memory=False)",
           "ckptd-memory": "ckptd Checkpointer.restore from the daemon's memory",
           "dcp-async": "DCP async_save (shm stager, staging in the call)",
           "dcp-async-staged": "DCP async_save (shm stager, async staging)",
-          "dcp": "DCP load"}
+          "dcp": "DCP load",
+          "dcp-cold": "DCP load, its files dropped from the page cache first (a replacement node's read)"}
 JOB = "sharded"
 # Targets this benchmark reports against (ckptd ÷ DCP).
 TARGET_STALL = 0.1
@@ -267,6 +269,8 @@ def restore_once(method: str, spec: dict[str, Any], ck: Any, model: torch.nn.Mod
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
     scramble(state)
+    if method == "dcp-cold":
+        drop_cache(Path(path))
     torch.distributed.barrier()
     t0 = time.perf_counter()
     if method in ("ckptd", "ckptd-memory"):
@@ -283,21 +287,34 @@ def restore_once(method: str, spec: dict[str, Any], ck: Any, model: torch.nn.Mod
     return took, call
 
 
+def drop_cache(directory: Path) -> None:
+    """Every file under ``directory`` out of the page cache (clean pages: fsynced by the save)."""
+    for f in directory.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def restore_rounds(spec: dict[str, Any], model: torch.nn.Module, opt: torch.optim.AdamW, state: dict[str, Any],
                    steps: dict[str, int], digests: dict[str, dict[str, str]], reshard: bool) -> dict[str, Any]:
     import ckptd_client
     cks = {"ckptd": ckptd_client.Checkpointer(JOB, socket=spec["socket"], root=spec["root"], memory=False,
                                               prepare=False),
-           "ckptd-memory": ckptd_client.Checkpointer(JOB, socket=spec["socket"], prepare=False), "dcp": None}
+           "ckptd-memory": ckptd_client.Checkpointer(JOB, socket=spec["socket"], prepare=False), "dcp": None,
+           "dcp-cold": None}
     times: dict[str, list[float]] = {m: [] for m in (*RESTORE_METHODS, "memcpy")}
     calls: dict[str, list[float]] = {m: [] for m in RESTORE_METHODS}
     exact: dict[str, bool] = {m: True for m in RESTORE_METHODS}
-    paths = {"ckptd": "", "ckptd-memory": "", "dcp": str(Path(spec["dcp_dir"]) / f"dcp-async-step{steps['dcp']}")}
+    dcp_path = str(Path(spec["dcp_dir"]) / f"dcp-async-step{steps['dcp']}")
+    paths = {"ckptd": "", "ckptd-memory": "", "dcp": dcp_path, "dcp-cold": dcp_path}
     n = len(RESTORE_METHODS)
     for r in range(spec["warmup"] + spec["rounds"]):
         order = RESTORE_METHODS[r % n:] + RESTORE_METHODS[:r % n]
         for m in order:
-            src = "ckptd" if m == "ckptd-memory" else m
+            src = {"ckptd-memory": "ckptd", "dcp-cold": "dcp"}.get(m, m)
             took, call = restore_once(m, spec, cks[m], model, opt, state, steps[src], paths[m], reshard)
             ok = (full_digest(state) if reshard else local_digest(state)) == \
                 digests[src]["full" if reshard else "local"]
@@ -478,6 +495,8 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         "memory_same_vs_dcp": rs["ckptd-memory"]["p50"] / rs["dcp"]["p50"],
         "memory_same_vs_storage": rs["ckptd-memory"]["p50"] / rs["ckptd"]["p50"],
         "memory_reshard_vs_dcp": rr["ckptd-memory"]["p50"] / rr["dcp"]["p50"],
+        "memory_same_vs_dcp_cold": rs["ckptd-memory"]["p50"] / rs["dcp-cold"]["p50"],
+        "memory_reshard_vs_dcp_cold": rr["ckptd-memory"]["p50"] / rr["dcp-cold"]["p50"],
         "memory_reshard_vs_storage": rr["ckptd-memory"]["p50"] / rr["ckptd"]["p50"],
     }
     return out
@@ -536,6 +555,12 @@ def to_markdown(res: dict[str, Any]) -> str:
             [f"restore from memory p50, resharding {cfg['ranks']} → {cfg['reshard_ranks']} ranks",
              fmt(ra["memory_reshard_vs_dcp"], 3, "×"), f"≤ {TARGET_MEMORY_RESHARD}×",
              verdict(ra["memory_reshard_vs_dcp"], TARGET_MEMORY_RESHARD)],
+            ["restore from memory p50, same layout, ÷ DCP load from a cold page cache",
+             fmt(ra["memory_same_vs_dcp_cold"], 3, "×"), "—", ""],
+            [f"restore from memory p50, resharding {cfg['ranks']} → {cfg['reshard_ranks']} ranks, ÷ DCP load from a "
+             "cold page cache (as on a node that did not write the lost node's files)",
+             fmt(ra["memory_reshard_vs_dcp_cold"], 3, "×"), f"≤ {TARGET_MEMORY_RESHARD}×",
+             verdict(ra["memory_reshard_vs_dcp_cold"], TARGET_MEMORY_RESHARD)],
         ]),
         "",
         "## Save",
