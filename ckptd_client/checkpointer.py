@@ -75,13 +75,12 @@ class Checkpointer:
         self.commit_timeout = c.commit_timeout
         self.run_scope = RunScope(self.store, self.job, self.rank, self.world_size, c.commit_timeout) \
             if self.store is not None and (self.world_size > 1 or self.commit_mode is CommitMode.RELAY) else None
-        # Ranks per node (one daemon each): the relay's fan-in groups (relay.py).
-        self.local_world_size = c.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or 8
+        # Ranks per node (one daemon each, sharing its CPUs): the relay's fan-in groups (relay.py), 8 if unknown.
+        known = c.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+        self.local_world_size = known or 8
         self.num_slots = c.num_slots
-        sharing = c.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or 1   # ranks on these CPUs
-        self.restore_threads = c.restore_threads or max(1, len(os.sched_getaffinity(0)) // sharing)
-        self.overlap = parse_overlap(c.overlap)
-        self.when_busy = parse_when_busy(c.when_busy)
+        self.restore_threads = c.restore_threads or max(1, len(os.sched_getaffinity(0)) // (known or 1))
+        self.overlap, self.when_busy = parse_overlap(c.overlap), parse_when_busy(c.when_busy)
         self.daemon: OwnDaemon | None = None          # spawn=True: this process's own daemon (own_daemon.py)
         if c.spawn:
             if self.world_size > 1:
