@@ -4,8 +4,8 @@
 Real: the TCPStore (its server in a process of its own), rank 0's ``StoreRelay`` (the shipped
 relay code: its node-0 gather, its blocking wait for the node count, the chunked ``multi_get``,
 the parse of every rank's outcome), the daemon's commit code (``parse_record`` of every record
-as the server does, then ``commit.write_index``: every manifest's digest checked on disk with
-its thread pool, the tensor map built from the records, the lean side files and index.json
+as the server does, then ``commit.write_index``: the manifests of the check ranks the relay
+names — one per node; every rank's with ``--check-all`` — checked on disk with its thread pool, the tensor map built from the records, the lean side files and index.json
 written and fsynced) and 32,768 real manifest files. Simulated: the other ranks — their
 manifests are written straight to the step directory (no daemon, no fsync), their records come
 from ``rank_record.summarize`` and their node leaders' store traffic (``set`` of the node
@@ -35,6 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ckptd.core.codec import ChunkMeta
+from ckptd.core.gc_pause import gc_paused
 from ckptd.core.names import HEAD_NAME, INDEX_NAME, rank_data_name, rank_manifest_name, step_dir
 from ckptd.core.rank_record import parse_records, summarize
 from ckptd.core.reader import StepReader
@@ -60,6 +61,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=32768)
     ap.add_argument("--node-size", type=int, default=8)
+    ap.add_argument("--check-all", action="store_true",
+                    help="read back every manifest at commit (before: the relay named no check ranks)")
     ap.add_argument("--machine", default="shared 2-core VM, other jobs running", help="a note on the machine")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "scale_thin.json")
     a = ap.parse_args()
@@ -88,10 +91,13 @@ def main() -> int:
         done = threading.Event()
         resolved: list[Any] = []
 
-        def commit(step_: int, digests: dict[int, str], records: list[Any] | None, timeout: float) -> None:
+        def commit(step_: int, digests: dict[int, str], records: list[Any] | None, timeout: float,
+                   check: list[int]) -> None:
             assert records is not None
-            parsed = parse_records(records)      # as the daemon's server does
-            write_index(str(path), job, step_, n, digests, None, parsed)
+            with gc_paused():                    # as the daemon's server does (requests.py, commit)
+                parsed = parse_records(records)
+                write_index(str(path), job, step_, n, digests, None, parsed, None if a.check_all else check)
+                del parsed
 
         run = FixedRun(uuid.uuid4().hex)
         scope = store_keys.scope(job, run.run)

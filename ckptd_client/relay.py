@@ -77,12 +77,13 @@ class RelayedSave:
 
 class StoreRelay:
     """Runs the fan-in on its own thread, one save after the other, in order; ``resolve`` of each
-    tracked save runs there too. ``commit(step, digests, records, timeout)`` and ``abort`` go to
+    tracked save runs there too. ``commit(step, digests, records, timeout, check)`` (``check``: the
+    first rank of each node, whose manifest the daemon reads back) and ``abort`` go to
     this rank's daemon (rank 0 only); ``on_disk(step)`` says whether the step's index.json exists
     (durably); ``run`` gives the run id every key is scoped to (the relay waits for it)."""
 
     def __init__(self, store: Any, job: str, rank: int, world_size: int, timeout: float,
-                 commit: Callable[[int, dict[int, str], list[Any] | None, float], None],
+                 commit: Callable[[int, dict[int, str], list[Any] | None, float, list[int]], None],
                  abort: Callable[[int, str], None],
                  on_disk: Callable[[int], bool] = lambda step: False, node_size: int = 8, *,
                  run: RunSource) -> None:
@@ -223,32 +224,44 @@ class StoreRelay:
                        if not self._own.check([k])]
             reason = self._describe_missing(missing)
             return self._fail(scope, s, reason)
-        outcomes: list[RankOutcome] = []
-        failures: list[str] = []
-        with gc_paused():       # one record per rank: see ckptd.core.gc_pause
-            for n, raw in enumerate(multi_get(self._own, node_keys)):
+        # One record per rank: collection paused (ckptd.core.gc_pause) from their decode until they
+        # are dropped after the COMMIT's answer, so no collection walks them on rank 0's path.
+        with gc_paused():
+            failed, digests, records = self._gather(node_keys)
+            error, by_disk = None, 0.0
+            if failed is None:
                 try:
-                    node = NodeRecord.decode(raw, self.members(n))
-                except FormatError as e:        # named: a node whose leader wrote what no leader writes
-                    failures.append(str(e))
-                    continue
-                outcomes.extend(node.outcomes)
-                failures.extend(f"rank {r}: {o.reason}" for r, o in enumerate(node.outcomes, node.first)
-                                if not o.durable)
-        if failures:
-            more = f" (and {len(failures) - 8} more)" if len(failures) > 8 else ""
-            return self._fail(scope, s, "; ".join(failures[:8]) + more)
-        digests, records = commit_inputs(outcomes)
-        try:
-            self._commit(s.step, digests, records, max(1.0, self.timeout))
-        except NoReply as e:        # the daemon is still committing, maybe: the disk decides, for up to 2 T
-            outcome = self._by_disk(s, 2.0, f"COMMIT failed: {e}")
-        except Exception as e:      # refused (it settled by the disk first) or the daemon is gone: final now
-            outcome = self._by_disk(s, 0.0, f"COMMIT failed: {e}")
-        else:
-            outcome = None
+                    self._commit(s.step, digests, records, max(1.0, self.timeout),
+                                 [self.members(n)[0] for n in range(self.nodes)])
+                except NoReply as e:    # the daemon is still committing, maybe: the disk decides, up to 2 T
+                    error, by_disk = f"COMMIT failed: {e}", 2.0
+                except Exception as e:  # refused (it settled by the disk first) or the daemon is gone: final now
+                    error = f"COMMIT failed: {e}"
+            del digests, records
+        if failed is not None:
+            return self._fail(scope, s, failed)
+        outcome = None if error is None else self._by_disk(s, by_disk, error)
         self._finish(scope, s, StepResult(outcome))
         return outcome
+
+    def _gather(self, node_keys: list[str]) -> tuple[str | None, dict[int, str], list[Any] | None]:
+        """(why the step fails — a rank failed, or a node record is malformed — or None, the COMMIT's
+        digests and records) from every node's record."""
+        outcomes: list[RankOutcome] = []
+        failures: list[str] = []
+        for n, raw in enumerate(multi_get(self._own, node_keys)):
+            try:
+                node = NodeRecord.decode(raw, self.members(n))
+            except FormatError as e:        # named: a node whose leader wrote what no leader writes
+                failures.append(str(e))
+                continue
+            outcomes.extend(node.outcomes)
+            failures.extend(f"rank {r}: {o.reason}" for r, o in enumerate(node.outcomes, node.first)
+                            if not o.durable)
+        if failures:
+            more = f" (and {len(failures) - 8} more)" if len(failures) > 8 else ""
+            return "; ".join(failures[:8]) + more, {}, None
+        return None, *commit_inputs(outcomes)
 
     def _describe_missing(self, missing: list[int]) -> str:
         named = ", ".join(f"node {n} (ranks {self.members(n)[0]}-{self.members(n)[-1]})" for n in missing[:8])

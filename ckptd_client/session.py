@@ -52,17 +52,19 @@ class DaemonSession:
         return conn if conn is not None and not conn.lost else None
 
     def commit(self, step: int, digests: dict[int, str], records: list[Any] | None = None,
-               timeout: float | None = None, *, memory: bool = False) -> None:
+               timeout: float | None = None, check: list[int] | None = None, *, memory: bool = False) -> None:
         """(Relay, rank 0) every rank is durable: ask this daemon to write the step's index, from
         every rank's record when given (dropped when they would not fit one frame: the daemon then
-        reads the manifests), waiting ``timeout`` seconds for its answer."""
+        reads the manifests), reading back the manifests of ``check`` only (one rank per node; None:
+        every rank), waiting ``timeout`` seconds for its answer."""
         conn = self.conn
         if conn is None:
             raise NotDelivered(f"not connected to ckptd at {self.socket_path}")
         wire = {str(r): d for r, d in digests.items()}
         if records is not None and len(json.dumps(records)) + len(json.dumps(wire)) > protocol.MAX_FRAME_BYTES - 4096:
             records = None
-        conn.request(protocol.Commit(step=step, digests=wire, records=records, level=_level(memory)), timeout)
+        conn.request(protocol.Commit(step=step, digests=wire, records=records, level=_level(memory),
+                                     check=None if records is None else check), timeout)
 
     def abort(self, step: int, reason: str, *, memory: bool = False) -> None:
         """Let this daemon drop the step (if it is still there): some rank failed (relay, rank 0), or a

@@ -26,6 +26,7 @@ from ckptd.core.reader import StepReader, verify_step
 from ckptd.core.schema import Placement, TensorLayout
 from ckptd.core.shard_writer import Encoding, WrittenShard, write_shard
 from ckptd.core.step_files import is_committed, remove_step, stray_temps
+from ckptd.daemon.tiers.fs.commit import CommitError, write_index
 from ckptd.hf.importer import import_hf
 
 ENCODING = Encoding("bplane", 1, 1024)
@@ -119,6 +120,28 @@ def test_a_published_step_is_committed_without_stray_temps_and_verifies(tmp_path
     (path / STAGED_NAME).write_text("{}")       # a name ckptd writes: removed with the rest
     remove_step(str(path))
     assert not path.exists()
+
+
+def test_a_commit_with_records_reads_back_the_check_ranks_or_every_rank(tmp_path: Path) -> None:
+    """A relayed COMMIT names one rank per node (``check``): those manifests are read back and a
+    changed or missing one fails the commit, named; without ``check`` every rank's is read."""
+    path = tmp_path / "job" / "step-000000000001"
+    shards = write_pieces(path, [(0, 2), (2, 2), (4, 2), (6, 2)], 8)
+    records = [summarize(s.manifest, s.digest) for s in shards]
+    digests = {r: s.digest for r, s in enumerate(shards)}
+    manifest = path / rank_manifest_name(2)
+    good = manifest.read_bytes()
+    manifest.write_bytes(good + b" ")               # rank 2's manifest is not what it reported
+    for check in (None, [0, 2]):
+        with pytest.raises(CommitError, match="rank 2 manifest .* does not match the digest"):
+            write_index(str(path), "job", 1, 4, digests, None, records, check)
+        assert not is_committed(str(path))
+    manifest.unlink()                               # gone, as on a node whose root is not shared
+    with pytest.raises(CommitError, match="rank 2 manifest unreadable"):
+        write_index(str(path), "job", 1, 4, digests, None, records, [0, 2])
+    manifest.write_bytes(good)
+    write_index(str(path), "job", 1, 4, digests, None, records, [0, 2])
+    assert is_committed(str(path)) and verify_step(str(path)) == []
 
 
 def test_is_committed_means_an_index_file(tmp_path: Path) -> None:

@@ -140,10 +140,10 @@ class GatedTier(FsTier):
         return result
 
     async def commit(self, job: str, step: int, world_size: int, digests: Mapping[int, str],
-                     records: Sequence[RankRecord] | None = None) -> None:
+                     records: Sequence[RankRecord] | None = None, check: Sequence[int] | None = None) -> None:
         if self.commit_gate is not None:
             await self.commit_gate.wait()
-        await super().commit(job, step, world_size, digests, records)
+        await super().commit(job, step, world_size, digests, records, check)
 
 
 class Harness:

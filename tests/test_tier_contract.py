@@ -67,9 +67,9 @@ class Recording(FsTier):
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
 
     async def commit(self, job: str, step: int, world_size: int, digests: Mapping[int, str],
-                     records: Sequence[RankRecord] | None = None) -> None:
-        self.calls.append(("commit", (job, step, world_size, dict(digests), records)))
-        await super().commit(job, step, world_size, digests, records)
+                     records: Sequence[RankRecord] | None = None, check: Sequence[int] | None = None) -> None:
+        self.calls.append(("commit", (job, step, world_size, dict(digests), records, check)))
+        await super().commit(job, step, world_size, digests, records, check)
 
     async def abort(self, job: str, step: int, ranks: Collection[int]) -> None:
         self.calls.append(("abort", (job, step, set(ranks))))
@@ -105,17 +105,18 @@ def pool() -> Any:
 
 
 @pytest.mark.parametrize("kind", list(WRAPPERS), ids=lambda k: k.__name__)
-async def test_rank_records_reach_the_inner_commit(tmp_path: Path, pool: Executor, kind: type[StorageTier]) -> None:
+async def test_rank_records_and_check_ranks_reach_the_inner_commit(tmp_path: Path, pool: Executor, kind: type[StorageTier]) -> None:
     inner = Recording(str(tmp_path), pool)
     tier = WRAPPERS[kind](inner, str(tmp_path), pool)
     written = await write(tier, 1, 2)
     records = [w.record for w in written]
     assert all(isinstance(r, RankRecord) for r in records)
     digests = {r: w.digest for r, w in enumerate(written)}
-    await tier.commit(JOB, 1, 2, digests, records)
+    await tier.commit(JOB, 1, 2, digests, records, [1])
     [(name, args)] = [c for c in inner.calls if c[0] == "commit"]
     assert args[:4] == (JOB, 1, 2, digests)
     assert args[4] is records                      # the very records, not None and not a copy rebuilt
+    assert args[5] == [1]
     assert await tier.is_committed(JOB, 1)
     path = step_dir(str(tmp_path), JOB, 1)
     assert verify_step(path) == []
@@ -137,7 +138,7 @@ async def test_every_other_call_reaches_the_inner_tier(tmp_path: Path, pool: Exe
     assert not Path(step_dir(str(tmp_path), JOB, 2)).exists()
     written = await write(tier, 3, 1)
     await tier.commit(JOB, 3, 1, {0: written[0].digest})          # no records: the tier reads the manifest
-    assert ("commit", (JOB, 3, 1, {0: written[0].digest}, None)) in inner.calls
+    assert ("commit", (JOB, 3, 1, {0: written[0].digest}, None, None)) in inner.calls
     assert await tier.latest_committed(JOB) == await inner.latest_committed(JOB) == 3
     await tier.withdraw_commits()
     assert ("withdraw_commits", ()) in inner.calls

@@ -127,6 +127,7 @@ class Commit:
     digests: dict[str, Any]     # rank (as a string: JSON keys) → manifest digest
     records: Any = None         # optional: every rank's record (core.rank_record), in rank order
     level: str = "storage"      # the step's SaveLevel
+    check: Any = None           # optional: the ranks whose manifests are read back (one per node); None: all
     op: ClassVar[Op] = Op.COMMIT
 
 

@@ -104,9 +104,13 @@ def _name_fault(name: Any) -> str | None:
         return str(e)
 
 
-def parse_record(obj: Any, rank: int) -> RankRecord:
+def parse_record(obj: Any, rank: int, seen_entries: dict[Any, Any] | None = None) -> RankRecord:
     """A record from the wire or the store, checked as strictly as a manifest (FormatError). (Each
-    message is built only on failure: a commit at 32,768 ranks parses 32,768 of these.)"""
+    message is built only on failure: a commit at 32,768 ranks parses 32,768 of these.)
+    ``seen_entries`` (one per COMMIT) holds the tensor entries and state keys already validated:
+    an entry equal to one of them is that entry, not checked again — ranks repeat replicated
+    tensors, names, dtypes and shapes, so each distinct entry is validated once."""
+    cache: dict[Any, Any] = {} if seen_entries is None else seen_entries
     def bad(why: str) -> FormatError:
         return FormatError(f"rank {rank} record: {why}")
     if not (isinstance(obj, dict) and obj.get("rank") == rank):
@@ -122,6 +126,14 @@ def parse_record(obj: Any, rank: int) -> RankRecord:
         if not (isinstance(t, list) and len(t) == 7):
             raise bad("malformed tensor entry")
         name, dtype, shape, key, gshape, offsets, fp = t
+        ck = _entry_key(t)
+        hit = None if ck is None else cache.get(ck)
+        if hit is not None:
+            if name in seen:
+                raise bad(f"duplicate tensor {name!r}")
+            seen.add(name)
+            entries.append(hit)
+            continue
         fault = (_name_fault(name) if isinstance(name, str) else "a tensor name must be a string") \
             or (None if key is None else _name_fault(key) if isinstance(key, str) else "a key must be a string")
         if fault:
@@ -129,26 +141,54 @@ def parse_record(obj: Any, rank: int) -> RankRecord:
         if name in seen:
             raise bad(f"duplicate tensor {name!r}")
         seen.add(name)
-        validate_shape(dtype, shape)
+        try:
+            validate_shape(dtype, shape)
+        except FormatError as e:
+            raise bad(f"tensor {name!r}: {e}") from None
         if gshape is not None:
             p = parse_placement({"shape": gshape, "offsets": offsets}, shape, f"rank {rank} record: tensor {name!r}")
             if not (fp is None or is_checksum(fp)):
                 raise bad("bad fingerprint")
-            entries.append(RecordEntry(name, dtype, tuple(shape), key or name, p.global_shape, p.offsets, fp))
+            entry = RecordEntry(name, dtype, tuple(shape), key or name, p.global_shape, p.offsets, fp)
         else:
             if not (key is None and offsets is None and is_checksum(fp)):
                 raise bad(f"plain tensor {name!r} needs a fingerprint and no placement")
-            entries.append(RecordEntry(name, dtype, tuple(shape), name, None, None, fp))
+            entry = RecordEntry(name, dtype, tuple(shape), name, None, None, fp)
+        if ck is not None:
+            cache[ck] = entry
+        entries.append(entry)
     forms = []
     for f in obj["k"]:
-        if not (isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) and len(f[0]) <= 1024
-                and is_checksum(f[1])):
-            raise bad("malformed state key entry")
-        forms.append((f[0], f[1]))
+        form = cache.get(("k", f[0], f[1])) if isinstance(f, list) and len(f) == 2 \
+            and isinstance(f[0], str) and isinstance(f[1], str) else None
+        if form is None:
+            if not (isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) and len(f[0]) <= 1024
+                    and is_checksum(f[1])):
+                raise bad("malformed state key entry")
+            form = cache[("k", f[0], f[1])] = (f[0], f[1])
+        forms.append(form)
     return RankRecord(rank, obj["digest"], obj["raw"], obj["stored"], tuple(entries), tuple(forms))
 
 
+def _entry_key(t: list[Any]) -> tuple[Any, ...] | None:
+    """A hashable key of a record's tensor entry (its 7 fields, lists as tuples); None when it has
+    none (a field of a type no valid entry has: that entry is then checked, and refused)."""
+    name, dtype, shape, key, gshape, offsets, fp = t
+    if type(shape) is not list or not (gshape is None or type(gshape) is list) \
+            or not (offsets is None or type(offsets) is list):
+        return None
+    k = (name, dtype, tuple(shape), key, None if gshape is None else tuple(gshape),
+         None if offsets is None else tuple(offsets), fp)
+    try:
+        hash(k)
+    except TypeError:
+        return None
+    return k
+
+
 def parse_records(objs: list[Any]) -> list[RankRecord]:
-    """Every rank's record, in rank order (a COMMIT's; collection paused: see gc_pause)."""
+    """Every rank's record, in rank order (a COMMIT's; collection paused: see gc_pause); each
+    distinct tensor entry validated once (``parse_record``'s ``seen_entries``)."""
+    seen: dict[Any, Any] = {}
     with gc_paused():
-        return [parse_record(obj, r) for r, obj in enumerate(objs)]
+        return [parse_record(obj, r, seen) for r, obj in enumerate(objs)]

@@ -24,11 +24,19 @@ def is_committed(step_path: str) -> bool:
 def stray_temps(step_path: str) -> list[str]:
     """Temp files a killed writer left in a step (its tmp → rename never happened), sorted. Once
     index.json exists nothing writes there any more, so in a committed step they are garbage."""
-    try:
-        with os.scandir(step_path) as it:
-            return sorted(e.path for e in it if is_step_temp(e.name) and e.is_file(follow_symlinks=False))
+    try:       # names first (listdir: a fifth of scandir's cost on a step's 65k files), then lstat the few
+        names = [n for n in os.listdir(step_path) if is_step_temp(n)]
     except FileNotFoundError:
         return []
+    found = []
+    for n in sorted(names):
+        p = os.path.join(step_path, n)
+        try:
+            if stat.S_ISREG(os.lstat(p).st_mode):
+                found.append(p)
+        except FileNotFoundError:
+            pass
+    return found
 
 
 def remove_files(paths: Iterable[str]) -> None:

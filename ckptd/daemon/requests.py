@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ckptd import __version__
 from ckptd.core import names, protocol
 from ckptd.core.errors import ErrorCode, FormatError
+from ckptd.core.gc_pause import gc_paused
 from ckptd.core.protocol import Abort, Commit, CommitMode, Hello, Info, MemoryFetch, Report, Resize, Save, Status
 from ckptd.core.rank_record import parse_records
 from ckptd.core.schema import parse_layout
@@ -161,12 +162,20 @@ class Requests:
             digests = {int(r): d for r, d in c.digests.items() if isinstance(d, str)}
         except ValueError:
             raise RequestError("digests must map rank numbers to strings") from None
-        records = None
-        if c.records is not None:
-            if not (isinstance(c.records, list) and len(c.records) == st.world_size):
-                raise RequestError(f"records must list all {st.world_size} ranks in order")
-            records = await asyncio.get_running_loop().run_in_executor(self.d.io_pool, parse_records, c.records)
-        await self.d.steps.commit(st, digests, records)
+        check = None
+        if c.check is not None:
+            if not (isinstance(c.check, list) and all(type(r) is int and 0 <= r < st.world_size for r in c.check)):
+                raise RequestError(f"check must list rank numbers below the world size {st.world_size}")
+            if c.records is None:
+                raise RequestError("check needs records: without them every manifest is read")
+            check = sorted(set(c.check))
+        if c.records is not None and not (isinstance(c.records, list) and len(c.records) == st.world_size):
+            raise RequestError(f"records must list all {st.world_size} ranks in order")
+        with gc_paused():       # the records, from their parse until the commit dropped them: see gc_pause
+            records = None if c.records is None else \
+                await asyncio.get_running_loop().run_in_executor(self.d.io_pool, parse_records, c.records)
+            await self.d.steps.commit(st, digests, records, check)
+            del records
         return {"step": c.step}, []
 
     async def abort(self, session: Session, a: Abort) -> Reply:

@@ -109,13 +109,14 @@ class StepCoordinator(Generic[W]):
         return st
 
     async def commit(self, st: Step[W], digests: Mapping[int, str],
-                     records: Sequence[RankRecord] | None = None) -> None:
+                     records: Sequence[RankRecord] | None = None, check: Sequence[int] | None = None) -> None:
         """Rank 0's COMMIT: every rank durable by its digests (and, when given, every rank's record,
-        gathered through the store). RequestError if the commit fails."""
+        gathered through the store, and the ranks whose manifests are read back: see
+        ``CheckpointTier.commit``). RequestError if the commit fails."""
         if not accepts_commit(st):
             raise RequestError(f"step {st.step}: rank 0 is not durable yet or the step is already committing")
         st.move(StepState.DURABLE)
-        reason = await self._commit(st, digests, records)
+        reason = await self._commit(st, digests, records, check)
         if reason is not None:
             raise RequestError(reason)
 
@@ -260,18 +261,18 @@ class StepCoordinator(Generic[W]):
             self.table.write_over(st, shard)
 
     async def _commit(self, st: Step[W], digests: Mapping[int, str],
-                      records: Sequence[RankRecord] | None = None) -> str | None:
+                      records: Sequence[RankRecord] | None = None, check: Sequence[int] | None = None) -> str | None:
         """Publish the step; returns why it failed (None: committed). The commit runs in a task of its
         own: a caller cancelled meanwhile (a drain, a client gone) leaves it running to its end."""
         st.move(StepState.COMMITTING)
         st.committing_since = self.table.clock()
-        task = self.commits.spawn(self._publish(st, dict(digests), records), _commit_name(st))
+        task = self.commits.spawn(self._publish(st, dict(digests), records, check), _commit_name(st))
         return await asyncio.shield(task)
 
     async def _publish(self, st: Step[W], digests: dict[int, str],
-                       records: Sequence[RankRecord] | None) -> str | None:
+                       records: Sequence[RankRecord] | None, check: Sequence[int] | None) -> str | None:
         try:
-            await self.tier.commit(st.job, st.step, st.world_size, digests, records)
+            await self.tier.commit(st.job, st.step, st.world_size, digests, records, check)
         except Exception as e:    # whatever it is, the step must not stay COMMITTING forever
             reason = f"commit of step {st.step} failed: {describe_error(e) if isinstance(e, OSError) else e}"
             if isinstance(e, OSError) and st.state is StepState.COMMITTING \

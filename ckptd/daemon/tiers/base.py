@@ -106,11 +106,14 @@ class StorageTier(ABC):
 
     @abstractmethod
     async def commit(self, job: str, step: int, world_size: int, digests: Mapping[int, str],
-                     records: Sequence[RankRecord] | None = None) -> None:
-        """Check every rank's shard against its digest, then publish the step atomically.
+                     records: Sequence[RankRecord] | None = None, check: Sequence[int] | None = None) -> None:
+        """Check the ranks' shards against their digests, then publish the step atomically.
 
         ``records``: every rank's record (rank order) when the ranks sent them, so the index is
-        built without reading each manifest back; None: the tier reads the manifests."""
+        built without reading each manifest back; None: the tier reads the manifests.
+        ``check`` (with records only): the ranks whose manifests are read back and checked — one
+        per daemon that wrote shards, which proves its files are visible where the index is
+        written (each daemon wrote, fsynced and digested its own ranks' manifests); None: every rank."""
 
     @abstractmethod
     async def withdraw_commits(self) -> None:

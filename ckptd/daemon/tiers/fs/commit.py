@@ -72,11 +72,13 @@ class PublishGate:
 
 
 def write_index(step_path: str, job: str, step: int, world_size: int, digests: dict[int, str],
-                gate: PublishGate | None = None, records: Sequence[RankRecord] | None = None) -> dict[str, Any]:
+                gate: PublishGate | None = None, records: Sequence[RankRecord] | None = None,
+                check: Sequence[int] | None = None) -> dict[str, Any]:
     """Merge every rank's record into the global tensor map, then publish the lean side files and
     index.json atomically (``core.publish``; under ``gate`` when given: see PublishGate). ``records`` (one per rank,
     in rank order, reported by the daemons that wrote the shards) spare reading every manifest;
-    without them each manifest is read and checked against its digest here."""
+    without them each manifest is read and checked against its digest here. With records, the
+    manifests of ``check`` (default: every rank) are read back and checked beside the build."""
     if gate is not None:
         gate.check()
     if sorted(digests) != list(range(world_size)):
@@ -93,7 +95,7 @@ def write_index(step_path: str, job: str, step: int, world_size: int, digests: d
             if [r.rank for r in records] != list(range(world_size)) \
                     or any(r.digest != digests[r.rank] for r in records):
                 raise CommitError(f"cannot commit step {step}: the rank records do not match the durable digests")
-            checked = check_manifests(step_path, digests)      # runs while the index is built below
+            checked = check_manifests(step_path, digests if check is None else {r: digests[r] for r in check})
         try:
             built = _build(job, step, world_size, records, step_path)
         finally:

@@ -84,7 +84,7 @@ class FsTier(StorageTier):
         return PublishGate()
 
     async def commit(self, job: str, step: int, world_size: int, digests: Mapping[int, str],
-                     records: Sequence[RankRecord] | None = None) -> None:
+                     records: Sequence[RankRecord] | None = None, check: Sequence[int] | None = None) -> None:
         if self._withdrawn:
             raise CommitWithdrawn(f"step {step}: the daemon is shutting down; no commit starts now")
         gate = self._gate()
@@ -95,7 +95,7 @@ class FsTier(StorageTier):
             try:
                 if self.settings.debug_commit_delay:
                     time.sleep(self.settings.debug_commit_delay)
-                write_index(self.step_path(job, step), job, step, world_size, dict(digests), gate, records)
+                write_index(self.step_path(job, step), job, step, world_size, dict(digests), gate, records, check)
             finally:
                 with self._gates_lock:   # once the thread is done (a cancelled caller is not: it may run on)
                     self._gates.discard(gate)

@@ -200,8 +200,8 @@ class MemoryTier(StorageTier):
         return is_committed(step_dir(self.root, job, step))
 
     async def commit(self, job: str, step: int, world_size: int, digests: Mapping[int, str],
-                     records: Sequence[RankRecord] | None = None) -> None:
-        await self.inner.commit(job, step, world_size, digests, records)
+                     records: Sequence[RankRecord] | None = None, check: Sequence[int] | None = None) -> None:
+        await self.inner.commit(job, step, world_size, digests, records, check)
         self.store.committed(job, step)
         self.store.trim(job, self.committed_now)
         # Memory-level steps superseded (a newer one, or a storage step at least as new) go.
