@@ -23,7 +23,7 @@ from .map_check import geometry_faults
 from .names import INDEX_NAME
 from .rank_record import RankRecord
 from .rank_table import SMALL_INDEX_BYTES, side_files
-from .schema import encode_json, make_index
+from .schema import make_index_file
 from .step_files import remove_files, stray_temps
 
 # Runs the rename that publishes index.json, or refuses by raising (storage.atomic_write's ``publish``).
@@ -53,9 +53,8 @@ def build_index(job: str, step: int, world_size: int, records: Sequence[RankReco
     if faults:    # pieces that overlap or leave a gap
         more = f" (and {len(faults) - 1} more)" if len(faults) > 1 else ""
         raise IndexRefused(f"the ranks' pieces do not tile their tensors: {faults[0]}{more}")
-    index = make_index(job, step, world_size, [r.index_entry() for r in records], time.time(),
-                       {name: t.to_json(world_size) for name, t in tensors.items()}, per_rank)
-    return BuiltIndex(index, encode_json(index))
+    return BuiltIndex(*make_index_file(job, step, world_size, [r.index_entry() for r in records], time.time(),
+                                       {name: t.to_json(world_size) for name, t in tensors.items()}, per_rank))
 
 
 def clear_temps(step_path: str) -> None:

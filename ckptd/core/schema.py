@@ -286,17 +286,30 @@ def make_index(job: str, step: int, world_size: int, ranks: list[dict[str, Any]]
                tensors: dict[str, Any] | None = None, per_rank_keys: list[str] | None = None) -> dict[str, Any]:
     """index.json's object; format 2 adds the global tensor map (core.global_index) and a digest
     over every other field, so no byte of the index goes unchecked."""
+    return make_index_file(job, step, world_size, ranks, created, tensors, per_rank_keys)[0]
+
+
+def make_index_file(job: str, step: int, world_size: int, ranks: list[dict[str, Any]], created: float,
+                    tensors: dict[str, Any] | None = None,
+                    per_rank_keys: list[str] | None = None) -> tuple[dict[str, Any], bytes]:
+    """(index.json's object, its file bytes), encoded once: the file is the canonical JSON the
+    digest is taken over, with the digest field appended (a 32,768-rank index is 4.5 MB: a second
+    encoding cost the commit 70 ms)."""
     index: dict[str, Any] = {"format_version": FORMAT_VERSION, "kind": "ckptd.index", "job": job, "step": step,
                              "world_size": world_size, "created_unix": created, "ranks": ranks,
                              "tensors": tensors or {}, "per_rank_keys": per_rank_keys or []}
-    index["digest"] = index_digest(index)
-    return index
+    canonical = _canonical(index)
+    index["digest"] = digest_bytes(canonical)
+    return index, canonical[:-1] + b',"digest":' + json.dumps(index["digest"]).encode() + b"}"
+
+
+def _canonical(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
 
 
 def index_digest(index: dict[str, Any]) -> str:
     """SHA-256 of the index's canonical JSON (sorted keys) without its own ``digest`` field."""
-    body = {k: v for k, v in index.items() if k != "digest"}
-    return digest_bytes(json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=True).encode())
+    return digest_bytes(_canonical({k: v for k, v in index.items() if k != "digest"}))
 
 
 def parse_index(data: bytes, *, job: str, step: int) -> dict[str, Any]:
