@@ -104,11 +104,24 @@ class _Walk:
             if id(obj) in self.taken:
                 sd = self.taken[id(obj)]
             else:
-                sd = self.taken[id(obj)] = replacement(obj, "/".join(map(str, self._keys)), self.sharded, self._top)
+                sd = self.taken[id(obj)] = _state_of(obj, "/".join(map(str, self._keys)), self.sharded, self._top)
                 self.objects.append(obj)
             if isinstance(obj, torch.optim.Optimizer):
                 self.optimizer(obj)
             self.walk(sd)
+
+
+def _state_of(obj: Any, path: str, sharded: torch.nn.Module | None, top: set[int]) -> Any:
+    """``replacement(obj)``; for a module with torch's own ``state_dict`` its parameters and
+    buffers themselves (``keep_vars``): no detached copy of each tensor per save (at 8,192 tensors
+    a third of the walk), and the same objects every save (``flatten_state`` detaches on a miss)."""
+    if getattr(type(obj), "state_dict", None) is _MODULE_STATE_DICT and obj is not sharded:
+        return obj.state_dict(keep_vars=True)
+    return replacement(obj, path, sharded, top)
+
+
+_MODULE_STATE_DICT = torch.nn.Module.state_dict
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -119,7 +132,7 @@ def tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
     ``plan()``: a module's state_dict() hands out new tensor objects each save, and keeping
     those until the copy ends promotes them into CPython's oldest generation, whose collection
     (0.2 s in a torch process) they then set off every few saves."""
-    if type(t) is not torch.Tensor and dtensor.is_dtensor(t):
+    if type(t) not in _PLAIN and dtensor.is_dtensor(t):
         return (*tensor_key(dtensor.local_tensor(t)), tuple(t.placements), id(t.device_mesh),  # type: ignore[attr-defined]
                 t.shape)
     return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.is_conj(), t.is_neg())

@@ -140,7 +140,7 @@ def flatten_state(state: dict[str, Any], fence_on: Sequence[torch.optim.Optimize
             found.append((claim(path), local, placement, t))
             return path
         _check_dense(path, t)
-        found.append((claim(path), t, None, None))
+        found.append((claim(path), t.detach() if t.requires_grad else t, None, None))   # (a module's keep_vars)
         return path
 
     def on_other(path: str, obj: Any) -> Any:
