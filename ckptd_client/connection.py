@@ -92,9 +92,11 @@ class DaemonConnection:
     def request(self, msg: Outgoing, timeout: float | None = None) -> dict[str, Any]:
         """Number and send a request, wait for its reply (its memfds, if any, in ``reply["_fds"]``:
         the caller's to close). An error reply raises DaemonRefused; no reply in ``timeout``
-        seconds, NoReply; a connection that ends first, ConnectionLost; a send that fails, NotDelivered."""
+        seconds, NoReply; a connection that ends first, ConnectionLost; a send that fails, NotDelivered;
+        a message over the frame limit, ProtocolError (before anything is sent)."""
         req = next(self._req_ids)
         op, wire = _frame(msg, req)
+        data = protocol.encode(wire)
         fut: Future[dict[str, Any]] = Future()
         with self._lock:
             if self.lost:
@@ -103,7 +105,7 @@ class DaemonConnection:
             self._ops[req] = op
         try:
             with self._send_lock:
-                protocol.send_frame(self._sock, wire)
+                self._sock.sendall(data)
         except OSError as e:
             with self._lock:
                 self._pending.pop(req, None)

@@ -1,7 +1,6 @@
 """This rank's connection to its daemon and the shared-memory slots the daemon lent it."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -9,6 +8,7 @@ import time
 from typing import Any
 
 from ckptd.core import protocol
+from ckptd.core.errors import ProtocolError
 from ckptd.core.protocol import EventOp
 
 from .connection import DaemonConnection, EventHandler, LostHandler
@@ -61,10 +61,14 @@ class DaemonSession:
         if conn is None:
             raise NotDelivered(f"not connected to ckptd at {self.socket_path}")
         wire = {str(r): d for r, d in digests.items()}
-        if records is not None and len(json.dumps(records)) + len(json.dumps(wire)) > protocol.MAX_FRAME_BYTES - 4096:
-            records = None
-        conn.request(protocol.Commit(step=step, digests=wire, records=records, level=_level(memory),
-                                     check=None if records is None else check), timeout)
+        if records is not None:
+            try:        # encoded once: a 32,768-rank COMMIT is 4.5 MB of records
+                conn.request(protocol.Commit(step=step, digests=wire, records=records, level=_level(memory),
+                                             check=check), timeout)
+                return
+            except ProtocolError:       # over the frame limit, nothing sent: without them
+                pass
+        conn.request(protocol.Commit(step=step, digests=wire, level=_level(memory)), timeout)
 
     def abort(self, step: int, reason: str, *, memory: bool = False) -> None:
         """Let this daemon drop the step (if it is still there): some rank failed (relay, rank 0), or a

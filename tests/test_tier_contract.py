@@ -105,7 +105,8 @@ def pool() -> Any:
 
 
 @pytest.mark.parametrize("kind", list(WRAPPERS), ids=lambda k: k.__name__)
-async def test_rank_records_and_check_ranks_reach_the_inner_commit(tmp_path: Path, pool: Executor, kind: type[StorageTier]) -> None:
+async def test_rank_records_and_check_ranks_reach_the_inner_commit(tmp_path: Path, pool: Executor,
+                                                                  kind: type[StorageTier]) -> None:
     inner = Recording(str(tmp_path), pool)
     tier = WRAPPERS[kind](inner, str(tmp_path), pool)
     written = await write(tier, 1, 2)

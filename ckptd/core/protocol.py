@@ -1,8 +1,7 @@
 """The wire protocol between ckptd_client and the daemon: framing, messages, version.
 
-This is the one place both sides import: the frames, the typed requests and their checks.
-The wire format itself (framing, ops, replies and error codes, events) is FORMAT.md's, "Wire
-protocol"; error codes are :class:`~ckptd.core.errors.ErrorCode`.
+The one place both sides import: the frames, the typed requests and their checks. The wire
+format (framing, ops, replies, error codes: :class:`~ckptd.core.errors.ErrorCode`, events) is FORMAT.md's.
 """
 from __future__ import annotations
 
