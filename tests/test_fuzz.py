@@ -85,7 +85,7 @@ def assert_clean_log(d) -> None:
 def assert_nothing_outside_root(d) -> None:
     """Everything the daemon wrote is <root>/<valid job>/step-<12 digits>/<its own file names>."""
     job_re = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-    file_re = re.compile(r"(rank-[0-9]{5}\.(data|json)|index\.json)(\.tmp\.[0-9]+)?")
+    file_re = re.compile(r"(rank-[0-9]{5}\.(data|json)|index\.json)(\.tmp\.[0-9]+(\.[0-9]+)?)?")   # names.temp_name
     assert sorted(p.name for p in d.base.iterdir()) == ["d.log", "d.sock", "root"]
     for job in (d.base / "root").iterdir():
         assert job.is_dir() and job_re.fullmatch(job.name), job
