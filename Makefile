@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 # What `make lint` (and so `make test`) checks with ruff and mypy: the whole tree.
 CHECKED := ckptd ckptd_client tests benchmarks examples
 
-.PHONY: demo demo-s3 test lint bench bench-sharded bench-s3 bench-memory bench-memory-footprint bench-scale bench-stall bench-dcp bench-parity install install-test clean
+.PHONY: demo demo-s3 test lint bench bench-sharded bench-s3 bench-memory bench-memory-footprint bench-scale bench-stall bench-durable bench-dcp bench-parity install install-test clean
 
 # Daemon + client (the client extra brings torch; the daemon alone needs only `pip install ckptd`).
 $(VENV)/.installed: pyproject.toml
@@ -78,6 +78,12 @@ bench-memory-footprint: $(VENV)/.installed-bench
 # installed), interleaved; writes benchmarks/results/stall.md and .json.
 bench-stall: $(VENV)/.installed-bench
 	$(PY) benchmarks/stall_bench.py
+
+# One rank's ~1 GiB GPT-like state: ckptd's time to durable vs the disk's own write + fsync of the same
+# bytes in the same run, vs DCP async_save and torch_checkpointing (page cache only: it never fsyncs),
+# and restore warm / cold, interleaved round by round; writes benchmarks/results/durable.md and .json.
+bench-durable: $(VENV)/.installed-bench
+	$(PY) benchmarks/durable_bench.py
 
 # dcp.async_save with ckptd's StorageWriter vs DCP's FileSystemWriter on the same state, interleaved:
 # stall, time to durable, bytes, dcp.load; writes benchmarks/results/dcp_backend.md and .json.
