@@ -111,6 +111,10 @@ class _Walk:
             self.walk(sd)
 
 
+_MODULE_STATE_DICT = torch.nn.Module.state_dict
+_PLAIN = (torch.Tensor, torch.nn.Parameter)      # tensor_key's types that are never DTensors
+
+
 def _state_of(obj: Any, path: str, sharded: torch.nn.Module | None, top: set[int]) -> Any:
     """``replacement(obj)``; for a module with torch's own ``state_dict`` its parameters and
     buffers themselves (``keep_vars``): no detached copy of each tensor per save (at 8,192 tensors
@@ -118,10 +122,6 @@ def _state_of(obj: Any, path: str, sharded: torch.nn.Module | None, top: set[int
     if getattr(type(obj), "state_dict", None) is _MODULE_STATE_DICT and obj is not sharded:
         return obj.state_dict(keep_vars=True)
     return replacement(obj, path, sharded, top)
-
-
-_MODULE_STATE_DICT = torch.nn.Module.state_dict
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def tensor_key(t: torch.Tensor) -> tuple[Any, ...]:

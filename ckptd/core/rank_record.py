@@ -128,19 +128,17 @@ def parse_record(obj: Any, rank: int, seen_entries: dict[Any, Any] | None = None
         name, dtype, shape, key, gshape, offsets, fp = t
         ck = _entry_key(t)
         hit = None if ck is None else cache.get(ck)
-        if hit is not None:
-            if name in seen:
-                raise bad(f"duplicate tensor {name!r}")
-            seen.add(name)
-            entries.append(hit)
-            continue
-        fault = (_name_fault(name) if isinstance(name, str) else "a tensor name must be a string") \
-            or (None if key is None else _name_fault(key) if isinstance(key, str) else "a key must be a string")
-        if fault:
-            raise bad(fault)
+        if hit is None:      # (a hit's names were validated: checked here before ``in seen`` hashes them)
+            fault = (_name_fault(name) if isinstance(name, str) else "a tensor name must be a string") \
+                or (None if key is None else _name_fault(key) if isinstance(key, str) else "a key must be a string")
+            if fault:
+                raise bad(fault)
         if name in seen:
             raise bad(f"duplicate tensor {name!r}")
         seen.add(name)
+        if hit is not None:
+            entries.append(hit)
+            continue
         try:
             validate_shape(dtype, shape)
         except FormatError as e:
