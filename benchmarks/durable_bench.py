@@ -8,11 +8,14 @@ with AdamW leaves it: bf16 weights, fp32 master weights, fp32 ``exp_avg`` and ``
 
 - ``disk``: the physical limit, measured in the same round: a fresh file in the same directory
   tree, ``S`` bytes written by plain ``os.write`` of 64 MiB buffers, then ``os.fsync`` — once
-  with ``S`` = the bytes ckptd stored for its last step (compressed), once with ``S`` = the raw
-  state size;
+  with ``S`` = the bytes ckptd stored for its last step, once with ``S`` = the raw state size —
+  and the same again with writeback started every 32 MiB as it writes (``sync_file_range``, as
+  ckptd's writer does; faster on some disks); the limit is the faster of the two;
 - ``ckptd``: ``Checkpointer.save`` to a real daemon (``ckptd.launch.spawn_daemon``, memory tier
-  on, its default), ``commit="local"``; time to durable = from the ``save()`` call to the handle
-  committed (the step's ``index.json`` durable);
+  on, its default, ``codec_mode = "adaptive"``, the default), ``commit="local"``; time to durable
+  = from the ``save()`` call to the handle committed (the step's ``index.json`` durable);
+- ``ckptd_always``: the same with a second daemon run with ``--codec-mode always`` (every chunk
+  encoded, as before ``adaptive`` existed): the before/after of the adaptive writer in one run;
 - ``DCP``: ``torch.distributed.checkpoint.async_save`` with its default stager on a one-rank gloo
   group; time to durable = until its future is done (FileSystemWriter fsyncs its files);
 - ``torch_checkpointing``: its async ``CheckpointManager`` (``use_direct_io=False``); it never
@@ -50,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ckptd.core import storage  # noqa: E402
 from ckptd.core.names import step_dir  # noqa: E402
 from ckptd.launch import spawn_daemon  # noqa: E402
 
@@ -58,9 +62,10 @@ from common import RESULTS, fmt, machine_info, median, synthetic_weights, table,
 JOB = "durable"
 LAYERS = 8
 BUF = 64 * 2**20
-SAVES = ("disk", "ckptd", "dcp", "tc")
-RESTORES = ("ckptd", "dcp", "tc")
-LABELS = {"ckptd": "ckptd", "dcp": "DCP", "tc": "torch_checkpointing"}
+SAVES = ("disk", "ckptd", "ckptd_always", "dcp", "tc")
+RESTORES = ("ckptd", "ckptd_always", "dcp", "tc")
+LABELS = {"ckptd": "ckptd", "ckptd_always": "ckptd (codec_mode always)", "dcp": "DCP", "tc": "torch_checkpointing"}
+WRITEBACK = 32 * 2**20
 
 State = dict[str, dict[str, torch.Tensor]]
 
@@ -157,15 +162,22 @@ def fsync_tree(directory: Path) -> None:
             os.close(fd)
 
 
-def write_file(path: Path, size: int, buf: memoryview, fsync: bool = True) -> tuple[float, float]:
-    """``size`` bytes to a fresh file by plain os.write of ``buf``-sized pieces, then os.fsync; the file is
-    removed after. Returns (seconds of the writes, seconds of the fsync)."""
+def write_file(path: Path, size: int, buf: memoryview, fsync: bool = True,
+               writeback: bool = False) -> tuple[float, float]:
+    """``size`` bytes to a fresh file by plain os.write of ``buf``-sized pieces (``writeback``: starting
+    writeback of every WRITEBACK bytes as they are written), then os.fsync; the file is removed after.
+    Returns (seconds of the writes, seconds of the fsync)."""
     t0 = time.monotonic()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        left = size
+        left, pos, flushed = size, 0, 0
         while left:
-            left -= os.write(fd, buf[:min(left, len(buf))])
+            n = os.write(fd, buf[:min(left, len(buf), WRITEBACK)])
+            left -= n
+            pos += n
+            if writeback and pos - flushed >= WRITEBACK:
+                storage.start_writeback(fd, flushed, pos - flushed)
+                flushed = pos
         t1 = time.monotonic()
         if fsync:
             os.fsync(fd)
@@ -176,9 +188,9 @@ def write_file(path: Path, size: int, buf: memoryview, fsync: bool = True) -> tu
     return t1 - t0, t2 - t1
 
 
-def disk_write(path: Path, size: int, buf: memoryview) -> float:
+def disk_write(path: Path, size: int, buf: memoryview, writeback: bool = False) -> float:
     """Seconds to write ``size`` bytes to a fresh file with plain os.write, then fsync (the physical limit)."""
-    return sum(write_file(path, size, buf))
+    return sum(write_file(path, size, buf, writeback=writeback))
 
 
 class Quiesce:
@@ -210,11 +222,14 @@ def vm_page_cache(path: Path, nbytes: int, buf: memoryview, idle_s: float = 10) 
 
 
 def disk_round(directory: Path, stored: int, raw: int, buf: memoryview, quiesce: Quiesce) -> dict[str, Any]:
-    """The disk's write + fsync of a fresh file: ckptd's stored bytes, then the raw bytes."""
+    """The disk's write + fsync of a fresh file: ckptd's stored bytes, then the raw bytes, plainly and with
+    writeback started as it writes; ``stored_s`` / ``raw_s`` are the faster of the two (the limit)."""
     out: dict[str, Any] = {"stored_size": stored, "raw_size": raw}
-    for key, size in (("stored_s", stored), ("raw_s", raw)):
-        quiesce()
-        out[key] = disk_write(directory / "w.bin", size, buf)
+    for key, size in (("stored", stored), ("raw", raw)):
+        for how, wb in (("plain", False), ("writeback", True)):
+            quiesce()
+            out[f"{key}_{how}_s"] = disk_write(directory / "w.bin", size, buf, writeback=wb)
+        out[f"{key}_s"] = min(out[f"{key}_plain_s"], out[f"{key}_writeback_s"])
     return out
 
 
@@ -407,10 +422,13 @@ def run(cfg: argparse.Namespace, base: Path, state: State) -> dict[str, Any]:
     samples: list[dict[str, Any]] = []
     threads = 0
     try:
-        with spawn_daemon(base / "root", base / "d.sock", "--keep-last", "1") as d:
+        with spawn_daemon(base / "root", base / "d.sock", "--keep-last", "1") as d, \
+                spawn_daemon(base / "root2", base / "d2.sock", "--keep-last", "1", "--codec-mode", "always") as d2:
             methods: dict[str, Any] = {"ckptd": Ckptd(str(d.socket), base / "root", base / "d.log"),
+                                       "ckptd_always": Ckptd(str(d2.socket), base / "root2", base / "d2.log"),
                                        "dcp": Dcp(workdir), "tc": TorchCheckpointing(workdir)}
             methods["ckptd"].ck.prepare(state)
+            methods["ckptd_always"].ck.prepare(state)
             threads = methods["ckptd"].reader.restore_threads
             try:
                 for r in range(cfg.warmup + cfg.rounds):
@@ -472,6 +490,13 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         "ckptd durable s": col("ckptd", "durable_s"), "ckptd shard durable s": col("ckptd", "shard_durable_s"),
         "ckptd page cache s": col("ckptd", "page_cache_s"), "ckptd write s": col("ckptd", "write_s"),
         "ckptd stall s": col("ckptd", "stall_s"),
+        "disk stored plain s": col("disk", "stored_plain_s"),
+        "disk stored writeback s": col("disk", "stored_writeback_s"),
+        "disk raw plain s": col("disk", "raw_plain_s"), "disk raw writeback s": col("disk", "raw_writeback_s"),
+        "ckptd_always durable s": col("ckptd_always", "durable_s"),
+        "ckptd_always write s": col("ckptd_always", "write_s"),
+        "ckptd_always stall s": col("ckptd_always", "stall_s"),
+        "ckptd_always page cache s": col("ckptd_always", "page_cache_s"),
         "ckptd before write s": [s["ckptd"]["shard_durable_s"] - s["ckptd"]["write_s"] for s in rounds
                                  if s["ckptd"].get("write_s") is not None],
         "ckptd commit s": [s["ckptd"]["durable_s"] - s["ckptd"]["shard_durable_s"] for s in rounds],
@@ -488,8 +513,11 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
             figures[f"{name} restore {mode} s"] = col(name, f"restore_{mode}_s")
     med = {k: median(v) for k, v in figures.items()}
     stored = median([s["ckptd"]["stored_bytes"] for s in rounds])
+    stored_always = median([s["ckptd_always"]["stored_bytes"] for s in rounds])
     ratios = {
         "ckptd / DCP time to durable": med["ckptd durable s"] / med["dcp durable s"],
+        "ckptd codec_mode always (before) / DCP time to durable": med["ckptd_always durable s"] / med["dcp durable s"],
+        "ckptd adaptive / ckptd always, time to durable": med["ckptd durable s"] / med["ckptd_always durable s"],
         "ckptd / physical limit (stored bytes / disk MB/s, medians)":
             med["ckptd durable s"] / (stored / 1e6 / med["disk stored MB/s"]),
         "ckptd / physical limit (paired by round, median)": med["ckptd / disk limit"],
@@ -502,7 +530,8 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         for mode in ("warm", "cold"):
             ratios[f"ckptd / {LABELS[peer]} restore {mode}"] = \
                 med[f"ckptd restore {mode} s"] / med[f"{peer} restore {mode} s"]
-    return {"figures": figures, "median": med, "ratios": ratios, "stored_bytes": stored}
+    return {"figures": figures, "median": med, "ratios": ratios, "stored_bytes": stored,
+            "stored_bytes_always": stored_always}
 
 
 def to_markdown(res: dict[str, Any]) -> str:
@@ -516,10 +545,14 @@ def to_markdown(res: dict[str, Any]) -> str:
                 fmt(max(v) if v else None, digits, unit)]
 
     saves = [row(f"disk: write + fsync of ckptd's stored bytes ({s['stored_bytes'] / 2**20:.0f} MiB) — the physical "
-                 "limit", "disk stored s"),
-             row("disk: the same, MB/s", "disk stored MB/s", " MB/s", 0),
-             row(f"disk: write + fsync of the raw bytes ({mib:.0f} MiB)", "disk raw s"),
-             row("disk: the same, MB/s", "disk raw MB/s", " MB/s", 0),
+                 "limit (the faster of the next two, by round)", "disk stored s"),
+             row("disk: the same, plain writes then fsync", "disk stored plain s"),
+             row("disk: the same, writeback started every 32 MiB", "disk stored writeback s"),
+             row("disk: the limit, MB/s", "disk stored MB/s", " MB/s", 0),
+             row(f"disk: write + fsync of the raw bytes ({mib:.0f} MiB), the faster way", "disk raw s"),
+             row("disk: the same, plain writes then fsync", "disk raw plain s"),
+             row("disk: the same, writeback started every 32 MiB", "disk raw writeback s"),
+             row("disk: the raw limit, MB/s", "disk raw MB/s", " MB/s", 0),
 
              row("**ckptd: time to durable** (save() → committed, index.json durable)", "ckptd durable s"),
              row("ckptd: save() → its shard durable (DURABLE event, before the commit)", "ckptd shard durable s"),
@@ -529,6 +562,10 @@ def to_markdown(res: dict[str, Any]) -> str:
              row("ckptd: save() call (copy into the slot)", "ckptd stall s"),
              row("ckptd: save() → the daemon's shard write starts (shard durable − write_s)", "ckptd before write s"),
              row("ckptd: the commit (DURABLE event → committed)", "ckptd commit s"),
+             row(f"**ckptd, codec_mode always: time to durable** (stored {s['stored_bytes_always'] / 2**20:.0f} MiB)",
+                 "ckptd_always durable s"),
+             row("ckptd, codec_mode always: the daemon's shard write (write_s)", "ckptd_always write s"),
+             row("ckptd, codec_mode always: save() call", "ckptd_always stall s"),
              row("**DCP async_save: time to durable** (call → future done)", "dcp durable s"),
              row("DCP: call → its .distcp file at its final size (before fsync)", "dcp page cache s"),
              row("DCP: async_save() call (default stager: a synchronous copy)", "dcp stall s"),
@@ -551,18 +588,25 @@ def to_markdown(res: dict[str, Any]) -> str:
         f"State: {mib:.0f} MiB, {res['tensor_count']} plain tensors of a GPT-2-like model ({LAYERS} blocks, d = "
         f"{shapes['wte.weight'][1]}, vocabulary {shapes['wte.weight'][0]}): bf16 weights, fp32 master weights, fp32 "
         "Adam exp_avg and exp_avg_sq. ckptd stored "
-        f"{s['stored_bytes'] / 2**20:.0f} MiB ({s['stored_bytes'] / res['raw_bytes']:.3f} of raw, codec bplane). "
-        f"{res['rounds']} measured rounds after {res['warmup']} warm-up; in each round the disk, ckptd, DCP and "
-        "torch_checkpointing saves in an order rotating each round, then the restores (warm, then cold) in a rotating "
-        "order; medians, min and max over the measured rounds; every restore checked bit-exact.", "",
+        f"{s['stored_bytes'] / 2**20:.0f} MiB ({s['stored_bytes'] / res['raw_bytes']:.3f} of raw, codec bplane, "
+        "codec_mode adaptive: chunks the disk was ready for before a codec thread stored raw); with codec_mode "
+        f"always {s['stored_bytes_always'] / 2**20:.0f} MiB ({s['stored_bytes_always'] / res['raw_bytes']:.3f}). "
+        f"{res['rounds']} measured rounds after {res['warmup']} warm-up; in each round the disk, ckptd (adaptive and "
+        "always), DCP and torch_checkpointing saves in an order rotating each round, then the restores (warm, "
+        "then cold) in a rotating order; medians, min and max over the measured rounds; every restore checked "
+        "bit-exact.", "",
         "## Headline", "", table(["ratio", "value"], ratio_rows), "",
         "## Saves", "", table(["figure", "median", "min", "max"], saves), "",
         "## Restores", "", table(["figure", "median", "min", "max"], restores), "",
         "## Notes", "",
         "- *Physical limit*: in each round, a fresh file in the same directory tree gets the bytes ckptd stored for "
-        "its last step (and, apart, the raw state size) by plain `os.write` of 64 MiB buffers and one `os.fsync`: what "
-        "the disk needs for those bytes with no encoding and no other work. *ckptd ÷ physical limit* divides ckptd's "
+        "its last step (and, apart, the raw state size) by plain `os.write` of 32 MiB pieces and one `os.fsync`, and "
+        "again with writeback started (`sync_file_range`) every 32 MiB as it writes: what the disk needs for those "
+        "bytes with no encoding and no other work, the faster of the two. *ckptd ÷ physical limit* divides ckptd's "
         "time to durable by stored bytes ÷ that bandwidth (medians), and also paired by round.",
+        "- *codec_mode*: `adaptive` (the default) has the daemon's writer go at the disk's pace and write raw any "
+        "chunk no codec thread has started on when the disk is ready for it; `always` encodes every chunk (the "
+        "behaviour before `adaptive`), from a second daemon in the same run.",
         "- *Every timed save, disk write and restore starts the same way*: `os.sync()` (no dirty pages of an earlier "
         f"method written back in its time), then {2 * mib:.0f} MiB written to a scratch file and removed without an "
         "fsync (nothing reaches the disk). The second step removes an artifact of this VM: page cache written after a "

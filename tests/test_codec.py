@@ -243,6 +243,25 @@ def test_corrupted_stored_bytes_raise(dtype: str, codec_name: str) -> None:
         codec.decode_chunk(stored, wrong_digest, dtype, out)
 
 
+@pytest.mark.parametrize("dtype,codec_name", [("float32", "bplane"), ("bfloat16", "bplane"), ("int64", "zstd")])
+def test_a_decoded_chunk_is_checked_against_its_raw_checksum(dtype: str, codec_name: str) -> None:
+    """An encoded chunk carries the xxh3 of its raw bytes (a ``none`` chunk's stored bytes are its raw
+    ones: none); decoding checks it, so a manifest whose stored bytes check out but whose raw
+    checksum does not (a decoder fault, a crafted entry) is refused instead of loaded."""
+    stored, meta, n = encoded_chunk(dtype, codec_name)
+    assert meta.raw_checksum is not None and ChunkMeta.from_json(meta.to_json()) == meta
+    out = memoryview(bytearray(n))
+    codec.decode_chunk(stored, meta, dtype, out)
+    assert codec.checksum(out) == meta.raw_checksum
+    lied = ChunkMeta(**{**meta.__dict__, "raw_checksum": "0" * 16})
+    with pytest.raises(ChecksumError, match="raw checksum"):
+        codec.decode_chunk(stored, lied, dtype, out)
+    raw_parts, raw_meta = codec.encode_chunk(out, dtype, "none")
+    assert raw_meta.raw_checksum is None and raw_meta.content == meta.content   # same bytes, same content
+    with pytest.raises(ValueError, match="only an encoded chunk"):
+        ChunkMeta.from_json([*raw_meta.to_json(), meta.raw_checksum])
+
+
 def forged(stored: bytes, meta: ChunkMeta, **changes) -> tuple[bytes, ChunkMeta]:
     """``stored`` with metadata ``meta`` altered by ``changes`` but carrying a matching checksum
     and stored length: a crafted manifest that lies about the bytes."""

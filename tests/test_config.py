@@ -219,7 +219,7 @@ def test_daemon_uses_config_file(tmp):
 SERVE_FLAGS = {"--root": "root", "--socket": "socket", "--socket-mode": "socket_mode",
                "--socket-group": "socket_group", "--allow-user": "allowed_users",
                "--allow-group": "allowed_groups", "--slot-memory-limit": "slot_memory_limit",
-               "--slot-memory-limit-mib": "slot_memory_limit", "--codec": "codec", "--level": "level",
+               "--slot-memory-limit-mib": "slot_memory_limit", "--codec": "codec", "--codec-mode": "codec_mode", "--level": "level",
                "--chunk-mib": "chunk_size", "--threads": "threads", "--step-timeout": "step_timeout",
                "--drain-grace": "drain_grace", "--log-format": "log_format", "--log-level": "log_level",
                "--keep-last": "retention.keep_last", "--keep-every": "retention.keep_every",

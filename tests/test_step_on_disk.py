@@ -8,8 +8,10 @@ pieces do not tile their tensors is refused by the publisher both callers use.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -154,3 +156,53 @@ def test_is_committed_means_an_index_file(tmp_path: Path) -> None:
     (step / INDEX_NAME).write_text("{}")
     assert is_committed(str(step))
     assert not is_committed(str(tmp_path / "step-000000000002"))
+
+
+def write_vector(path: Path, rank: int, world: int, w: np.ndarray, encoding: Encoding,
+                 pool: ThreadPoolExecutor) -> WrittenShard:
+    """Rank ``rank``'s shard holding the plain (replicated) tensor ``w``, by the shared encoder."""
+    data = memoryview(w.tobytes())
+    layout = [TensorLayout("w", "float32", w.shape, 0, w.nbytes, None)]
+
+    def read(t: TensorLayout, start: int, n: int) -> memoryview:
+        return data[t.offset + start: t.offset + start + n]
+    return write_shard(str(path), "job", 1, rank, world, layout, read, {"d": [["w", {"T": "w"}]]}, encoding, pool, 4)
+
+
+def test_adaptive_writes_raw_what_no_codec_thread_took_and_copies_stay_identical(tmp_path: Path) -> None:
+    """``Encoding.adaptive``: with every codec thread busy (one thread, held by a task until the
+    shard is written), the writer stores every chunk raw itself instead of waiting; with free
+    threads and ``adaptive`` off every chunk is encoded. The two ranks' identical copies of ``w``
+    got different codecs and still fingerprint the same (raw checksums), so the tensor map calls
+    them the same and the step verifies and reads back bit-exact from either rank."""
+    path = tmp_path / "job" / "step-000000000001"
+    w = (np.random.default_rng(0).standard_normal(3000) * 0.02).astype(np.float32)   # 12 chunks of 1 KiB
+    busy = ThreadPoolExecutor(1)
+    gate = threading.Event()
+    busy.submit(gate.wait, 60)
+    try:
+        raw = write_vector(path, 0, 2, w, Encoding("bplane", 1, 1024, adaptive=True), busy)
+    finally:
+        gate.set()
+        busy.shutdown()
+    with ThreadPoolExecutor(2) as pool:
+        encoded = write_vector(path, 1, 2, w, Encoding("bplane", 1, 1024, adaptive=False), pool)
+    raw_chunks, enc_chunks = raw.manifest.tensors[0].chunks, encoded.manifest.tensors[0].chunks
+    assert len(raw_chunks) == 12 and {c.codec for c in raw_chunks} == {"none"}
+    assert {c.codec for c in enc_chunks} == {"bplane"} and all(c.raw_checksum for c in enc_chunks)
+    assert encoded.manifest.stored_bytes < raw.manifest.stored_bytes == w.nbytes
+    records = [summarize(s.manifest, s.digest) for s in (raw, encoded)]
+    assert records[0].entries[0].fp == records[1].entries[0].fp
+    publish_step(str(path), "job", 1, 2, records)
+    assert verify_step(str(path)) == []
+    reader = StepReader(str(path))
+    assert reader.tensor_map()[0]["w"].same
+    for rank in (0, 1):
+        out = bytearray(w.nbytes)
+        fd = reader.open_data(rank)
+        try:
+            reader.read_tensor_into(fd, reader.manifest(rank).tensors[0], memoryview(out))
+        finally:
+            os.close(fd)
+        assert bytes(out) == w.tobytes()
+

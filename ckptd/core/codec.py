@@ -4,7 +4,9 @@ Each chunk of a tensor is encoded independently so one tensor (or one chunk) can
 read without touching the rest. A chunk's stored bytes are one or more *segments*
 laid end to end; its metadata (see ``ChunkMeta``) names the codec, the raw length,
 the stored length, an xxh3-64 checksum of the stored bytes and each segment's
-length and whether it is a zstd frame (``"z"``) or raw bytes (``"r"``).
+length and whether it is a zstd frame (``"z"``) or raw bytes (``"r"``); an encoded
+chunk also carries the xxh3-64 of its raw bytes, so the decoded bytes are checked too,
+and two copies of a tensor are known to be identical whichever codec each chunk got.
 
 Codecs:
 - ``none``: the raw bytes, one segment.
@@ -101,18 +103,35 @@ class ChunkMeta:
     stored_len: int
     checksum: str
     segments: list[list[Any]]  # [[stored_len, "z" | "r"], ...]
+    # xxh3-64 of the raw bytes, for an encoded chunk (codec zstd or bplane; chunks written before
+    # it existed have none); a ``none`` or ``held`` chunk's raw bytes are its stored ones.
+    raw_checksum: str | None = None
 
     def to_json(self) -> list[Any]:
-        return [self.codec, self.raw_len, self.stored_len, self.checksum, self.segments]
+        out = [self.codec, self.raw_len, self.stored_len, self.checksum, self.segments]
+        return out if self.raw_checksum is None else [*out, self.raw_checksum]
+
+    @property
+    def content(self) -> tuple[int, str]:
+        """What identifies the raw bytes, whatever the codec: equal content, equal value (a chunk
+        encoded before raw checksums were written is told by its codec and stored checksum)."""
+        if self.raw_checksum is not None:
+            return self.raw_len, self.raw_checksum
+        if self.codec in ("none", HELD_CODEC):
+            return self.raw_len, self.checksum
+        return self.raw_len, f"{self.codec}:{self.checksum}"
 
     @classmethod
     def from_json(cls, obj: Any) -> ChunkMeta:
         """Parse a manifest's chunk entry; raises ValueError for anything malformed."""
-        if not (isinstance(obj, list) and len(obj) == 5):
-            raise ValueError("chunk entry must be [codec, raw_len, stored_len, checksum, segments]")
-        codec, raw_len, stored_len, digest, segments = obj
+        if not (isinstance(obj, list) and len(obj) in (5, 6)):
+            raise ValueError("chunk entry must be [codec, raw_len, stored_len, checksum, segments, raw checksum?]")
+        codec, raw_len, stored_len, digest, segments = obj[:5]
+        raw_digest = obj[5] if len(obj) == 6 else None
         if (codec not in CODECS and codec != HELD_CODEC) or not isinstance(digest, str):
             raise ValueError(f"bad chunk codec or checksum: {codec!r}")
+        if raw_digest is not None and (codec in ("none", HELD_CODEC) or not isinstance(raw_digest, str)):
+            raise ValueError(f"a {codec!r} chunk's raw checksum must be a string, and only an encoded chunk has one")
         if not all(type(v) is int and v >= 0 for v in (raw_len, stored_len)):
             raise ValueError("chunk lengths must be non-negative integers")
         if not isinstance(segments, list) or not all(
@@ -121,7 +140,7 @@ class ChunkMeta:
             raise ValueError("bad chunk segments")
         if sum(s[0] for s in segments) != stored_len:
             raise ValueError("chunk segments do not add up to its stored length")
-        return cls(codec, raw_len, stored_len, digest, segments)
+        return cls(codec, raw_len, stored_len, digest, segments, raw_digest)
 
 
 # ---- per-thread state ---------------------------------------------------------
@@ -281,7 +300,7 @@ def encode_chunk(raw: memoryview, dtype: str, codec: str, level: int = 1) -> tup
     for p in parts:
         h.update(p)
     stored = sum(s[0] for s in segments)
-    return parts, ChunkMeta(codec, n, stored, h.hexdigest(), segments)
+    return parts, ChunkMeta(codec, n, stored, h.hexdigest(), segments, None if codec == "none" else checksum(raw))
 
 
 def decode_chunk(stored: Any, meta: ChunkMeta, dtype: str, out: memoryview) -> None:
@@ -307,13 +326,15 @@ def decode_chunk(stored: Any, meta: ChunkMeta, dtype: str, out: memoryview) -> N
             planes.append(_decode_segment(stored[pos: pos + length], kind, plane_len))
             pos += length
         _merge_planes(planes, itemsize, out)
-        return
-    if len(meta.segments) != 1:
-        raise ChecksumError(f"a {meta.codec} chunk must have one segment, not {len(meta.segments)}")
-    kind = meta.segments[0][1]
-    if meta.codec == "none" and kind != "r":
-        raise ChecksumError("a 'none' chunk must be stored raw")
-    out[:] = _decode_segment(stored, kind, meta.raw_len)
+    else:
+        if len(meta.segments) != 1:
+            raise ChecksumError(f"a {meta.codec} chunk must have one segment, not {len(meta.segments)}")
+        kind = meta.segments[0][1]
+        if meta.codec == "none" and kind != "r":
+            raise ChecksumError("a 'none' chunk must be stored raw")
+        out[:] = _decode_segment(stored, kind, meta.raw_len)
+    if meta.raw_checksum is not None and checksum(out) != meta.raw_checksum:
+        raise ChecksumError("decoded chunk does not match its raw checksum")
 
 
 def chunk_ranges(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:

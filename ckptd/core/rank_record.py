@@ -28,7 +28,7 @@ from .schema import Manifest, TensorEntry, parse_placement, validate_shape
 
 def fingerprint(entry: TensorEntry) -> tuple[Any, ...]:
     """What makes two saved copies byte-identical, known without reading them (chunk checksums)."""
-    return (entry.dtype, tuple(entry.shape), tuple((c.codec, c.raw_len, c.checksum) for c in entry.chunks))
+    return (entry.dtype, tuple(entry.shape), tuple(c.content for c in entry.chunks))
 
 
 def short_hash(obj: Any) -> str:

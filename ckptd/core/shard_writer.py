@@ -7,19 +7,29 @@ beyond the source is a few chunks); the data file is fsynced, then the manifest 
 atomically. What differs between the callers comes in as parameters: where the bytes are
 (``read``), the pool and window, and hooks for the daemon's slot release, abandon check and
 debug delay, or the importer's progress bar.
+
+The writer goes at the disk's pace: it starts writeback every ``WRITEBACK_BYTES`` and waits
+for the data more than ``PACE_LAG_BYTES`` behind it to reach the disk (dirty pages per shard
+stay bounded, and the final fsync only waits for the tail). With ``Encoding.adaptive`` the
+disk never waits for the codec: codec threads take the *newest* chunk of the window, the
+writer the oldest, and a chunk the writer reaches before any codec thread has started on it
+is written raw (codec ``none``). Codec threads faster than the disk encode every chunk (the
+disk is the limit, fewer bytes reach it); a disk faster than they are gets most chunks raw
+(the codec would be the limit). Each chunk names its codec, so readers need nothing new.
 """
 from __future__ import annotations
 
 import collections
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
 from . import storage
-from .codec import choose_codec, chunk_ranges, encode_chunk
+from .codec import ChunkMeta, choose_codec, chunk_ranges, encode_chunk
 from .names import rank_data_name, rank_manifest_name
 from .schema import Manifest, TensorEntry, TensorLayout, digest_bytes, encode_json
 from .step_files import remove_rank_files
@@ -28,13 +38,98 @@ from .step_files import remove_rank_files
 ReadChunk = Callable[[TensorLayout, int, int], memoryview]
 
 
+# The writer waits for its data this far behind it to be on the disk (the pace; module docstring).
+PACE_LAG_BYTES = 8 * storage.WRITEBACK_BYTES
+
+
 @dataclass(frozen=True)
 class Encoding:
-    """How chunks are encoded: ``codec`` (a codec name or ``auto``: ``codec.choose_codec`` per dtype),
-    its ``level``, and the raw bytes per chunk."""
+    """How chunks are encoded: ``codec`` (``codec.choose_codec`` per dtype), its ``level``, the raw
+    bytes per chunk, and ``adaptive``: a chunk the writer reaches before a codec thread started on it
+    is written raw (module docstring); otherwise every chunk is encoded with ``codec``."""
     codec: str
     level: int
     chunk_bytes: int
+    adaptive: bool = False
+
+
+_CODEC, _WRITER = 1, 2      # who took a chunk of the window
+
+
+class _Chunk:
+    __slots__ = ("entry", "view", "dtype", "codec", "taken", "encoded", "error", "done")
+
+    def __init__(self, entry: TensorEntry, view: memoryview, dtype: str, codec: str) -> None:
+        self.entry, self.view, self.dtype, self.codec = entry, view, dtype, codec
+        self.taken = 0
+        self.encoded: tuple[list[Any], ChunkMeta] | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+
+class _Window:
+    """The chunks read from the source and not yet written, oldest first. Codec tasks (one
+    submitted per chunk added) each take one untaken chunk, the newest when ``adaptive`` (so the
+    oldest stays free for the writer to write raw) and the oldest otherwise."""
+
+    def __init__(self, level: int, adaptive: bool) -> None:
+        self.level, self.adaptive = level, adaptive
+        self.lock = threading.Lock()
+        self.chunks: collections.deque[_Chunk] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def add(self, chunk: _Chunk) -> None:
+        with self.lock:
+            self.chunks.append(chunk)
+
+    def encode_one(self) -> None:
+        """A codec task: encode one untaken chunk, if any is left."""
+        with self.lock:
+            order = reversed(self.chunks) if self.adaptive else iter(self.chunks)
+            chunk = next((c for c in order if not c.taken), None)
+            if chunk is None:
+                return
+            chunk.taken = _CODEC
+        try:
+            chunk.encoded = encode_chunk(chunk.view, chunk.dtype, chunk.codec, self.level)
+        except BaseException as e:   # handed to the writer, which raises it
+            chunk.error = e
+        finally:
+            chunk.done.set()
+
+    def pop_oldest(self) -> tuple[TensorEntry, list[Any], ChunkMeta]:
+        """The oldest chunk, encoded (waiting for its codec thread) or, adaptive and untaken, raw."""
+        with self.lock:
+            chunk = self.chunks[0]
+            raw = self.adaptive and not chunk.taken
+            if raw:
+                chunk.taken = _WRITER
+        if raw:
+            parts, meta = encode_chunk(chunk.view, chunk.dtype, "none")
+        else:
+            chunk.done.wait()   # one chunk's encode: a codec task that took it always finishes
+            if chunk.error is not None:
+                raise chunk.error
+            assert chunk.encoded is not None
+            parts, meta = chunk.encoded
+        with self.lock:
+            self.chunks.popleft()
+        return chunk.entry, parts, meta
+
+    def close(self) -> None:
+        """Stop: no codec task takes a chunk after this, and the ones encoding have finished (so no
+        thread reads the source once this returns); every chunk is dropped."""
+        with self.lock:
+            for c in self.chunks:
+                if not c.taken:
+                    c.taken = _WRITER
+            busy = [c for c in self.chunks if c.taken == _CODEC]
+        for c in busy:
+            c.done.wait()
+        with self.lock:
+            self.chunks.clear()
 
 
 @dataclass(frozen=True)
@@ -57,14 +152,15 @@ class ShardHooks:
 
 def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
                 tensors: Sequence[TensorLayout], read: ReadChunk, tree: Any, encoding: Encoding,
-                pool: Executor, window: int, hooks: ShardHooks = ShardHooks()) -> WrittenShard:
+                pool: Executor, ahead: int, hooks: ShardHooks = ShardHooks()) -> WrittenShard:
     """Encode ``tensors`` and write rank ``rank``'s data file and manifest durably into ``step_path``
-    (created if missing); on any error both files are removed and the error re-raised."""
+    (created if missing), with up to ``ahead`` chunks read before the one being written; on any error
+    both files are removed and the error re-raised."""
     t0 = time.monotonic()
     data_path = os.path.join(step_path, rank_data_name(rank))
     released = False
     fd = -1
-    pending: collections.deque[tuple[TensorEntry, Future[Any]]] = collections.deque()
+    window = _Window(encoding.level, encoding.adaptive)
 
     def release() -> None:
         nonlocal released
@@ -84,11 +180,11 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
         entries: list[TensorEntry] = []
         pos = 0
         flushed = 0     # bytes already handed to writeback
+        paced = 0       # bytes known to be on the disk
 
         def drain_one() -> None:
-            nonlocal pos, flushed
-            entry, fut = pending.popleft()
-            parts, meta = fut.result()
+            nonlocal pos, flushed, paced
+            entry, parts, meta = window.pop_oldest()
             if hooks.before_write is not None:
                 hooks.before_write()
             pos += storage.write_all(fd, parts)
@@ -98,22 +194,23 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
             if pos - flushed >= storage.WRITEBACK_BYTES:
                 storage.start_writeback(fd, flushed, pos - flushed)
                 flushed = pos
+                if flushed - PACE_LAG_BYTES > paced:
+                    storage.wait_writeback(fd, paced, flushed - PACE_LAG_BYTES - paced)
+                    paced = flushed - PACE_LAG_BYTES
 
-        view: memoryview | None = None
         for t in tensors:
             codec = choose_codec(t.dtype, encoding.codec)
             entry = TensorEntry(t.name, t.dtype, list(t.shape), -1, [], t.placement)
             entries.append(entry)
             for start, length in chunk_ranges(t.nbytes, encoding.chunk_bytes):
-                view = read(t, start, length)
-                pending.append((entry, pool.submit(encode_chunk, view, t.dtype, codec, encoding.level)))
-                while len(pending) > window:
+                window.add(_Chunk(entry, read(t, start, length), t.dtype, codec))
+                pool.submit(window.encode_one)
+                while len(window) > ahead:
                     drain_one()
         # Offsets are known only once earlier chunks are written; entries drain in order.
-        while pending:
+        while len(window):
             drain_one()
-        view = None  # a slot's mapping can only be closed once no slice of it is left
-        release()
+        release()   # no chunk (no view of the source: a slot's mapping closes only once none is left) remains
         offset = 0
         for entry in entries:
             entry.offset = offset
@@ -127,8 +224,7 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
         storage.atomic_write(os.path.join(step_path, rank_manifest_name(rank)), data)
         return WrittenShard(manifest, digest_bytes(data), time.monotonic() - t0)
     except BaseException:
-        for fut in (f for _, f in pending):
-            fut.cancel()
+        window.close()
         if not released:
             release()
         if fd >= 0:

@@ -15,10 +15,10 @@ from .names import temp_name
 FILE_MODE = 0o640
 DIR_MODE = 0o750
 WRITEBACK_BYTES = 32 * 1024 * 1024
-_SYNC_FILE_RANGE_WRITE = 2
+_SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WRITE, _SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
 
 
-def _load_sync_file_range() -> Callable[[int, int, int], None] | None:
+def _load_sync_file_range() -> Callable[[int, int, int, int], None] | None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         fn = libc.sync_file_range
@@ -27,9 +27,9 @@ def _load_sync_file_range() -> Callable[[int, int, int], None] | None:
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     fn.restype = ctypes.c_int
 
-    def start(fd: int, offset: int, nbytes: int) -> None:
-        fn(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)   # errors surface at the final fsync
-    return start
+    def call(fd: int, offset: int, nbytes: int, flags: int) -> None:
+        fn(fd, offset, nbytes, flags)   # errors surface at the final fsync
+    return call
 
 
 _sync_file_range = _load_sync_file_range()
@@ -41,7 +41,16 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     A shard's final fsync then only waits for the tail instead of flushing the whole file,
     which overlaps disk writes with compression. Errors are left for fsync to report."""
     if _sync_file_range is not None:
-        _sync_file_range(fd, offset, nbytes)
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+def wait_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Wait until a range written earlier is on the disk (writing back what is not under way yet):
+    a writer that calls this for data some way behind it goes at the disk's pace. Not durability
+    (no metadata, no cache flush: fsync is); errors are left for fsync to report."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, nbytes,
+                         _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE | _SYNC_FILE_RANGE_WAIT_AFTER)
 
 
 def fsync_dir(path: str) -> None:

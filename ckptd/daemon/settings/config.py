@@ -69,6 +69,7 @@ ENV_OTHER = {ENV_CONFIG}    # CKPTD_* names set around the daemon that are not s
 MAX_CONFIG_BYTES = 1024 * 1024
 LOG_FORMATS = ("json", "plain")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+CODEC_MODES = ("adaptive", "always")
 MiB = 1024 * 1024
 DOCS_PATH = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "operations.md"))
 DOC_BEGIN, DOC_END = "<!-- settings-table:begin -->", "<!-- settings-table:end -->"
@@ -131,6 +132,12 @@ class Settings:
         _WRITE.codec, choices=CODECS,
         doc="Chunk codec: `bplane` (float-aware byte planes + zstd; non-float tensors use zstd), `zstd`, "
             "or `none`.")
+    codec_mode: str = setting(
+        "adaptive" if _WRITE.adaptive else "always", choices=CODEC_MODES,
+        doc="`adaptive`: the writer goes at the disk's pace and writes raw any chunk no codec thread has "
+            "started on when the disk is ready for it, so the codec never holds the disk up: with codec "
+            "threads slower than the disk (few cores, fast NVMe) most chunks are stored raw, with a slower "
+            "disk (network storage, a busy device) every chunk is encoded. `always`: every chunk with `codec`.")
     level: int = setting(_WRITE.level, parse=integer(1, 22), doc="zstd level, 1–22.")
     chunk_size: int = setting(
         _WRITE.chunk_bytes, parse=parse_size, show=show_size, flags=(Flag("--chunk-mib", unit=MiB, metavar="MIB"),),
@@ -163,6 +170,7 @@ class Settings:
             root=self.root, socket_path=self.socket, socket_mode=self.socket_mode, socket_group=self.socket_group,
             threads=self.threads, step_timeout=self.step_timeout, slot_memory_limit=self.slot_memory_limit,
             write=WriteSettings(codec=self.codec, level=self.level, chunk_bytes=self.chunk_size,
+                                adaptive=self.codec_mode == "adaptive",
                                 debug_write_delay=debug.write_delay, debug_commit_delay=debug.commit_delay),
             allowed_uids=frozenset(self.allowed_users) or None, allowed_gids=frozenset(self.allowed_groups) or None,
             drain_grace=self.drain_grace, retention=self.retention.policy(), metrics_address=self.metrics.address,

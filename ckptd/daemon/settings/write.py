@@ -1,4 +1,5 @@
-"""How shards are encoded and written: the writer's parameters (``codec``, ``level``, ``chunk_bytes``).
+"""How shards are encoded and written: the writer's parameters (``codec``, ``level``, ``chunk_bytes``,
+``adaptive``: ``codec_mode = "adaptive"``, chunks the disk would wait for written raw).
 
 config.py builds one from the settings; the defaults here are the settings' defaults.
 """
@@ -14,6 +15,7 @@ class WriteSettings:
     codec: str = "bplane"
     level: int = 1
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    adaptive: bool = True
     # Test setting (documented in README): sleep this long before writing each chunk,
     # so a test can kill the daemon while a step is being written.
     debug_write_delay: float = 0.0

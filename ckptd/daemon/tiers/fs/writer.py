@@ -43,5 +43,6 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
         if abandoned is not None and abandoned():
             raise WriteAbandoned(f"step {step} was abandoned while rank {rank} was being written")
     return shard_writer.write_shard(step_path, job, step, rank, world_size, tensors, read, tree,
-                                    Encoding(settings.codec, settings.level, settings.chunk_bytes), pool, window,
+                                    Encoding(settings.codec, settings.level, settings.chunk_bytes, settings.adaptive),
+                                    pool, window,
                                     ShardHooks(released=on_slot_released, before_write=before_write))
