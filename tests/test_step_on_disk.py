@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -206,3 +207,36 @@ def test_adaptive_writes_raw_what_no_codec_thread_took_and_copies_stay_identical
             os.close(fd)
         assert bytes(out) == w.tobytes()
 
+
+
+def test_adaptive_encodes_once_the_disk_is_the_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The adaptive writer writes raw until its waits for the disk show the disk sets the pace; then
+    the codec threads encode (fewer bytes to a disk that is the limit). The disk is made slow by
+    delaying each of the writer's waits for its writeback (pacing every 8 KiB, 16 KiB behind):
+    chunks before the first wait are raw, encoded ones follow, and the shard reads back bit-exact."""
+    import ckptd.core.shard_writer as shard_writer
+    from ckptd.core import storage
+    monkeypatch.setattr(storage, "WRITEBACK_BYTES", 8192)
+    monkeypatch.setattr(shard_writer, "PACE_LAG_BYTES", 16384)
+    real_wait = storage.wait_writeback
+
+    def slow_disk(fd: int, offset: int, nbytes: int) -> None:
+        time.sleep(0.02)
+        real_wait(fd, offset, nbytes)
+    monkeypatch.setattr(storage, "wait_writeback", slow_disk)
+    path = tmp_path / "job" / "step-000000000001"
+    w = (np.random.default_rng(2).standard_normal(40_000) * 0.02).astype(np.float32)     # 40 chunks of 4 KiB
+    with ThreadPoolExecutor(2) as pool:
+        shard = write_vector(path, 0, 1, w, Encoding("bplane", 1, 4096, adaptive=True), pool)
+    codecs = [c.codec for c in shard.manifest.tensors[0].chunks]
+    assert codecs[:4] == ["none"] * 4 and "bplane" in codecs[8:], codecs
+    assert shard.manifest.stored_bytes < w.nbytes
+    publish_step(str(path), "job", 1, 1, [summarize(shard.manifest, shard.digest)])
+    reader = StepReader(str(path))
+    out = bytearray(w.nbytes)
+    fd = reader.open_data(0)
+    try:
+        reader.read_tensor_into(fd, reader.manifest(0).tensors[0], memoryview(out))
+    finally:
+        os.close(fd)
+    assert bytes(out) == w.tobytes() and verify_step(str(path)) == []

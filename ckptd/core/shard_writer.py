@@ -13,9 +13,12 @@ for the data more than ``PACE_LAG_BYTES`` behind it to reach the disk (dirty pag
 stay bounded, and the final fsync only waits for the tail). With ``Encoding.adaptive`` the
 disk never waits for the codec: codec threads take the *newest* chunk of the window, the
 writer the oldest, and a chunk the writer reaches before any codec thread has started on it
-is written raw (codec ``none``). Codec threads faster than the disk encode every chunk (the
-disk is the limit, fewer bytes reach it); a disk faster than they are gets most chunks raw
-(the codec would be the limit). Each chunk names its codec, so readers need nothing new.
+is written raw (codec ``none``); and codec threads start on chunks only while the writer's
+waits for the disk show that the disk sets the pace (``DISK_BOUND``). When the disk is the
+limit, encoding costs the writer nothing and fewer bytes reach the disk; when it is not (a
+disk as fast as the writer's own copies into the page cache: this 2-core VM's), the codec
+would only take CPU from the writer, and chunks go raw. Each chunk names its codec, so
+readers need nothing new.
 """
 from __future__ import annotations
 
@@ -40,6 +43,9 @@ ReadChunk = Callable[[TensorLayout, int, int], memoryview]
 
 # The writer waits for its data this far behind it to be on the disk (the pace; module docstring).
 PACE_LAG_BYTES = 8 * storage.WRITEBACK_BYTES
+# Adaptive: codec threads start on chunks while the writer's last wait for the disk took over this
+# share of the time since the one before it (the disk, not the writer, sets the pace).
+DISK_BOUND = 0.5
 
 
 @dataclass(frozen=True)
@@ -69,13 +75,15 @@ class _Chunk:
 
 class _Window:
     """The chunks read from the source and not yet written, oldest first. Codec tasks (one
-    submitted per chunk added) each take one untaken chunk, the newest when ``adaptive`` (so the
-    oldest stays free for the writer to write raw) and the oldest otherwise."""
+    submitted per chunk added) take untaken chunks: the oldest first, or, when ``adaptive``, the
+    newest first (so the oldest stays free for the writer to write raw) and only while the writer
+    says the disk is the limit (``disk_bound``)."""
 
     def __init__(self, level: int, adaptive: bool) -> None:
         self.level, self.adaptive = level, adaptive
         self.lock = threading.Lock()
         self.chunks: collections.deque[_Chunk] = collections.deque()
+        self.disk_bound = False
 
     def __len__(self) -> int:
         return len(self.chunks)
@@ -84,20 +92,25 @@ class _Window:
         with self.lock:
             self.chunks.append(chunk)
 
-    def encode_one(self) -> None:
-        """A codec task: encode one untaken chunk, if any is left."""
+    def _take(self) -> _Chunk | None:
         with self.lock:
+            if self.adaptive and not self.disk_bound:
+                return None
             order = reversed(self.chunks) if self.adaptive else iter(self.chunks)
             chunk = next((c for c in order if not c.taken), None)
-            if chunk is None:
-                return
-            chunk.taken = _CODEC
-        try:
-            chunk.encoded = encode_chunk(chunk.view, chunk.dtype, chunk.codec, self.level)
-        except BaseException as e:   # handed to the writer, which raises it
-            chunk.error = e
-        finally:
-            chunk.done.set()
+            if chunk is not None:
+                chunk.taken = _CODEC
+            return chunk
+
+    def encode_one(self) -> None:
+        """A codec task: encode untaken chunks while there are any (and, adaptive, the disk is the limit)."""
+        while (chunk := self._take()) is not None:
+            try:
+                chunk.encoded = encode_chunk(chunk.view, chunk.dtype, chunk.codec, self.level)
+            except BaseException as e:   # handed to the writer, which raises it
+                chunk.error = e
+            finally:
+                chunk.done.set()
 
     def pop_oldest(self) -> tuple[TensorEntry, list[Any], ChunkMeta]:
         """The oldest chunk, encoded (waiting for its codec thread) or, adaptive and untaken, raw."""
@@ -181,9 +194,10 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
         pos = 0
         flushed = 0     # bytes already handed to writeback
         paced = 0       # bytes known to be on the disk
+        since = time.monotonic()
 
         def drain_one() -> None:
-            nonlocal pos, flushed, paced
+            nonlocal pos, flushed, paced, since
             entry, parts, meta = window.pop_oldest()
             if hooks.before_write is not None:
                 hooks.before_write()
@@ -195,8 +209,14 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
                 storage.start_writeback(fd, flushed, pos - flushed)
                 flushed = pos
                 if flushed - PACE_LAG_BYTES > paced:
+                    waited = time.monotonic()
                     storage.wait_writeback(fd, paced, flushed - PACE_LAG_BYTES - paced)
                     paced = flushed - PACE_LAG_BYTES
+                    now = time.monotonic()
+                    # The writer blocked on the disk for a good part of the last batch: the disk is the
+                    # limit, and encoding (fewer bytes to it) costs the writer nothing; else it would.
+                    window.disk_bound = now - waited > DISK_BOUND * (now - since)
+                    since = now
 
         for t in tensors:
             codec = choose_codec(t.dtype, encoding.codec)

@@ -135,9 +135,10 @@ class Settings:
     codec_mode: str = setting(
         "adaptive" if _WRITE.adaptive else "always", choices=CODEC_MODES,
         doc="`adaptive`: the writer goes at the disk's pace and writes raw any chunk no codec thread has "
-            "started on when the disk is ready for it, so the codec never holds the disk up: with codec "
-            "threads slower than the disk (few cores, fast NVMe) most chunks are stored raw, with a slower "
-            "disk (network storage, a busy device) every chunk is encoded. `always`: every chunk with `codec`.")
+            "started on when the disk is ready for it, and codec threads encode only while the disk sets the "
+            "pace (the writer waits for it over half the time): a slow disk (network storage, a busy device) "
+            "gets every chunk encoded, one that keeps up with the writer gets them raw (compression would only "
+            "take the writer's CPU). `always`: every chunk with `codec`.")
     level: int = setting(_WRITE.level, parse=integer(1, 22), doc="zstd level, 1–22.")
     chunk_size: int = setting(
         _WRITE.chunk_bytes, parse=parse_size, show=show_size, flags=(Flag("--chunk-mib", unit=MiB, metavar="MIB"),),
