@@ -42,7 +42,8 @@ def test_metrics_off_by_default(daemon):
 
 
 def test_metrics_after_saves(daemon_factory):
-    d = daemon_factory("--metrics-address", "0", "--codec", "zstd")   # a bare port: loopback, ephemeral
+    # a bare port: loopback, ephemeral; every chunk encoded (adaptive would store them raw on a fast disk)
+    d = daemon_factory("--metrics-address", "0", "--codec", "zstd", "--codec-mode", "always")
     st = protocol.request_once(str(d.socket), {"op": "status"})
     address = st["metrics"]
     assert address.startswith("127.0.0.1:")

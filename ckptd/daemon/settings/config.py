@@ -61,7 +61,7 @@ from ckptd.daemon.settings.spec import (
     table,
     walk,
 )
-from ckptd.daemon.settings.write import WriteSettings
+from ckptd.daemon.settings.write import CODEC_MODES, WriteSettings
 
 DEFAULT_CONFIG_PATH = "/etc/ckptd/ckptd.toml"
 ENV_CONFIG = "CKPTD_CONFIG"
@@ -69,7 +69,6 @@ ENV_OTHER = {ENV_CONFIG}    # CKPTD_* names set around the daemon that are not s
 MAX_CONFIG_BYTES = 1024 * 1024
 LOG_FORMATS = ("json", "plain")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-CODEC_MODES = ("adaptive", "always")
 MiB = 1024 * 1024
 DOCS_PATH = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "operations.md"))
 DOC_BEGIN, DOC_END = "<!-- settings-table:begin -->", "<!-- settings-table:end -->"
@@ -134,9 +133,8 @@ class Settings:
             "or `none`.")
     codec_mode: str = setting(
         "adaptive" if _WRITE.adaptive else "always", choices=CODEC_MODES,
-        doc="`adaptive`: the writer goes at the disk's pace and writes raw any chunk no codec thread has "
-            "started on when the disk is ready for it, and codec threads encode only while the disk sets the "
-            "pace (the writer waits for it over half the time): a slow disk (network storage, a busy device) "
+        doc="`adaptive`: codec threads encode only while the disk sets the writer's pace (it waits for the "
+            "disk over half the time); else chunks are written raw: a slow disk (network storage, a busy device) "
             "gets every chunk encoded, one that keeps up with the writer gets them raw (compression would only "
             "take the writer's CPU). `always`: every chunk with `codec`.")
     level: int = setting(_WRITE.level, parse=integer(1, 22), doc="zstd level, 1–22.")

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from ckptd.core.codec import DEFAULT_CHUNK_BYTES
 
+CODEC_MODES = ("adaptive", "always")     # codec_mode: adaptive (WriteSettings.adaptive) or every chunk encoded
+
 
 @dataclass
 class WriteSettings:
