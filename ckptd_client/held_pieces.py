@@ -9,10 +9,10 @@ ranks, replicas other nodes sent it, or a copy it fetches from a peer daemon, ea
 the committed index's manifest digest), maps the memfd read-only, and answers with the shard as a
 manifest whose entries are raw (uncompressed) chunks at their offsets in the memfd. The region
 arithmetic, the checks before anything is written and the per-rank rules are then the storage
-restore's own; only ranks no daemon holds are read from their files. Each raw chunk is copied a
-cache-sized piece at a time and hashed while in cache; a chunk failing its checksum raises
-:class:`MemoryUnavailable` (the restore chain then reads the whole step from storage: never wrong
-data). What came from where is counted in ``ReadStats.held`` (``memory``, ``peer``) and
+restore's own; only ranks no daemon holds are read from their files. Each raw chunk is copied out of
+the mapped memfd a cache-sized piece at a time and hashed while in cache (``held_map``); a chunk
+failing its checksum raises :class:`MemoryUnavailable` (the restore chain then reads the whole step
+from storage: never wrong data). What came from where is counted in ``ReadStats.held`` (``memory``, ``peer``) and
 ``ReadStats.bytes`` (storage).
 """
 from __future__ import annotations
@@ -20,28 +20,28 @@ from __future__ import annotations
 import os
 import threading
 
-from ckptd.core.codec import ChunkMeta, checksum_stream
+from ckptd.core.codec import ChunkMeta
 from ckptd.core.held import HeldMeta, held_manifest
 from ckptd.core.schema import Manifest
 
 from .connection import DaemonConnection
-from .memory_restore import PIECE, MemoryUnavailable, fetch_held
+from .held_map import HeldMap
+from .memory_restore import MemoryUnavailable, fetch_held
 from .read_stats import HeldShards, ReadStats
 
 
 class _Held:
-    """One fetched shard: its connection (which keeps it pinned), memfd and source. Read with
-    ``preadv`` (the kernel copies from the memfd's pages: no mapping to set up and fault in, page by
-    page, for each restore)."""
+    """One fetched shard: its connection (which keeps it pinned), memfd (mapped: ``held_map``) and source."""
 
     def __init__(self, conn: DaemonConnection, meta: HeldMeta, fd: int, source: str) -> None:
         self.conn, self.meta, self.fd, self.source = conn, meta, fd, source
         size = os.fstat(fd).st_size
         if size < meta.nbytes:
             raise MemoryUnavailable(f"held shard of rank {meta.rank} is {size} bytes, its layout needs {meta.nbytes}")
-        self.size = size
+        self.map = HeldMap(fd, meta.nbytes)
 
     def close(self) -> None:
+        self.map.close()
         os.close(self.fd)
         self.conn.close()                # unpins the shard on the daemon
 
@@ -92,15 +92,13 @@ class DaemonShards(HeldShards):
     def read_chunk(self, rank: int, pos: int, meta: ChunkMeta, out: memoryview, stats: ReadStats | None) -> None:
         shard = self.shards[rank]
         n = meta.raw_len
-        if len(out) != n or pos < 0 or pos + n > shard.size:
-            raise MemoryUnavailable(f"held shard of rank {rank}: chunk at {pos} (+{n}) is outside it")
-        h = checksum_stream()
-        for at in range(0, n, PIECE):      # each piece hashed while it is in cache; preadv drops the GIL
-            k = min(PIECE, n - at)
-            if os.preadv(shard.fd, [out[at:at + k]], pos + at) != k:
-                raise MemoryUnavailable(f"held shard of rank {rank}: short read at byte {pos + at}")
-            h.update(out[at:at + k])
-        if h.hexdigest() != meta.checksum:
+        if len(out) != n:
+            raise MemoryUnavailable(f"held shard of rank {rank}: chunk at {pos} is {n} bytes, not {len(out)}")
+        try:
+            digest = shard.map.copy_hashed(pos, out)
+        except ValueError as e:
+            raise MemoryUnavailable(f"held shard of rank {rank}: {e}") from None
+        if digest != meta.checksum:
             raise MemoryUnavailable(f"corrupt: memory copy of rank {rank} (step {self.step}): the chunk at byte {pos} "
                                     "of its held shard fails its checksum")
         if stats is not None:

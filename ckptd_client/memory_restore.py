@@ -5,10 +5,9 @@ FORMAT.md): the daemon answers with the rank's held shard — the raw bytes the 
 memfd passed with SCM_RIGHTS, plus its layout, state tree and per-chunk checksums — after checking
 that the shard is the one the committed index.json records (its manifest digest). A daemon that lost
 it (a replacement node) fetches it from a peer daemon's memory first. Here each tensor is read
-straight into the live tensor (``preadv`` from the memfd a cache-sized piece at a time on the restore
-threads: the kernel copies from its pages, no mapping to fault in), each piece's bytes fed to its
-chunk's xxh3 while still in cache, every chunk's checksum checked, and only then is the state tree
-applied. Before any of it, the held tree and
+straight into the live tensor (from the memfd mapped once, populated, a cache-sized piece at a time on
+the restore threads: ``held_map``), each piece's bytes fed to its chunk's xxh3 while still in cache,
+every chunk's checksum checked, and only then is the state tree applied. Before any of it, the held tree and
 layout are checked against the live state as a restore from storage checks them (restore_check.py:
 the same step, the same answer): a mismatch raises CheckpointError, nothing written. Anything else
 — no daemon, a step not held, a resharding restore or a sharded tensor's piece that is not exactly
@@ -29,7 +28,6 @@ from typing import Any
 import torch
 
 from ckptd.core import protocol
-from ckptd.core.codec import checksum_stream
 from ckptd.core.errors import FormatError
 from ckptd.core.held import HeldMeta
 from ckptd.core.names import base_job, is_memory_job
@@ -39,6 +37,7 @@ from ckptd.core.tree import decode_tree
 from .connection import DaemonConnection
 from .dtensor import is_dtensor, local_placement, local_tensor
 from .errors import CheckpointError, DaemonRefused, Unreachable
+from .held_map import HeldMap
 from .live_state import live_tensors, tree_items
 from .reshard import DTYPES, decodable_into, tensor_bytes
 from .restore import apply_loaded
@@ -47,7 +46,6 @@ from .restore_check import Outcome, check_plain, saved_leaves
 MEMORY, PEER = "memory", "peer"
 FETCH_TIMEOUT_S = 300.0       # a replacement node's daemon may first fetch the shard from a peer
 TASK_BYTES = 64 << 20         # a restore thread's share of a tensor at a time
-PIECE = 512 << 10             # read and hashed at once: fits a core's L2 cache
 
 
 class MemoryUnavailable(Exception):
@@ -69,36 +67,33 @@ class MemoryCopy:
     outcome: Outcome = Outcome()
 
 
-def _read_into(fd: int, t: TensorLayout, out: torch.Tensor, sums: tuple[str, ...], chunk: int, first: int,
+def _read_into(held: HeldMap, t: TensorLayout, out: torch.Tensor, sums: tuple[str, ...], chunk: int, first: int,
                last: int) -> None:
-    """Chunks ``first``..``last`` of tensor ``t``: read from the memfd with ``preadv`` (the kernel copies
-    from its pages: no mapping to fault in page by page) into ``out`` a cache-sized piece at a time,
-    each piece hashed while it is still in the CPU's cache."""
+    """Chunks ``first``..``last`` of tensor ``t``: copied from the mapped memfd into ``out``, each
+    chunk's checksum checked."""
     view = tensor_bytes(out)
     for i in range(first, last):
         start, end = i * chunk, min((i + 1) * chunk, t.nbytes)
-        h = checksum_stream()
-        for pos in range(start, end, PIECE):
-            n = min(PIECE, end - pos)
-            if os.preadv(fd, [view[pos:pos + n]], t.offset + pos) != n:      # (drops the GIL)
-                raise MemoryUnavailable(f"held shard: short read of tensor {t.name!r} at byte {pos}")
-            h.update(view[pos:pos + n])
-        if h.hexdigest() != sums[i]:
+        try:
+            digest = held.copy_hashed(t.offset + start, view[start:end])
+        except ValueError as e:
+            raise MemoryUnavailable(f"held shard: tensor {t.name!r}: {e}") from None
+        if digest != sums[i]:
             raise MemoryUnavailable(f"corrupt: memory copy of tensor {t.name!r}: chunk {i} (bytes {start}..{end}) "
                                     "fails its checksum")
 
 
-def _read_all(fd: int, reads: list[tuple[TensorLayout, torch.Tensor, tuple[str, ...], int, int]], chunk: int,
+def _read_all(held: HeldMap, reads: list[tuple[TensorLayout, torch.Tensor, tuple[str, ...], int, int]], chunk: int,
               threads: int) -> None:
     """Every ``_read_into`` of ``reads``: on ``threads`` restore threads, or in this one when it is 1."""
     if threads <= 1:
         for t, out, sums, first, last in reads:
-            _read_into(fd, t, out, sums, chunk, first, last)
+            _read_into(held, t, out, sums, chunk, first, last)
         return
     with ThreadPoolExecutor(threads, thread_name_prefix="ckptd-memrestore") as pool:
         futures: list[Future[None]] = []
         try:
-            futures = [pool.submit(_read_into, fd, t, out, sums, chunk, first, last)
+            futures = [pool.submit(_read_into, held, t, out, sums, chunk, first, last)
                        for t, out, sums, first, last in reads]
             for f in futures:
                 f.result()
@@ -210,7 +205,11 @@ def restore_from_memory(socket_path: str, job: str, step: int, rank: int, world_
                 tensors[name] = out
             per = max(1, TASK_BYTES // chunk)
             reads += [(t, out, sums, i, min(i + per, len(sums))) for i in range(0, len(sums), per)]
-        _read_all(fd, reads, chunk, threads)
+        held = HeldMap(fd, meta.nbytes)
+        try:
+            _read_all(held, reads, chunk, threads)
+        finally:
+            held.close()
         try:
             loaded = {k: decode_tree(sub, tensors.__getitem__) for k, sub in wanted.items()}
         except (FormatError, KeyError) as e:
