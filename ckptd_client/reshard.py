@@ -26,11 +26,11 @@ from typing import Any
 import torch
 
 from ckptd.core import storage
-from ckptd.core.codec import ChunkMeta, decode_chunk
+from ckptd.core.codec import ChunkMeta
 from ckptd.core.errors import ChecksumError, FormatError
 from ckptd.core.global_index import LOCAL, GlobalTensor, Piece
 from ckptd.core.names import rank_manifest_name
-from ckptd.core.reader import StepReader
+from ckptd.core.reader import StepReader, read_decoded
 from ckptd.core.regions import Region, row_span
 from ckptd.core.schema import DTYPE_ITEMSIZE, Manifest, TensorEntry
 
@@ -153,10 +153,9 @@ class StepFiles:
         if rank in self.held_ranks and self.held is not None:
             return self.held.read_chunk(rank, file_pos, meta, out, self.stats)
         try:
-            stored = self.read_at(self.fd(rank), file_pos, meta.stored_len)
+            n = read_decoded(self.fd(rank), file_pos, meta, entry.dtype, out, self.read_at)
             if self.stats is not None:
-                self.stats.add_chunk(len(stored))
-            decode_chunk(stored, meta, entry.dtype, out)
+                self.stats.add_chunk(n)
         except (ChecksumError, EOFError, OSError) as e:
             raise CheckpointError(f"corrupt checkpoint: tensor {entry.name!r} in "
                                   f"{self.reader.data_path(rank)}: {e}") from None

@@ -226,8 +226,7 @@ class StepReader:
         """Read, verify and decode one chunk of ``entry`` into its place in ``out`` (the whole tensor);
         chunks are independent, so callers may run these in parallel."""
         try:
-            stored = storage.read_at(fd, file_pos, meta.stored_len)
-            decode_chunk(stored, meta, entry.dtype, memoryview(out).cast("B")[raw_pos: raw_pos + meta.raw_len])
+            read_decoded(fd, file_pos, meta, entry.dtype, memoryview(out).cast("B")[raw_pos: raw_pos + meta.raw_len])
         except (ChecksumError, EOFError) as e:
             raise ChecksumError(f"tensor {entry.name!r} in {self._data_file_of(fd)}: {e}") from None
 
@@ -241,6 +240,24 @@ class StepReader:
             return os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             return f"fd {fd}"
+
+
+def read_decoded(fd: int, file_pos: int, meta: ChunkMeta, dtype: str, out: memoryview,
+                 read_at: Callable[[int, int, int], bytes] = storage.read_at) -> int:
+    """Read one chunk's stored bytes at ``file_pos`` of data file ``fd``, verify and decode them into
+    ``out``; returns the bytes read. A raw chunk read the default way goes straight into ``out`` (one
+    copy from the page cache, no buffer) and is checked there: on a mismatch ``out`` holds the bad
+    bytes and ChecksumError is raised, as a decode that fails midway leaves its part written."""
+    if meta.codec == "none" and read_at is storage.read_at:
+        if len(out) != meta.raw_len or meta.segments != [[meta.raw_len, "r"]]:
+            raise ChecksumError(f"a 'none' chunk of {meta.raw_len} bytes must be one raw segment into as many")
+        storage.read_into(fd, file_pos, out)
+        if checksum(out) != meta.checksum:
+            raise ChecksumError("chunk checksum mismatch")
+        return meta.raw_len
+    stored = read_at(fd, file_pos, meta.stored_len)
+    decode_chunk(stored, meta, dtype, out)
+    return len(stored)
 
 
 def chunk_faults(fd: int, manifest: Manifest, first_only: bool = False) -> list[tuple[str, str]]:

@@ -154,6 +154,18 @@ def read_limited(path: str, limit: int) -> bytes:
         os.close(fd)
 
 
+def read_into(fd: int, offset: int, out: memoryview) -> None:
+    """Exactly ``len(out)`` bytes at ``offset`` read into ``out`` (no buffer between: one copy from
+    the page cache); a short file is an error, not a short read."""
+    out = memoryview(out).cast("B")
+    got = 0
+    while got < len(out):
+        n = os.preadv(fd, [out[got:]], offset + got)
+        if n == 0:
+            raise EOFError(f"file ends at {offset + got}, expected {len(out)} bytes at {offset}")
+        got += n
+
+
 def read_at(fd: int, offset: int, length: int) -> bytes:
     """Exactly ``length`` bytes at ``offset``; a short file is an error, not a short read
     (checked first, so a corrupt length cannot make this allocate more than the file holds)."""
