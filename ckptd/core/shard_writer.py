@@ -51,8 +51,9 @@ DISK_BOUND = 0.5
 @dataclass(frozen=True)
 class Encoding:
     """How chunks are encoded: ``codec`` (``codec.choose_codec`` per dtype), its ``level``, the raw
-    bytes per chunk, and ``adaptive``: a chunk the writer reaches before a codec thread started on it
-    is written raw (module docstring); otherwise every chunk is encoded with ``codec``."""
+    bytes per chunk, and ``adaptive``: codec threads encode only while the disk is the limit, and a
+    chunk the writer reaches before any of them took it is written raw (module docstring); otherwise
+    every chunk is encoded with ``codec``."""
     codec: str
     level: int
     chunk_bytes: int
