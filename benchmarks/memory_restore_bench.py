@@ -6,7 +6,7 @@ restored in place into the same pre-allocated tensors by every method:
 - ``memcpy``: ``ctypes.memmove`` of the same bytes from a second in-memory copy, tensor by
   tensor, one thread: the floor the issue measures the memory tier against;
 - ``ckptd memory``: ``Checkpointer.restore`` served by the daemon's memory tier (memfd over
-  SCM_RIGHTS, preadv into the tensors, every chunk's xxh3 checked, state applied);
+  SCM_RIGHTS, mapped populated and copied into the tensors, every chunk's xxh3 checked, state applied);
 - ``ckptd storage``: ``Checkpointer(memory=False).restore``, data files in the page cache (warm);
 - ``ckptd storage (cold)``: the same after ``posix_fadvise(DONTNEED)`` on the step's data files;
 - ``DCP load``: ``torch.distributed.checkpoint.load`` of the same state saved by ``dcp.save``,
@@ -146,9 +146,11 @@ def main() -> int:
         "## Headline", table(["figure", "value", "target", "verdict"], head),
         "## All methods", table(["method", "p50", "throughput", "÷ memcpy", "min", "max"], rows),
         "`memcpy` is `ctypes.memmove` per tensor on one thread. `ckptd memory` is the whole "
-        "`Checkpointer.restore` (connect, `memory_fetch`, the memfd by SCM_RIGHTS, `preadv` into the tensors on "
-        "the restore threads, xxh3 of every chunk, state applied). Storage restores decode the `bplane` codec; "
-        "`(cold)` drops the step's data files from the page cache first (`posix_fadvise`).",
+        "`Checkpointer.restore` (connect, `memory_fetch`, the memfd by SCM_RIGHTS, mapped with `MAP_POPULATE` and "
+        "copied into the tensors on the restore threads, xxh3 of every chunk, state applied). Storage restores read "
+        "what the daemon wrote: with its default `codec_mode = \"adaptive\"` on this disk, raw chunks, read "
+        "straight into the tensors; `(cold)` drops the step's data files from the page cache first "
+        "(`posix_fadvise`).",
     ]) + "\n"
     res: dict[str, Any] = {"machine": info, "mib": a.mib, "rounds": a.rounds, "times_s": times, "median_s": med,
                            "ratio_memory_to_memcpy": ratio, "ratio_paired": paired, "wall_s": wall}
