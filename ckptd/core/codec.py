@@ -299,8 +299,10 @@ def encode_chunk(raw: memoryview, dtype: str, codec: str, level: int = 1) -> tup
     h = checksum_stream()
     for p in parts:
         h.update(p)
+    digest = h.hexdigest()
     stored = sum(s[0] for s in segments)
-    return parts, ChunkMeta(codec, n, stored, h.hexdigest(), segments, None if codec == "none" else checksum(raw))
+    raw_digest = None if codec == "none" else digest if len(parts) == 1 and parts[0] is raw else checksum(raw)
+    return parts, ChunkMeta(codec, n, stored, digest, segments, raw_digest)
 
 
 def decode_chunk(stored: Any, meta: ChunkMeta, dtype: str, out: memoryview) -> None:

@@ -93,9 +93,14 @@ class _Window:
         with self.lock:
             self.chunks.append(chunk)
 
+    @property
+    def encoding(self) -> bool:
+        """Whether codec threads take chunks now (always, unless adaptive and the disk is not the limit)."""
+        return not self.adaptive or self.disk_bound
+
     def _take(self) -> _Chunk | None:
         with self.lock:
-            if self.adaptive and not self.disk_bound:
+            if not self.encoding:
                 return None
             order = reversed(self.chunks) if self.adaptive else iter(self.chunks)
             chunk = next((c for c in order if not c.taken), None)
@@ -225,7 +230,8 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
             entries.append(entry)
             for start, length in chunk_ranges(t.nbytes, encoding.chunk_bytes):
                 window.add(_Chunk(entry, read(t, start, length), t.dtype, codec))
-                pool.submit(window.encode_one)
+                if window.encoding:   # (a task submitted later takes every chunk still untaken)
+                    pool.submit(window.encode_one)
                 while len(window) > ahead:
                     drain_one()
         # Offsets are known only once earlier chunks are written; entries drain in order.
