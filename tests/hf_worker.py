@@ -21,6 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from rank_exit import leave
 
 
 def llama_config() -> Any:
@@ -117,7 +118,7 @@ def main() -> None:
         dump(full_weights(m, a.layout), a.ref + ".direct", rank)
     if world > 0:
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rank_exit import leave
 
 HERE = Path(__file__).resolve()
 RESTORE_ERROR_EXIT = 3
@@ -460,9 +461,7 @@ def main() -> int:
     a = p.parse_args()
     torch.set_num_threads(1)
     {"save": mode_save, "restore": mode_restore, "train": mode_train}[a.mode](a)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    return 0
+    leave()
 
 
 if __name__ == "__main__":

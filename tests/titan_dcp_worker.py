@@ -13,6 +13,7 @@ import os
 import signal
 
 import torch
+from rank_exit import leave
 from titan_worker import build_run
 
 
@@ -53,7 +54,7 @@ def main() -> None:
         manager.save(train_state.step, last_step=train_state.step == a.steps)
     manager.maybe_wait_for_saving()
     manager.close()
-    torch.distributed.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from rank_exit import leave
 
 BATCH, SEQ, VOCAB = 2, 16, 2048
 
@@ -137,7 +138,7 @@ def main() -> None:
         full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
         if rank == 0:
             save_file({k: v.contiguous() for k, v in full.items()}, a.dump)
-    torch.distributed.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

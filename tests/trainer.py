@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from rank_exit import leave
 from safetensors.torch import save_file
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -116,8 +117,7 @@ def main() -> int:
         for k, v in st.items():
             out[f"optim/{pid}/{k}"] = v.detach().clone().contiguous().reshape(v.shape)
     save_file(out, f"{a.out}.rank{rank}.safetensors")
-    dist.destroy_process_group()
-    return 0
+    leave()
 
 
 if __name__ == "__main__":
