@@ -274,7 +274,10 @@ def restore_once(method: str, spec: dict[str, Any], ck: Any, model: torch.nn.Mod
     torch.distributed.barrier()
     t0 = time.perf_counter()
     if method in ("ckptd", "ckptd-memory"):
+        prof = _profiler(spec, method, reshard)
         got = ck.restore(state, step=step, **(spec["ckptd_reshard_kwargs"] if reshard else {}))
+        if prof is not None:
+            prof.disable()
         assert got == step, (got, step)
         want = "storage" if method == "ckptd" else "memory"
         assert ck.last_restore.source == want and (method == "ckptd" or not ck.last_restore.from_storage), \
@@ -285,6 +288,27 @@ def restore_once(method: str, spec: dict[str, Any], ck: Any, model: torch.nn.Mod
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     took, call = slowest(time.perf_counter() - t0, call)
     return took, call
+
+
+_PROFILES: dict[str, Any] = {}
+
+
+def _profiler(spec: dict[str, Any], method: str, reshard: bool) -> Any:
+    """With --profile, rank 0's ckptd restore calls run under one cProfile per method and layout
+    (written to ``<out>-profile-<method>-<same|reshard>.txt`` by ``write_profiles``); else None."""
+    if not spec.get("profile") or torch.distributed.get_rank() != 0:
+        return None
+    import cProfile
+    prof = _PROFILES.setdefault(f"{method}-{'reshard' if reshard else 'same'}", cProfile.Profile())
+    prof.enable()
+    return prof
+
+
+def write_profiles(spec: dict[str, Any]) -> None:
+    import pstats
+    for key, prof in _PROFILES.items():
+        with open(f"{spec['out']}-profile-{key}.txt", "w") as f:
+            pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
 
 
 def drop_cache(directory: Path) -> None:
@@ -418,6 +442,7 @@ def rank_main(spec: dict[str, Any]) -> None:
         result["restore"] = restore_rounds(spec, model, opt, state, spec["steps"], spec["digests"], True)
     if torch.distributed.get_rank() == 0:
         Path(spec["result"]).write_text(json.dumps(result))
+        write_profiles(spec)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
@@ -625,6 +650,8 @@ def main() -> int:
     p.add_argument("--dir", type=Path, default=None, help="where checkpoints are written (default: a temp dir)")
     p.add_argument("--out", type=Path, default=RESULTS / "sharded", help="results path without extension")
     p.add_argument("--timeout", type=float, default=1500)
+    p.add_argument("--profile", action="store_true",
+                   help="cProfile rank 0's ckptd restore calls (<out>-profile-<method>-<layout>.txt)")
     p.add_argument("--rank-worker", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.rank_worker:
@@ -645,7 +672,7 @@ def main() -> int:
     spec: dict[str, Any] = {"dim": a.dim, "layers": a.layers, "rounds": a.rounds, "warmup": a.warmup,
                             "train_while_writing": a.train_while_writing, "socket": str(daemon.socket),
                             "root": str(daemon.root), "dcp_dir": str(base / "dcp"),
-                            "ckptd_reshard_kwargs": {}}
+                            "ckptd_reshard_kwargs": {}, "profile": a.profile, "out": str(a.out)}
     (base / "dcp").mkdir()
     try:
         print(f"  {a.ranks} ranks: save rounds, then restore rounds at the same world size …", flush=True)

@@ -25,12 +25,12 @@ from .memory_level import all_ranks_ok, is_held_step, newest_held_step, restore_
 from .modes import WhenBusy, parse_level, parse_when_busy, resolve_commit_mode
 from .overlap import OverlapCopies, fence_list, parse_overlap
 from .own_daemon import OwnDaemon
-from .plan_cache import PlanCache
+from .plan_cache import Plan, PlanCache
 from .relay import StoreRelay
 from .restore import PerRank, agree_step
 from .run_scope import RunScope
 from .session import DaemonSession
-from .slots import ClientSlot
+from .slots import ClientSlot, SlotCopy
 from .sources import Reader, RestoreInfo, restore_chain, run_chain
 from .streamed import needs_stream, stream_save
 
@@ -168,6 +168,7 @@ class Checkpointer:
 
         Call it once the state has its full size — after the first optimizer step, when Adam's
         moments exist — or a larger first save re-allocates the slots."""
+        self.fence()
         self._ensure_slots(self.plans.plan(state).nbytes)
 
     def save(self, step: int, state: dict[str, Any], *, overlap: bool | str | None = None,
@@ -203,7 +204,7 @@ class Checkpointer:
         step_dir_name(step)  # validates the step number
         self.fence()
         t0 = time.perf_counter()
-        plan = self.plans.plan(state, fence_optims)   # raises on a bad value before any slot or request
+        plan = self.plans.plan(state, fence_optims, lazy=overlap is not False)   # raises on a bad value first
         flat, layout = plan.flat, plan.layout
         if step in self._handles:
             raise CheckpointError(f"step {step} is already being saved")
@@ -218,23 +219,19 @@ class Checkpointer:
             try:
                 conn, handle.setup_s = self._ensure_slots(plan.nbytes)
                 if needs_stream(self._session, plan):     # the daemon lent smaller slots (its budget)
-                    if level is SaveLevel.MEMORY:
-                        raise CheckpointError(f"a memory-level save must fit in one slot: {plan.nbytes} bytes "
-                                              "stream through smaller ones (the daemon's slot_memory_limit)")
                     stream_save(self._session, conn, handle, plan, self.commit_mode.value, busy is WhenBusy.BLOCK)
                     break
                 handle.slot = self._session.acquire(block=busy is WhenBusy.BLOCK)
                 if handle.slot is None:
                     handle.skipped = True
                     break
-                msg = protocol.Save(step=step, slot=handle.slot, tensors=plan.wire,
-                                    tree=flat.tree, commit=self.commit_mode.value, level=level.value)
                 copy = self._copies.snapshot(self._session.slots[handle.slot], layout, flat, overlap, plan.splits)
+                send = partial(self._send, conn, step, handle.slot, plan, copy, level)
                 if copy.deferred:                     # the daemon gets the layout once the copy is done
-                    self._copies.begin(handle, copy, flat.optimizers, partial(conn.request, msg),
-                                       partial(self._abandon_failed, handle))
-                else:
-                    conn.request(msg)
+                    self._copies.begin(handle, copy, flat.optimizers, send, partial(self._abandon_failed, handle),
+                                       plan.pending)
+                else:           # (a lazy plan's pending keys are of deferred tensors: there are none)
+                    send()
                 break
             except NotDelivered:
                 # The daemon went away (restart) before it saw this save: reconnect and redo it once.
@@ -251,6 +248,12 @@ class Checkpointer:
         if self._copies.inflight is None and not handle.skipped:
             self._session.report(step, handle.stall_s, handle.fence_s)
         return handle
+
+    def _send(self, conn: DaemonConnection, step: int, slot: int, plan: Plan, copy: SlotCopy, level: SaveLevel) -> None:
+        """The SAVE of a filled slot: the plan's layout and tree, or the copy's if it laid the slot out anew."""
+        p = copy.relaid or plan
+        conn.request(protocol.Save(step=step, slot=slot, tensors=p.wire, tree=p.flat.tree,
+                                   commit=self.commit_mode.value, level=level.value))
 
     def fence(self) -> None:
         """Wait until the state may be mutated (only an overlapped save's copy can be pending)."""
@@ -342,10 +345,7 @@ class Checkpointer:
         if (nbytes := self.plans.warm(state)) is not None and self.config.prepare:
             self._session.prepare_soon(nbytes)     # the first save then costs what the others do
             self._copies.pool().submit(time.sleep, 0)   # and finds its copy thread started
-        log.info("ckptd: restored %sstep %d from %s in %.3fs (bytes: %d memory, %d peers, %d storage)%s%s",
-                 "memory-level " if info.level == "memory" else "", info.step, info.source, info.seconds,
-                 info.from_memory, info.from_peers, info.from_storage,
-                 f" (memory tier: {info.fallback})" if info.fallback else "", info.lacked())
+        log.info("ckptd: %s", info)
         return info.step
 
     def _all_ok(self, ok: bool) -> bool:

@@ -11,6 +11,7 @@ from torch.utils.hooks import RemovableHandle
 from ckptd.core.schema import TensorLayout
 
 from .handle import SaveHandle
+from .plan_cache import Recheck
 from .slots import ClientSlot, CopySplit, SlotCopy
 from .state import FlatState
 
@@ -79,16 +80,18 @@ class OverlapCopies:
                         self._side_streams, split)
 
     def begin(self, handle: SaveHandle, copy: SlotCopy, optimizers: list[torch.optim.Optimizer],
-              send: Callable[[], object], failed: Callable[[BaseException], None]) -> None:
-        """Track ``copy`` as unfenced, make each optimizer's step fence it first, and start it.
-        ``send`` (the hand-off to the daemon) runs on the copy thread once every byte is in the
-        slot; ``failed`` gets what it or the copy raised."""
+              send: Callable[[], object], failed: Callable[[BaseException], None],
+              recheck: Recheck | None = None) -> None:
+        """Track ``copy`` as unfenced, make each optimizer's step fence it first, and start it
+        (``recheck``: see SlotCopy.start). ``send`` (the hand-off to the daemon, of ``copy.relaid``
+        if set) runs on the copy thread once every byte is in the slot; ``failed`` gets what it or
+        the copy raised."""
         for opt in optimizers:
             if id(opt) not in self._hooks:
                 self._hooks[id(opt)] = opt.register_step_pre_hook(lambda *_: self._fence())
         self.inflight = (handle, copy)
         pool = self.pool()
-        copy.start()                      # last: see SlotCopy.start
+        copy.start(recheck)               # last: see SlotCopy.start
         pool.submit(_hand_off, copy, send, failed)
 
     def fence(self) -> SaveHandle | None:

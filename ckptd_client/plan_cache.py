@@ -13,6 +13,14 @@ positions, RNG state) are taken anew, and only the branches of the tree holding 
 are rebuilt. Anything else is a miss: the full ``flatten_state`` and ``plan_layout`` run, from
 the state dicts this walk already took. A module's custom ``state_dict`` that leaves a parameter
 out is keyed by what it returns, not by the module's parameters.
+
+Comparing every key is most of a hit's cost (about 0.8 µs a tensor: seven torch calls). For a save
+whose copy runs on the copy thread (``plan(..., lazy=True)``), the plain tensors the copy defers
+(parameters and optimizer state, unchanged until the fence) are compared by address only on the
+trainer's thread; their full keys are compared on the copy thread, before it copies
+(``Plan.pending``, a ``Recheck``). A tensor changed in place over the same bytes (reshaped,
+re-typed, transposed) is found there and that save re-laid out (``Recheck.run``). Everything else
+(DTensors, buffers, tensors the copy does not defer) is compared in full on the trainer's thread.
 """
 from __future__ import annotations
 
@@ -159,6 +167,13 @@ class Plan:
     wire: list[Any]
     # deferred set → how its snapshot splits the copy (SlotCopy), kept while the plan is reused
     splits: dict[frozenset[int], CopySplit] = dataclasses.field(default_factory=dict)
+    # This save's keys still to compare on the copy thread (a lazy hit), else None.
+    pending: Recheck | None = None
+
+    def checked(self) -> Plan:
+        """This plan with its pending keys compared now, on the caller's thread (a save that does not
+        copy on the copy thread after all: streamed)."""
+        return (self.pending.run() if self.pending is not None else None) or self
 
 
 @dataclass(frozen=True)
@@ -177,6 +192,11 @@ class _Cached:
     # this save's, since a model whose parameters became (or stopped being) DTensors hands out
     # other tensors, whose keys differ: a miss, which checks it.
     sharded: torch.nn.Module | None
+    # Walk indices of the plain tensors a deferred copy may take (flat index in ``flat_of``), whose
+    # full keys a lazy hit compares on the copy thread; ``eager``: every other walk index.
+    lazy: list[int]
+    eager: list[int]
+    flat_of: dict[int, int]
 
 
 class PlanCache:
@@ -205,7 +225,10 @@ class PlanCache:
             plan.splits[d] = CopySplit.of(plan.layout, plan.flat.tensors, d)
         return plan.nbytes
 
-    def plan(self, state: dict[str, Any], fence_on: Sequence[torch.optim.Optimizer] = ()) -> Plan:
+    def plan(self, state: dict[str, Any], fence_on: Sequence[torch.optim.Optimizer] = (), *,
+             lazy: bool = False) -> Plan:
+        """This save's plan. ``lazy``: the caller's copy defers ``flat.deferrable`` to the copy thread,
+        which then runs ``Plan.pending`` before it copies (see the module's docstring)."""
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict of names to values, got {type(state).__name__}")
         last = self._last
@@ -218,12 +241,15 @@ class PlanCache:
             # Key by key, each dropped once compared: a list of them would live through young
             # collections into the oldest generation, and set off its collection (0.2 s).
             try:
-                same = len(walk.tensors) == len(last.keys) and all(map(eq, map(tensor_key, walk.tensors), last.keys))
+                same = len(walk.tensors) == len(last.keys) and _same_keys(walk.tensors, last, lazy)
             except (RuntimeError, TypeError, AttributeError):
                 same = False
             if same:
                 self.hits += 1
-                return self._reuse(last, walk)
+                plan = self._reuse(last, walk)
+                if lazy and last.lazy:
+                    return dataclasses.replace(plan, pending=Recheck(self, [walk.tensors[i] for i in last.lazy]))
+                return plan
         self.misses += 1
         self._last = None
         if walk is not None and sharded is not dtensor.sharded_model_of(state):
@@ -234,8 +260,29 @@ class PlanCache:
         if walk is not None:
             counts: dict[int, int] = {}
             if _scalar_counts(flat.tree, counts) == len(walk.scalars):   # else: never reused
+                lazy_at = _lazy_indices(walk.tensors, flat)
                 self._last = _Cached(plan, walk.tokens, [tensor_key(t) for t in walk.tensors], walk.scalars,
-                                     _zeros(walk.scalars), counts, walk.objects, len(counts), walk.sharded)
+                                     _zeros(walk.scalars), counts, walk.objects, len(counts), walk.sharded,
+                                     list(lazy_at), [i for i in range(len(walk.tensors)) if i not in lazy_at],
+                                     lazy_at)
+        return plan
+
+    def relaid(self, changed: dict[int, torch.Tensor]) -> Plan:
+        """(Copy thread, a lazy hit's ``Recheck``) the cached plan with the lazy tensors at walk
+        indices ``changed`` taken as they are now, laid out anew; cached in its place. Names, tree,
+        placements and what is deferred stay: the structure and every address were equal."""
+        last = self._last
+        assert last is not None
+        p = last.plan
+        tensors = list(p.flat.tensors)
+        keys = list(last.keys)
+        for i, t in changed.items():
+            name, _ = tensors[last.flat_of[i]]
+            tensors[last.flat_of[i]] = (name, t.detach() if t.requires_grad else t)
+            keys[i] = tensor_key(t)
+        layout, nbytes = plan_layout(tensors, p.flat.placements)
+        plan = Plan(p.flat._replace(tensors=tensors), layout, nbytes, [e.to_wire() for e in layout])
+        self._last = dataclasses.replace(last, plan=plan, keys=keys)
         return plan
 
     def _reuse(self, last: _Cached, walk: _Walk) -> Plan:
@@ -248,6 +295,56 @@ class PlanCache:
                 last, plan=dataclasses.replace(p, flat=p.flat._replace(tree=tree)), scalars=walk.scalars,
                 zeros=_zeros(walk.scalars), counts=known)
         return last.plan
+
+
+class Recheck:
+    """A lazy hit's full key comparison of the tensors the copy defers, run on the copy thread before
+    it copies them (they stay as they are until the fence). ``run``: None when every key is equal, else
+    the save's plan laid out for the tensors as they now are (``PlanCache.relaid``)."""
+
+    def __init__(self, cache: PlanCache, tensors: list[torch.Tensor]) -> None:
+        self._cache, self._tensors = cache, tensors
+
+    def run(self) -> Plan | None:
+        last = self._cache._last
+        if last is None:        # cleared (close) before the copy ran: nothing to compare with
+            return None
+        tensors, self._tensors = self._tensors, []        # held no longer than the copy
+        changed = {i: t for i, t in zip(last.lazy, tensors, strict=True) if tensor_key(t) != last.keys[i]}
+        return self._cache.relaid(changed) if changed else None
+
+
+def _same_keys(tensors: list[torch.Tensor], last: _Cached, lazy: bool) -> bool:
+    """Whether this walk's tensors are the last plan's: every key in full, or with ``lazy`` the lazy
+    ones by address only (their full keys: ``Recheck``)."""
+    if not lazy or not last.lazy:
+        return all(map(eq, map(tensor_key, tensors), last.keys))
+    keys = last.keys
+    return (all(type(t := tensors[i]) in _PLAIN and t.data_ptr() == keys[i][0] for i in last.lazy)
+            and all(tensor_key(tensors[i]) == keys[i] for i in last.eager))
+
+
+def _lazy_indices(walked: list[torch.Tensor], flat: FlatState) -> dict[int, int]:
+    """Walk index → flat index of the plain tensors an overlapped copy defers (``flat.deferrable``):
+    the ones whose full key a lazy hit may compare on the copy thread. ``flat.tensors`` is in walk
+    order, less the DTensors this rank does not write; anything out of step: none are lazy."""
+    if not flat.deferrable:
+        return {}
+    out: dict[int, int] = {}
+    j = 0
+    for i, t in enumerate(walked):
+        written = flat.tensors[j][1] if j < len(flat.tensors) else None
+        if type(t) in _PLAIN:
+            if written is None or written.data_ptr() != t.data_ptr() or written.shape != t.shape:
+                return {}
+            if j in flat.deferrable and t.numel():
+                out[i] = j
+            j += 1
+        elif dtensor.is_dtensor(t):
+            j += written is not None and written is dtensor.local_tensor(t)
+        else:
+            return {}
+    return out if j == len(flat.tensors) else {}
 
 
 def _counts(tree: Any) -> dict[int, int]:

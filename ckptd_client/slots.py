@@ -6,13 +6,18 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ckptd.core.schema import Placement, TensorLayout
 
 from .dtensor import local_tensor
+from .errors import CheckpointError
 from .state import dtype_name
+
+if TYPE_CHECKING:
+    from .plan_cache import Plan, Recheck
 
 ALIGN = 64
 
@@ -63,7 +68,11 @@ class ClientSlot:
 
     def view(self, entry: TensorLayout, dtype: torch.dtype) -> torch.Tensor:
         """The slot bytes of ``entry`` as a tensor (``dtype``: the source's, equal to entry.dtype)."""
-        return self._mapped()[entry.offset: entry.offset + entry.nbytes].view(dtype).view(entry.shape)
+        return self.raw(entry).view(dtype).view(entry.shape)
+
+    def raw(self, entry: TensorLayout) -> torch.Tensor:
+        """The slot bytes of ``entry``, as bytes."""
+        return self._mapped()[entry.offset: entry.offset + entry.nbytes]
 
     def close(self) -> None:
         if self.pinned and self.buffer is not None:
@@ -130,6 +139,8 @@ class SlotCopy:
                  side_streams: dict[torch.device, torch.cuda.Stream] | None = None,
                  split: CopySplit | None = None) -> None:
         self._future: Future[None] | None = None
+        self.relaid: Plan | None = None       # the plan the copy thread laid out anew (``start``'s recheck)
+        self.error: CheckpointError | None = None    # why this copy cannot be handed off (the state may go on)
         self._events: list[tuple[torch.device, torch.cuda.Event]] = []
         if pool is None:
             deferred = frozenset()
@@ -162,17 +173,54 @@ class SlotCopy:
         self._pool = pool
         self._cpu_work = split.later_cpu
         self._slot = slot
+        self._layout, self._now, self._deferred = layout, split.now, deferred
 
     @property
     def deferred(self) -> bool:
         """Whether some bytes are (or will be) copied after save() returns."""
         return bool(self._cpu_work) or bool(self._events)
 
-    def start(self) -> None:
+    def start(self, recheck: Recheck | None = None) -> None:
         """Start the background CPU copy. Called as the last thing save() does: the copy thread
-        then competes with the trainer for the GIL only after save() has returned."""
-        if self._cpu_work and self._future is None and self._pool is not None:
-            self._future = self._pool.submit(_copy_all, self._slot, self._cpu_work)
+        then competes with the trainer for the GIL only after save() has returned. ``recheck``: the
+        plan's keys still to compare (plan_cache), on the copy thread before it copies."""
+        if (self._cpu_work or recheck is not None) and self._future is None and self._pool is not None:
+            self._future = self._pool.submit(self._background, recheck)
+
+    def _background(self, recheck: Recheck | None) -> None:
+        if recheck is not None:
+            try:
+                plan = recheck.run()
+                if plan is not None:
+                    self._relay(plan)
+                    return
+            except CheckpointError as e:      # the save fails; the trainer's fence does not
+                self.error = e
+                return
+        if self._cpu_work:
+            _copy_all(self._slot, self._cpu_work)
+
+    def _relay(self, plan: Plan) -> None:
+        """(Copy thread) a deferred tensor changed in place over the same bytes since the plan was
+        made: the bytes copied at save() move to ``plan``'s offsets and the deferred tensors (as
+        they are until the fence) are copied there; ``relaid`` is what the daemon is told."""
+        slot = self._slot
+        if plan.nbytes > slot.size:
+            raise CheckpointError(f"a tensor changed in place since the last save and the state now needs "
+                                  f"{plan.nbytes} bytes, more than the slot's {slot.size}: this save is dropped; "
+                                  "the next one plans the state anew")
+        for _, event in self._events:     # the side streams' copies, to the old offsets, land first
+            event.synchronize()
+        kept = [slot.raw(self._layout[i]).clone() for i in self._now]
+        for i, data in zip(self._now, kept, strict=True):
+            slot.raw(plan.layout[i]).copy_(data)
+        split = CopySplit.of(plan.layout, plan.flat.tensors, self._deferred)
+        _copy_all(slot, split.later_cpu)
+        with torch.no_grad():
+            for idx in split.later_gpu.values():
+                for i in idx:
+                    _copy(slot, plan.layout[i], split.tensors[i], non_blocking=False)
+        self.relaid = plan
 
     def fence(self) -> None:
         """Return once the state may be mutated. On CUDA the compute stream waits on the copy
@@ -183,8 +231,10 @@ class SlotCopy:
             self._future.result()
 
     def wait_host(self) -> None:
-        """Return once every byte is in the slot (the daemon may read it)."""
+        """Return once every byte is in the slot (the daemon may read it); raises ``error``."""
         for _, event in self._events:
             event.synchronize()
         if self._future is not None:
             self._future.result()
+        if self.error is not None:
+            raise self.error

@@ -110,6 +110,12 @@ class RestoreInfo:
         gone = self.missing + self.missing_tensors
         return f"; not in the step, left as they were: {listed(gone)}" if gone else ""
 
+    def __str__(self) -> str:
+        """The restore's log line."""
+        return (f"restored {'memory-level ' if self.level == 'memory' else ''}step {self.step} from {self.source} in "
+                f"{self.seconds:.3f}s (bytes: {self.from_memory} memory, {self.from_peers} peers, {self.from_storage} "
+                f"storage){f' (memory tier: {self.fallback})' if self.fallback else ''}{self.lacked()}")
+
 
 @dataclass(frozen=True)
 class Reader:

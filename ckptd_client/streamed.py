@@ -13,10 +13,12 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ckptd.core import protocol
+from ckptd.core.protocol import SaveLevel
 from ckptd.core.schema import TensorLayout
 
 from .connection import DaemonConnection
 from .dtensor import local_tensor
+from .errors import CheckpointError
 from .handle import SaveHandle
 from .plan_cache import Plan
 from .session import DaemonSession
@@ -34,7 +36,12 @@ def stream_save(session: DaemonSession, conn: DaemonConnection, handle: SaveHand
 
     ``handle.skipped`` when ``block`` is False and no slot is free for the first part. A failure
     after the first part gives the failing part's slot back, asks the daemon to drop the step
-    (its writer waits for parts no more) and raises."""
+    (its writer waits for parts no more) and raises. A memory-level save is refused: it is held as
+    one slot. The plan's pending keys (plan_cache) are compared here, before any part is copied."""
+    if handle.level is SaveLevel.MEMORY:
+        raise CheckpointError(f"a memory-level save must fit in one slot: {plan.nbytes} bytes "
+                              "stream through smaller ones (the daemon's slot_memory_limit)")
+    plan = plan.checked()
     layout = plan.layout
     total = max((t.offset + t.nbytes for t in layout), default=0)
     part = min(s.size for s in session.slots)

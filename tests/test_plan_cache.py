@@ -297,3 +297,71 @@ def test_close_lets_go_of_the_planned_state(daemon):
     ck.close()
     del state
     assert ref() is None
+
+
+def _in_place(kind: str) -> Callable[[dict[str, Any]], None]:
+    """A change of the model's weight over the same bytes: the address (all the trainer's thread
+    compares for a deferred tensor) stays, the key does not."""
+    def change(s: dict[str, Any]) -> None:
+        w = s["model"].weight
+        w.data = {"transpose": lambda d: d.t(), "reshape": lambda d: d.view(2, 8),
+                  "retype": lambda d: d.view(torch.bfloat16), "negate": lambda d: d._neg_view()}[kind](w.data)
+    return change
+
+
+@pytest.mark.parametrize("overlap", [True, "manual"])
+@pytest.mark.parametrize("kind", ["transpose", "reshape", "retype", "negate"])
+def test_deferred_tensor_changed_over_its_bytes_is_laid_out_on_the_copy_thread(daemon, overlap, kind):
+    """With an optimizer the weight is copied on the copy thread, and only its address is compared on
+    the trainer's: the copy thread finds the changed key, lays the slot out anew (the buffer copied
+    at save() moved with it) and the daemon gets that layout. A third save reuses the new plan."""
+    model = torch.nn.Sequential()
+    model.weight = torch.nn.Parameter(torch.arange(16.0).reshape(4, 4))
+    count = torch.arange(3, dtype=torch.int64)
+    model.register_buffer("count", count)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state: dict[str, Any] = {"model": model, "optim": opt, "loop": {"step": 1}}
+    ck = ckptd_client.Checkpointer("pc", socket=str(daemon.socket), commit="local")
+    ck.save(1, state, overlap=overlap).wait(60)
+    _in_place(kind)(state)
+    expected = {2: as_bytes(state)}
+    ck.save(2, state, overlap=overlap).wait(60)
+    assert (ck.plans.misses, ck.plans.hits) == (1, 1)            # a hit, its weight's key checked lazily
+    count.add_(5)                        # a buffer: copied at save(), moved with the layout
+    state["loop"]["step"] = 3
+    expected[3] = as_bytes(state)
+    ck.save(3, state, overlap=overlap).wait(60)
+    assert (ck.plans.misses, ck.plans.hits) == (1, 2)            # the plan the copy thread made, reused
+    ck.close()
+    reader = ckptd_client.Checkpointer("pc", socket=str(daemon.socket), commit="local")
+    for step in (2, 3):
+        target = fresh_like(state)
+        assert reader.restore(target, step=step) == step
+        assert as_bytes(target) == expected[step]
+    reader.close()
+
+
+def test_deferred_tensor_grown_over_its_bytes_fails_that_save_only(daemon):
+    """A parameter widened in place over a larger storage than the slot holds: the copy thread finds
+    it, that save fails saying why (the trainer's fence does not raise), and the next save is whole."""
+    base = torch.arange(float(1 << 22))
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(base[:8])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state: dict[str, Any] = {"model": model, "optim": opt}
+    ck = ckptd_client.Checkpointer("pc", socket=str(daemon.socket), commit="local")
+    ck.save(1, state).wait(60)
+    slot = min(s.size for s in ck.slots)
+    assert slot < base.numel()
+    model.w.data = base[: slot // 4 + 16]         # the same address, more bytes than a slot holds
+    h = ck.save(2, state)
+    ck.fence()
+    with pytest.raises(ckptd_client.CheckpointError, match="more than the slot"):
+        h.wait(60)
+    assert not (daemon.root / "pc" / "step-000000000002").exists()
+    expected = as_bytes(state)
+    ck.save(3, state).wait(60)
+    target = fresh_like(state)
+    assert ck.restore(target, step=3) == 3
+    assert as_bytes(target) == expected
+    ck.close()

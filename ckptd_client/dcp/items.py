@@ -140,10 +140,11 @@ class ItemPlans(PlanCache):
         self._pending = plan
         return self.marker
 
-    def plan(self, state: dict[str, Any], fence_on: Sequence[torch.optim.Optimizer] = ()) -> Plan:
+    def plan(self, state: dict[str, Any], fence_on: Sequence[torch.optim.Optimizer] = (), *,
+             lazy: bool = False) -> Plan:
         if state is self.marker:
             if self._pending is None:
                 raise CheckpointError("internal: a DCP save without a prepared plan")
             plan, self._pending = self._pending, None
             return plan
-        return super().plan(state, fence_on)
+        return super().plan(state, fence_on, lazy=lazy)
