@@ -25,8 +25,6 @@ re-typed, transposed) is found there and that save re-laid out (``Recheck.run``)
 from __future__ import annotations
 
 import dataclasses
-import math
-from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import eq
@@ -37,6 +35,8 @@ import torch
 from ckptd.core.schema import TensorLayout
 
 from . import dtensor
+from .plan_tree import counts_of, refill, scalar_counts, zeros
+from .sharded_sd import StateDicts
 from .slots import CopySplit, plan_layout
 from .state import FlatState, flatten_state, replacement, top_optimizer_ids
 
@@ -49,7 +49,7 @@ class _Walk:
     """One save's walk: tokens, tensors, scalars in tree order, state dicts taken (by object id)."""
 
     def __init__(self, state: dict[str, Any], fence_on: Sequence[torch.optim.Optimizer],
-                 sharded: torch.nn.Module | None) -> None:
+                 sharded: torch.nn.Module | None, memo: StateDicts) -> None:
         self.tokens: list[Any] = []
         self.tensors: list[torch.Tensor] = []
         self.scalars: list[Any] = []
@@ -57,6 +57,8 @@ class _Walk:
         self.objects: list[Any] = []          # kept alive while cached: their ids stay theirs
         self._keys: list[Any] = []            # the key path, for replacement()'s errors and FQNs
         self.sharded = sharded
+        self._memo = memo
+        memo.begin(sharded)
         self._top = top_optimizer_ids(state)
         self.walk(state)
         for opt in fence_on:
@@ -112,7 +114,8 @@ class _Walk:
             if id(obj) in self.taken:
                 sd = self.taken[id(obj)]
             else:
-                sd = self.taken[id(obj)] = _state_of(obj, "/".join(map(str, self._keys)), self.sharded, self._top)
+                sd = self.taken[id(obj)] = _state_of(obj, "/".join(map(str, self._keys)), self.sharded, self._top,
+                                                     self._memo)
                 self.objects.append(obj)
             if isinstance(obj, torch.optim.Optimizer):
                 self.optimizer(obj)
@@ -123,12 +126,18 @@ _MODULE_STATE_DICT = torch.nn.Module.state_dict
 _PLAIN = (torch.Tensor, torch.nn.Parameter)      # tensor_key's types that are never DTensors
 
 
-def _state_of(obj: Any, path: str, sharded: torch.nn.Module | None, top: set[int]) -> Any:
+def _state_of(obj: Any, path: str, sharded: torch.nn.Module | None, top: set[int], memo: StateDicts) -> Any:
     """``replacement(obj)``; for a module with torch's own ``state_dict`` its parameters and
     buffers themselves (``keep_vars``): no detached copy of each tensor per save (at 8,192 tensors
-    a third of the walk), and the same objects every save (``flatten_state`` detaches on a miss)."""
+    a third of the walk), and the same objects every save (``flatten_state`` detaches on a miss).
+    The sharded model's and its optimizers' FQN state dicts come through ``memo`` (sharded_sd.py)."""
     if getattr(type(obj), "state_dict", None) is _MODULE_STATE_DICT and obj is not sharded:
         return obj.state_dict(keep_vars=True)
+    if sharded is not None:
+        if obj is sharded:
+            return memo.model(obj)
+        if isinstance(obj, torch.optim.Optimizer) and id(obj) in top:
+            return memo.optimizer(sharded, obj, path)
     return replacement(obj, path, sharded, top)
 
 
@@ -144,18 +153,6 @@ def tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
         return (*tensor_key(dtensor.local_tensor(t)), tuple(t.placements), id(t.device_mesh),  # type: ignore[attr-defined]
                 t.shape)
     return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.is_conj(), t.is_neg())
-
-
-def _scalar_counts(node: Any, counts: dict[int, int]) -> int:
-    """Scalar leaves under each container node of an encoded tree (by node id), in tree order."""
-    if isinstance(node, dict):
-        (tag, value), = node.items()
-        if tag == "T":
-            return 0
-        n = sum(_scalar_counts(item[1] if tag == "d" else item, counts) for item in value)
-        counts[id(node)] = n
-        return n
-    return 1
 
 
 @dataclass(frozen=True)
@@ -205,11 +202,13 @@ class PlanCache:
 
     def __init__(self) -> None:
         self._last: _Cached | None = None
+        self.state_dicts = StateDicts()      # the sharded model's and its optimizers' (sharded_sd.py)
         self.hits = 0
         self.misses = 0
 
     def clear(self) -> None:
         self._last = None
+        self.state_dicts = StateDicts()
 
     def warm(self, state: dict[str, Any]) -> int | None:
         """Plan ``state`` now (after a restore: ``load_state_dict`` gives an optimizer new state
@@ -234,7 +233,7 @@ class PlanCache:
         last = self._last
         sharded = last.sharded if last is not None else dtensor.sharded_model_of(state)
         try:
-            walk = _Walk(state, fence_on, sharded)
+            walk = _Walk(state, fence_on, sharded, self.state_dicts)
         except (TypeError, ValueError, RuntimeError, AttributeError):
             walk = None          # flatten_state raises the error with its message
         if walk is not None and last is not None and walk.tokens == last.tokens:
@@ -259,10 +258,10 @@ class PlanCache:
         plan = Plan(flat, layout, nbytes, [e.to_wire() for e in layout])
         if walk is not None:
             counts: dict[int, int] = {}
-            if _scalar_counts(flat.tree, counts) == len(walk.scalars):   # else: never reused
+            if scalar_counts(flat.tree, counts) == len(walk.scalars):   # else: never reused
                 lazy_at = _lazy_indices(walk.tensors, flat)
                 self._last = _Cached(plan, walk.tokens, [tensor_key(t) for t in walk.tensors], walk.scalars,
-                                     _zeros(walk.scalars), counts, walk.objects, len(counts), walk.sharded,
+                                     zeros(walk.scalars), counts, walk.objects, len(counts), walk.sharded,
                                      list(lazy_at), [i for i in range(len(walk.tensors)) if i not in lazy_at],
                                      lazy_at)
         return plan
@@ -288,12 +287,12 @@ class PlanCache:
     def _reuse(self, last: _Cached, walk: _Walk) -> Plan:
         """The last plan with this save's scalars (its tensors: see tensor_key)."""
         p = last.plan
-        tree = _refill(last, walk.scalars)
+        tree = refill(p.flat.tree, last.scalars, last.zeros, last.counts, walk.scalars)
         if tree is not p.flat.tree:
-            known = last.counts if len(last.counts) <= 2 * last.nodes else _counts(tree)
+            known = last.counts if len(last.counts) <= 2 * last.nodes else counts_of(tree)
             last = self._last = dataclasses.replace(
                 last, plan=dataclasses.replace(p, flat=p.flat._replace(tree=tree)), scalars=walk.scalars,
-                zeros=_zeros(walk.scalars), counts=known)
+                zeros=zeros(walk.scalars), counts=known)
         return last.plan
 
 
@@ -345,51 +344,3 @@ def _lazy_indices(walked: list[torch.Tensor], flat: FlatState) -> dict[int, int]
         else:
             return {}
     return out if j == len(flat.tensors) else {}
-
-
-def _counts(tree: Any) -> dict[int, int]:
-    counts: dict[int, int] = {}
-    _scalar_counts(tree, counts)
-    return counts
-
-
-def _zeros(scalars: list[Any]) -> list[int]:
-    return [i for i, v in enumerate(scalars) if type(v) is float and v == 0.0]
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equal as saved: -0.0 is not 0.0, NaN is never the same (rebuilt). Types are equal: the
-    tokens hold each scalar's type."""
-    return a is b or (a == b and not (type(a) is float and a == 0.0 and math.copysign(1, a) != math.copysign(1, b)))
-
-
-def _refill(last: _Cached, scalars: list[Any]) -> Any:
-    """The cached tree, or a copy of the branches that hold a scalar changed since it was built
-    (the rest shared: the tree is never changed in place, an earlier SAVE may still be encoding it)."""
-    old = last.scalars
-    if scalars == old and all(_same(scalars[i], old[i]) for i in last.zeros):
-        return last.plan.flat.tree
-    changed = [i for i, (a, b) in enumerate(zip(scalars, old, strict=True)) if not _same(a, b)]
-    return _rebuild(last.plan.flat.tree, 0, changed, scalars, last.counts)
-
-
-def _rebuild(node: Any, lo: int, changed: list[int], scalars: list[Any], counts: dict[int, int]) -> Any:
-    if not isinstance(node, dict):
-        return scalars[lo]
-    (tag, value), = node.items()
-    if tag == "T":
-        return node
-    hi = lo + counts[id(node)]
-    i = bisect_left(changed, lo)
-    if i == len(changed) or changed[i] >= hi:
-        return node
-    out = []
-    for item in value:
-        child = item[1] if tag == "d" else item
-        n = counts.get(id(child), 0) if isinstance(child, dict) else 1
-        new = _rebuild(child, lo, changed, scalars, counts) if n else child
-        out.append([item[0], new] if tag == "d" and new is not child else item if tag == "d" else new)
-        lo += n
-    new_node = {tag: out}
-    counts[id(new_node)] = counts[id(node)]
-    return new_node

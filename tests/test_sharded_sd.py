@@ -1,0 +1,125 @@
+"""The sharded model's state dicts reused while unchanged (ckptd_client/sharded_sd.py): what a save
+takes equals what ``get_model_state_dict`` / ``get_optimizer_state_dict`` return at that moment,
+through training steps, an LR change, a new param group, an optimizer reloaded, a buffer added
+and a parameter replaced; reused (not rebuilt) only when nothing of that changed. Two real gloo
+ranks on CPU, FSDP2 with a persistent buffer beside the sharded parameters."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+WORKER = r'''
+import os
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from ckptd_client.sharded_sd import StateDicts
+
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4), torch.nn.Linear(4, 4))
+model[0].register_buffer("seen", torch.zeros(3))
+for m in model:
+    fully_shard(m, mesh=mesh)
+fully_shard(model, mesh=mesh)
+opt = torch.optim.AdamW([*model[0].parameters(), *model[1].parameters()], lr=0.1)
+
+
+def step():
+    opt.zero_grad()
+    model(torch.randn(4, 8)).square().mean().backward()
+    opt.step()
+    with torch.no_grad():
+        model[0].seen.add_(1)
+
+
+def same(a, b, path=""):
+    """Equal as a save sees them: keys and order, scalars, each tensor's bytes (a DTensor's local
+    shard and placements) and where they live."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), (path, list(a), list(b))
+        for k in a:
+            same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            same(x, y, f"{path}/{i}")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        if isinstance(a, DTensor):
+            assert isinstance(b, DTensor) and a.placements == b.placements and a.shape == b.shape, path
+            a, b = a.to_local(), b.to_local()
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), path
+        assert a.data_ptr() == b.data_ptr() and torch.equal(a, b), path
+    else:
+        assert type(a) is type(b) and a == b, (path, a, b)
+
+
+memo = StateDicts()
+
+
+def check(expect_model_reused, expect_optim_reused):
+    before = memo.reused
+    memo.begin(model)
+    m = memo.model(model)
+    o = memo.optimizer(model, opt, "optim")
+    same(m, get_model_state_dict(model), "model")
+    same(o, get_optimizer_state_dict(model, opt), "optim")
+    assert memo.reused - before == expect_model_reused + expect_optim_reused, (memo.reused - before,
+                                                                              expect_model_reused, expect_optim_reused)
+
+
+step()
+check(0, 0)                      # first: taken
+step()
+check(1, 1)                      # trained: the same objects, values changed in place
+opt.param_groups[0]["lr"] = 0.025
+check(1, 1)                      # the new LR is in the reused optimizer state dict
+opt.add_param_group({"params": list(model[2].parameters()), "lr": 0.5})
+check(1, 0)                      # a new group: the optimizer's taken again
+step()
+check(1, 0)                      # the new group's parameters got state: taken again
+check(1, 1)
+opt.load_state_dict(opt.state_dict())
+check(1, 0)                      # reloaded: new per-parameter state objects
+model[1].register_buffer("extra", torch.ones(2))
+check(0, 0)                      # a buffer added: the model (and the optimizer's FQNs) taken again
+check(1, 1)
+old = model[0].seen
+model[0].seen = old.clone()      # a buffer replaced by another tensor
+check(0, 0)
+print("WORKER OK", flush=True)
+dist.destroy_process_group()
+os._exit(0)
+'''
+
+
+def test_reused_state_dicts_equal_fresh_ones(tmp: Path) -> None:
+    script = tmp / "sd_worker.py"
+    script.write_text(WORKER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True,
+                              env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
+                                       WORLD_SIZE="2", OMP_NUM_THREADS="1"))
+             for r in range(2)]
+    outs = []
+    try:
+        outs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, (p, out) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0 and "WORKER OK" in out, f"rank {r} (rc={p.returncode}):\n{out[-4000:]}"
