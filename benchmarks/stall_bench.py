@@ -18,6 +18,12 @@ background work lands in another's stall; then the optimizer step (a slice of ev
 mutated, its step pre-hook fencing) runs. The first ``--warmup`` saves per method are reported
 apart. Then the first saves after ``restore()`` into a fresh model and optimizer (a resumed run)
 against the saves after them. Results: benchmarks/results/stall.md and stall.json.
+
+``--fsdp2``: the same state with every block and the root under FSDP2 ``fully_shard`` (one gloo
+rank: DTensor parameters and AdamW state, as a sharded job's rank holds them). ckptd saves the
+objects (``{"model": model, "optim": opt}``, keyed by FQN); DCP and torch_checkpointing save what
+``get_state_dict(model, opt)`` returns, taken in their save call as torchtitan's wrappers do.
+Results: stall_fsdp2.md and .json.
 """
 from __future__ import annotations
 
@@ -68,20 +74,34 @@ class TouchAdamW(torch.optim.AdamW):
                 st["step"] += 1
                 n = min(TOUCH, p.numel())
                 for t in (p, st["exp_avg"], st["exp_avg_sq"]):
-                    t.view(-1)[:n].mul_(0.999).add_(1e-6)
+                    local(t).view(-1)[:n].mul_(0.999).add_(1e-6)
 
 
-def build(count: int, size_mib: int, seed: int = 0) -> tuple[torch.nn.Module, TouchAdamW]:
-    """``count`` tensors (count / 4 parameters, each with AdamW's three state tensors), ~size_mib."""
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (--fsdp2), else the tensor."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def build(count: int, size_mib: int, seed: int = 0, fsdp2: bool = False) -> tuple[torch.nn.Module, TouchAdamW]:
+    """``count`` tensors (count / 4 parameters, each with AdamW's three state tensors), ~size_mib;
+    ``fsdp2``: every block and the root under ``fully_shard`` on a one-rank mesh."""
     params = max(1, count // 4)
     numel = max(1, size_mib * 2**20 // 12 // params)
     model = torch.nn.Module()
     model.blocks = torch.nn.ModuleList(Block(numel) for _ in range(params))
+    if fsdp2:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (1,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.normal_(0, 0.02, generator=g)
-            p.grad = torch.randn(p.shape, generator=g) * 1e-3
+            local(p).normal_(0, 0.02, generator=g)
+            p.grad = torch.zeros_like(p)
+            local(p.grad).copy_(torch.randn(local(p).shape, generator=g) * 1e-3)
     opt = TouchAdamW(model.parameters(), lr=1e-3)
     opt.step()
     for p in model.parameters():
@@ -207,6 +227,23 @@ class TorchCheckpointing:
         self.manager.close()
 
 
+class FqnState:
+    """What DCP and torch_checkpointing save of an FSDP2 model (--fsdp2): ``get_state_dict``'s
+    FQN-keyed dicts, taken when the save asks (torchtitan's ModelWrapper / OptimizersContainer)."""
+
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer, part: str) -> None:
+        self.model, self.opt, self.part = model, opt, part
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        if self.part == "model":
+            return get_model_state_dict(self.model)
+        return get_optimizer_state_dict(self.model, self.opt)
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        raise NotImplementedError("the stall benchmark does not load through DCP")
+
+
 def torch_checkpointing_status() -> str | None:
     """None when torch_checkpointing can be imported, else why it is not in the table."""
     if importlib.util.find_spec("torch_checkpointing") is None:
@@ -216,11 +253,14 @@ def torch_checkpointing_status() -> str | None:
 
 def measure(method: Any, state: dict[str, Any], opt: TouchAdamW, first_step: int, saves: int,
             step_s: float) -> list[float]:
-    """Stall (save + fence) of ``saves`` saves, each settled before the optimizer step."""
+    """Stall (save + fence) of ``saves`` saves, each settled before the optimizer step. With
+    --fsdp2, ``state`` is ckptd's and DCP / torch_checkpointing get ``get_state_dict``'s (FqnState)."""
     out = []
     for i in range(saves):
+        mine = state if isinstance(method, CkptdOverlap) or "fqn" not in state else state["fqn"]
+        mine = {k: v for k, v in mine.items() if k != "fqn"}
         t0 = time.perf_counter()
-        method.save(first_step + i, state)
+        method.save(first_step + i, mine)
         s = time.perf_counter() - t0
         time.sleep(step_s)                     # forward/backward
         t0 = time.perf_counter()
@@ -232,8 +272,10 @@ def measure(method: Any, state: dict[str, Any], opt: TouchAdamW, first_step: int
 
 
 def run_count(count: int, cfg: argparse.Namespace, socket: str, root: str, base: Path) -> dict[str, Any]:
-    model, opt = build(count, cfg.size_mib)
-    state = {"model": model, "optim": opt}
+    model, opt = build(count, cfg.size_mib, fsdp2=cfg.fsdp2)
+    state: dict[str, Any] = {"model": model, "optim": opt}
+    if cfg.fsdp2:
+        state["fqn"] = {"model": FqnState(model, opt, "model"), "optim": FqnState(model, opt, "optim")}
     tensors = sum(1 for _ in model.parameters()) * 4
     raw = sum(p.numel() * 4 * 3 + 4 for p in model.parameters())
     job = f"stall{count}"
@@ -242,8 +284,8 @@ def run_count(count: int, cfg: argparse.Namespace, socket: str, root: str, base:
     methods: dict[str, Any] = {"ckptd": CkptdOverlap(socket, root, job), "dcp": DcpAsyncStaged(workdir)}
     if torch_checkpointing_status() is None:
         methods["tc"] = TorchCheckpointing(workdir)
-    for m in methods.values():
-        m.prepare(state)
+    for name, m in methods.items():
+        m.prepare(state if name == "ckptd" or "fqn" not in state else state["fqn"])
     stalls: dict[str, list[float]] = {k: [] for k in methods}
     step = 1
     for r in range(cfg.warmup + cfg.rounds):
@@ -256,7 +298,7 @@ def run_count(count: int, cfg: argparse.Namespace, socket: str, root: str, base:
         m.close()
 
     # A resumed run: a fresh model and optimizer (no state yet) restored from the last step, then saved.
-    model2, opt2 = build(count, cfg.size_mib, seed=1)
+    model2, opt2 = build(count, cfg.size_mib, seed=1, fsdp2=cfg.fsdp2)
     state2 = {"model": model2, "optim": opt2}
     ck2 = CkptdOverlap(socket, root, job)
     t0 = time.perf_counter()
@@ -280,9 +322,12 @@ def run_count(count: int, cfg: argparse.Namespace, socket: str, root: str, base:
 
 def to_markdown(res: dict[str, Any]) -> str:
     m = res["machine"]
-    lines = ["# Stall per save vs tensor count", "",
+    lines = ["# Stall per save vs tensor count" + (", FSDP2" if res.get("fsdp2") else ""), "",
              f"{res['size_mib']} MiB of state (fp32 parameters + AdamW exp_avg, exp_avg_sq, step) split into N "
-             "tensors (N / 4 one-parameter modules); "
+             "tensors (N / 4 one-parameter modules"
+             + ("; every module and the root under FSDP2 fully_shard on one gloo rank: DTensor parameters and "
+                "optimizer state; ckptd saves the objects, DCP and torch_checkpointing get_state_dict's dicts taken "
+                "in their save call" if res.get("fsdp2") else "") + "); "
              f"{res['rounds']} measured saves per method and count after {res['warmup']} warm-up, methods interleaved "
              f"round by round, each save settled before the next; {res['step_ms']} ms of idle \"forward/backward\" "
              "between save and fence. Stall = save() + fence() (ckptd overlapped); waiting for the previous upload + "
@@ -332,12 +377,18 @@ def main() -> int:
     ap.add_argument("--step-ms", type=int, default=200)
     ap.add_argument("--steps-before-save", type=int, default=25,
                     help="training steps a resumed run takes before its first save")
-    ap.add_argument("--out", default=str(RESULTS / "stall"))
+    ap.add_argument("--fsdp2", action="store_true", help="the state under FSDP2 on one gloo rank (see above)")
+    ap.add_argument("--out", default=None, help="results path without extension (default results/stall[_fsdp2])")
     cfg = ap.parse_args()
+    cfg.out = cfg.out or str(RESULTS / ("stall_fsdp2" if cfg.fsdp2 else "stall"))
     torch.set_num_threads(1)
+    if cfg.fsdp2:
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp(prefix='ckptd-stall-pg-')}",
+                                rank=0, world_size=1)
     t_start = time.perf_counter()
     base = Path(tempfile.mkdtemp(prefix="ckptd-stall-", dir="/tmp"))
-    res: dict[str, Any] = {"size_mib": cfg.size_mib, "rounds": cfg.rounds, "warmup": cfg.warmup,
+    res: dict[str, Any] = {"size_mib": cfg.size_mib, "rounds": cfg.rounds, "warmup": cfg.warmup, "fsdp2": cfg.fsdp2,
                            "step_ms": cfg.step_ms, "steps_before_save": cfg.steps_before_save,
                            "machine": machine_info(base),
                            "torch_checkpointing": torch_checkpointing_status(), "counts": []}
