@@ -75,9 +75,10 @@ bench-memory-footprint: $(VENV)/.installed-bench
 
 # The trainer's stall per save over tensor counts 16 / 256 / 2,048 / 8,192 at a fixed state size:
 # ckptd overlapped vs DCP async_save (DefaultStager, async staging) vs torch_checkpointing (when
-# installed), interleaved; writes benchmarks/results/stall.md and .json.
+# installed), interleaved; writes benchmarks/results/stall.md and .json. ARGS=--fsdp2: the state under
+# FSDP2 on one gloo rank (results/stall_fsdp2.md).
 bench-stall: $(VENV)/.installed-bench
-	$(PY) benchmarks/stall_bench.py
+	$(PY) benchmarks/stall_bench.py $(ARGS)
 
 # One rank's ~1 GiB GPT-like state: ckptd's time to durable vs the disk's own write + fsync of the same
 # bytes in the same run, vs DCP async_save and torch_checkpointing (page cache only: it never fsyncs),
