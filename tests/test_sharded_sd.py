@@ -2,7 +2,10 @@
 takes equals what ``get_model_state_dict`` / ``get_optimizer_state_dict`` return at that moment,
 through training steps, an LR change, a new param group, an optimizer reloaded, a buffer added
 and a parameter replaced; reused (not rebuilt) only when nothing of that changed. Two real gloo
-ranks on CPU, FSDP2 with a persistent buffer beside the sharded parameters."""
+ranks on CPU, FSDP2 with a persistent buffer beside the sharded parameters. And a DTensor whose
+local shard changes in place over the same bytes (what only the copy thread's full key compare
+sees, plan_cache.Recheck): that save fails saying why, the trainer's fence does not raise, and
+the next save plans anew and restores bit-exact."""
 from __future__ import annotations
 
 import os
@@ -10,6 +13,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 WORKER = r'''
 import os
@@ -102,17 +106,53 @@ os._exit(0)
 '''
 
 
-def test_reused_state_dicts_equal_fresh_ones(tmp: Path) -> None:
-    script = tmp / "sd_worker.py"
-    script.write_text(WORKER)
+DTENSOR_IN_PLACE = r'''
+import os, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import ckptd_client
+
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (1,))
+w = torch.nn.Parameter(distribute_tensor(torch.arange(16.0).reshape(4, 4), mesh, [Shard(0)]))
+opt = torch.optim.SGD([w], lr=0.1)
+state = {"w": w, "optim": opt}
+ck = ckptd_client.Checkpointer("dt", socket=sys.argv[1], commit="local")
+ck.save(1, state).wait(60)
+local = w._local_tensor
+local.data = local.data.t()                      # the same bytes, transposed: only the full key differs
+h = ck.save(2, state)
+ck.fence()                                       # the trainer's fence does not raise
+try:
+    h.wait(60)
+    raise AssertionError("the save of a DTensor changed in place committed")
+except ckptd_client.CheckpointError as e:
+    assert "changed in place" in str(e), e
+want = w.to_local().clone()
+ck.save(3, state).wait(60)
+with torch.no_grad():
+    w.to_local().zero_()
+assert ck.restore(state, step=3) == 3
+assert torch.equal(w.to_local(), want) and w.to_local().stride() == want.stride()
+ck.close()
+print("WORKER OK", flush=True)
+dist.destroy_process_group()
+os._exit(0)
+'''
+
+
+def run(script: Path, world: int, *args: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    procs = [subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True,
                               env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
-                                       WORLD_SIZE="2", OMP_NUM_THREADS="1"))
-             for r in range(2)]
+                                       WORLD_SIZE=str(world), OMP_NUM_THREADS="1"))
+             for r in range(world)]
     outs = []
     try:
         outs = [p.communicate(timeout=180)[0] for p in procs]
@@ -123,3 +163,16 @@ def test_reused_state_dicts_equal_fresh_ones(tmp: Path) -> None:
                 p.wait()
     for r, (p, out) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0 and "WORKER OK" in out, f"rank {r} (rc={p.returncode}):\n{out[-4000:]}"
+
+
+def test_reused_state_dicts_equal_fresh_ones(tmp: Path) -> None:
+    script = tmp / "sd_worker.py"
+    script.write_text(WORKER)
+    run(script, 2)
+
+
+def test_dtensor_changed_in_place_fails_that_save_only(tmp: Path, daemon: Any) -> None:
+    script = tmp / "dt_worker.py"
+    script.write_text(DTENSOR_IN_PLACE)
+    run(script, 1, str(daemon.socket))
+    assert not (daemon.root / "dt" / "step-000000000002").exists()
