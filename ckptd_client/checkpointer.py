@@ -258,8 +258,8 @@ class Checkpointer:
     def fence(self) -> None:
         """Wait until the state may be mutated (only an overlapped save's copy can be pending)."""
         done = self._copies.fence()
-        if done is not None:
-            self._session.report(done.step, done.stall_s, done.fence_s)
+        if done is not None:     # the metrics report goes from the copy thread, after that save's hand-off
+            self._copies.pool().submit(self._session.report, done.step, done.stall_s, done.fence_s)
 
     def _abandon(self, handle: SaveHandle, error: str | None) -> None:
         """A save that never reached the daemon: give its slot back and resolve its handle."""
