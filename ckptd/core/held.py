@@ -36,6 +36,26 @@ def layout_checksums(data: memoryview, layout: Sequence[TensorLayout],
     return tuple(raw_checksums(data[t.offset:t.offset + t.nbytes], chunk_bytes) for t in layout)
 
 
+def written_checksums(manifest: Manifest, layout: Sequence[TensorLayout],
+                      chunk_bytes: int) -> tuple[tuple[str, ...], ...] | None:
+    """What ``layout_checksums`` of the slot gives, taken from the manifest the writer made of it
+    (each chunk's raw xxh3: its stored one if raw, its ``raw_checksum`` if encoded): the memory tier
+    keeps the slot it was written from without hashing it again. None unless every tensor's chunks
+    are ``chunk_bytes`` pieces of it with raw checksums."""
+    if len(manifest.tensors) != len(layout):
+        return None
+    out = []
+    for entry, t in zip(manifest.tensors, layout, strict=True):
+        sizes = [n for _, n in chunk_ranges(t.nbytes, chunk_bytes)]
+        if entry.name != t.name or [c.raw_len for c in entry.chunks] != sizes:
+            return None
+        sums = tuple(c.raw_checksum or (c.checksum if c.codec == "none" else "") for c in entry.chunks)
+        if not all(sums):
+            return None
+        out.append(sums)
+    return tuple(out)
+
+
 def verify(data: memoryview | bytes, checksums: tuple[str, ...], chunk_bytes: int, what: str) -> None:
     """ChecksumError naming the first chunk of one tensor's bytes ``data`` whose checksum differs."""
     view = memoryview(data)

@@ -204,9 +204,9 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
 
         def drain_one() -> None:
             nonlocal pos, flushed, paced, since
-            entry, parts, meta = window.pop_oldest()
-            if hooks.before_write is not None:
+            if hooks.before_write is not None:     # first: a raise leaves no view of the source in its traceback
                 hooks.before_write()
+            entry, parts, meta = window.pop_oldest()
             pos += storage.write_all(fd, parts)
             entry.chunks.append(meta)
             if hooks.written is not None:

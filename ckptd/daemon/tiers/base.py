@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptd.core.rank_record import RankRecord
-from ckptd.core.schema import TensorLayout
+from ckptd.core.schema import Manifest, TensorLayout
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,7 @@ class ShardWritten:
     digest: str
     seconds: float
     record: RankRecord | None = None     # what the commit needs of this rank (rank_record.py), if known
+    manifest: Manifest | None = None     # the manifest written, where a tier wrote one (its raw chunk checksums)
 
 
 @dataclass(frozen=True)

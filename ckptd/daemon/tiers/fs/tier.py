@@ -78,7 +78,7 @@ class FsTier(StorageTier):
                                 ref.rank, ref.world_size, data, list(layout), tree, self.settings, self._codec_pool,
                                 self.window, released, abandoned)
         return ShardWritten(result.manifest.raw_bytes, result.manifest.stored_bytes, result.digest, result.seconds,
-                            summarize(result.manifest, result.digest))
+                            summarize(result.manifest, result.digest), result.manifest)
 
     def _gate(self) -> PublishGate:
         return PublishGate()
