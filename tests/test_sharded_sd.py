@@ -8,12 +8,10 @@ sees, plan_cache.Recheck): that save fails saying why, the trainer's fence does 
 the next save plans anew and restores bit-exact."""
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
+
+import sharded_trainer as st
 
 WORKER = r'''
 import os
@@ -26,7 +24,8 @@ from torch.distributed.tensor import DTensor
 
 from ckptd_client.sharded_sd import StateDicts
 
-dist.init_process_group("gloo")
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+                        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4), torch.nn.Linear(4, 4))
@@ -115,7 +114,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import ckptd_client
 
-dist.init_process_group("gloo")
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+                        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 mesh = init_device_mesh("cpu", (1,))
 w = torch.nn.Parameter(distribute_tensor(torch.arange(16.0).reshape(4, 4), mesh, [Shard(0)]))
 opt = torch.optim.SGD([w], lr=0.1)
@@ -145,24 +145,9 @@ os._exit(0)
 
 
 def run(script: Path, world: int, *args: str) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True,
-                              env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
-                                       WORLD_SIZE=str(world), OMP_NUM_THREADS="1"))
-             for r in range(world)]
-    outs = []
-    try:
-        outs = [p.communicate(timeout=180)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, (p, out) in enumerate(zip(procs, outs, strict=True)):
-        assert p.returncode == 0 and "WORKER OK" in out, f"rank {r} (rc={p.returncode}):\n{out[-4000:]}"
+    """``world`` gloo ranks of ``script`` (sharded_trainer.run_group); each must print WORKER OK."""
+    for r, out in enumerate(st.run_group(world, *args, script=script, timeout=180)):
+        assert "WORKER OK" in out, f"rank {r}:\n{out[-4000:]}"
 
 
 def test_reused_state_dicts_equal_fresh_ones(tmp: Path) -> None:
