@@ -193,8 +193,9 @@ class _Cached:
     # this save's, since a model whose parameters became (or stopped being) DTensors hands out
     # other tensors, whose keys differ: a miss, which checks it.
     sharded: torch.nn.Module | None
-    # Walk indices of the plain tensors a deferred copy may take (flat index in ``flat_of``), whose
-    # full keys a lazy hit compares on the copy thread; ``eager``: every other walk index.
+    # Walk indices of the tensors a deferred copy takes (plain ones, and DTensors this rank writes;
+    # flat index in ``flat_of``), whose full keys a lazy hit compares on the copy thread; ``eager``:
+    # every other walk index.
     lazy: list[int]
     eager: list[int]
     flat_of: dict[int, int]
