@@ -406,7 +406,7 @@ async def test_step_timeout_fails_a_step_missing_ranks(h: Harness) -> None:
     h.now += 0.5
     await h.coord.expire()
     assert h.step_moves(1) == [F] and h.shard_moves(1, 0) == [SD, SX]
-    assert r0.last()["reason"] == "timed out after 5s waiting for ranks [1, 2] to be durable"
+    assert r0.last()["reason"] == "timed out after 5s waiting for ranks 1-2 to be durable"
     assert not h.path(1).exists()
 
 
@@ -733,3 +733,12 @@ async def test_an_index_in_place_is_committed_whatever_fails_after_its_rename(h:
     assert verify_step(str(h.path(1))) == []
     c = h.coord.counters()          # said, not silent: counted (a metric) as well as logged
     assert (c.steps_committed, c.steps_committed_unsynced) == (1, 1)
+
+
+def test_rank_spans_names_runs_and_cuts_long_lists() -> None:
+    """A timed-out step at thousands of ranks names them as runs, not one by one."""
+    from ckptd.core.names import rank_spans
+    assert rank_spans([2, 1]) == "1-2"
+    assert rank_spans(range(512, 4096)) == "512-4095"
+    assert rank_spans([0, 3, 4, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 24]) == "0, 3-5, 7, 9, 11, 13, 15, 17 and 4 more"
+    assert rank_spans([]) == ""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Sequence
 from typing import Any, TypeGuard
 
 from .errors import FormatError
@@ -40,6 +41,20 @@ def short(value: object, limit: int = 80) -> str:
     """repr() for error messages, cut short: the value may be 16 MiB of hostile text."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def rank_spans(ranks: Sequence[int], limit: int = 8) -> str:
+    """Sorted ranks as runs for a message (``0, 3-7, 9``), at most ``limit`` runs then how many more
+    ranks: a timeout at 32,768 ranks must not log every one."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:limit])
+    rest = sum(b - a + 1 for a, b in runs[limit:])
+    return text + (f" and {rest} more" if rest else "")
 
 
 # ---- checks every validator shares -------------------------------------------

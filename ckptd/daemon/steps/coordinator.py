@@ -26,6 +26,7 @@ import time
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
+from ckptd.core.names import rank_spans
 from ckptd.core.protocol import CommitMode, EventOp, event
 from ckptd.core.rank_record import RankRecord
 from ckptd.core.schema import TensorLayout
@@ -144,7 +145,7 @@ class StepCoordinator(Generic[W]):
                 continue
             try:
                 await self._fail(st, f"timed out after {self.step_timeout:g}s waiting for ranks "
-                                     f"{st.missing()} to be durable")
+                                     f"{rank_spans(st.missing())} to be durable")
             except Exception:  # one bad step must not stop every later timeout
                 log.exception("failing a timed-out step failed", extra={"ctx": {"job": st.job, "step": st.step}})
 
