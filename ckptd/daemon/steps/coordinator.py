@@ -21,6 +21,7 @@ Two rules about what a step leaves behind:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
@@ -369,10 +370,8 @@ class StepCoordinator(Generic[W]):
         loop = asyncio.get_running_loop()
 
         def call() -> None:
-            try:
+            with contextlib.suppress(RuntimeError):    # the loop is closed: the daemon is exiting
                 loop.call_soon_threadsafe(callback)
-            except RuntimeError:       # the loop is closed: the daemon is exiting
-                pass
         return call
 
     # ---- what status, metrics and retention see ----------------------------------------------
