@@ -197,18 +197,15 @@ def plan(files: StepFiles, tensors: dict[str, GlobalTensor], needs: Sequence[Nee
                 raise CheckpointError(f"tensor {need.name!r}: saved rank {need.source} holds no copy of it "
                                       f"(held by ranks {[p.rank for p in t.pieces]}) in {files.path}")
         else:
-            pieces = _distinct(t.pieces, prefer)
+            if len(t.shape) != len(need.region.sizes):
+                raise CheckpointError(f"tensor {need.name!r} has {len(t.shape)} dimensions in {files.path}, "
+                                      f"{len(need.region.sizes)} are needed")
+            pieces = _distinct(t.overlapping(need.region), prefer)    # a grid's by arithmetic, not a scan
             exact = [p for p in pieces if p.region == need.region]    # the same layout: one piece, no intersecting
             pieces = exact or pieces
         covered = 0
         for p in pieces:
             where = f"tensor {need.name!r}: entry {p.name!r} of {os.path.join(files.path, rank_manifest_name(p.rank))}"
-            if t.kind != LOCAL:       # the index says where the piece is: skip it unread if it is not needed
-                if len(p.region.sizes) != len(need.region.sizes):
-                    raise CheckpointError(f"{where} has {len(p.region.sizes)} dimensions, {len(need.region.sizes)} "
-                                          "are needed")
-                if p.region.intersect(need.region) is None:
-                    continue
             entry = files.entry(p.rank, p.name, need.name)
             region = p.region          # a local copy's region is its own whole shape
             dtype = t.copy_of(p)[0]

@@ -31,6 +31,7 @@ from ckptd.core import protocol
 from ckptd.core.errors import FormatError
 from ckptd.core.global_index import LOCAL, SHARDED, GlobalTensor, Piece
 from ckptd.core.map_check import MapCheck, MapFault, geometry_faults, region_text, tiling_faults, uncovered_block
+from ckptd.core.piece_grid import PieceGrid
 from ckptd.core.reader import StepReader, verify_step
 from ckptd.core.regions import Region, coverage_faults
 from ckptd.core.schema import digest_bytes, index_digest
@@ -120,11 +121,22 @@ def verify_faults(path: Path) -> tuple[int, list[str]]:
     return r.returncode, faults
 
 
-def edit_index(path: Path, mutate: Callable[[dict[str, Any]], None]) -> None:
+def edit_index(path: Path, mutate: Callable[[dict[str, Any]], object]) -> None:
     idx = json.loads((path / "index.json").read_text())
     mutate(idx)
     idx["digest"] = index_digest(idx)       # a checksum, not a signature: whoever edits can recompute it
     (path / "index.json").write_text(json.dumps(idx))
+
+
+def listed(idx: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    """Tensor ``name``'s pieces as a list (the form of a map that is not a grid), to edit one."""
+    t = idx["tensors"][name]
+    if "grid" in t:
+        g = t.pop("grid")
+        grid = PieceGrid(tuple(t["shape"]), tuple(g["chunks"]), tuple(g["counts"]), g["base"], tuple(g["strides"]))
+        t["pieces"] = [{"rank": r, "name": name, **region.to_json()} for r, region in grid.pieces()]
+    pieces: list[dict[str, Any]] = t["pieces"]
+    return pieces
 
 
 def copy_step(src: Path, tmp: Path, job: str) -> Path:
@@ -186,14 +198,14 @@ def test_sharded_step_inspect_text(sharded_step: Path) -> None:
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0] == str(sharded_step)
-    assert lines[1] == "job tp, step 1, format 2, world size 2"
+    assert lines[1] == "job tp, step 1, format 3, world size 2"
     assert lines[2].startswith("raw 264 B, stored ") and "(ratio " in lines[2]
     assert lines[3] == "per-rank keys: none"
     assert lines[4] == "4 tensors (3 sharded, 1 local), map from the index"
     rows = {ln.split()[0]: ln for ln in lines[6:]}
     assert lines[5].split() == ["TENSOR", "DTYPE", "SHAPE", "SIZE", "SPLIT"]
     assert rows["w"].split()[1:5] == ["float32", "[8,", "4]", "128"]
-    assert rows["w"].endswith("sharded, 2 pieces: rank 0 rows 0:4 of 8; rank 1 rows 4:8 of 8")
+    assert rows["w"].endswith("sharded, 2 pieces in a grid of 2 x 1: rank 0 rows 0:4 of 8; rank 1 rows 4:8 of 8")
     assert rows["m"].endswith(
         "sharded, 4 pieces: rank 0 rows 0:2 of 4, cols 0:3 of 6 (entry 'm.p0'); "
         "rank 0 rows 2:4 of 4, cols 3:6 of 6 (entry 'm.p1'); rank 1 rows 0:2 of 4, cols 3:6 of 6 (entry 'm.p0'); "
@@ -207,14 +219,13 @@ def test_sharded_step_inspect_json(sharded_step: Path) -> None:
     r = ckptd("inspect", "--json", str(sharded_step))
     assert r.returncode == 0, r.stderr
     desc = json.loads(r.stdout)
-    assert (desc["job"], desc["step"], desc["format_version"], desc["world_size"]) == ("tp", 1, 2, 2)
+    assert (desc["job"], desc["step"], desc["format_version"], desc["world_size"]) == ("tp", 1, 3, 2)
     assert desc["tensor_map"] == "index" and desc["per_rank_keys"] == [] and desc["geometry_faults"] == []
     assert desc["raw_bytes"] == sum(r["raw_bytes"] for r in desc["ranks"]) == 2 * (64 + 24 + 24 + 16) + 8
     assert list(desc["tensors"]) == ["b", "m", "s", "w"]
     w = desc["tensors"]["w"]
     assert (w["dtype"], w["shape"], w["kind"], w["nbytes"]) == ("float32", [8, 4], SHARDED, 128)
-    assert w["pieces"] == [{"rank": 0, "name": "w", "offsets": [0, 0], "sizes": [4, 4]},
-                           {"rank": 1, "name": "w", "offsets": [4, 0], "sizes": [4, 4]}]
+    assert w["grid"] == {"chunks": [4, 4], "counts": [2, 1], "base": 0, "strides": [1, 0]}   # rows 0:4, 4:8
     assert desc["tensors"]["b"] == {"dtype": "float32", "shape": [4], "kind": LOCAL, "held_by": "all",
                                     "same": True, "nbytes": 16}
     assert desc["tensors"]["s"]["pieces"] == [{"rank": 0, "name": "s", "offsets": [], "sizes": []}]
@@ -281,7 +292,7 @@ def test_pieces_that_disagree_on_the_global_shape_are_refused_at_commit(geo_daem
 
 def test_index_that_drops_a_piece(sharded_step: Path, area: Path) -> None:
     path = copy_step(sharded_step, area, "tp")
-    edit_index(path, lambda idx: idx["tensors"]["w"]["pieces"].pop(1))
+    edit_index(path, lambda idx: listed(idx, "w").pop(1))
     _, faults = verify_faults(path)
     assert faults == [
         f"FAULT tensor 'w' in {path}/index.json: regions cover 16 of 32 elements: a piece is missing; "
@@ -311,7 +322,7 @@ def test_index_that_drops_a_piece_of_a_2d_tiling(sharded_step: Path, area: Path)
 
 def test_index_that_moves_a_piece_onto_another(sharded_step: Path, area: Path) -> None:
     path = copy_step(sharded_step, area, "tp")
-    edit_index(path, lambda idx: idx["tensors"]["w"]["pieces"][1].update(offsets=[3, 0]))
+    edit_index(path, lambda idx: listed(idx, "w")[1].update(offsets=[3, 0]))
     _, faults = verify_faults(path)
     assert len(faults) == 2, faults
     assert faults[0].startswith(f"FAULT tensor 'w' in {path}/index.json: rank 0 and rank 1 overlap: "), faults
@@ -321,7 +332,7 @@ def test_index_that_moves_a_piece_onto_another(sharded_step: Path, area: Path) -
 
 def test_index_whose_pieces_leave_the_tensor(sharded_step: Path, area: Path) -> None:
     path = copy_step(sharded_step, area, "tp")
-    edit_index(path, lambda idx: idx["tensors"]["w"].update(shape=[6, 4]))
+    edit_index(path, lambda idx: (listed(idx, "w"), idx["tensors"]["w"].update(shape=[6, 4])))
     _, faults = verify_faults(path)
     assert faults[0] == (f"FAULT tensor 'w' in {path}/index.json: rank 1: region {{'offsets': [4, 0], "
                          "'sizes': [4, 4]} is outside the global shape [6, 4]"), faults
@@ -332,12 +343,37 @@ def test_index_whose_pieces_leave_the_tensor(sharded_step: Path, area: Path) -> 
 
 def test_index_tensor_map_that_does_not_parse(sharded_step: Path, area: Path) -> None:
     path = copy_step(sharded_step, area, "tp")
-    edit_index(path, lambda idx: idx["tensors"]["w"]["pieces"][1].update(rank=5))
+    edit_index(path, lambda idx: listed(idx, "w")[1].update(rank=5))
     _, faults = verify_faults(path)
     assert len(faults) == 1 and faults[0].startswith(
         f"FAULT {path}/index.json: index tensor 'w': malformed piece"), faults
     r = ckptd("inspect", str(path))
     assert r.returncode == 1 and "ckptd inspect: index tensor 'w': malformed piece" in r.stderr, r.stderr
+
+
+def test_index_whose_grid_tiles_otherwise_than_the_ranks_saved(sharded_step: Path, area: Path) -> None:
+    path = copy_step(sharded_step, area, "tp")
+    edit_index(path, lambda idx: idx["tensors"]["w"]["grid"].update(chunks=[5, 4]))    # rows 0:5 and 5:8
+    _, faults = verify_faults(path)
+    assert faults == [
+        f"FAULT tensor 'w' in {path}/rank-00000.json: rank 0's entry 'w' holds rows 0:4 of 8, "
+        "the index says rows 0:5 of 8",
+        f"FAULT tensor 'w' in {path}/rank-00001.json: rank 1's entry 'w' holds rows 4:8 of 8, "
+        "the index says rows 5:8 of 8",
+    ], faults
+    with pytest.raises(FormatError, match=r"rank-00001.json: does not match the index's tensor map: tensor 'w': "
+                                          r"rank 1's entry 'w' holds rows 4:8 of 8, the index says rows 5:8 of 8"):
+        StepReader(str(path)).manifest(1)
+
+
+def test_index_whose_grid_does_not_tile(sharded_step: Path, area: Path) -> None:
+    path = copy_step(sharded_step, area, "tp")
+    edit_index(path, lambda idx: idx["tensors"]["w"]["grid"].update(chunks=[3, 4]))    # rows 0:3, 3:6: 6:8 held by none
+    _, faults = verify_faults(path)
+    assert len(faults) == 1 and faults[0].startswith(f"FAULT {path}/index.json: index tensor 'w': grid ") \
+        and faults[0].endswith("dimension 0: 2 cells of 3 do not cover 8 elements"), faults
+    r = ckptd("inspect", str(path))
+    assert r.returncode == 1 and "do not cover 8 elements" in r.stderr, r.stderr
 
 
 def test_index_that_disagrees_on_dtype_and_holders(sharded_step: Path, area: Path) -> None:

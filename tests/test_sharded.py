@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from ckptd.core.global_index import parse_tensor_map
 from ckptd.launch import spawn_daemon
 
 import sharded_trainer as st
@@ -166,7 +167,7 @@ def test_tp_replicas_written_once(tp_saved: Saved, spelling: str) -> None:
     step = tp_saved.root / f"tp-{spelling}" / f"step-{SAVED_STEP:012d}"
     index = json.loads((step / "index.json").read_text())
     for name in ("model/down.bias", "model/head.weight", "model/norm.weight", "optim/state/head.weight/exp_avg"):
-        pieces = index["tensors"][name]["pieces"]
+        pieces = parse_tensor_map(index["tensors"], index["world_size"])[name].pieces    # listed or a grid
         assert len(pieces) == 2, f"{name}: {pieces}"    # 2 dp shards, each written by one of its 2 tp replicas
     verify = subprocess.run([sys.executable, "-m", "ckptd", "verify", str(step)], capture_output=True, text=True)
     assert verify.returncode == 0, verify.stdout[-3000:] + verify.stderr[-3000:]

@@ -9,17 +9,19 @@ checks the map against the manifests and every byte.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
 
 from .global_index import SHARDED
 from .map_check import geometry_faults, region_text
+from .piece_grid import PieceGrid
 from .reader import StepReader
 from .regions import Region
 from .schema import DTYPE_ITEMSIZE
 
-MAX_PIECES_SHOWN = 8     # per tensor in text; --json lists every piece
+MAX_PIECES_SHOWN = 8     # per tensor in text; --json lists every piece, or the grid they follow
 
 
 def describe_step(reader: StepReader) -> dict[str, Any]:
@@ -44,11 +46,20 @@ def split_text(name: str, t: dict[str, Any], world_size: int) -> str:
     """How one tensor (a ``describe_step`` entry) is held: ``sharded, 2 pieces: rank 0 rows 0:4 of 8;
     ...`` or ``local, held by all 8 ranks, same``."""
     if t["kind"] == SHARDED:
-        pieces = t["pieces"]
-        shown = [f"rank {p['rank']} {region_text(Region(tuple(p['offsets']), tuple(p['sizes'])), t['shape'])}"
-                 + (f" (entry {p['name']!r})" if p["name"] != name else "") for p in pieces[:MAX_PIECES_SHOWN]]
-        more = f"; ... {len(pieces) - MAX_PIECES_SHOWN} more" if len(pieces) > MAX_PIECES_SHOWN else ""
-        return f"sharded, {len(pieces)} piece{'s' if len(pieces) != 1 else ''}: " + "; ".join(shown) + more
+        if "grid" in t:         # stored as a rule (piece_grid.py): the first few pieces, made from it
+            g = t["grid"]
+            grid = PieceGrid(tuple(t["shape"]), tuple(g["chunks"]), tuple(g["counts"]), g["base"], tuple(g["strides"]))
+            count, how = len(grid), f" in a grid of {' x '.join(map(str, g['counts']))}"
+            first = [(r, region, name) for r, region in itertools.islice(
+                ((grid.rank_of(c), grid.region_of(c)) for c in grid.cells()), MAX_PIECES_SHOWN)]
+        else:
+            count, how = len(t["pieces"]), ""
+            first = [(p["rank"], Region(tuple(p["offsets"]), tuple(p["sizes"])), p["name"])
+                     for p in t["pieces"][:MAX_PIECES_SHOWN]]
+        shown = [f"rank {r} {region_text(region, t['shape'])}" + (f" (entry {entry!r})" if entry != name else "")
+                 for r, region, entry in first]
+        more = f"; ... {count - MAX_PIECES_SHOWN} more" if count > MAX_PIECES_SHOWN else ""
+        return f"sharded, {count} piece{'s' if count != 1 else ''}{how}: " + "; ".join(shown) + more
     held = t["held_by"]
     if held == "all":
         who = f"all {world_size} rank{'s' if world_size != 1 else ''}"

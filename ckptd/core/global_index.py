@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from .errors import FormatError
 from .names import validate_tensor_name
+from .piece_grid import PieceGrid, fit
 from .rank_record import RankRecord, RecordEntry, fingerprint, summarize
 from .regions import Region
 from .schema import DTYPE_ITEMSIZE, Manifest
@@ -46,14 +48,44 @@ class Piece:
     dtype: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class GlobalTensor:
+    """``pieces``: every piece, in rank order — the ``listed`` ones, or those of ``grid`` (a
+    sharded tensor stored as a rule, piece_grid.py), made on first use; a reader of one region
+    asks :meth:`overlapping` instead, which does not make them."""
     name: str
     dtype: str
     shape: tuple[int, ...]
     kind: str                     # SHARDED or LOCAL
-    pieces: tuple[Piece, ...]
+    listed: tuple[Piece, ...]
     same: bool = True             # LOCAL only: every rank's copy is byte-identical
+    grid: PieceGrid | None = None
+
+    @cached_property
+    def pieces(self) -> tuple[Piece, ...]:
+        if self.grid is None:
+            return self.listed
+        return tuple(Piece(rank, self.name, region) for rank, region in self.grid.pieces())
+
+    def overlapping(self, region: Region) -> list[Piece]:
+        """The pieces sharing an element with ``region`` (a grid's by arithmetic, O(pieces returned))."""
+        if self.grid is not None:
+            return [Piece(rank, self.name, r) for rank, r in self.grid.overlapping(region)]
+        return [p for p in self.pieces if len(p.region.sizes) == len(region.sizes) and p.region.intersect(region)]
+
+    def held_by(self, rank: int) -> list[Piece]:
+        """The pieces saved by ``rank`` (a grid's by arithmetic)."""
+        if self.grid is not None:
+            cell = self.grid.cell_of_rank(rank)
+            return [] if cell is None else [Piece(rank, self.name, self.grid.region_of(cell))]
+        return [p for p in self.pieces if p.rank == rank]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, GlobalTensor) and (self.name, self.dtype, self.shape, self.kind, self.same,
+                                                    self.pieces) == (other.name, other.dtype, other.shape,
+                                                                     other.kind, other.same, other.pieces)
+
+    __hash__ = None  # type: ignore[assignment]
 
     def copy_of(self, p: Piece) -> tuple[str, tuple[int, ...]]:
         """(dtype, shape) of piece ``p``'s saved entry: a local copy's own, a shard's global tensor's."""
@@ -61,10 +93,18 @@ class GlobalTensor:
             return self.dtype, self.shape
         return p.dtype or self.dtype, p.region.sizes
 
-    def to_json(self, world_size: int) -> dict[str, Any]:
+    def to_json(self, world_size: int, *, grids: bool = True) -> dict[str, Any]:
+        """index.json's entry. A sharded tensor's pieces as a grid where they form one (``grids``;
+        such an index is format 3), else listed."""
         out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "kind": self.kind}
         if self.kind == SHARDED:
-            out["pieces"] = [{"rank": p.rank, "name": p.name, **p.region.to_json()} for p in self.pieces]
+            grid = self.grid
+            if grid is None and grids and all(p.name == self.name for p in self.pieces):
+                grid = fit(self.shape, [(p.rank, p.region) for p in self.pieces])
+            if grid is not None and grids:
+                out["grid"] = grid.to_json()
+            else:
+                out["pieces"] = [{"rank": p.rank, "name": p.name, **p.region.to_json()} for p in self.pieces]
         else:       # whole copies named like the tensor: only who holds one (O(1) when every rank does)
             ranks = [p.rank for p in self.pieces]
             out["held_by"] = "all" if ranks == list(range(world_size)) else ranks
@@ -176,8 +216,12 @@ def parse_tensor_map(obj: Any, world_size: int) -> dict[str, GlobalTensor]:
                                      tuple(Piece(r, name, copies[r][1], copies[r][0]) if r in copies
                                            else Piece(r, name, whole) for r in held), same)
             continue
+        if "grid" in t:
+            out[name] = GlobalTensor(name, t["dtype"], shape, SHARDED, (),
+                                     grid=PieceGrid.from_json(t["grid"], shape, world_size, where))
+            continue
         if not isinstance(t.get("pieces"), list):
-            raise FormatError(f"{where}: a sharded tensor needs pieces")
+            raise FormatError(f"{where}: a sharded tensor needs pieces or a grid")
         pieces = []
         for p in t["pieces"]:
             if not (isinstance(p, dict) and type(p.get("rank")) is int and 0 <= p["rank"] < world_size

@@ -92,7 +92,7 @@ def uncovered_block(shape: Sequence[int], regions: Sequence[Region]) -> Region |
 
 def tiling_faults(t: GlobalTensor, world_size: int) -> list[str]:
     """What keeps a sharded tensor's pieces from tiling it exactly (empty for a local tensor)."""
-    if t.kind != SHARDED:
+    if t.kind != SHARDED or t.grid is not None:     # a grid read from disk was checked to tile it
         return []
     # The same region saved by several replicas (data-parallel copies a rank cannot tell from others
     # without asking them) is one piece held several times: readers read it once, and MapCheck
@@ -133,8 +133,9 @@ class MapCheck:
         # Copies that must be byte-identical (a `same` tensor's, a piece written twice): the first fed.
         self._copies: dict[tuple[str, Region], tuple[int, tuple[Any, ...]]] = {}
         self._written: dict[tuple[str, Region], int] = {}
+        self._grids = [t for t in tensors.values() if t.grid is not None]    # asked per rank (O(1) each)
         for t in tensors.values():
-            for p in t.pieces:
+            for p in t.listed:
                 if t.kind == SHARDED:
                     self._written[(t.name, p.region)] = self._written.get((t.name, p.region), 0) + 1
                 held = self._by_rank.setdefault(p.rank, {})
@@ -158,7 +159,7 @@ class MapCheck:
         if m.world_size != self.world_size:
             out.append(MapFault(None, m.rank, f"rank {m.rank}'s manifest says world size {m.world_size}, "
                                               f"the index {self.world_size}"))
-        expected = self._by_rank.get(m.rank, {})
+        expected = self._expected(m.rank, out)
         matched = 0
         for e in m.tensors:
             found = expected.get(e.name)
@@ -179,15 +180,31 @@ class MapCheck:
                                                         f"manifest does not have"))
         return out
 
+    def _expected(self, rank: int, faults: list[MapFault]) -> dict[str, tuple[GlobalTensor, Piece]]:
+        """Entry name → (tensor, piece) of what the map says ``rank`` saved; a name listed twice
+        goes to ``faults`` (the listed tensors' were found up front)."""
+        held = self._by_rank.get(rank, {})
+        if not self._grids:
+            return held
+        held = dict(held)
+        for t in self._grids:
+            for p in t.held_by(rank):
+                if p.name in held:
+                    faults.append(MapFault(t.name, rank, f"rank {rank}'s entry {p.name!r} is listed twice in the "
+                                                         f"index (also under {held[p.name][0].name!r})"))
+                else:
+                    held[p.name] = (t, p)
+        return held
+
     def rank(self, m: Manifest) -> list[MapFault]:
         out = self.rank_faults(m)
-        expected = self._by_rank.get(m.rank, {})
+        expected = self._expected(m.rank, [])
         for e in m.tensors:
             found = expected.get(e.name)
             if not found or self._mismatch(*found, e):
                 continue
             t, p = found
-            if t.kind == SHARDED and self._written[(t.name, p.region)] > 1:
+            if t.kind == SHARDED and self._written.get((t.name, p.region), 1) > 1:    # a grid's: once each
                 what = f"copy of {region_phrase(p.region, t.shape)}"
             elif t.kind != SHARDED and t.same:
                 what = "copy (marked same on every rank)"

@@ -29,7 +29,7 @@ from . import storage
 from .errors import FormatError
 from .names import HEAD_NAME, RANK_TABLE_NAME, TENSORS_NAME, is_world
 from .rank_record import RankRecord
-from .schema import READABLE_VERSIONS, encode_json, index_digest, load_json
+from .schema import INDEX_VERSIONS, encode_json, index_digest, load_json
 
 SIDE_FILES = (RANK_TABLE_NAME, TENSORS_NAME, HEAD_NAME)
 RECORD = struct.Struct(">32sQQ")
@@ -77,7 +77,7 @@ def parse_head(data: bytes, *, job: str, step: int) -> IndexHead:
     obj = load_json(data, "index head")
     if not (isinstance(obj, dict) and obj.get("kind") == "ckptd.index-head"):
         raise FormatError("not a ckptd index head")
-    if obj.get("format_version") not in READABLE_VERSIONS or obj.get("job") != job or obj.get("step") != step:
+    if obj.get("format_version") not in INDEX_VERSIONS or obj.get("job") != job or obj.get("step") != step:
         raise FormatError(f"index head names format/job/step {obj.get('format_version')!r}/{obj.get('job')!r}/"
                           f"{obj.get('step')!r}, expected {job!r}/{step}")
     ws, blocks, keys = obj.get("world_size"), obj.get("rank_blocks"), obj.get("per_rank_keys")

@@ -31,6 +31,8 @@ from .regions import Region
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)     # format 1: no global placement, no tensor map in the index
+GRID_INDEX_VERSION = 3         # an index whose tensor map stores some sharded tensor as a grid
+INDEX_VERSIONS = (*READABLE_VERSIONS, GRID_INDEX_VERSION)
 MAX_INDEX_BYTES = 64 * 1024 * 1024
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 
@@ -295,7 +297,8 @@ def make_index_file(job: str, step: int, world_size: int, ranks: list[dict[str, 
     """(index.json's object, its file bytes), encoded once: the file is the canonical JSON the
     digest is taken over, with the digest field appended (a 32,768-rank index is 4.5 MB: a second
     encoding cost the commit 70 ms)."""
-    index: dict[str, Any] = {"format_version": FORMAT_VERSION, "kind": "ckptd.index", "job": job, "step": step,
+    version = GRID_INDEX_VERSION if any("grid" in t for t in (tensors or {}).values()) else FORMAT_VERSION
+    index: dict[str, Any] = {"format_version": version, "kind": "ckptd.index", "job": job, "step": step,
                              "world_size": world_size, "created_unix": created, "ranks": ranks,
                              "tensors": tensors or {}, "per_rank_keys": per_rank_keys or []}
     canonical = _canonical(index)
@@ -315,9 +318,9 @@ def index_digest(index: dict[str, Any]) -> str:
 def parse_index(data: bytes, *, job: str, step: int) -> dict[str, Any]:
     obj = load_json(data, "index")
     require(isinstance(obj, dict) and obj.get("kind") == "ckptd.index", "not a ckptd index")
-    require(obj.get("format_version") in READABLE_VERSIONS,
+    require(obj.get("format_version") in INDEX_VERSIONS,
              f"unsupported index format_version {obj.get('format_version')!r} (this build reads "
-             f"{', '.join(map(str, READABLE_VERSIONS))})")
+             f"{', '.join(map(str, INDEX_VERSIONS))})")
     require(obj.get("job") == job and obj.get("step") == step,
              f"index names job/step {obj.get('job')!r}/{obj.get('step')!r}, expected {job!r}/{step}")
     ws = obj.get("world_size")

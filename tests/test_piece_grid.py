@@ -1,0 +1,146 @@
+"""piece_grid: a sharded tensor's pieces stored as a rule. Layouts come from torch's own Shard
+arithmetic (``Shard.local_shard_size_and_offset``), the one DTensor saves with."""
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+from torch.distributed.tensor.placement_types import Shard
+
+from ckptd.core.errors import FormatError
+from ckptd.core.global_index import SHARDED, GlobalTensor, Piece, parse_tensor_map
+from ckptd.core.map_check import MapCheck
+from ckptd.core.piece_grid import fit
+from ckptd.core.regions import Region
+from ckptd.core.schema import Manifest, Placement, TensorEntry, make_index_file, parse_index
+
+
+def torch_pieces(shape: tuple[int, ...], mesh: tuple[int, ...],
+                 dims: tuple[int | None, ...]) -> list[tuple[int, Region]]:
+    """(rank, region) of each writing rank of a row-major ``mesh`` whose dimension m shards tensor
+    dimension ``dims[m]`` (None: replicated there, so only coordinate 0 writes), as DTensor computes them."""
+    out = []
+    for rank, coord in enumerate(itertools.product(*map(range, mesh))):
+        if any(c and d is None for c, d in zip(coord, dims, strict=True)):
+            continue
+        offsets, sizes = [0] * len(shape), list(shape)
+        for m, d in enumerate(dims):
+            if d is not None:
+                size, off = Shard.local_shard_size_and_offset(sizes[d], mesh[m], coord[m])
+                offsets[d] += off
+                sizes[d] = size
+        out.append((rank, Region(tuple(offsets), tuple(sizes))))
+    return out
+
+
+LAYOUTS = [
+    ((4096, 11008), (8,), (0,)),              # FSDP, even
+    ((11008, 4096), (7,), (0,)),              # uneven: the last shard shorter
+    ((5,), (8,), (0,)),                       # more ranks than rows: trailing empty shards
+    ((1, 64), (4,), (0,)),                    # one row over four ranks: three empty
+    ((4096, 4096), (2, 4), (0, 1)),           # FSDP x TP, dim 0 and dim 1
+    ((4096, 4096), (2, 4), (1, 0)),           # TP on dim 0 outside, FSDP on dim 1 inside
+    ((9, 10, 3), (2, 3), (2, 0)),             # 3-D, uneven on both
+    ((128, 64), (2, 4), (None, 0)),           # HSDP: replica 0's ranks only, stride 1
+    ((128, 64), (4, 2), (0, None)),           # sharded outside, replicated inside: stride 2
+    ((3, 3), (4, 4), (0, 1)),                 # empties along both dimensions
+]
+
+
+@pytest.mark.parametrize("shape,mesh,dims", LAYOUTS)
+def test_torch_layouts_fit_a_grid_that_gives_back_the_same_pieces(shape, mesh, dims) -> None:
+    pieces = torch_pieces(shape, mesh, dims)
+    grid = fit(shape, pieces)
+    assert grid is not None, pieces
+    assert grid.pieces() == pieces
+    assert grid.fault(max(r for r, _ in pieces) + 1) is None
+    for rank, region in pieces:                       # the rank a piece came from finds it again
+        cell = grid.cell_of_rank(rank)
+        assert cell is not None and grid.region_of(cell) == region
+    held = {r for r, _ in pieces}
+    assert all(grid.cell_of_rank(r) is None for r in range(max(held) + 2) if r not in held)
+
+
+@pytest.mark.parametrize("shape,mesh,dims", LAYOUTS)
+def test_overlapping_finds_exactly_the_pieces_a_scan_finds(shape, mesh, dims) -> None:
+    pieces = torch_pieces(shape, mesh, dims)
+    grid = fit(shape, pieces)
+    assert grid is not None
+    rnd = random.Random(str(shape))
+    for _ in range(200):
+        lo = [rnd.randrange(n) for n in shape]
+        region = Region(tuple(lo), tuple(rnd.randint(1, n - o) for o, n in zip(lo, shape, strict=True)))
+        scan = sorted((r, p) for r, p in pieces if p.intersect(region) is not None)
+        assert sorted(grid.overlapping(region), key=lambda x: x[0]) == scan
+    assert grid.overlapping(Region(tuple(0 for _ in shape), tuple(0 for _ in shape))) == []
+
+
+def sharded(name: str, shape: tuple[int, ...], pieces: list[tuple[int, Region]]) -> GlobalTensor:
+    return GlobalTensor(name, "float32", shape, SHARDED, tuple(Piece(r, name, reg) for r, reg in pieces))
+
+
+def test_index_stores_the_grid_and_reads_back_the_same_map() -> None:
+    world = 8
+    built = {"w": sharded("w", (4096, 4096), torch_pieces((4096, 4096), (2, 4), (0, 1))),
+             "b": sharded("b", (5,), torch_pieces((5,), (8,), (0,))),
+             "r": sharded("r", (4, 4), [(0, Region((0, 0), (4, 4))), (1, Region((0, 0), (4, 4)))])}  # replicas
+    tensors = {n: t.to_json(world) for n, t in built.items()}
+    assert set(tensors["w"]) == {"dtype", "shape", "kind", "grid"} and "pieces" in tensors["r"]
+    assert tensors["w"]["grid"] == {"chunks": [2048, 1024], "counts": [2, 4], "base": 0, "strides": [4, 1]}
+    index, data = make_index_file("j", 3, world, [{"rank": r, "manifest_digest": "sha256:" + "0" * 64,
+                                                   "raw_bytes": 0, "stored_bytes": 0} for r in range(world)],
+                                  1.0, tensors, [])
+    assert index["format_version"] == 3
+    parsed = parse_tensor_map(parse_index(data, job="j", step=3)["tensors"], world)
+    assert parsed["w"].grid is not None and "pieces" not in parsed["w"].__dict__     # not made until asked
+    assert [p.rank for p in parsed["w"].overlapping(Region((2000, 1000), (100, 100)))] == [0, 1, 4, 5]
+    assert parsed["w"].held_by(5) == [Piece(5, "w", Region((2048, 1024), (2048, 1024)))]
+    assert len(json.dumps(tensors["w"], separators=(",", ":"))) < 130      # whatever the world size
+    assert parsed == built              # every piece, in rank order, as built
+    listed = built["w"].to_json(world, grids=False)
+    assert len(listed["pieces"]) == 8 and make_index_file("j", 3, world, [], 1.0, {"w": listed})[0][
+        "format_version"] == 2
+
+
+@pytest.mark.parametrize("pieces", [
+    [(0, Region((0,), (4,))), (1, Region((0,), (4,)))],                         # replicas of one region
+    [(0, Region((0,), (2,))), (1, Region((4,), (2,))), (2, Region((2,), (2,)))],  # ranks out of cell order
+    [(0, Region((0,), (2,))), (1, Region((2,), (1,))), (2, Region((3,), (3,)))],  # uneven, not chunk's rule
+    [(0, Region((0,), (2,))), (1, Region((4,), (2,)))],                          # a gap
+    [(0, Region((0,), (6,)))],                                                   # one piece: a list is as short
+])
+def test_layouts_that_are_not_a_grid_keep_their_list(pieces) -> None:
+    assert fit((6,), pieces) is None
+
+
+@pytest.mark.parametrize("grid,why", [
+    ({"chunks": [2], "counts": [2], "base": 0, "strides": [1]}, "do not cover"),
+    ({"chunks": [2, 4], "counts": [3, 2], "base": 0, "strides": [1, 2]}, "same rank"),
+    ({"chunks": [2], "counts": [3], "base": 6, "strides": [1]}, "the world has 8"),
+    ({"chunks": [6], "counts": [1], "base": 0, "strides": [3]}, "several cells"),
+    ({"chunks": [2], "counts": [3], "base": -1, "strides": [1]}, "malformed"),
+    ({"chunks": [2], "counts": [3]}, "malformed"),
+])
+def test_a_grid_from_disk_that_does_not_tile_is_refused(grid, why) -> None:
+    shape = [6, 8] if len(grid.get("chunks", [])) == 2 else [6]
+    with pytest.raises(FormatError, match=why):
+        parse_tensor_map({"w": {"dtype": "float32", "shape": shape, "kind": "sharded", "grid": grid}}, 8)
+
+
+def test_map_check_asks_a_grid_per_rank() -> None:
+    world = 4
+    t = sharded("w", (8, 2), torch_pieces((8, 2), (4,), (0,)))
+    tensors = parse_tensor_map({"w": t.to_json(world)}, world)
+    assert tensors["w"].grid is not None
+    check = MapCheck(tensors, world)
+
+    def manifest(rank: int, offsets: tuple[int, ...]) -> Manifest:
+        entry = TensorEntry("w", "float32", [2, 2], 0, [], Placement((8, 2), offsets, "w"))
+        return Manifest("j", 1, rank, world, [entry], {}, 0, 0)
+
+    assert check.map_faults() == []
+    assert check.rank_faults(manifest(2, (4, 0))) == []
+    faults = check.rank_faults(manifest(2, (6, 0)))
+    assert faults and "the index says rows 4:6" in faults[0].reason
