@@ -42,9 +42,11 @@ class BuiltIndex:
     body: bytes
 
 
-def build_index(job: str, step: int, world_size: int, records: Sequence[RankRecord]) -> BuiltIndex:
+def build_index(job: str, step: int, world_size: int, records: Sequence[RankRecord], *,
+                grids: bool = True) -> BuiltIndex:
     """The index of a step from every rank's record, in rank order; IndexRefused when the records
-    disagree about a tensor or the ranks' pieces do not tile their tensors."""
+    disagree about a tensor or the ranks' pieces do not tile their tensors. ``grids``: store
+    regular shardings as grids (format 3, FORMAT.md), else every piece listed (format 2)."""
     try:
         tensors, per_rank = build_from_records(records)
     except FormatError as e:        # ranks that disagree about one tensor: not a loadable step
@@ -54,7 +56,8 @@ def build_index(job: str, step: int, world_size: int, records: Sequence[RankReco
         more = f" (and {len(faults) - 1} more)" if len(faults) > 1 else ""
         raise IndexRefused(f"the ranks' pieces do not tile their tensors: {faults[0]}{more}")
     return BuiltIndex(*make_index_file(job, step, world_size, [r.index_entry() for r in records], time.time(),
-                                       {name: t.to_json(world_size) for name, t in tensors.items()}, per_rank))
+                                       {name: t.to_json(world_size, grids=grids) for name, t in tensors.items()},
+                                       per_rank))
 
 
 def clear_temps(step_path: str) -> None:

@@ -1,0 +1,154 @@
+"""What one restoring rank reads of a sharded step's index, and what the commit encodes, at scale:
+pieces listed (format 2, before) vs stored as grids (format 3, after), same step, one run.
+
+The state is a Llama-70B-like stack of decoder layers (q, k, v, o, gate, up, down, two norms;
+each with AdamW's exp_avg and exp_avg_sq: 27 sharded tensors a layer, 2,160 for 80 layers),
+FSDP2-sharded on dim 0 over every rank (DTensor's Shard arithmetic, trailing empty shards
+included). Real: the commit's index code (``publish.build_index`` from the ranks' records: map,
+tiling check, encoding, digest; ``publish_index``: lean side files and index.json written and
+fsynced) and the reader a restoring rank runs (``StepReader``: the head, its rank-table block, the
+tensor map parsed, then the pieces its region overlaps). Bytes read are the process's own
+``rchar`` (/proc/self/io) around the reader's calls. Simulated: the records (built in-process,
+as each rank's daemon would send them). A layer count below 80 is measured and also scaled to 80
+(the index grows linearly with tensors).
+
+    flock /tmp/ckptd-bench.lock python benchmarks/index_bytes.py --ranks 4096 32768 --layers 1
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.tensor.placement_types import Shard
+
+from ckptd.core.errors import FormatError
+from ckptd.core.names import INDEX_NAME, step_dir
+from ckptd.core.publish import build_index, publish_index
+from ckptd.core.rank_record import RankRecord, RecordEntry
+from ckptd.core.reader import StepReader
+from ckptd.core.regions import Region
+from ckptd.core.schema import MAX_INDEX_BYTES
+
+from common import fmt, machine_info, table, write_results
+
+HIDDEN, KV, FFN = 8192, 1024, 28672
+LAYER = {"q": (HIDDEN, HIDDEN), "k": (KV, HIDDEN), "v": (KV, HIDDEN), "o": (HIDDEN, HIDDEN),
+         "gate": (FFN, HIDDEN), "up": (FFN, HIDDEN), "down": (HIDDEN, FFN), "attn_norm": (HIDDEN,),
+         "ffn_norm": (HIDDEN,)}
+
+
+def tensors(layers: int) -> dict[str, tuple[int, ...]]:
+    out = {}
+    for i in range(layers):
+        for name, shape in LAYER.items():
+            for kind in ("model", "optim/exp_avg", "optim/exp_avg_sq"):
+                out[f"{kind}/layers.{i}.{name}"] = shape
+    return out
+
+
+def records(world: int, shapes: dict[str, tuple[int, ...]]) -> list[RankRecord]:
+    """Every rank's record of an FSDP2 (Shard(0)) state, as its daemon sends it."""
+    rows = {}
+    for name, shape in shapes.items():
+        rows[name] = [Shard.local_shard_size_and_offset(shape[0], world, r) for r in range(world)]
+    out = []
+    for r in range(world):
+        entries = tuple(RecordEntry(name, "float32", (rows[name][r][0], *shape[1:]), name, shape,
+                                    (rows[name][r][1], *(0 for _ in shape[1:])), None)
+                        for name, shape in shapes.items())
+        out.append(RankRecord(r, "sha256:" + f"{r:064x}", 0, 0, entries, ()))
+    return out
+
+
+def restore_read(path: str, rank: int, world: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """One restoring rank at the saved layout: its rank record and, per tensor, the pieces its own
+    region overlaps — bytes read (rchar) and seconds."""
+    def rchar() -> int:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+        return 0
+    gc.collect()
+    before, t0 = rchar(), time.perf_counter()
+    try:
+        reader = StepReader(path)
+        reader.rank_entry(rank)
+        tmap, _ = reader.tensor_map()
+        for name, shape in shapes.items():
+            size, off = Shard.local_shard_size_and_offset(shape[0], world, rank)
+            need = Region((off, *(0 for _ in shape[1:])), (size, *shape[1:]))
+            assert [p.rank for p in tmap[name].overlapping(need)] == ([rank] if size else [])
+        error = None
+    except FormatError as e:      # e.g. a tensor map over the reader's MAX_INDEX_BYTES
+        error = str(e)[-160:]
+    return {"read_bytes": rchar() - before, "read_s": time.perf_counter() - t0, "error": error}
+
+
+def one(world: int, layers: int, grids: bool, area: Path) -> dict[str, Any]:
+    shapes = tensors(layers)
+    recs = records(world, shapes)
+    t0 = time.perf_counter()
+    built = build_index("llama", 1, world, recs, grids=grids)
+    build_s = time.perf_counter() - t0
+    path = Path(step_dir(str(area / f"w{world}-{'grid' if grids else 'list'}"), "llama", 1))
+    path.mkdir(parents=True)
+    t0 = time.perf_counter()
+    publish_index(str(path), built, recs)
+    publish_s = time.perf_counter() - t0
+    files = {p.name: p.stat().st_size for p in path.iterdir()}
+    del recs, built
+    res = restore_read(str(path), world // 2, world, shapes)
+    shutil.rmtree(path)
+    return {"world": world, "layers": layers, "tensors": len(shapes), "form": "grid" if grids else "list",
+            "build_s": build_s, "publish_s": publish_s, "index_bytes": files[INDEX_NAME],
+            "tensors_json_bytes": files.get("tensors.json", 0), **res}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[4096, 32768])
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--out", default="benchmarks/results/index_bytes")
+    ap.add_argument("--dir", default=None, help="where to write the steps (default: a temp dir)")
+    args = ap.parse_args()
+    area = Path(tempfile.mkdtemp(prefix="ckptd-index-bytes-", dir=args.dir))
+    t0 = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    try:
+        for world in args.ranks:
+            for grids in (False, True):
+                rows.append(one(world, args.layers, grids, area))
+                print(rows[-1], flush=True)
+    finally:
+        shutil.rmtree(area, ignore_errors=True)
+    scale = 80 / args.layers
+    md_rows = []
+    for r in rows:
+        md_rows.append([f"{r['world']:,}", r["form"], f"{r['tensors']:,}", f"{r['index_bytes']:,}",
+                        f"{r['read_bytes']:,}" + (" (refused: over the reader's limit)" if r["error"] else ""),
+                        f"{r['read_bytes'] * scale / 1e6:,.1f} MB", fmt(r["read_s"], 3, " s"),
+                        fmt(r["build_s"], 2, " s"), fmt(r["publish_s"], 3, " s")])
+    md = "\n".join([
+        "# Index bytes one restoring rank reads: sharded step, pieces listed vs grids",
+        "",
+        f"Llama-70B-like layers x{args.layers} (27 sharded tensors a layer: weights + AdamW moments), "
+        "FSDP2 Shard(0) over every rank. `read` = bytes the restoring rank's reader read (rchar) to get its "
+        f"rank record and the tensor map, then its pieces; `at 80 layers` scales it by {scale:g}. "
+        f"The reader refuses a tensor map over {MAX_INDEX_BYTES >> 20} MiB.",
+        "",
+        table(["ranks", "form", "tensors", "index.json bytes", "read by one rank", "at 80 layers",
+               "reader s", "build s", "publish s"], md_rows),
+        "",
+        f"Machine: {machine_info()}",
+    ])
+    write_results(Path(args.out), {"rows": rows, "layers": args.layers, "machine": machine_info(),
+                                   "wall_s": time.perf_counter() - t0}, md)
+
+
+if __name__ == "__main__":
+    main()
