@@ -129,17 +129,26 @@ def main() -> None:
     scale = 80 / args.layers
     md_rows = []
     for r in rows:
-        md_rows.append([f"{r['world']:,}", r["form"], f"{r['tensors']:,}", f"{r['index_bytes']:,}",
-                        f"{r['read_bytes']:,}" + (" (refused: over the reader's limit)" if r["error"] else ""),
-                        f"{r['read_bytes'] * scale / 1e6:,.1f} MB", fmt(r["read_s"], 3, " s"),
-                        fmt(r["build_s"], 2, " s"), fmt(r["publish_s"], 3, " s")])
+        # What the rank reads is the head and its rank block (independent of the state) plus
+        # tensors.json (linear in tensors); a refused map was not read: it would have been.
+        fixed = r["read_bytes"] - (0 if r["error"] else r["tensors_json_bytes"])
+        whole = fixed + r["tensors_json_bytes"] if r["tensors_json_bytes"] else r["read_bytes"]
+        at80 = fixed + r["tensors_json_bytes"] * scale if r["tensors_json_bytes"] else r["read_bytes"] * scale
+        read = f"{whole:,}" + (" (refused: the map is over the reader's limit)" if r["error"] else "")
+        md_rows.append([f"{r['world']:,}", r["form"], f"{r['tensors']:,}", f"{r['index_bytes']:,}", read,
+                        f"{at80 / 1e6:,.2f} MB", fmt(r["read_s"], 3, " s"), fmt(r["build_s"], 2, " s"),
+                        fmt(r["publish_s"], 3, " s")])
     md = "\n".join([
         "# Index bytes one restoring rank reads: sharded step, pieces listed vs grids",
         "",
         f"Llama-70B-like layers x{args.layers} (27 sharded tensors a layer: weights + AdamW moments), "
-        "FSDP2 Shard(0) over every rank. `read` = bytes the restoring rank's reader read (rchar) to get its "
-        f"rank record and the tensor map, then its pieces; `at 80 layers` scales it by {scale:g}. "
-        f"The reader refuses a tensor map over {MAX_INDEX_BYTES >> 20} MiB.",
+        "FSDP2 Shard(0) over every rank. `read by one rank` = bytes the restoring rank's reader read (rchar) "
+        "for its rank record and the tensor map (the index head, its 256-rank block of ranks.bin, "
+        f"tensors.json), then found its pieces; `at 80 layers` scales the tensor map's part by {scale:g}. "
+        "`build` = the committing daemon's `build_index` from the records (map, tiling check, encoding, "
+        "digest); `publish` = side files and index.json written and fsynced. The reader refuses a tensor "
+        f"map over {MAX_INDEX_BYTES >> 20} MiB (it then reads only the head and block; the table shows "
+        "what it would have read).",
         "",
         table(["ranks", "form", "tensors", "index.json bytes", "read by one rank", "at 80 layers",
                "reader s", "build s", "publish s"], md_rows),

@@ -10,9 +10,11 @@ import pytest
 from torch.distributed.tensor.placement_types import Shard
 
 from ckptd.core.errors import FormatError
-from ckptd.core.global_index import SHARDED, GlobalTensor, Piece, parse_tensor_map
+from ckptd.core.global_index import SHARDED, GlobalTensor, Piece, build_from_records, parse_tensor_map
 from ckptd.core.map_check import MapCheck
 from ckptd.core.piece_grid import fit
+from ckptd.core.publish import build_index
+from ckptd.core.rank_record import RankRecord, RecordEntry
 from ckptd.core.regions import Region
 from ckptd.core.schema import Manifest, Placement, TensorEntry, make_index_file, parse_index
 
@@ -144,3 +146,27 @@ def test_map_check_asks_a_grid_per_rank() -> None:
     assert check.rank_faults(manifest(2, (4, 0))) == []
     faults = check.rank_faults(manifest(2, (6, 0)))
     assert faults and "the index says rows 4:6" in faults[0].reason
+
+
+def test_the_commit_builds_grids_from_the_ranks_records_without_making_pieces() -> None:
+    world, shapes = 8, {"w": (12, 4), "b": (3,)}
+    recs = []
+    for rank in range(world):
+        entries = []
+        for name, shape in shapes.items():
+            size, off = Shard.local_shard_size_and_offset(shape[0], world, rank)
+            offsets = (off, *([0] * (len(shape) - 1)))
+            entries.append(RecordEntry(name, "float32", (size, *shape[1:]), name, shape, offsets, None))
+        if rank < 2:        # a tensor only two ranks hold, the same region each: replicas keep their list
+            entries.append(RecordEntry("r", "float32", (2,), "r", (2,), (0,), "same"))
+        recs.append(RankRecord(rank, "sha256:" + f"{rank:064x}", 0, 0, tuple(entries), ()))
+    tensors, _ = build_from_records(recs)
+    assert tensors["w"].grid is not None and tensors["b"].grid is not None and tensors["r"].grid is None
+    assert "pieces" not in tensors["w"].__dict__ and tensors["w"].listed == ()
+    assert [p.region for p in tensors["b"].pieces] == [Region((min(r, 3),), (1 if r < 3 else 0,)) for r in range(8)]
+    built = build_index("j", 1, world, recs)
+    assert built.index["format_version"] == 3 and "grid" in built.index["tensors"]["w"]
+    assert "pieces" in built.index["tensors"]["r"]
+    listed = build_index("j", 1, world, recs, grids=False)
+    assert listed.index["format_version"] == 2
+    assert parse_tensor_map(listed.index["tensors"], world) == parse_tensor_map(built.index["tensors"], world)

@@ -24,9 +24,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+import numpy as np
+
 from .errors import FormatError
 from .names import validate_tensor_name
-from .piece_grid import PieceGrid, fit
+from .piece_grid import PieceGrid, fit, fit_arrays
 from .rank_record import RankRecord, RecordEntry, fingerprint, summarize
 from .regions import Region
 from .schema import DTYPE_ITEMSIZE, Manifest
@@ -136,7 +138,12 @@ def build_from_records(records: Sequence[RankRecord]) -> tuple[dict[str, GlobalT
             if e.dtype != first.dtype or e.global_shape != first.global_shape:
                 raise FormatError(f"tensor {key!r}: rank {rank} saved {e.dtype}{e.global_shape}, rank "
                                   f"{held[0][1]} saved {first.dtype}{first.global_shape}")
-        out[key] = GlobalTensor(key, first.dtype, tuple(first.global_shape), SHARDED,
+        shape = tuple(first.global_shape)
+        grid = _grid_of(key, shape, held)
+        if grid is not None:        # distinct regions, no replicas: no piece made (O(ranks) objects)
+            out[key] = GlobalTensor(key, first.dtype, shape, SHARDED, (), grid=grid)
+            continue
+        out[key] = GlobalTensor(key, first.dtype, shape, SHARDED,
                                 tuple(Piece(rank, e.name, e.region()) for e, rank in held))
         if len(held) > 1:
             _check_replicas(key, held)
@@ -153,6 +160,18 @@ def build_from_records(records: Sequence[RankRecord]) -> tuple[dict[str, GlobalT
                                       for e, rank in held),
                                 same=len(prints) == 1 and len(held) == len(records))
     return out, per_rank_keys(records, out)
+
+
+def _grid_of(key: str, shape: tuple[int, ...], held: list[tuple[RecordEntry, int]]) -> PieceGrid | None:
+    """The grid ``held``'s pieces (in rank order) form, if they are all named like the tensor."""
+    if len(held) < 2 or not shape or any(e.name != key or e.offsets is None for e, _ in held):
+        return None
+    try:
+        return fit_arrays(shape, np.fromiter((r for _, r in held), dtype=np.int64, count=len(held)),
+                          np.array([e.offsets for e, _ in held], dtype=np.int64),
+                          np.array([e.shape for e, _ in held], dtype=np.int64))
+    except ValueError:          # ragged: some piece has another number of dimensions
+        return None
 
 
 def _check_replicas(key: str, held: list[tuple[RecordEntry, int]]) -> None:

@@ -20,10 +20,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .errors import FormatError
 from .regions import Region
 
-__all__ = ["PieceGrid", "fit"]
+__all__ = ["PieceGrid", "fit", "fit_arrays"]
 
 
 @dataclass(frozen=True)
@@ -131,47 +133,49 @@ class PieceGrid:
 
 def fit(shape: tuple[int, ...], pieces: Sequence[tuple[int, Region]]) -> PieceGrid | None:
     """The grid whose cells are exactly ``pieces`` ((rank, region), in rank order), or None."""
-    nd = len(shape)
-    if len(pieces) < 2 or nd == 0 or 0 in shape:
+    if len(pieces) < 2 or not shape:
         return None
-    chunks = tuple(max((r.sizes[d] for _, r in pieces if r.offsets[d] == 0), default=0) for d in range(nd))
-    strides = _strides(shape, chunks, pieces)
-    if 0 in chunks or strides is None:
-        return None
-    base = pieces[0][0]
-    counts = [1] * nd           # each dimension's cell count: the highest cell a rank decomposes to, + 1
-    order = sorted((d for d in range(nd) if strides[d]), key=lambda d: -strides[d])
-    for rank, _ in pieces:
-        rem = rank - base
-        for d in order:
-            counts[d] = max(counts[d], rem // strides[d] + 1)
-            rem %= strides[d]
-    grid = PieceGrid(tuple(shape), chunks, tuple(counts), base, tuple(strides))
-    if grid.fault(pieces[-1][0] + 1) is None and len(grid) == len(pieces) and grid.pieces() == list(pieces):
-        return grid
-    return None
+    return fit_arrays(shape, np.array([r for r, _ in pieces], dtype=np.int64),
+                      np.array([p.offsets for _, p in pieces], dtype=np.int64),
+                      np.array([p.sizes for _, p in pieces], dtype=np.int64))
 
 
-def _strides(shape: Sequence[int], chunks: Sequence[int], pieces: Sequence[tuple[int, Region]]) -> list[int] | None:
-    """Each dimension's rank stride: how far the rank of cell 1 along it (others 0) is from the
-    base's — that cell is a non-empty piece, or an empty one (offset at the end) where the whole
-    dimension fits in the first cell. 0 where the dimension is not cut; None when no piece says."""
-    base = pieces[0][0]
-    at: dict[tuple[int, ...], int] = {}
-    for rank, r in pieces:
-        at.setdefault(r.offsets, rank)          # rank order: the lowest rank at each offset
-    out = []
-    for d, (n, c) in enumerate(zip(shape, chunks, strict=True)):
-        origin = [0] * len(shape)
-        origin[d] = min(c, n)
-        if c >= n and not any(r.sizes[d] == 0 for _, r in pieces):
-            out.append(0)                       # not cut: every piece spans it whole
+def fit_arrays(shape: tuple[int, ...], ranks: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> PieceGrid | None:
+    """``fit`` of pieces given as arrays: ``ranks`` (n,), ``offsets`` and ``sizes`` (n, ndim), in
+    rank order. Vectorised: at 32,768 ranks the commit fits every sharded tensor of the state."""
+    n, nd = len(ranks), len(shape)
+    if n < 2 or nd == 0 or 0 in shape or offsets.shape != (n, nd) or sizes.shape != (n, nd) \
+            or not bool(np.all(ranks[1:] > ranks[:-1])):
+        return None
+    dims = np.array(shape, dtype=np.int64)
+    at_zero = offsets == 0
+    chunks = tuple(int(sizes[at_zero[:, d], d].max(initial=0)) for d in range(nd))
+    if 0 in chunks:
+        return None
+    base = int(ranks[0])
+    strides = []
+    for d, (size, c) in enumerate(zip(shape, chunks, strict=True)):
+        if c >= size and not bool(np.any(sizes[:, d] == 0)):
+            strides.append(0)                   # not cut: every piece spans it whole
             continue
-        found = at.get(tuple(origin))
-        if found is None or found <= base:
+        origin = np.zeros(nd, dtype=np.int64)   # cell 1 along d: non-empty, or empty at the end
+        origin[d] = min(c, size)
+        hit = np.flatnonzero(np.all(offsets == origin, axis=1))
+        if not len(hit) or int(ranks[hit[0]]) <= base:
             return None
-        out.append(found - base)
-    return out
+        strides.append(int(ranks[hit[0]]) - base)
+    counts, cells, rem = [1] * nd, np.zeros((n, nd), dtype=np.int64), ranks - base
+    for d in sorted((d for d in range(nd) if strides[d]), key=lambda d: -strides[d]):
+        cells[:, d], rem = np.divmod(rem, strides[d])
+        counts[d] = int(cells[:, d].max()) + 1
+    grid = PieceGrid(tuple(shape), chunks, tuple(counts), base, tuple(strides))
+    if bool(np.any(rem)) or len(grid) != n or grid.fault(int(ranks[-1]) + 1) is not None:
+        return None
+    lo = np.minimum(cells * np.array(chunks, dtype=np.int64), dims)     # each piece's cell, by the rule
+    hi = np.minimum(lo + np.array(chunks, dtype=np.int64), dims)
+    # n distinct ranks, each a distinct cell of a grid of n cells: every cell, once; so equal
+    # regions mean the pieces are exactly the grid's.
+    return grid if bool(np.array_equal(lo, offsets) and np.array_equal(hi - lo, sizes)) else None
 
 
 def _uints(v: Any, n: int) -> bool:
