@@ -61,6 +61,9 @@ def records(world: int, shapes: dict[str, tuple[int, ...]]) -> list[RankRecord]:
         entries = tuple(RecordEntry(name, "float32", (rows[name][r][0], *shape[1:]), name, shape,
                                     (rows[name][r][1], *(0 for _ in shape[1:])), None)
                         for name, shape in shapes.items())
+        # AdamW's step counter of each parameter: a plain 0-d tensor every rank holds, all equal
+        entries += tuple(RecordEntry(step, "float32", (), step, None, None, "step")
+                         for step in (n.replace("model/", "optim/step/", 1) for n in shapes if n.startswith("model/")))
         out.append(RankRecord(r, "sha256:" + f"{r:064x}", 0, 0, entries, ()))
     return out
 
@@ -79,6 +82,7 @@ def restore_read(path: str, rank: int, world: int, shapes: dict[str, tuple[int, 
         reader = StepReader(path)
         reader.rank_entry(rank)
         tmap, _ = reader.tensor_map()
+        reader.map_check()          # what checking its first manifest against the map builds
         for name, shape in shapes.items():
             size, off = Shard.local_shard_size_and_offset(shape[0], world, rank)
             need = Region((off, *(0 for _ in shape[1:])), (size, *shape[1:]))
@@ -104,7 +108,8 @@ def one(world: int, layers: int, grids: bool, area: Path) -> dict[str, Any]:
     del recs, built
     res = restore_read(str(path), world // 2, world, shapes)
     shutil.rmtree(path)
-    return {"world": world, "layers": layers, "tensors": len(shapes), "form": "grid" if grids else "list",
+    return {"world": world, "layers": layers, "tensors": len(shapes) + 9 * layers,
+            "form": "grid" if grids else "list",
             "build_s": build_s, "publish_s": publish_s, "index_bytes": files[INDEX_NAME],
             "tensors_json_bytes": files.get("tensors.json", 0), **res}
 
@@ -141,7 +146,8 @@ def main() -> None:
     md = "\n".join([
         "# Index bytes one restoring rank reads: sharded step, pieces listed vs grids",
         "",
-        f"Llama-70B-like layers x{args.layers} (27 sharded tensors a layer: weights + AdamW moments), "
+        f"Llama-70B-like layers x{args.layers} (27 sharded tensors a layer: weights + AdamW moments; "
+        "9 plain 0-d step counters), "
         "FSDP2 Shard(0) over every rank. `read by one rank` = bytes the restoring rank's reader read (rchar) "
         "for its rank record and the tensor map (the index head, its 256-rank block of ranks.bin, "
         f"tensors.json), then found its pieces; `at 80 layers` scales the tensor map's part by {scale:g}. "

@@ -55,7 +55,7 @@ def load_tensor(step_dir: str | os.PathLike[str], name: str, region: Any = None,
         source = None
         shape, dtype = t.shape, t.dtype
         if t.kind == LOCAL:
-            holders = [p.rank for p in t.pieces]
+            holders = t.holder_ranks()
             if rank is not None:
                 source = rank
             elif 0 in holders and (t.same or len(holders) == 1):
@@ -63,10 +63,10 @@ def load_tensor(step_dir: str | os.PathLike[str], name: str, region: Any = None,
             elif t.same or len(holders) == 1:
                 source = holders[0]
             else:
-                raise CheckpointError(f"tensor {name!r}: ranks {holders} each saved their own, different copy; "
+                raise CheckpointError(f"tensor {name!r}: ranks {list(holders)} each saved their own, different copy; "
                                       "pass rank= to say whose")
             if source not in holders:
-                raise CheckpointError(f"tensor {name!r}: saved rank {source} holds no copy (held by {holders})")
+                raise CheckpointError(f"tensor {name!r}: saved rank {source} holds no copy (held by {list(holders)})")
             entry = files.entry(source, name, name)      # a rank's own copy may differ in shape and dtype
             shape, dtype = tuple(entry.shape), entry.dtype
         try:

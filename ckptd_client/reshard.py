@@ -192,10 +192,10 @@ def plan(files: StepFiles, tensors: dict[str, GlobalTensor], needs: Sequence[Nee
         if t is None:
             raise CheckpointError(f"tensor {need.name!r} is not in checkpoint step {files.step} ({files.path})")
         if t.kind == LOCAL:
-            pieces = [p for p in t.pieces if p.rank == need.source]
+            pieces = t.held_by(need.source) if need.source is not None else []
             if not pieces:
                 raise CheckpointError(f"tensor {need.name!r}: saved rank {need.source} holds no copy of it "
-                                      f"(held by ranks {[p.rank for p in t.pieces]}) in {files.path}")
+                                      f"(held by ranks {list(t.holder_ranks())}) in {files.path}")
         else:
             if len(t.shape) != len(need.region.sizes):
                 raise CheckpointError(f"tensor {need.name!r} has {len(t.shape)} dimensions in {files.path}, "
@@ -378,8 +378,8 @@ def read_needs(files: StepFiles, needs: Sequence[Need], threads: int, staging_by
         t = files.tensors.get(need.name)
         if t is None:
             continue
-        dtype = next((t.copy_of(p)[0] for p in t.pieces if p.rank == need.source), t.dtype) \
-            if t.kind == LOCAL else t.dtype      # a rank's local copy may have its own dtype
+        held = t.held_by(need.source) if t.kind == LOCAL and need.source is not None else []
+        dtype = t.copy_of(held[0])[0] if held else t.dtype      # a rank's local copy may have its own dtype
         if not decodable_into(need.out, dtype, need.region.sizes):
             raise CheckpointError(f"tensor {need.name!r}: the destination must be a contiguous CPU "
                                   f"{dtype} tensor of shape {list(need.region.sizes)}")

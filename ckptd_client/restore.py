@@ -346,11 +346,11 @@ class _Restore:
         source = None
         shape, dtype = t.shape, t.dtype
         if t.kind == LOCAL:
-            holders = [p.rank for p in t.pieces]
+            holders = t.holder_ranks()
             source = src if src in holders else (holders[0] if t.same and holders else None)
             if source is None:
                 raise CheckpointError(f"tensor {name!r}: saved rank {src} has no copy and the copies of ranks "
-                                      f"{holders} differ, in {self.where()}")
+                                      f"{list(holders)} differ, in {self.where()}")
             entry = self.files.entry(source, name, name)
             shape, dtype = tuple(entry.shape), entry.dtype
         if live is None:                  # in the checkpoint, not in the state: a fresh whole tensor

@@ -170,3 +170,24 @@ def test_the_commit_builds_grids_from_the_ranks_records_without_making_pieces() 
     listed = build_index("j", 1, world, recs, grids=False)
     assert listed.index["format_version"] == 2
     assert parse_tensor_map(listed.index["tensors"], world) == parse_tensor_map(built.index["tensors"], world)
+
+
+def test_a_local_tensor_held_by_every_rank_is_read_without_a_piece_per_rank() -> None:
+    world = 32768
+    tensors = parse_tensor_map({
+        "step": {"dtype": "float32", "shape": [], "kind": "local", "held_by": "all", "same": True},
+        "buf": {"dtype": "int64", "shape": [5], "kind": "local", "held_by": "all", "same": False,
+                "copies": {"7": {"dtype": "int32", "shape": [6]}}},
+        "few": {"dtype": "float32", "shape": [2], "kind": "local", "held_by": [3, 9], "same": False}}, world)
+    step, buf, few = tensors["step"], tensors["buf"], tensors["few"]
+    assert step.holder_ranks() == range(world) and "pieces" not in step.__dict__
+    assert step.held_by(31000) == [Piece(31000, "step", Region((), ()))]
+    assert buf.held_by(7) == [Piece(7, "buf", Region((0,), (6,)), "int32")]
+    assert buf.held_by(8) == [Piece(8, "buf", Region((0,), (5,)))]
+    assert few.held_by(4) == [] and list(few.holder_ranks()) == [3, 9]
+    check = MapCheck(tensors, world)
+    assert check.map_faults() == [] and "pieces" not in step.__dict__        # checked without enumerating
+    assert step.to_json(world) == {"dtype": "float32", "shape": [], "kind": "local", "held_by": "all", "same": True}
+    with pytest.raises(FormatError, match="'copies' names '40000'"):
+        parse_tensor_map({"b": {"dtype": "int64", "shape": [5], "kind": "local", "held_by": "all", "same": False,
+                                "copies": {"40000": {"dtype": "int32", "shape": [6]}}}}, world)

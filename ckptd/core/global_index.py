@@ -19,7 +19,7 @@ loader's position, RNG streams): restoring them at another world size needs the 
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -33,8 +33,8 @@ from .rank_record import RankRecord, RecordEntry, fingerprint, summarize
 from .regions import Region
 from .schema import DTYPE_ITEMSIZE, Manifest
 
-__all__ = ["LOCAL", "SHARDED", "GlobalTensor", "Piece", "build_from_records", "build_tensor_map", "fingerprint",
-           "parse_tensor_map", "per_rank_keys"]
+__all__ = ["LOCAL", "SHARDED", "GlobalTensor", "Holders", "Piece", "build_from_records", "build_tensor_map",
+           "fingerprint", "parse_tensor_map", "per_rank_keys"]
 
 SHARDED, LOCAL = "sharded", "local"
 
@@ -50,11 +50,22 @@ class Piece:
     dtype: str | None = None
 
 
+@dataclass(frozen=True)
+class Holders:
+    """A local tensor's holders as index.json states them: ``ranks`` (``range(world_size)`` when
+    every rank holds a copy: O(1), however large the world) and ``own``, rank → (dtype or None,
+    whole region) of each copy whose dtype or shape is not the tensor's."""
+    ranks: Sequence[int]
+    own: Mapping[int, tuple[str | None, Region]]
+
+
 @dataclass(frozen=True, eq=False)
 class GlobalTensor:
     """``pieces``: every piece, in rank order — the ``listed`` ones, or those of ``grid`` (a
-    sharded tensor stored as a rule, piece_grid.py), made on first use; a reader of one region
-    asks :meth:`overlapping` instead, which does not make them."""
+    sharded tensor stored as a rule, piece_grid.py) or ``holders`` (a local tensor's copies as
+    read from an index), made on first use. Readers of one region or one rank ask
+    :meth:`overlapping`, :meth:`held_by` and :meth:`holder_ranks` instead, which do not make them:
+    at 32,768 ranks every tensor would be 32,768 objects on every restoring rank."""
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -62,12 +73,25 @@ class GlobalTensor:
     listed: tuple[Piece, ...]
     same: bool = True             # LOCAL only: every rank's copy is byte-identical
     grid: PieceGrid | None = None
+    holders: Holders | None = None
 
     @cached_property
     def pieces(self) -> tuple[Piece, ...]:
-        if self.grid is None:
-            return self.listed
-        return tuple(Piece(rank, self.name, region) for rank, region in self.grid.pieces())
+        if self.grid is not None:
+            return tuple(Piece(rank, self.name, region) for rank, region in self.grid.pieces())
+        if self.holders is not None:
+            return tuple(self._copy(rank, self.holders) for rank in self.holders.ranks)
+        return self.listed
+
+    def _copy(self, rank: int, holders: Holders) -> Piece:
+        own = holders.own.get(rank)
+        return Piece(rank, self.name, own[1], own[0]) if own else Piece(rank, self.name, Region.whole(self.shape))
+
+    def holder_ranks(self) -> Sequence[int]:
+        """The ranks that saved a piece or copy, in order (a range when every rank did)."""
+        if self.holders is not None:
+            return self.holders.ranks
+        return [p.rank for p in self.pieces]
 
     def overlapping(self, region: Region) -> list[Piece]:
         """The pieces sharing an element with ``region`` (a grid's by arithmetic, O(pieces returned))."""
@@ -76,10 +100,12 @@ class GlobalTensor:
         return [p for p in self.pieces if len(p.region.sizes) == len(region.sizes) and p.region.intersect(region)]
 
     def held_by(self, rank: int) -> list[Piece]:
-        """The pieces saved by ``rank`` (a grid's by arithmetic)."""
+        """The pieces saved by ``rank`` (a grid's by arithmetic, holders' by lookup)."""
         if self.grid is not None:
             cell = self.grid.cell_of_rank(rank)
             return [] if cell is None else [Piece(rank, self.name, self.grid.region_of(cell))]
+        if self.holders is not None:
+            return [self._copy(rank, self.holders)] if rank in self.holders.ranks else []
         return [p for p in self.pieces if p.rank == rank]
 
     def __eq__(self, other: object) -> bool:
@@ -108,8 +134,8 @@ class GlobalTensor:
             else:
                 out["pieces"] = [{"rank": p.rank, "name": p.name, **p.region.to_json()} for p in self.pieces]
         else:       # whole copies named like the tensor: only who holds one (O(1) when every rank does)
-            ranks = [p.rank for p in self.pieces]
-            out["held_by"] = "all" if ranks == list(range(world_size)) else ranks
+            ranks = self.holder_ranks()
+            out["held_by"] = "all" if list(ranks) == list(range(world_size)) else list(ranks)
             out["same"] = self.same
             copies = {str(p.rank): {"dtype": p.dtype or self.dtype, "shape": list(p.region.sizes)}
                       for p in self.pieces if p.dtype is not None or p.region.sizes != self.shape}
@@ -225,15 +251,14 @@ def parse_tensor_map(obj: Any, world_size: int) -> dict[str, GlobalTensor]:
         if t["kind"] == LOCAL:
             held: Any = t.get("held_by")
             if held == "all":
-                held = list(range(world_size))
-            if not (_uints(held, limit=world_size) and all(r < world_size for r in held)
-                    and len(set(held)) == len(held)):
+                ranks: Sequence[int] = range(world_size)
+            elif (_uints(held, limit=world_size) and all(r < world_size for r in held)
+                  and len(set(held)) == len(held)):
+                ranks = tuple(held)
+            else:
                 raise FormatError(f"{where}: 'held_by' must be \"all\" or a list of distinct ranks")
-            whole = Region.whole(shape)
-            copies = _copies(t.get("copies", {}), t["dtype"], set(held), where)
-            out[name] = GlobalTensor(name, t["dtype"], shape, LOCAL,
-                                     tuple(Piece(r, name, copies[r][1], copies[r][0]) if r in copies
-                                           else Piece(r, name, whole) for r in held), same)
+            copies = _copies(t.get("copies", {}), t["dtype"], ranks, where)
+            out[name] = GlobalTensor(name, t["dtype"], shape, LOCAL, (), same, holders=Holders(ranks, copies))
             continue
         if "grid" in t:
             out[name] = GlobalTensor(name, t["dtype"], shape, SHARDED, (),
@@ -257,7 +282,7 @@ def parse_tensor_map(obj: Any, world_size: int) -> dict[str, GlobalTensor]:
     return out
 
 
-def _copies(obj: Any, dtype: str, held: set[int], where: str) -> dict[int, tuple[str | None, Region]]:
+def _copies(obj: Any, dtype: str, held: Sequence[int], where: str) -> dict[int, tuple[str | None, Region]]:
     """A local tensor's ``copies``: rank → (its own dtype or None, its own whole region), checked."""
     if not isinstance(obj, dict):
         raise FormatError(f"{where}: 'copies' must be an object of rank → dtype and shape")

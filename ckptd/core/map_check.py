@@ -133,7 +133,8 @@ class MapCheck:
         # Copies that must be byte-identical (a `same` tensor's, a piece written twice): the first fed.
         self._copies: dict[tuple[str, Region], tuple[int, tuple[Any, ...]]] = {}
         self._written: dict[tuple[str, Region], int] = {}
-        self._grids = [t for t in tensors.values() if t.grid is not None]    # asked per rank (O(1) each)
+        # Grids and holders read from an index are asked per rank (O(1) each), never enumerated.
+        self._lazy = [t for t in tensors.values() if t.grid is not None or t.holders is not None]
         for t in tensors.values():
             for p in t.listed:
                 if t.kind == SHARDED:
@@ -149,9 +150,9 @@ class MapCheck:
         out = list(self._twice)
         for t in self.tensors.values():
             out += [MapFault(t.name, None, f) for f in tiling_faults(t, self.world_size)]
-            if t.kind != SHARDED and t.same and len(t.pieces) != self.world_size:
+            if t.kind != SHARDED and t.same and len(t.holder_ranks()) != self.world_size:
                 out.append(MapFault(t.name, None, f"marked same on every rank but held by "
-                                                  f"{len(t.pieces)} of {self.world_size} ranks"))
+                                                  f"{len(t.holder_ranks())} of {self.world_size} ranks"))
         return out
 
     def rank_faults(self, m: Manifest) -> list[MapFault]:
@@ -184,10 +185,10 @@ class MapCheck:
         """Entry name → (tensor, piece) of what the map says ``rank`` saved; a name listed twice
         goes to ``faults`` (the listed tensors' were found up front)."""
         held = self._by_rank.get(rank, {})
-        if not self._grids:
+        if not self._lazy:
             return held
         held = dict(held)
-        for t in self._grids:
+        for t in self._lazy:
             for p in t.held_by(rank):
                 if p.name in held:
                     faults.append(MapFault(t.name, rank, f"rank {rank}'s entry {p.name!r} is listed twice in the "

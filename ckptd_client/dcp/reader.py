@@ -155,5 +155,5 @@ def _source(t: GlobalTensor) -> int | None:
     """A plain (``local``) tensor's copy to read: rank 0's if it has one, else the first holder's."""
     if t.kind != LOCAL:
         return None
-    ranks = [p.rank for p in t.pieces]
+    ranks = t.holder_ranks()
     return 0 if 0 in ranks else ranks[0]
