@@ -146,8 +146,8 @@ def main() -> int:
         "## Headline", table(["figure", "value", "target", "verdict"], head),
         "## All methods", table(["method", "p50", "throughput", "÷ memcpy", "min", "max"], rows),
         "`memcpy` is `ctypes.memmove` per tensor on one thread. `ckptd memory` is the whole "
-        "`Checkpointer.restore` (connect, `memory_fetch`, the memfd by SCM_RIGHTS, mapped with `MAP_POPULATE` and "
-        "copied into the tensors on the restore threads, xxh3 of every chunk, state applied). Storage restores read "
+        "`Checkpointer.restore` (connect, `memory_fetch`, the memfd by SCM_RIGHTS, read with `preadv` "
+        "straight into the tensors on the restore threads, xxh3 of every chunk, state applied). Storage restores read "
         "what the daemon wrote: with its default `codec_mode = \"adaptive\"` on this disk, raw chunks, read "
         "straight into the tensors; `(cold)` drops the step's data files from the page cache first "
         "(`posix_fadvise`).",

@@ -623,8 +623,9 @@ def to_markdown(res: dict[str, Any]) -> str:
         " and copying into the live shards (and `set_state_dict`), not the disk. The resharding restore runs in a"
         " fresh group of ranks; its bit-exactness check gathers full tensors, outside the timed region.",
         "- Restore from memory: the daemon holds the newest committed step's shards (its memory tier); each rank"
-        " maps the held shards it needs (its own at the same layout; every saved rank whose pieces it needs after a"
-        " reshard) and copies their regions, checksummed, into the live shards: no file read, no decode. One"
+        " reads (`preadv`) the held shards it needs (its own at the same layout; every saved rank whose pieces"
+        " it needs after a reshard) and copies their regions, checksummed, into the live shards: no file read,"
+        " no decode. One"
         " daemon stands for every node here, so a reshard reads shards the daemon holds itself, as node A does"
         " for node B's replicas after B is lost (tests/test_sharded_memory.py); a copy fetched from a peer at"
         " restore time adds a loopback transfer. Against the floor (a plain copy of the local shards) the restore"

@@ -6,11 +6,11 @@ several saved ranks after a reshard. :class:`DaemonShards` is the ``HeldShards``
 (``restore.restore_state``) consults for each saved rank it needs: it asks this node's daemon for
 that rank's held shard (``memory_fetch`` with the saved world size; the daemon serves its own
 ranks, replicas other nodes sent it, or a copy it fetches from a peer daemon, each checked against
-the committed index's manifest digest), maps the memfd read-only, and answers with the shard as a
+the committed index's manifest digest), keeps the memfd to read from, and answers with the shard as a
 manifest whose entries are raw (uncompressed) chunks at their offsets in the memfd. The region
 arithmetic, the checks before anything is written and the per-rank rules are then the storage
 restore's own; only ranks no daemon holds are read from their files. Each raw chunk is copied out of
-the mapped memfd a cache-sized piece at a time and hashed while in cache (``held_map``); a chunk
+the memfd a cache-sized piece at a time (``preadv``) and hashed while in cache (``held_map``); a chunk
 failing its checksum raises :class:`MemoryUnavailable` (the restore chain then reads the whole step
 from storage: never wrong data). What came from where is counted in ``ReadStats.held`` (``memory``, ``peer``) and
 ``ReadStats.bytes`` (storage).
@@ -31,7 +31,7 @@ from .read_stats import HeldShards, ReadStats
 
 
 class _Held:
-    """One fetched shard: its connection (which keeps it pinned), memfd (mapped: ``held_map``) and source."""
+    """One fetched shard: its connection (which keeps it pinned), memfd (read by ``held_map``) and source."""
 
     def __init__(self, conn: DaemonConnection, meta: HeldMeta, fd: int, source: str) -> None:
         self.conn, self.meta, self.fd, self.source = conn, meta, fd, source
@@ -51,7 +51,7 @@ class DaemonShards(HeldShards):
     ``fetch_held``), fetched from the daemon at ``socket_path`` as a restore asks for them; ``refused``:
     each saved rank the daemon could not serve, and why (it is read from storage, or with ``required``
     — a memory-level step, which has no files — fails the restore). Close it (or use ``with``) once the restore
-    has copied everything: the mappings go and the daemon may evict the shards again."""
+    has copied everything: the memfds go and the daemon may evict the shards again."""
 
     def __init__(self, socket_path: str, job: str, step: int, world_size: int, *, required: bool = False) -> None:
         self.socket_path, self.job, self.step, self.world_size = socket_path, job, step, world_size

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptd.core import step_files
+from ckptd.core.gc_pause import gc_paused
 from ckptd.core.names import job_dir, memory_job, step_dir
 from ckptd.core.reader import list_steps
 
@@ -72,7 +73,8 @@ def restore_held(reader: Reader, step: int, state: dict[str, Any], per_rank: Per
     started = time.monotonic()
     error: BaseException | None = None
     try:
-        got = serve_held(reader, step, state, per_rank, strict)
+        with gc_paused():     # as run_chain's sources
+            got = serve_held(reader, step, state, per_rank, strict)
     except Exception as e:         # every rank must still reach the agreement, or the others wait for it
         got, error = Unavailable(MEMORY_LEVEL, str(e)), e
     everyone = all_ok(isinstance(got, Served))

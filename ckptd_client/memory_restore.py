@@ -5,8 +5,8 @@ FORMAT.md): the daemon answers with the rank's held shard — the raw bytes the 
 memfd passed with SCM_RIGHTS, plus its layout, state tree and per-chunk checksums — after checking
 that the shard is the one the committed index.json records (its manifest digest). A daemon that lost
 it (a replacement node) fetches it from a peer daemon's memory first. Here each tensor is read
-straight into the live tensor (from the memfd mapped once, populated, a cache-sized piece at a time on
-the restore threads: ``held_map``), each piece's bytes fed to its chunk's xxh3 while still in cache,
+straight into the live tensor (``preadv`` from the memfd, a cache-sized piece at a time on the
+restore threads: ``held_map``), each piece's bytes fed to its chunk's xxh3 while still in cache,
 every chunk's checksum checked, and only then is the state tree applied. Before any of it, the held tree and
 layout are checked against the live state as a restore from storage checks them (restore_check.py:
 the same step, the same answer): a mismatch raises CheckpointError, nothing written. Anything else
@@ -69,7 +69,7 @@ class MemoryCopy:
 
 def _read_into(held: HeldMap, t: TensorLayout, out: torch.Tensor, sums: tuple[str, ...], chunk: int, first: int,
                last: int) -> None:
-    """Chunks ``first``..``last`` of tensor ``t``: copied from the mapped memfd into ``out``, each
+    """Chunks ``first``..``last`` of tensor ``t``: copied from the memfd into ``out``, each
     chunk's checksum checked."""
     view = tensor_bytes(out)
     for i in range(first, last):

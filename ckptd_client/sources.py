@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptd.core.errors import FormatError
+from ckptd.core.gc_pause import gc_paused
 from ckptd.core.names import step_dir
 from ckptd.core.reader import StepReader
 
@@ -255,7 +256,8 @@ def run_chain(chain: Sequence[Source], step: int, state: dict[str, Any],
     started = time.monotonic()
     passed: list[Unavailable] = [] if skipped is None else [skipped]
     for source in chain:
-        got = source.serve(step, state)
+        with gc_paused():     # a trainer's heap is large: a full collection mid-restore cost 17 ms a go
+            got = source.serve(step, state)
         if isinstance(got, Served):
             return RestoreInfo.of(step, got, started, tuple(passed))
         passed.append(got)
