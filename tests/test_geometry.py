@@ -133,7 +133,7 @@ def listed(idx: dict[str, Any], name: str) -> list[dict[str, Any]]:
     t = idx["tensors"][name]
     if "grid" in t:
         g = t.pop("grid")
-        grid = PieceGrid(tuple(t["shape"]), tuple(g["chunks"]), tuple(g["counts"]), g["base"], tuple(g["strides"]))
+        grid = PieceGrid.decode(g, tuple(t["shape"]))
         t["pieces"] = [{"rank": r, "name": name, **region.to_json()} for r, region in grid.pieces()]
     pieces: list[dict[str, Any]] = t["pieces"]
     return pieces

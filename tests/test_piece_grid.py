@@ -19,16 +19,18 @@ from ckptd.core.regions import Region
 from ckptd.core.schema import Manifest, Placement, TensorEntry, make_index_file, parse_index
 
 
-def torch_pieces(shape: tuple[int, ...], mesh: tuple[int, ...],
-                 dims: tuple[int | None, ...]) -> list[tuple[int, Region]]:
+def torch_pieces(shape: tuple[int, ...], mesh: tuple[int, ...], dims: tuple[int | None, ...],
+                 order: tuple[int, ...] | None = None) -> list[tuple[int, Region]]:
     """(rank, region) of each writing rank of a row-major ``mesh`` whose dimension m shards tensor
-    dimension ``dims[m]`` (None: replicated there, so only coordinate 0 writes), as DTensor computes them."""
+    dimension ``dims[m]`` (None: replicated there, so only coordinate 0 writes), as DTensor computes them;
+    ``order``: the mesh dimensions in the order they cut (FSDP over TP on one dimension: TP's first)."""
     out = []
     for rank, coord in enumerate(itertools.product(*map(range, mesh))):
         if any(c and d is None for c, d in zip(coord, dims, strict=True)):
             continue
         offsets, sizes = [0] * len(shape), list(shape)
-        for m, d in enumerate(dims):
+        for m in order or range(len(mesh)):
+            d = dims[m]
             if d is not None:
                 size, off = Shard.local_shard_size_and_offset(sizes[d], mesh[m], coord[m])
                 offsets[d] += off
@@ -191,3 +193,47 @@ def test_a_local_tensor_held_by_every_rank_is_read_without_a_piece_per_rank() ->
     with pytest.raises(FormatError, match="'copies' names '40000'"):
         parse_tensor_map({"b": {"dtype": "int64", "shape": [5], "kind": "local", "held_by": "all", "same": False,
                                 "copies": {"40000": {"dtype": "int32", "shape": [6]}}}}, world)
+
+
+STRIDED = [((4096, 1024), (2, 2)), ((4096, 64), (4, 2)), ((4096, 64), (2, 4)), ((96, 8), (3, 4))]
+
+
+@pytest.mark.parametrize("shape,mesh", STRIDED)
+def test_fsdp_over_tp_on_one_dimension_is_a_grid_of_two_levels(shape, mesh) -> None:
+    """FSDP2 over TP's column-parallel weights (``_StridedShard``): TP cuts dim 0 first, FSDP cuts
+    each TP part; the cells run tp-major along dim 0 while ranks run dp-major."""
+    dp, tp = mesh
+    pieces = torch_pieces(shape, mesh, (0, 0), order=(1, 0))
+    grid = fit(shape, pieces)
+    assert grid is not None and grid.levels[0] == ((tp, 1), (dp, tp)) and grid.counts == (dp * tp, 1)
+    assert grid.pieces() == pieces
+    for rank, region in pieces:
+        cell = grid.cell_of_rank(rank)
+        assert cell is not None and grid.region_of(cell) == region
+    rnd = random.Random(1)
+    for _ in range(100):
+        lo = rnd.randrange(shape[0])
+        region = Region((lo, 0), (rnd.randint(1, shape[0] - lo), shape[1]))
+        assert sorted(grid.overlapping(region), key=lambda x: x[0]) == \
+            sorted((r, p) for r, p in pieces if p.intersect(region) is not None)
+    doc = grid.to_json()
+    assert doc["counts"] == [[tp, dp], 1] and doc["strides"] == [[1, tp], 0]
+    parsed = parse_tensor_map({"w": {"dtype": "float32", "shape": list(shape), "kind": "sharded", "grid": doc}},
+                              dp * tp)["w"]
+    assert parsed.grid == grid and parsed.pieces == sharded("w", shape, pieces).pieces
+
+
+def test_an_uneven_fsdp_over_tp_cut_keeps_its_list() -> None:
+    # 10 rows: TP cuts 5 + 5, FSDP 3 + 2 in each: not torch.chunk's rule over 4 cells (3, 3, 3, 1)
+    assert fit((10, 4), torch_pieces((10, 4), (2, 2), (0, 0), order=(1, 0))) is None
+
+
+@pytest.mark.parametrize("counts,strides,why", [
+    ([[2, 2], 1], [[1, 1], 0], "same rank"),          # two digits of one stride
+    ([[2, 2], 1], [[1], 0], "malformed"),             # a count without its stride
+    ([[2, 3], 1], [[1, 2], 0], "the world has 4"),
+])
+def test_a_several_level_grid_from_disk_is_checked(counts, strides, why) -> None:
+    grid = {"chunks": [2, 8], "counts": counts, "base": 0, "strides": strides}
+    with pytest.raises(FormatError, match=why):
+        parse_tensor_map({"w": {"dtype": "float32", "shape": [8, 8], "kind": "sharded", "grid": grid}}, 4)

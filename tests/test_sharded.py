@@ -169,6 +169,9 @@ def test_tp_replicas_written_once(tp_saved: Saved, spelling: str) -> None:
     for name in ("model/down.bias", "model/head.weight", "model/norm.weight", "optim/state/head.weight/exp_avg"):
         pieces = parse_tensor_map(index["tensors"], index["world_size"])[name].pieces    # listed or a grid
         assert len(pieces) == 2, f"{name}: {pieces}"    # 2 dp shards, each written by one of its 2 tp replicas
+    # The strided (FSDP over TP on dim 0) weight is stored as a two-level grid: TP's cut, then FSDP's.
+    up = index["tensors"]["model/up.weight"]
+    assert up["grid"]["counts"][0] == [2, 2] and up["grid"]["strides"][0] == [1, 2], up
     verify = subprocess.run([sys.executable, "-m", "ckptd", "verify", str(step)], capture_output=True, text=True)
     assert verify.returncode == 0, verify.stdout[-3000:] + verify.stderr[-3000:]
 

@@ -48,8 +48,8 @@ def split_text(name: str, t: dict[str, Any], world_size: int) -> str:
     if t["kind"] == SHARDED:
         if "grid" in t:         # stored as a rule (piece_grid.py): the first few pieces, made from it
             g = t["grid"]
-            grid = PieceGrid(tuple(t["shape"]), tuple(g["chunks"]), tuple(g["counts"]), g["base"], tuple(g["strides"]))
-            count, how = len(grid), f" in a grid of {' x '.join(map(str, g['counts']))}"
+            grid = PieceGrid.decode(g, tuple(t["shape"]))
+            count, how = len(grid), f" in a grid of {' x '.join(map(str, grid.counts))}"
             first = [(r, region, name) for r, region in itertools.islice(
                 ((grid.rank_of(c), grid.region_of(c)) for c in grid.cells()), MAX_PIECES_SHOWN)]
         else:
