@@ -51,16 +51,33 @@ def tensors(layers: int) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def records(world: int, shapes: dict[str, tuple[int, ...]]) -> list[RankRecord]:
-    """Every rank's record of an FSDP2 (Shard(0)) state, as its daemon sends it."""
-    rows = {}
-    for name, shape in shapes.items():
-        rows[name] = [Shard.local_shard_size_and_offset(shape[0], world, r) for r in range(world)]
+ROLE = {"q": "col", "k": "col", "v": "col", "gate": "col", "up": "col", "o": "row", "down": "row"}   # else: norms
+
+
+def placement(name: str, shape: tuple[int, ...], rank: int, world: int, tp: int) -> tuple[Region, bool]:
+    """(the region rank ``rank`` holds of ``name``, whether it writes it) on a (world/tp) x tp mesh:
+    FSDP2 Shard(0) over dp; with tp > 1, column-parallel weights TP-cut on dim 0 first (FSDP inside:
+    _StridedShard), row-parallel ones on dim 1, norms replicated over tp (tp coordinate 0 writes)."""
+    dp, (i, j) = world // tp, divmod(rank, tp)
+    role = ROLE.get(name.rsplit(".", 1)[1], "norm") if tp > 1 else "norm"
+    cuts = {"col": [(0, tp, j), (0, dp, i)], "row": [(1, tp, j), (0, dp, i)], "norm": [(0, dp, i)]}[role]
+    offsets, sizes = [0] * len(shape), list(shape)
+    for d, parts, c in cuts:
+        size, off = Shard.local_shard_size_and_offset(sizes[d], parts, c)
+        offsets[d] += off
+        sizes[d] = size
+    return Region(tuple(offsets), tuple(sizes)), role != "norm" or j == 0
+
+
+def records(world: int, shapes: dict[str, tuple[int, ...]], tp: int = 1) -> list[RankRecord]:
+    """Every rank's record of the FSDP2 (x TP) state, as its daemon sends it."""
     out = []
     for r in range(world):
-        entries = tuple(RecordEntry(name, "float32", (rows[name][r][0], *shape[1:]), name, shape,
-                                    (rows[name][r][1], *(0 for _ in shape[1:])), None)
-                        for name, shape in shapes.items())
+        entries: tuple[RecordEntry, ...] = ()
+        for name, shape in shapes.items():
+            region, writes = placement(name, shape, r, world, tp)
+            if writes:
+                entries += (RecordEntry(name, "float32", region.sizes, name, shape, region.offsets, None),)
         # AdamW's step counter of each parameter: a plain 0-d tensor every rank holds, all equal
         entries += tuple(RecordEntry(step, "float32", (), step, None, None, "step")
                          for step in (n.replace("model/", "optim/step/", 1) for n in shapes if n.startswith("model/")))
@@ -68,7 +85,7 @@ def records(world: int, shapes: dict[str, tuple[int, ...]]) -> list[RankRecord]:
     return out
 
 
-def restore_read(path: str, rank: int, world: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+def restore_read(path: str, rank: int, world: int, shapes: dict[str, tuple[int, ...]], tp: int) -> dict[str, Any]:
     """One restoring rank at the saved layout: its rank record and, per tensor, the pieces its own
     region overlaps — bytes read (rchar) and seconds."""
     def rchar() -> int:
@@ -84,31 +101,30 @@ def restore_read(path: str, rank: int, world: int, shapes: dict[str, tuple[int, 
         tmap, _ = reader.tensor_map()
         reader.map_check()          # what checking its first manifest against the map builds
         for name, shape in shapes.items():
-            size, off = Shard.local_shard_size_and_offset(shape[0], world, rank)
-            need = Region((off, *(0 for _ in shape[1:])), (size, *shape[1:]))
-            assert [p.rank for p in tmap[name].overlapping(need)] == ([rank] if size else [])
+            need = placement(name, shape, rank, world, tp)[0]
+            assert bool(tmap[name].overlapping(need)) == bool(need.numel), name
         error = None
     except FormatError as e:      # e.g. a tensor map over the reader's MAX_INDEX_BYTES
         error = str(e)[-160:]
     return {"read_bytes": rchar() - before, "read_s": time.perf_counter() - t0, "error": error}
 
 
-def one(world: int, layers: int, grids: bool, area: Path) -> dict[str, Any]:
+def one(world: int, layers: int, grids: bool, area: Path, tp: int = 1) -> dict[str, Any]:
     shapes = tensors(layers)
-    recs = records(world, shapes)
+    recs = records(world, shapes, tp)
     t0 = time.perf_counter()
     built = build_index("llama", 1, world, recs, grids=grids)
     build_s = time.perf_counter() - t0
-    path = Path(step_dir(str(area / f"w{world}-{'grid' if grids else 'list'}"), "llama", 1))
+    path = Path(step_dir(str(area / f"w{world}-tp{tp}-{'grid' if grids else 'list'}"), "llama", 1))
     path.mkdir(parents=True)
     t0 = time.perf_counter()
     publish_index(str(path), built, recs)
     publish_s = time.perf_counter() - t0
     files = {p.name: p.stat().st_size for p in path.iterdir()}
     del recs, built
-    res = restore_read(str(path), world // 2, world, shapes)
+    res = restore_read(str(path), world // 2 + 1, world, shapes, tp)
     shutil.rmtree(path)
-    return {"world": world, "layers": layers, "tensors": len(shapes) + 9 * layers,
+    return {"world": world, "tp": tp, "layers": layers, "tensors": len(shapes) + 9 * layers,
             "form": "grid" if grids else "list",
             "build_s": build_s, "publish_s": publish_s, "index_bytes": files[INDEX_NAME],
             "tensors_json_bytes": files.get("tensors.json", 0), **res}
@@ -118,6 +134,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 8],
+                    help="tensor-parallel degrees (1: FSDP2 only; 8: a (ranks/8) x 8 FSDP x TP mesh)")
     ap.add_argument("--out", default="benchmarks/results/index_bytes")
     ap.add_argument("--dir", default=None, help="where to write the steps (default: a temp dir)")
     args = ap.parse_args()
@@ -126,8 +144,9 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     try:
         for world in args.ranks:
-            for grids in (False, True):
-                rows.append(one(world, args.layers, grids, area))
+            for tp in args.tp:
+                for grids in (False, True):
+                    rows.append(one(world, args.layers, grids, area, tp))
                 print(rows[-1], flush=True)
     finally:
         shutil.rmtree(area, ignore_errors=True)
@@ -140,7 +159,8 @@ def main() -> None:
         whole = fixed + r["tensors_json_bytes"] if r["tensors_json_bytes"] else r["read_bytes"]
         at80 = fixed + r["tensors_json_bytes"] * scale if r["tensors_json_bytes"] else r["read_bytes"] * scale
         read = f"{whole:,}" + (" (refused: the map is over the reader's limit)" if r["error"] else "")
-        md_rows.append([f"{r['world']:,}", r["form"], f"{r['tensors']:,}", f"{r['index_bytes']:,}", read,
+        mesh = "FSDP2" if r["tp"] == 1 else f"FSDP2 x TP{r['tp']}"
+        md_rows.append([f"{r['world']:,}", mesh, r["form"], f"{r['tensors']:,}", f"{r['index_bytes']:,}", read,
                         f"{at80 / 1e6:,.2f} MB", fmt(r["read_s"], 3, " s"), fmt(r["build_s"], 2, " s"),
                         fmt(r["publish_s"], 3, " s")])
     md = "\n".join([
@@ -148,7 +168,9 @@ def main() -> None:
         "",
         f"Llama-70B-like layers x{args.layers} (27 sharded tensors a layer: weights + AdamW moments; "
         "9 plain 0-d step counters), "
-        "FSDP2 Shard(0) over every rank. `read by one rank` = bytes the restoring rank's reader read (rchar) "
+        "FSDP2 Shard(0) over every rank, or over dp of a dp x TP mesh (column-parallel weights "
+        "TP-cut on dim 0 first: _StridedShard; row-parallel on dim 1; norms replicated over TP). "
+        "`read by one rank` = bytes the restoring rank's reader read (rchar) "
         "for its rank record and the tensor map (the index head, its 256-rank block of ranks.bin, "
         f"tensors.json), then found its pieces; `at 80 layers` scales the tensor map's part by {scale:g}. "
         "`build` = the committing daemon's `build_index` from the records (map, tiling check, encoding, "
@@ -156,7 +178,7 @@ def main() -> None:
         f"map over {MAX_INDEX_BYTES >> 20} MiB (it then reads only the head and block; the table shows "
         "what it would have read).",
         "",
-        table(["ranks", "form", "tensors", "index.json bytes", "read by one rank", "at 80 layers",
+        table(["ranks", "mesh", "form", "tensors", "index.json bytes", "read by one rank", "at 80 layers",
                "reader s", "build s", "publish s"], md_rows),
         "",
         f"Machine: {machine_info()}",
