@@ -700,6 +700,21 @@ def test_hostile_manifests(disk_area, genuine_step, data):
         c.cleanup()
 
 
+def test_a_manifest_offset_past_what_a_file_can_hold_is_refused(disk_area, genuine_step):
+    """Found by test_hostile_manifests: an entry at byte 2**63 reached os.preadv (OverflowError)."""
+    area, _ = disk_area
+    c = Crafted(area, genuine_step)
+    try:
+        m = c.manifest()
+        m["tensors"][0]["offset"] = 2 ** 63
+        c.write_manifest(dumps_with_deep(m))
+        with pytest.raises(FormatError, match="past byte"):
+            StepReader(str(c.path)).manifest(0, check_map=False)
+        exercise_readers(c.path)
+    finally:
+        c.cleanup()
+
+
 @DISK
 @given(data=st.data())
 def test_inconsistent_chunk_metadata(disk_area, genuine_step, data):

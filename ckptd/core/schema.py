@@ -35,6 +35,7 @@ GRID_INDEX_VERSION = 3         # an index whose tensor map stores some sharded t
 INDEX_VERSIONS = (*READABLE_VERSIONS, GRID_INDEX_VERSION)
 MAX_INDEX_BYTES = 64 * 1024 * 1024
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+MAX_DATA_BYTES = 1 << 62       # no chunk of a rank's data file ends past this (off_t is signed 64-bit)
 
 # Every torch dtype ckptd stores, by the name torch prints after "torch.", with its item size.
 DTYPE_ITEMSIZE: dict[str, int] = {
@@ -274,6 +275,8 @@ def parse_manifest(data: bytes, *, job: str, step: int, rank: int) -> Manifest:
         entry = TensorEntry(name, t["dtype"], t["shape"], t["offset"], chunks, placement)
         require(sum(c.raw_len for c in chunks) == entry.nbytes,
                  f"tensor {name!r}: chunks hold {sum(c.raw_len for c in chunks)} bytes, shape needs {entry.nbytes}")
+        require(entry.offset + entry.stored_bytes <= MAX_DATA_BYTES,     # a file offset the OS can seek to
+                 f"tensor {name!r}: its chunks end past byte {MAX_DATA_BYTES} of the data file")
         _check_chunks(entry)
         tensors.append(entry)
     try:
