@@ -195,7 +195,9 @@ def test_a_local_tensor_held_by_every_rank_is_read_without_a_piece_per_rank() ->
                                 "copies": {"40000": {"dtype": "int32", "shape": [6]}}}}, world)
 
 
-STRIDED = [((4096, 1024), (2, 2)), ((4096, 64), (4, 2)), ((4096, 64), (2, 4)), ((96, 8), (3, 4))]
+STRIDED = [((4096, 1024), (2, 2)), ((4096, 64), (4, 2)), ((4096, 64), (2, 4)), ((96, 8), (3, 4)),
+           ((1024, 8), (512, 8)),     # 128 rows a TP part over 512 FSDP ranks: empty cells inside each part
+           ((10, 4), (2, 2))]         # TP cuts 5 + 5, FSDP 3 + 2 of each: uneven, still two chunk rules
 
 
 @pytest.mark.parametrize("shape,mesh", STRIDED)
@@ -205,7 +207,9 @@ def test_fsdp_over_tp_on_one_dimension_is_a_grid_of_two_levels(shape, mesh) -> N
     dp, tp = mesh
     pieces = torch_pieces(shape, mesh, (0, 0), order=(1, 0))
     grid = fit(shape, pieces)
-    assert grid is not None and grid.levels[0] == ((tp, 1), (dp, tp)) and grid.counts == (dp * tp, 1)
+    c_tp = -(-shape[0] // tp)
+    assert grid is not None and grid.levels[0] == ((tp, 1, c_tp), (dp, tp, -(-c_tp // dp)))
+    assert grid.counts == (dp * tp, 1)
     assert grid.pieces() == pieces
     for rank, region in pieces:
         cell = grid.cell_of_rank(rank)
@@ -218,22 +222,19 @@ def test_fsdp_over_tp_on_one_dimension_is_a_grid_of_two_levels(shape, mesh) -> N
             sorted((r, p) for r, p in pieces if p.intersect(region) is not None)
     doc = grid.to_json()
     assert doc["counts"] == [[tp, dp], 1] and doc["strides"] == [[1, tp], 0]
+    assert doc["chunks"] == [[c_tp, -(-c_tp // dp)], shape[1]]
     parsed = parse_tensor_map({"w": {"dtype": "float32", "shape": list(shape), "kind": "sharded", "grid": doc}},
                               dp * tp)["w"]
     assert parsed.grid == grid and parsed.pieces == sharded("w", shape, pieces).pieces
-
-
-def test_an_uneven_fsdp_over_tp_cut_keeps_its_list() -> None:
-    # 10 rows: TP cuts 5 + 5, FSDP 3 + 2 in each: not torch.chunk's rule over 4 cells (3, 3, 3, 1)
-    assert fit((10, 4), torch_pieces((10, 4), (2, 2), (0, 0), order=(1, 0))) is None
 
 
 @pytest.mark.parametrize("counts,strides,why", [
     ([[2, 2], 1], [[1, 1], 0], "same rank"),          # two digits of one stride
     ([[2, 2], 1], [[1], 0], "malformed"),             # a count without its stride
     ([[2, 3], 1], [[1, 2], 0], "the world has 4"),
+    ([[2, 1], 1], [[1, 0], 0], "1 cells of 2 do not cover 4"),   # the inner cut leaves half of each part
 ])
 def test_a_several_level_grid_from_disk_is_checked(counts, strides, why) -> None:
-    grid = {"chunks": [2, 8], "counts": counts, "base": 0, "strides": strides}
+    grid = {"chunks": [[4, 2], 8], "counts": counts, "base": 0, "strides": strides}
     with pytest.raises(FormatError, match=why):
         parse_tensor_map({"w": {"dtype": "float32", "shape": [8, 8], "kind": "sharded", "grid": grid}}, 4)
