@@ -9,8 +9,9 @@ tensor becomes ~100 bytes — and a reader finds the pieces a region needs by ar
 (:meth:`PieceGrid.overlapping`) instead of scanning every rank's.
 
 :func:`fit` finds the rule for a piece list — one cut per dimension, or two on one dimension
-(FSDP over TP) — or None (replicas and hand-made layouts keep their list); :meth:`PieceGrid.from_json` validates one read from disk so that what it describes
-always tiles the tensor exactly, each cell held by one distinct rank of the world.
+(FSDP over TP) — or None (replicas and hand-made layouts keep their list).
+:meth:`PieceGrid.from_json` validates one read from disk so that what it describes always tiles
+the tensor exactly, each cell held by one distinct rank of the world.
 """
 from __future__ import annotations
 
