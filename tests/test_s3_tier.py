@@ -143,9 +143,12 @@ def test_daemon_killed_mid_upload_leaves_no_bucket_step_and_a_restart_redoes_it(
     env = seaweed.env()
     b = bucket_of(seaweed, bucket)
     root = tmp / "root"
-    d = daemon_factory(*s3_args(seaweed, bucket, "--debug-upload-delay", "5"), name="a", root=root, env=env)
-    save(d.socket, 1, seed=1)
+    first = daemon_factory(*s3_args(seaweed, bucket), name="a0", root=root, env=env)
+    save(first.socket, 1, seed=1)
     wait_for(lambda: b.steps(JOB)[0] == [1], "step 1 in the bucket")
+    first.stop()
+    # The same node's daemon again, its uploads slowed (5 s before each file) so one can be caught mid-way.
+    d = daemon_factory(*s3_args(seaweed, bucket, "--debug-upload-delay", "5"), name="a", root=root, env=env)
     save(d.socket, 2, seed=2)
     # Step 2 is committed locally; its upload is under way (its manifest is in the bucket, its index is not).
     wait_for(lambda: b.names(f"{JOB}/step-000000000002/"), "the first file of step 2 in the bucket")
