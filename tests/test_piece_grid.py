@@ -82,7 +82,9 @@ def test_overlapping_finds_exactly_the_pieces_a_scan_finds(shape, mesh, dims) ->
 
 
 def sharded(name: str, shape: tuple[int, ...], pieces: list[tuple[int, Region]]) -> GlobalTensor:
-    return GlobalTensor(name, "float32", shape, SHARDED, tuple(Piece(r, name, reg) for r, reg in pieces))
+    grid = fit(shape, pieces)        # as build_from_records decides: a grid where the pieces form one
+    listed = () if grid else tuple(Piece(r, name, reg) for r, reg in pieces)
+    return GlobalTensor(name, "float32", shape, SHARDED, listed, grid=grid)
 
 
 def test_index_stores_the_grid_and_reads_back_the_same_map() -> None:

@@ -28,7 +28,7 @@ import numpy as np
 
 from .errors import FormatError
 from .names import validate_tensor_name
-from .piece_grid import PieceGrid, fit, fit_arrays
+from .piece_grid import PieceGrid, fit_arrays
 from .rank_record import RankRecord, RecordEntry, fingerprint, summarize
 from .regions import Region
 from .schema import DTYPE_ITEMSIZE, Manifest
@@ -122,15 +122,13 @@ class GlobalTensor:
         return p.dtype or self.dtype, p.region.sizes
 
     def to_json(self, world_size: int, *, grids: bool = True) -> dict[str, Any]:
-        """index.json's entry. A sharded tensor's pieces as a grid where they form one (``grids``;
-        such an index is format 3), else listed."""
+        """index.json's entry. A sharded tensor with a grid as that grid (``grids``; such an index is
+        format 3), else its pieces listed. Whether pieces form a grid is the builder's to find
+        (``build_from_records``), once: this writes what the tensor has."""
         out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "kind": self.kind}
         if self.kind == SHARDED:
-            grid = self.grid
-            if grid is None and grids and all(p.name == self.name for p in self.pieces):
-                grid = fit(self.shape, [(p.rank, p.region) for p in self.pieces])
-            if grid is not None and grids:
-                out["grid"] = grid.to_json()
+            if self.grid is not None and grids:
+                out["grid"] = self.grid.to_json()
             else:
                 out["pieces"] = [{"rank": p.rank, "name": p.name, **p.region.to_json()} for p in self.pieces]
         else:       # whole copies named like the tensor: only who holds one (O(1) when every rank does)

@@ -232,6 +232,8 @@ def fit_arrays(shape: tuple[int, ...], ranks: np.ndarray, offsets: np.ndarray, s
         grid = PieceGrid(tuple(shape), tuple(levels), base)
         if _fits(grid, ranks, offsets, sizes):
             return grid
+    if _repeats(offsets, sizes):
+        return None                             # replicas (a region saved by several ranks): never a grid
     for d in cut:                               # one dimension cut twice: TP's parts, FSDP's chunks of each
         for nested in _two_level_candidates(shape[d], d, ranks, offsets, sizes, base):
             others = [lv if e != d else nested for e, lv in enumerate(levels)]
@@ -241,6 +243,13 @@ def fit_arrays(shape: tuple[int, ...], ranks: np.ndarray, offsets: np.ndarray, s
             if _fits(grid, ranks, offsets, sizes):
                 return grid
     return None
+
+
+def _repeats(offsets: np.ndarray, sizes: np.ndarray) -> bool:
+    """Whether two non-empty pieces have the same region (checked before the two-level search, whose
+    candidates a replicated tensor would otherwise all be tried against)."""
+    rows = np.concatenate([offsets, sizes], axis=1)[np.all(sizes > 0, axis=1)]
+    return len(np.unique(rows, axis=0)) < len(rows)
 
 
 def _two_level_candidates(n: int, d: int, ranks: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
