@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from ckptd.core.codec import ChunkMeta
 from ckptd.core.held import HeldMeta, held_manifest
@@ -28,6 +30,8 @@ from .connection import DaemonConnection
 from .held_map import HeldMap
 from .memory_restore import MemoryUnavailable, fetch_held
 from .read_stats import HeldShards, ReadStats
+
+PREFETCH_THREADS = 8          # held shards asked for at once by one restoring rank
 
 
 class _Held:
@@ -88,6 +92,15 @@ class DaemonShards(HeldShards):
         m = self._manifests[rank] = held_manifest(meta.job, meta.step, meta.rank, meta.world_size, meta.layout,
                                                   meta.checksums, meta.chunk_bytes, meta.tree)
         return m
+
+    def prefetch(self, ranks: Sequence[int]) -> None:
+        """Fetch the shards of ``ranks`` not asked for yet concurrently: each is a request to the daemon
+        (which may fetch from a peer first); ``manifest`` then answers from what came."""
+        todo = [r for r in ranks if r not in self._manifests and r not in self.refused]
+        if len(todo) < 2:
+            return
+        with ThreadPoolExecutor(min(len(todo), PREFETCH_THREADS), thread_name_prefix="ckptd-held-fetch") as pool:
+            list(pool.map(self.manifest, todo))      # (a refusal with ``required`` raises here, as it would later)
 
     def read_chunk(self, rank: int, pos: int, meta: ChunkMeta, out: memoryview, stats: ReadStats | None) -> None:
         shard = self.shards[rank]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ckptd.core.codec import ChunkMeta
@@ -36,8 +37,9 @@ class ReadStats:
 
 class HeldShards(ABC):
     """Saved ranks whose shards a daemon holds in memory (held_pieces.py), read there instead of
-    from their files. Call order: ``manifest(rank)`` once per rank a load needs (None: read the
-    rank's files), then ``read_chunk`` for that rank's chunks, from any thread; ``close`` last."""
+    from their files. Call order: ``prefetch`` (optional) with the ranks a load will ask for, then
+    ``manifest(rank)`` once per rank it needs (None: read the rank's files), then ``read_chunk`` for
+    that rank's chunks, from any thread; ``close`` last."""
 
     @abstractmethod
     def manifest(self, rank: int) -> Manifest | None:
@@ -46,3 +48,6 @@ class HeldShards(ABC):
     @abstractmethod
     def read_chunk(self, rank: int, pos: int, meta: ChunkMeta, out: memoryview, stats: ReadStats | None) -> None:
         """Copy the raw chunk at ``pos`` into ``out``, checked against ``meta.checksum``."""
+
+    def prefetch(self, ranks: Sequence[int]) -> None:    # noqa: B027 (optional: a no-op by default)
+        """Optionally get ready to answer ``manifest`` for each of ``ranks`` (called before them)."""

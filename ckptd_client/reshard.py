@@ -128,6 +128,11 @@ class StepFiles:
                 self.stats.manifests.append(rank)
         return m
 
+    def prefetch(self, ranks: Sequence[int]) -> None:
+        """Held shards of ``ranks`` asked for at once, before ``manifest`` asks rank by rank (HeldShards)."""
+        if self.held is not None:
+            self.held.prefetch([r for r in ranks if r not in self._manifests])
+
     def entry(self, rank: int, name: str, tensor: str) -> TensorEntry:
         """Entry ``name`` of rank ``rank``'s manifest, which holds a piece of ``tensor``."""
         self.manifest(rank)
@@ -186,23 +191,10 @@ def plan(files: StepFiles, tensors: dict[str, GlobalTensor], needs: Sequence[Nee
     """Every (piece, intersection) the needs require; reads the manifests of the pieces involved
     (and no other). CheckpointError naming the tensor when the pieces do not cover a need.
     ``prefer``: the rank whose files to read where several ranks saved the same region."""
+    chosen = [_pieces_for(files, tensors, need, prefer) for need in needs]
+    files.prefetch(sorted({p.rank for _, pieces in chosen for p in pieces}))
     reads: list[_Read] = []
-    for need in needs:
-        t = tensors.get(need.name)
-        if t is None:
-            raise CheckpointError(f"tensor {need.name!r} is not in checkpoint step {files.step} ({files.path})")
-        if t.kind == LOCAL:
-            pieces = t.held_by(need.source) if need.source is not None else []
-            if not pieces:
-                raise CheckpointError(f"tensor {need.name!r}: saved rank {need.source} holds no copy of it "
-                                      f"(held by ranks {list(t.holder_ranks())}) in {files.path}")
-        else:
-            if len(t.shape) != len(need.region.sizes):
-                raise CheckpointError(f"tensor {need.name!r} has {len(t.shape)} dimensions in {files.path}, "
-                                      f"{len(need.region.sizes)} are needed")
-            pieces = _distinct(t.overlapping(need.region), prefer)    # a grid's by arithmetic, not a scan
-            exact = [p for p in pieces if p.region == need.region]    # the same layout: one piece, no intersecting
-            pieces = exact or pieces
+    for need, (t, pieces) in zip(needs, chosen, strict=True):
         covered = 0
         for p in pieces:
             where = f"tensor {need.name!r}: entry {p.name!r} of {os.path.join(files.path, rank_manifest_name(p.rank))}"
@@ -227,6 +219,26 @@ def plan(files: StepFiles, tensors: dict[str, GlobalTensor], needs: Sequence[Nee
             raise CheckpointError(f"tensor {need.name!r}: the saved pieces {what}, covering {covered} of the "
                                   f"{need.region.numel} elements needed ({need.region.to_json()}) in {files.path}")
     return reads
+
+
+def _pieces_for(files: StepFiles, tensors: dict[str, GlobalTensor], need: Need,
+                prefer: int | None) -> tuple[GlobalTensor, list[Piece]]:
+    """(The tensor, the pieces to read) for ``need``: its source rank's copy of a local tensor, or the
+    pieces overlapping its region of a sharded one (the one exact piece at the same layout)."""
+    if (t := tensors.get(need.name)) is None:
+        raise CheckpointError(f"tensor {need.name!r} is not in checkpoint step {files.step} ({files.path})")
+    if t.kind == LOCAL:
+        pieces = t.held_by(need.source) if need.source is not None else []
+        if not pieces:
+            raise CheckpointError(f"tensor {need.name!r}: saved rank {need.source} holds no copy of it "
+                                  f"(held by ranks {list(t.holder_ranks())}) in {files.path}")
+        return t, pieces
+    if len(t.shape) != len(need.region.sizes):
+        raise CheckpointError(f"tensor {need.name!r} has {len(t.shape)} dimensions in {files.path}, "
+                              f"{len(need.region.sizes)} are needed")
+    pieces = _distinct(t.overlapping(need.region), prefer)    # a grid's by arithmetic, not a scan
+    exact = [p for p in pieces if p.region == need.region]    # the same layout: one piece, no intersecting
+    return t, exact or pieces
 
 
 def strides(sizes: Sequence[int], itemsize: int) -> tuple[int, ...]:
