@@ -20,6 +20,7 @@ from .connection import DaemonConnection, ask
 from .disk import committed_on_disk
 from .dist import dist_info
 from .errors import CheckpointError, NotDelivered
+from .filled import filling_save, fills
 from .handle import CloseReport, SaveHandle, wait_all
 from .memory_level import all_ranks_ok, is_held_step, newest_held_step, restore_held
 from .modes import WhenBusy, parse_level, parse_when_busy, resolve_commit_mode
@@ -119,9 +120,7 @@ class Checkpointer:
     # ---- events from the daemon (reader thread) ----------------------------
 
     def _on_event(self, op: EventOp, msg: dict[str, Any]) -> None:
-        step = msg.get("step")
-        h = self._handles.get(step) if isinstance(step, int) else None
-        if h is None:
+        if not isinstance(step := msg.get("step"), int) or (h := self._handles.get(step)) is None:
             return
         if self._relay is not None and op in (EventOp.DURABLE, EventOp.FAILED):    # this rank's outcome
             self._relay.publish(h.step, RankOutcome.from_event(op, msg))
@@ -144,10 +143,9 @@ class Checkpointer:
                 self._finish(h, None if committed else reason)
 
     def _finish(self, h: SaveHandle, error: str | None) -> None:
-        """Settle a handle. A failure reported after this rank's shard was durable (a lost daemon or
-        peer rank, a commit timeout) may hide a commit that happened: the disk decides, so a handle
-        never says failed for a committed step (the daemon refuses saves of committed steps, so an
-        index.json there is this save's)."""
+        """Settle a handle. A failure reported after this rank's shard was durable (a lost daemon or peer rank, a
+        commit timeout) may hide a commit that happened: the disk decides, so a handle never says failed for a
+        committed step (the daemon refuses saves of committed steps, so an index.json there is this save's)."""
         if error is not None and h.durable_s is not None and self._on_disk(h.step, h):
             error = None
         if self._handles.get(h.step) is h:
@@ -164,10 +162,9 @@ class Checkpointer:
     # ---- saving ------------------------------------------------------------
 
     def prepare(self, state: dict[str, Any]) -> None:
-        """Connect and allocate slots sized for ``state`` now, so the first save pays no set-up.
-
-        Call it once the state has its full size — after the first optimizer step, when Adam's
-        moments exist — or a larger first save re-allocates the slots."""
+        """Connect and allocate slots sized for ``state`` now, so the first save pays no set-up. Call it once
+        the state has its full size (after the first optimizer step: Adam's moments) or a larger first save
+        re-allocates the slots."""
         self.fence()
         self._ensure_slots(self.plans.plan(state).nbytes)
 
@@ -188,11 +185,11 @@ class Checkpointer:
         ``when_busy``: with every slot busy, ``block`` waits, ``skip`` returns ``skipped=True``. Slots smaller
         than the state (the daemon's ``slot_memory_limit``) stream it through part by part.
 
-        ``level="memory"``: a memory-level step, held in the daemons' memory and replicated to their peers
-        (``[peers] replicas``), never written: save to memory every few steps, to storage every few hundred.
-        It commits once every rank's shard is held with its replicas and fails, saying why, when one cannot
-        be. ``restore()`` takes the newest step every rank can restore; memory-level steps do not survive a
-        restart of every daemon holding them (memory_level.py).
+        ``level="memory"``: a memory-level step, held in the daemons' memory and replicated to their peers (``[peers]
+        replicas``), never written: save to memory every few steps, to storage every few hundred. It commits once
+        every rank's shard is held with its replicas and fails, saying why, when one cannot be. ``restore()`` takes
+        the newest step every rank can restore; memory-level steps do not survive a restart of every daemon
+        holding them (memory_level.py).
 
         DTensors are saved as their local shards (``ckptd_client.dtensor``). A tensor ckptd cannot store is a
         TypeError naming its key, raised before any slot is taken."""
@@ -224,6 +221,9 @@ class Checkpointer:
                 handle.slot = self._session.acquire(block=busy is WhenBusy.BLOCK)
                 if handle.slot is None:
                     handle.skipped = True
+                    break
+                if fills(self._session, plan, overlap, level):     # the SAVE first, then the copy (filled.py)
+                    filling_save(self._session, conn, self._copies, handle, plan, self.commit_mode.value)
                     break
                 copy = self._copies.snapshot(self._session.slots[handle.slot], layout, flat, overlap, plan.splits)
                 send = partial(self._send, conn, step, handle.slot, plan, copy, level)

@@ -63,21 +63,28 @@ class OverlapCopies:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-client-copy")
         return self._pool
 
+    @staticmethod
+    def deferred(flat: FlatState, overlap: bool | str) -> frozenset[int]:
+        """The tensors ``snapshot`` leaves to the copy thread: with ``overlap=True`` the deferrable
+        ones (fenced by an optimizer's step), with ``overlap="manual"`` every one (the caller
+        fences), with False none."""
+        return (frozenset(range(len(flat.tensors))) if overlap == MANUAL
+                else flat.deferrable if overlap else frozenset())
+
     def snapshot(self, slot: ClientSlot, layout: list[TensorLayout], flat: FlatState,
-                 overlap: bool | str, splits: dict[frozenset[int], CopySplit] | None = None) -> SlotCopy:
-        """Copy what must be copied now and schedule the rest: with ``overlap=True`` the
-        deferrable tensors (fenced by an optimizer's step) go to the background, with
-        ``overlap="manual"`` every tensor does (the caller fences), with False none.
-        ``splits``: the plan's splits by deferred set, filled here (plan_cache)."""
-        deferred = (frozenset(range(len(flat.tensors))) if overlap == MANUAL
-                    else flat.deferrable if overlap else frozenset())
+                 overlap: bool | str, splits: dict[frozenset[int], CopySplit] | None = None,
+                 filled: Callable[[int], None] | None = None) -> SlotCopy:
+        """Copy what must be copied now and schedule the rest (``deferred``). ``splits``: the plan's
+        splits by deferred set, filled here (plan_cache); ``filled``: told how far the copy has
+        filled the slot from its start as it goes (a filling save: filled.py)."""
+        deferred = self.deferred(flat, overlap)
         split = splits.get(deferred) if splits is not None else None
         if split is None:
             split = CopySplit.of(layout, flat.tensors, deferred)
             if splits is not None:
                 splits[deferred] = split
         return SlotCopy(slot, layout, flat.tensors, deferred, self.pool() if deferred else None,
-                        self._side_streams, split)
+                        self._side_streams, split, filled)
 
     def begin(self, handle: SaveHandle, copy: SlotCopy, optimizers: list[torch.optim.Optimizer],
               send: Callable[[], object], failed: Callable[[BaseException], None],

@@ -36,6 +36,7 @@ class DaemonSession:
         self.job, self.rank, self.world_size = job, rank, world_size
         self.num_slots = num_slots
         self.daemon_root: str | None = None      # where the daemon writes, as its hello said
+        self.fills = False                       # its daemon takes a save before the slot is full (filled.py)
         self.conn: DaemonConnection | None = None
         self.slots: list[ClientSlot] = []
         self.asked = 0                           # the slot bytes the slots were asked for
@@ -135,6 +136,7 @@ class DaemonSession:
             conn.close()
             raise
         self.daemon_root = reply["root"]
+        self.fills = reply.get("fills") is True
         self._install(reply, slot_bytes)
         self.conn = conn
         return conn

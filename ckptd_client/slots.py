@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -124,6 +124,44 @@ class CopySplit:
                    [(layout[i], local[i]) for i in sorted(deferred) if not local[i].is_cuda], later_gpu)
 
 
+FILL_STEP = 32 << 20      # a filling save's copy tells how far it got every this many bytes (filled.py)
+
+
+class _FillMarks:
+    """A copy's progress through its slot for ``filled(upto)`` (a filling save's, filled.py): CPU
+    copies are done when they return; a non-blocking device-to-host copy only once its stream gets
+    past it, so from the first one on each mark is an event per device, waited for in order at the
+    end of the copy (where the copy waits for its streams anyway): the writer starts on the first
+    marks while later copies still run."""
+
+    def __init__(self, filled: Callable[[int], None] | None) -> None:
+        self.filled = filled
+        self.last = 0
+        self.pending: list[tuple[list[torch.cuda.Event], int]] = []
+
+    def copied(self, end: int, devices: set[torch.device]) -> None:
+        if self.filled is None or end - self.last < FILL_STEP:
+            return
+        self.last = end
+        if not devices:
+            self.filled(end)
+            return
+        events = []
+        for device in devices:
+            e = torch.cuda.Event()
+            e.record(torch.cuda.current_stream(device))
+            events.append(e)
+        self.pending.append((events, end))
+
+    def wait(self) -> None:
+        for events, end in self.pending:
+            for e in events:
+                e.synchronize()
+            assert self.filled is not None
+            self.filled(end)
+        self.pending = []
+
+
 class SlotCopy:
     """A snapshot into a slot: some tensors copied now, the deferrable rest in the background.
 
@@ -137,7 +175,7 @@ class SlotCopy:
     def __init__(self, slot: ClientSlot, layout: list[TensorLayout], tensors: list[tuple[str, torch.Tensor]],
                  deferred: frozenset[int] = frozenset(), pool: Executor | None = None,
                  side_streams: dict[torch.device, torch.cuda.Stream] | None = None,
-                 split: CopySplit | None = None) -> None:
+                 split: CopySplit | None = None, filled: Callable[[int], None] | None = None) -> None:
         self._future: Future[None] | None = None
         self.relaid: Plan | None = None       # the plan the copy thread laid out anew (``start``'s recheck)
         self.error: CheckpointError | None = None    # why this copy cannot be handed off (the state may go on)
@@ -147,6 +185,7 @@ class SlotCopy:
         # The bytes of a DTensor are its local shard's: copy (and fence on) that view.
         split = split or CopySplit.of(layout, tensors, deferred)
         local, later_gpu = split.tensors, split.later_gpu
+        marks = _FillMarks(filled)
         with torch.no_grad():
             synced: set[torch.device] = set()
             for i in split.now:
@@ -154,6 +193,7 @@ class SlotCopy:
                 if t.is_cuda:
                     synced.add(t.device)
                 _copy(slot, layout[i], t, non_blocking=t.is_cuda and slot.pinned)
+                marks.copied(layout[i].offset + layout[i].nbytes, synced)
             for device, idx in later_gpu.items():
                 streams = side_streams if side_streams is not None else {}
                 side = streams.get(device)
@@ -168,6 +208,7 @@ class SlotCopy:
                     event = torch.cuda.Event()
                     event.record(side)
                 self._events.append((device, event))
+            marks.wait()
             for device in synced:
                 torch.cuda.current_stream(device).synchronize()
         self._pool = pool

@@ -369,7 +369,7 @@ def test_wrong_field_types(fd_daemon, op, data):
         "info": {}, "status": {}, "stage": {"job": "j", "step": None},
         "flush": {"job": "j", "step": None, "timeout": 1.0},
         "memory_fetch": {"job": "j", "rank": 0, "world_size": 1}, "reclaim": {},
-        "save_part": {"step": 1, "slot": 0, "part": 1}}
+        "save_part": {"step": 1, "slot": 0, "part": 1}, "save_filled": {"step": 1, "upto": 4096}}
     good = goods[op]
     msg = {**good, "op": op, "req": 1}
     fields = sorted(protocol.REQUEST_FIELDS[op]) + ["req"]

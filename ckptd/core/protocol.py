@@ -39,6 +39,7 @@ class Op(str, Enum):
     FLUSH = "flush"            # object-storage tier: get a committed step into the bucket now
     MEMORY_FETCH = "memory_fetch"
     SAVE_PART = "save_part"    # the next part of a save streamed through slots smaller than its shard
+    SAVE_FILLED = "save_filled"  # how far a filling save's slot is filled (no reply is waited for)
     RECLAIM = "reclaim"        # every slot of this session is kept by the memory tier: give one back
 
 
@@ -109,6 +110,7 @@ class Save:
     commit: str
     stream: Any = None          # [total bytes, part bytes]: the shard comes in parts (save_part), this slot part 0
     level: str = "storage"      # SaveLevel
+    filling: bool = False       # the slot is still being filled: its bytes come as save_filled says
     op: ClassVar[Op] = Op.SAVE
 
 
@@ -118,6 +120,13 @@ class SavePart:
     slot: int
     part: int                   # 1, 2, ...: the shard's bytes [part × part bytes, …) in this slot
     op: ClassVar[Op] = Op.SAVE_PART
+
+
+@dataclass(frozen=True)
+class SaveFilled:
+    step: int
+    upto: int                   # the slot's bytes [0, upto) are in place (it only grows)
+    op: ClassVar[Op] = Op.SAVE_FILLED
 
 
 @dataclass(frozen=True)
@@ -188,8 +197,8 @@ class Reclaim:          # reply: freed (a slot_free event follows when true)
     op: ClassVar[Op] = Op.RECLAIM
 
 
-Request = (Hello | Resize | Save | SavePart | Commit | Abort | Report | Info | Status | Stage | Flush | MemoryFetch
-           | Reclaim)
+Request = (Hello | Resize | Save | SavePart | SaveFilled | Commit | Abort | Report | Info | Status | Stage | Flush
+           | MemoryFetch | Reclaim)
 REQUEST_TYPES: dict[str, type] = {t.op.value: t for t in get_args(Request)}
 # Field → JSON type of each request's required fields (also what the fuzz tests draw from).
 _WIRE_TYPES: dict[str, Any] = {"str": str, "int": int, "float": (int, float), "bool": bool, "Any": _JSON,

@@ -17,9 +17,11 @@ from ckptd import __version__
 from ckptd.core import names, protocol
 from ckptd.core.errors import ErrorCode, FormatError
 from ckptd.core.gc_pause import gc_paused
+from ckptd.core.held import span
 from ckptd.core.protocol import Abort, Commit, CommitMode, Hello, Info, MemoryFetch, Report, Resize, Save, Status
 from ckptd.core.rank_record import parse_records
 from ckptd.core.schema import parse_layout
+from ckptd.daemon.filling import FillingSlot
 from ckptd.daemon.runtime import RequestError, bounded, describe_error
 from ckptd.daemon.session import Session
 from ckptd.daemon.streamed import StreamedShard, check_stream
@@ -43,6 +45,7 @@ class Requests:
             Hello: self.hello, Resize: self.resize, Save: self.save, Commit: self.commit, Abort: self.abort,
             Report: self.report, Info: self.info, Status: self.status, MemoryFetch: daemon.memory.fetch,
             protocol.Reclaim: self.reclaim, protocol.SavePart: self.save_part,
+            protocol.SaveFilled: self.save_filled,
             **bucket_ops(daemon.s3),
         }
 
@@ -105,7 +108,8 @@ class Requests:
             raise
         log.info("session", extra={"ctx": {**session.ctx(), "world_size": session.world_size, "slots": len(fds),
                                           "slot_bytes": h.slot_bytes}})
-        return {**self._identity(), "slots": [s.size for s in session.slots]}, fds
+        # fills: this daemon takes a save before its slot is full (filling.py); a client asks only then
+        return {**self._identity(), "slots": [s.size for s in session.slots], "fills": True}, fds
 
     async def resize(self, session: Session, r: Resize) -> Reply:
         job = self._require_hello(session)
@@ -133,12 +137,16 @@ class Requests:
         if s.stream is not None and names.is_memory_job(job):
             raise RequestError("a memory-level save must fit in one slot: this state streams through slots "
                                "smaller than it (raise slot_memory_limit, or save this step to storage)")
+        if s.filling and (s.stream is not None or names.is_memory_job(job)):
+            raise RequestError("filling is for a storage-level save in one slot, not a streamed or memory-level one")
         slot = session.idle_slot(s.slot)
-        stream = None if s.stream is None else StreamedShard(   # the shard comes in parts (save_part)
+        stream: StreamedShard | FillingSlot | None = None if s.stream is None else StreamedShard(   # save_part
             *check_stream(s.stream, slot.size), slot, session.slot_free, asyncio.get_running_loop(),
             self.d.config.step_timeout)
         layout = parse_layout(s.tensors, slot.size if stream is None else stream.total)
         names.check_tree_depth(s.tree)
+        if s.filling:            # the slot's bytes come as save_filled says (filling.py)
+            stream = FillingSlot(slot.view, span(layout), self.d.config.step_timeout)
         data, released, loan = session.source(s.step, slot, stream)
         await self.d.steps.save(session, job, s.step, session.rank, session.world_size, CommitMode(s.commit),
                                 data, layout, s.tree, released=released, loan=loan)
@@ -154,6 +162,16 @@ class Requests:
         stream.feed(p.part, slot)
         slot.busy = True
         return {"step": p.step}, []
+
+    async def save_filled(self, session: Session, f: protocol.SaveFilled) -> Reply:
+        self._require_hello(session)
+        fill = session.filling.get(f.step)
+        if fill is None:
+            raise RequestError(f"no filling save of step {f.step} is in progress on this connection")
+        fill.feed(f.upto)
+        if fill.complete:
+            del session.filling[f.step]
+        return {"step": f.step}, []
 
     async def commit(self, session: Session, c: Commit) -> Reply:
         job = self._job_key(session, c.level)

@@ -19,6 +19,7 @@ from typing import Any
 from ckptd.core import protocol
 from ckptd.core.errors import ProtocolError
 from ckptd.core.protocol import EventOp
+from ckptd.daemon.filling import FillingSlot
 from ckptd.daemon.runtime import RequestError, TaskSet, bounded
 from ckptd.daemon.service.snapshot import SessionView
 from ckptd.daemon.slot_pool import Slot
@@ -76,6 +77,7 @@ class Session:
         self.world_size = 0
         self.slots: list[Slot] = []
         self.streams: dict[int, StreamedShard] = {}     # step → a save streamed through the slots
+        self.filling: dict[int, FillingSlot] = {}       # step → a save whose slot is still being filled
         self.saves = 0
         self.last_report: dict[str, Any] | None = None     # the client's latest {step, stall_s, fence_s}
         self.closed = False
@@ -132,12 +134,15 @@ class Session:
             raise RequestError(f"slot {index} is still being written")
         return self.slots[index]
 
-    def source(self, step: int, slot: Slot, stream: StreamedShard | None
-               ) -> tuple[memoryview | StreamedShard, Callable[[], None], SlotLoan | None]:
-        """What a save writes from (the slot, or the parts streamed through the slots), what gives
-        its slots back once the write reads no more, and the slot's loan to the memory tier."""
+    def source(self, step: int, slot: Slot, stream: StreamedShard | FillingSlot | None
+               ) -> tuple[memoryview | StreamedShard | FillingSlot, Callable[[], None], SlotLoan | None]:
+        """What a save writes from (the slot, the slot as it is filled, or the parts streamed through
+        the slots), what gives its slots back once the write reads no more, and the slot's loan to the
+        memory tier."""
         if stream is None:
             return slot.view, lambda: self.slot_free(slot), self.loan(slot)
+        if isinstance(stream, FillingSlot):
+            return stream, lambda: self.slot_free(slot), self.loan(slot)
 
         def end() -> None:
             stream.finish()
@@ -145,10 +150,13 @@ class Session:
                 del self.streams[step]
         return stream, end, None
 
-    def started(self, step: int, slot: Slot, stream: StreamedShard | None) -> None:
-        """A save from ``slot`` was accepted (and, streamed, waits for its next parts here)."""
+    def started(self, step: int, slot: Slot, stream: StreamedShard | FillingSlot | None) -> None:
+        """A save from ``slot`` was accepted (and, streamed or filling, waits for its next parts or
+        bytes here)."""
         slot.busy = True
-        if stream is not None:
+        if isinstance(stream, FillingSlot):
+            self.filling[step] = stream
+        elif stream is not None:
             self.streams[step] = stream
         self.saves += 1
 
@@ -187,6 +195,8 @@ class Session:
         self.closed = True
         for stream in self.streams.values():     # its parts will never come
             stream.cancel()
+        for fill in self.filling.values():       # nor the rest of its bytes
+            fill.cancel()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)   # wakes a pending read with the end of the stream
         except OSError:

@@ -79,14 +79,22 @@ class SlotLoan:
 
 
 class StreamedData(ABC):
-    """A shard larger than its trainer's slots: it arrives in parts, through slots reused as the
-    writer reads on (``ckptd/daemon/streamed.py``). Stands in for ``data``; a tier reads it in
-    increasing order, once, and keeps none of it resident."""
+    """A shard that arrives as the writer reads it: in parts, through slots reused as the writer
+    reads on (``ckptd/daemon/streamed.py``: a shard larger than its trainer's slots; it keeps
+    none of it resident), or in one slot the trainer is still filling (``ckptd/daemon/filling.py``:
+    ``resident``, the whole slot is ``whole()`` once filled, and the slot may be lent as usual).
+    Stands in for ``data``; a tier reads it in increasing order."""
+
+    resident = False
 
     @abstractmethod
     def read(self, t: TensorLayout, start: int, length: int, stop: Callable[[], bool]) -> memoryview:
-        """(A writer thread) bytes ``start`` … ``start + length`` of tensor ``t``, waiting for their
-        part; raises once ``stop()`` is true or no part came in time."""
+        """(A writer thread) bytes ``start`` … ``start + length`` of tensor ``t``, waiting for them
+        to arrive; raises once ``stop()`` is true or they did not come in time."""
+
+    def whole(self, stop: Callable[[], bool]) -> memoryview:
+        """(A ``resident`` shard, any thread) the whole slot once every byte is in it; raises as ``read``."""
+        raise TypeError("a shard streamed through reused slots is never whole in memory")
 
 
 class StorageTier(ABC):

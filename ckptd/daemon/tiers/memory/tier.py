@@ -124,7 +124,7 @@ class MemoryTier(StorageTier):
             return await hold_shard(self.store, self.pool, self.root, self.chunk_bytes, ref, data, layout, tree,
                                     released=released, abandoned=abandoned, loan=loan, copy_in=copy_in,
                                     replicate=self.replicate, k=self.k)
-        if not isinstance(data, memoryview):     # streamed through smaller slots: its host memory is the point
+        if not isinstance(data, memoryview) and not data.resident:   # streamed: its host memory is the point
             log.info("not held in memory: streamed through slots smaller than the shard",
                      extra={"ctx": {"job": ref.job, "step": ref.step, "rank": ref.rank}})
             return await self.inner.write_shard(ref, data, layout, tree, released=released, abandoned=abandoned)
@@ -140,7 +140,9 @@ class MemoryTier(StorageTier):
         def copy() -> tuple[tuple[str, ...], ...]:
             try:
                 held.fd, held.mm = new_memfd(f"ckptd-mem-{ref.job}-{ref.step}-r{ref.rank}", nbytes)
-                return copy_in(held, data, layout, self.chunk_bytes)
+                # (a slot still being filled: copied once full, beside the writer as ever)
+                return copy_in(held, data if isinstance(data, memoryview) else data.whole(abandoned), layout,
+                               self.chunk_bytes)
             finally:
                 both()
         copying = loop.run_in_executor(self.pool, copy)
@@ -161,8 +163,8 @@ class MemoryTier(StorageTier):
         self._filled(ref, held, result, sums, layout, tree)
         return result
 
-    async def _write_kept(self, ref: ShardRef, data: memoryview, layout: Sequence[TensorLayout], tree: Any,
-                          held: Held, loan: SlotLoan, released: Callable[[], None],
+    async def _write_kept(self, ref: ShardRef, data: memoryview | StreamedData, layout: Sequence[TensorLayout],
+                          tree: Any, held: Held, loan: SlotLoan, released: Callable[[], None],
                           abandoned: Callable[[], bool]) -> ShardWritten:
         """The inner tier writes from the slot; once durable the slot itself becomes the held copy
         (``loan.lend``), and goes back when the store lets it go. Its checksums are the raw ones the
@@ -173,8 +175,9 @@ class MemoryTier(StorageTier):
             result = await self.inner.write_shard(ref, data, layout, tree, released=back.read, abandoned=abandoned)
             sums = None if result.manifest is None else written_checksums(result.manifest, layout, self.chunk_bytes)
             if sums is None:
+                whole = data if isinstance(data, memoryview) else data.whole(abandoned)   # (written: filled)
                 sums = await asyncio.get_running_loop().run_in_executor(
-                    self.pool, layout_checksums, data, layout, self.chunk_bytes)
+                    self.pool, layout_checksums, whole, layout, self.chunk_bytes)
         except BaseException:
             self.store.cancel(held)
             back.decide(False)
