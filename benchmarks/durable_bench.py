@@ -622,7 +622,10 @@ def to_markdown(res: dict[str, Any]) -> str:
         "training job that checkpoints every few minutes on this VM would pay the slower figure on every save.",
         "- *ckptd time to durable*: from the `save()` call until the handle is committed: the copy into the shared "
         "slot, the hand-off, the daemon's encode (bplane, on its threads) + write + fsync of the data file, the "
-        "manifest, and the commit (index.json written and fsynced, the step directory fsynced). *Shard durable* stops "
+        "manifest, and the commit (index.json written and fsynced, the step directory fsynced). The hand-off comes "
+        "before the copy (a *filling* save: the state has no optimizer to fence, so the whole copy is in the call; "
+        "FORMAT.md): the daemon writes what is copied while the rest is copied, so the copy and the write share "
+        "this VM's two cores (the `save()` call row). *Shard durable* stops "
         "at the DURABLE event, before the commit. *Page cache* is when the data file first had its final size (the "
         "benchmark polls `st_size` every millisecond): every byte had been `write()`n, the fsync not yet done; the "
         "daemon starts writeback every 32 MiB as it writes, so part of the disk time is in it. `write_s` is the "
