@@ -12,10 +12,13 @@ mid-copy ends its connection, which fails the step on the daemon (ckptd/daemon/f
 """
 from __future__ import annotations
 
+import contextlib
+
 from ckptd.core import protocol
 from ckptd.core.protocol import SaveLevel
 
 from .connection import DaemonConnection
+from .errors import CheckpointError
 from .handle import SaveHandle
 from .overlap import OverlapCopies
 from .plan_cache import Plan
@@ -48,5 +51,6 @@ def filling_save(session: DaemonSession, conn: DaemonConnection, copies: Overlap
         copies.snapshot(slot, plan.layout, plan.flat, False, plan.splits, lambda upto: report(conn, step, upto))
         report(conn, step, plan.nbytes)
     except BaseException as e:
-        session.abort(step, f"the copy into the slot failed: {e}")
+        with contextlib.suppress(CheckpointError):     # (a lost daemon has dropped the step already)
+            session.abort(step, f"the copy into the slot failed: {e}")
         raise

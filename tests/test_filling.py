@@ -130,3 +130,28 @@ def test_malformed_fills_are_refused_by_name(daemon_factory):
         while not os.path.exists(os.path.join(step_dir(str(d.root), "bad", 1), "index.json")):
             assert time.monotonic() < end, "a save filled by hand did not commit"
             time.sleep(0.05)
+
+
+def test_a_copy_that_fails_mid_fill_drops_the_step_and_the_next_save_works(daemon_factory, monkeypatch):
+    d = daemon_factory()
+    ck = ckptd_client.Checkpointer("broken", socket=str(d.socket), overlap=False)
+    real = filled.report
+
+    def report(conn, step, upto):
+        if step == 1:
+            raise RuntimeError("device-to-host copy failed")     # as a CUDA error mid-copy would
+        real(conn, step, upto)
+    monkeypatch.setattr(filled, "report", report)
+    with pytest.raises(RuntimeError, match="device-to-host copy failed"):
+        ck.save(1, big_state(1))
+    end = time.monotonic() + 60
+    while [w for w in status(d.socket)["saves"] if w["job"] == "broken"]:     # the daemon dropped it
+        assert time.monotonic() < end, "the daemon went on waiting for a copy that failed"
+        time.sleep(0.05)
+    assert not os.path.exists(os.path.join(step_dir(str(d.root), "broken", 1), "index.json"))
+    state = big_state(2)
+    ck.save(2, state).wait(120)                   # its slot came back: the next save commits
+    target = big_state(3)
+    assert ck.restore(target) == 2
+    assert all(torch.equal(v, target[k]) for k, v in state.items() if isinstance(v, torch.Tensor))
+    ck.close()
