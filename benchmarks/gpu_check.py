@@ -2,8 +2,9 @@
 
     python benchmarks/gpu_check.py [--size-mib 1024] [--out results.json]
 
-Checks: slots are registered as pinned memory (cudaHostRegister); blocking and overlapped
-saves of GPU state commit; an overlapped save fenced by the optimizer hook captures the
+Checks: slots are registered as pinned memory (cudaHostRegister); blocking saves (filling: the
+daemon writes while the D2H copy runs, its marks CUDA events) and overlapped saves of GPU state
+commit and restore bit-exact; an overlapped save fenced by the optimizer hook captures the
 pre-step values; restore into GPU tensors is bit-exact; CUDA RNG state round-trips.
 Records: stall per save (blocking, overlapped = save + fence), time to commit, D2H GB/s.
 Exits 0 with a note when no GPU is present, non-zero when a check fails.
@@ -65,12 +66,17 @@ def main() -> int:
             overlapped: list[float] = []
             commits: list[float] = []
             for i in range(a.saves):
-                h = ck.save(2 * i + 1, state, overlap=False)
+                saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                h = ck.save(2 * i + 1, state, overlap=False)   # a filling save: handed over before its D2H copy
                 blocking.append(h.stall_s)
                 train_step()
                 h.wait(600)
                 assert h.committed_s is not None
                 commits.append(h.committed_s)
+                probe = torch.nn.Sequential(*[torch.nn.Linear(side, side, bias=False) for _ in range(n_layers)]).to(dev)
+                ck.restore({"model": probe}, step=2 * i + 1)
+                for k, v in probe.state_dict().items():
+                    assert torch.equal(v, saved[k]), f"blocking (filling) save {2 * i + 1}: {k} differs"
                 before = {k: v.detach().clone() for k, v in model.state_dict().items()}
                 h = ck.save(2 * i + 2, state, overlap=True)
                 train_step()                      # fenced by the optimizer pre-hook
