@@ -20,18 +20,18 @@ from .connection import DaemonConnection, ask
 from .disk import committed_on_disk
 from .dist import dist_info
 from .errors import CheckpointError, NotDelivered
-from .filled import filling_save, fills
 from .handle import CloseReport, SaveHandle, wait_all
+from .handoff import hand_over
 from .memory_level import all_ranks_ok, is_held_step, newest_held_step, restore_held
 from .modes import WhenBusy, parse_level, parse_when_busy, resolve_commit_mode
 from .overlap import OverlapCopies, fence_list, parse_overlap
 from .own_daemon import OwnDaemon
-from .plan_cache import Plan, PlanCache
+from .plan_cache import PlanCache
 from .relay import StoreRelay
 from .restore import PerRank, agree_step
 from .run_scope import RunScope
 from .session import DaemonSession
-from .slots import ClientSlot, SlotCopy
+from .slots import ClientSlot
 from .sources import Reader, RestoreInfo, restore_chain, run_chain
 from .streamed import needs_stream, stream_save
 
@@ -202,7 +202,6 @@ class Checkpointer:
         self.fence()
         t0 = time.perf_counter()
         plan = self.plans.plan(state, fence_optims, lazy=overlap is not False)   # raises on a bad value first
-        flat, layout = plan.flat, plan.layout
         if step in self._handles:
             raise CheckpointError(f"step {step} is already being saved")
         if self.commit_mode is CommitMode.RELAY:
@@ -222,16 +221,8 @@ class Checkpointer:
                 if handle.slot is None:
                     handle.skipped = True
                     break
-                if fills(self._session, plan, overlap, level):     # the SAVE first, then the copy (filled.py)
-                    filling_save(self._session, conn, self._copies, handle, plan, self.commit_mode.value)
-                    break
-                copy = self._copies.snapshot(self._session.slots[handle.slot], layout, flat, overlap, plan.splits)
-                send = partial(self._send, conn, step, handle.slot, plan, copy, level)
-                if copy.deferred:                     # the daemon gets the layout once the copy is done
-                    self._copies.begin(handle, copy, flat.optimizers, send, partial(self._abandon_failed, handle),
-                                       plan.pending)
-                else:           # (a lazy plan's pending keys are of deferred tensors: there are none)
-                    send()
+                hand_over(self._session, conn, self._copies, handle, plan, overlap, level, self.commit_mode.value,
+                          partial(self._abandon_failed, handle))
                 break
             except NotDelivered:
                 # The daemon went away (restart) before it saw this save: reconnect and redo it once.
@@ -248,12 +239,6 @@ class Checkpointer:
         if self._copies.inflight is None and not handle.skipped:
             self._session.report(step, handle.stall_s, handle.fence_s)
         return handle
-
-    def _send(self, conn: DaemonConnection, step: int, slot: int, plan: Plan, copy: SlotCopy, level: SaveLevel) -> None:
-        """The SAVE of a filled slot: the plan's layout and tree, or the copy's if it laid the slot out anew."""
-        p = copy.relaid or plan
-        conn.request(protocol.Save(step=step, slot=slot, tensors=p.wire, tree=p.flat.tree,
-                                   commit=self.commit_mode.value, level=level.value))
 
     def fence(self) -> None:
         """Wait until the state may be mutated (only an overlapped save's copy can be pending)."""

@@ -12,7 +12,7 @@ from ckptd.core.schema import TensorLayout
 
 from .handle import SaveHandle
 from .plan_cache import Recheck
-from .slots import ClientSlot, CopySplit, SlotCopy
+from .slots import ClientSlot, CopySplit, FillHooks, SlotCopy
 from .state import FlatState
 
 MANUAL = "manual"       # overlap mode: every tensor copied in the background; the caller fences
@@ -73,10 +73,11 @@ class OverlapCopies:
 
     def snapshot(self, slot: ClientSlot, layout: list[TensorLayout], flat: FlatState,
                  overlap: bool | str, splits: dict[frozenset[int], CopySplit] | None = None,
-                 filled: Callable[[int], None] | None = None) -> SlotCopy:
+                 filled: Callable[[int], None] | None = None, fill: FillHooks | None = None) -> SlotCopy:
         """Copy what must be copied now and schedule the rest (``deferred``). ``splits``: the plan's
-        splits by deferred set, filled here (plan_cache); ``filled``: told how far the copy has
-        filled the slot from its start as it goes (a filling save: filled.py)."""
+        splits by deferred set, filled here (plan_cache); a filling save (handoff.py) whose copy is
+        all done here gives ``filled`` (told how far the copy has filled the slot as it goes), an
+        overlapped one ``fill`` (its copy thread sends the SAVE and the marks)."""
         deferred = self.deferred(flat, overlap)
         split = splits.get(deferred) if splits is not None else None
         if split is None:
@@ -84,7 +85,7 @@ class OverlapCopies:
             if splits is not None:
                 splits[deferred] = split
         return SlotCopy(slot, layout, flat.tensors, deferred, self.pool() if deferred else None,
-                        self._side_streams, split, filled)
+                        self._side_streams, split, filled, fill)
 
     def begin(self, handle: SaveHandle, copy: SlotCopy, optimizers: list[torch.optim.Optimizer],
               send: Callable[[], object], failed: Callable[[BaseException], None],

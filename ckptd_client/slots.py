@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -162,6 +162,39 @@ class _FillMarks:
         self.pending = []
 
 
+class FillHooks(Protocol):
+    """A filling save's hand-off as an overlapped copy drives it (filled.py): ``open`` sends the
+    SAVE flagged filling once (later calls do nothing; ``disable`` first: never), ``report`` says
+    how far the slot is filled."""
+
+    def open(self) -> None: ...
+    def disable(self) -> None: ...
+    def report(self, upto: int) -> None: ...
+
+
+class _Prefix:
+    """How far from the slot's start an overlapped copy has filled it: every tensor copied at save()
+    is in place; a deferred CPU tensor once the copy thread's group holding it is copied
+    (``cpu_upto``); a deferred CUDA tensor once its side stream passed a mark at or after its end
+    (``gpu_upto``, per device)."""
+
+    def __init__(self, layout: list[TensorLayout], local: list[torch.Tensor], deferred: frozenset[int],
+                 total: int) -> None:
+        self.items = sorted((layout[i].offset, layout[i].offset + layout[i].nbytes,
+                             local[i].device if local[i].is_cuda else None) for i in deferred)
+        self.total, self.p = total, 0
+        self.cpu_upto = 0
+        self.gpu_upto: dict[torch.device, int] = {}
+
+    def upto(self) -> int:
+        while self.p < len(self.items):
+            _, end, device = self.items[self.p]
+            if end > (self.cpu_upto if device is None else self.gpu_upto.get(device, 0)):
+                return self.items[self.p][0]
+            self.p += 1
+        return self.total
+
+
 class SlotCopy:
     """A snapshot into a slot: some tensors copied now, the deferrable rest in the background.
 
@@ -175,11 +208,13 @@ class SlotCopy:
     def __init__(self, slot: ClientSlot, layout: list[TensorLayout], tensors: list[tuple[str, torch.Tensor]],
                  deferred: frozenset[int] = frozenset(), pool: Executor | None = None,
                  side_streams: dict[torch.device, torch.cuda.Stream] | None = None,
-                 split: CopySplit | None = None, filled: Callable[[int], None] | None = None) -> None:
+                 split: CopySplit | None = None, filled: Callable[[int], None] | None = None,
+                 fill: FillHooks | None = None) -> None:
         self._future: Future[None] | None = None
         self.relaid: Plan | None = None       # the plan the copy thread laid out anew (``start``'s recheck)
         self.error: CheckpointError | None = None    # why this copy cannot be handed off (the state may go on)
         self._events: list[tuple[torch.device, torch.cuda.Event]] = []
+        self._marks: list[tuple[torch.device, torch.cuda.Event, int]] = []    # (device, event, bytes before it)
         if pool is None:
             deferred = frozenset()
         # The bytes of a DTensor are its local shard's: copy (and fence on) that view.
@@ -201,10 +236,17 @@ class SlotCopy:
                     side = streams[device] = torch.cuda.Stream(device=device)
                 side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(side):
+                    last = 0
                     for i in idx:
                         t = local[i]
                         _copy(slot, layout[i], t, non_blocking=slot.pinned)
                         t.record_stream(side)   # the allocator must not reuse it before the copy
+                        end = layout[i].offset + layout[i].nbytes
+                        if fill is not None and end - last >= FILL_STEP:      # a filling save's mark
+                            last = end
+                            mark = torch.cuda.Event()
+                            mark.record(side)
+                            self._marks.append((device, mark, end))
                     event = torch.cuda.Event()
                     event.record(side)
                 self._events.append((device, event))
@@ -215,6 +257,9 @@ class SlotCopy:
         self._cpu_work = split.later_cpu
         self._slot = slot
         self._layout, self._now, self._deferred = layout, split.now, deferred
+        self._fill = fill
+        self._prefix = _Prefix(layout, local, deferred, max((e.offset + e.nbytes for e in layout), default=0)) \
+            if fill is not None else None
 
     @property
     def deferred(self) -> bool:
@@ -233,12 +278,33 @@ class SlotCopy:
             try:
                 plan = recheck.run()
                 if plan is not None:
+                    if self._fill is not None:
+                        self._fill.disable()      # the SAVE goes once the slot is laid out anew and full
                     self._relay(plan)
                     return
             except CheckpointError as e:      # the save fails; the trainer's fence does not
                 self.error = e
                 return
-        if self._cpu_work:
+        if self._fill is not None and self._prefix is not None:
+            try:
+                self._fill.open()             # the SAVE first: the daemon writes what is copied as it is
+            except Exception as e:            # the save fails; the trainer's fence does not
+                self.error = e if isinstance(e, CheckpointError) else CheckpointError(f"hand-off failed: {e}")
+                return
+            group: list[tuple[TensorLayout, torch.Tensor]] = []
+            start = 0
+            for entry, t in self._cpu_work:
+                group.append((entry, t))
+                if entry.offset + entry.nbytes - start >= FILL_STEP:
+                    _copy_all(self._slot, group)
+                    start = self._prefix.cpu_upto = entry.offset + entry.nbytes
+                    self._fill.report(self._prefix.upto())
+                    group = []
+            if group:
+                _copy_all(self._slot, group)
+            self._prefix.cpu_upto = self._prefix.total
+            self._fill.report(self._prefix.upto())
+        elif self._cpu_work:
             _copy_all(self._slot, self._cpu_work)
 
     def _relay(self, plan: Plan) -> None:
@@ -272,10 +338,19 @@ class SlotCopy:
             self._future.result()
 
     def wait_host(self) -> None:
-        """Return once every byte is in the slot (the daemon may read it); raises ``error``."""
-        for _, event in self._events:
-            event.synchronize()
+        """Return once every byte is in the slot (the daemon may read it); raises ``error``. A
+        filling save's SAVE is sent here if no CPU copy sent it, and its CUDA marks reported as
+        the side streams pass them."""
         if self._future is not None:
             self._future.result()
         if self.error is not None:
             raise self.error
+        if self._fill is not None and self._prefix is not None and self.relaid is None:
+            self._fill.open()
+            self._prefix.cpu_upto = self._prefix.total
+            for device, mark, end in self._marks:
+                mark.synchronize()
+                self._prefix.gpu_upto[device] = end
+                self._fill.report(self._prefix.upto())
+        for _, event in self._events:
+            event.synchronize()

@@ -1,10 +1,10 @@
-"""A save handed to the daemon before its slot is full (ckptd_client/filled.py, ckptd/daemon/filling.py).
+"""A save handed to the daemon before its slot is full (ckptd_client/handoff.py, ckptd/daemon/filling.py).
 
 A save that copies its whole state in the ``save()`` call sends the SAVE first and then tells the
 daemon how far the copy has filled the slot; the daemon writes what is filled while the rest is
-copied. Real daemons, real trainer processes: the write is seen under way before the slot is full
-and the step restores bit-exact; a trainer SIGKILLed mid-copy leaves no committed step and the
-previous one restores; malformed fills are refused by name."""
+copied (an overlapped save's copy thread likewise). Real daemons, real trainer processes: the write
+is seen under way before the slot is full and the step restores bit-exact; a trainer SIGKILLed
+mid-copy leaves no committed step and the previous one restores; malformed fills are refused by name."""
 # mypy: disable-error-code="union-attr,index,operator"
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 import ckptd_client
 from ckptd.core import protocol
 from ckptd.core.names import step_dir
-from ckptd_client import filled
+from ckptd_client import handoff
 from ckptd_client.connection import DaemonConnection
 from ckptd_client.errors import DaemonRefused
 
@@ -47,7 +47,7 @@ def test_the_write_runs_while_the_slot_is_filled_and_the_step_restores_exactly(d
     ck = ckptd_client.Checkpointer("fill", socket=str(d.socket), overlap=False)
     state = big_state(1)
     seen: list[tuple[int, int]] = []          # (bytes the slot was filled to, bytes the daemon had written)
-    real = filled.report
+    real = handoff.report
 
     def report(conn, step, upto):
         real(conn, step, upto)
@@ -57,7 +57,7 @@ def test_the_write_runs_while_the_slot_is_filled_and_the_step_restores_exactly(d
                 assert time.monotonic() < end, "the daemon wrote nothing of a slot filled past its first mark"
                 time.sleep(0.01)
             seen.append((upto, w))
-    monkeypatch.setattr(filled, "report", report)
+    monkeypatch.setattr(handoff, "report", report)
     h = ck.save(1, state)
     assert seen and 0 < seen[0][1] <= seen[0][0], seen      # written: only bytes already filled
     h.wait(120)
@@ -76,18 +76,18 @@ def test_a_trainer_killed_mid_copy_leaves_no_step_and_the_last_one_restores(daem
     d = daemon_factory()
     script = textwrap.dedent(f"""
         import os, signal, sys, torch, ckptd_client
-        from ckptd_client import filled
+        from ckptd_client import handoff
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from test_filling import big_state
         ck = ckptd_client.Checkpointer("die", socket={str(d.socket)!r}, overlap=False)
         state = big_state(1)
         ck.save(1, state).wait(120)
-        real = filled.report
+        real = handoff.report
         def report(conn, step, upto):
             real(conn, step, upto)
             if step == 2:
                 os.kill(os.getpid(), signal.SIGKILL)     # after the first mark: the slot half filled
-        filled.report = report
+        handoff.report = report
         ck.save(2, big_state(2))
     """)
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
@@ -135,13 +135,13 @@ def test_malformed_fills_are_refused_by_name(daemon_factory):
 def test_a_copy_that_fails_mid_fill_drops_the_step_and_the_next_save_works(daemon_factory, monkeypatch):
     d = daemon_factory()
     ck = ckptd_client.Checkpointer("broken", socket=str(d.socket), overlap=False)
-    real = filled.report
+    real = handoff.report
 
     def report(conn, step, upto):
         if step == 1:
             raise RuntimeError("device-to-host copy failed")     # as a CUDA error mid-copy would
         real(conn, step, upto)
-    monkeypatch.setattr(filled, "report", report)
+    monkeypatch.setattr(handoff, "report", report)
     with pytest.raises(RuntimeError, match="device-to-host copy failed"):
         ck.save(1, big_state(1))
     end = time.monotonic() + 60
@@ -154,4 +154,44 @@ def test_a_copy_that_fails_mid_fill_drops_the_step_and_the_next_save_works(daemo
     target = big_state(3)
     assert ck.restore(target) == 2
     assert all(torch.equal(v, target[k]) for k, v in state.items() if isinstance(v, torch.Tensor))
+    ck.close()
+
+
+def test_an_overlapped_save_is_written_while_its_copy_thread_fills_the_slot(daemon_factory, monkeypatch):
+    """Parameters and AdamW state are copied on the copy thread after save() returns; it hands the
+    slot over first and reports as it copies: the daemon has written bytes before the copy is done."""
+    d = daemon_factory()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 1024)).sum().backward()
+    opt.step()
+    ck = ckptd_client.Checkpointer("overlap-fill", socket=str(d.socket))      # overlap=True, the default
+    state = {"model": model, "optim": opt, "meta": {"step": 1}}
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    seen: list[tuple[int, int]] = []
+    real = handoff.report
+
+    def report(conn, step, upto):
+        real(conn, step, upto)
+        if not seen and upto < ck.slots[0].size:
+            end = time.monotonic() + 60
+            while (w := written(d.socket, "overlap-fill", step)) == 0:
+                assert time.monotonic() < end, "the daemon wrote nothing of a slot filled past its first mark"
+                time.sleep(0.01)
+            seen.append((upto, w))
+    monkeypatch.setattr(handoff, "report", report)
+    h = ck.save(1, state)
+    h.wait(120)
+    assert seen and 0 < seen[0][1] <= seen[0][0], seen
+    assert h.committed
+    probe = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
+    probe_opt = torch.optim.AdamW(probe.parameters(), lr=1e-3)
+    fresh = ckptd_client.Checkpointer("overlap-fill", socket=str(d.socket), memory=False)
+    assert fresh.restore({"model": probe, "optim": probe_opt, "meta": {}}) == 1
+    for k, v in probe.state_dict().items():
+        assert torch.equal(v, saved[k]), k
+    for (p0, p1) in zip(opt.param_groups[0]["params"], probe_opt.param_groups[0]["params"], strict=True):
+        assert torch.equal(opt.state[p0]["exp_avg_sq"], probe_opt.state[p1]["exp_avg_sq"])
+    fresh.close()
     ck.close()

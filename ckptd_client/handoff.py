@@ -1,0 +1,117 @@
+"""Handing a save's slot to the daemon: once it is full, or while it is filled (FORMAT.md: ``save``
+with ``filling``, ``save_filled``).
+
+A save used to reach the daemon once every byte was in its slot, so the daemon's write started a
+whole copy after the call: 0.07-0.13 s per GiB of state here, on a GPU node the device-to-host
+copy. With a daemon that takes filling saves (its hello reply's ``fills``; an older one would write
+the slot as it is) a storage-level save is handed over *filling*: the SAVE goes first, and the copy
+tells the daemon every ``slots.FILL_STEP`` bytes how far the slot is filled from its start
+(``save_filled``, not waited on); the daemon's writer reads up to there and waits for the rest.
+
+- A save copied whole in the ``save()`` call (``overlap=False``, or nothing an optimizer fences):
+  the SAVE, then the copy on the trainer's thread, its CUDA marks events waited for in order.
+- An overlapped save: the copy thread sends the SAVE once the plan's recheck passed (a state laid
+  out anew by it is handed over full, as before), then copies the deferred CPU tensors in groups;
+  deferred CUDA copies report as their side stream passes each mark (``slots.SlotCopy``).
+
+A copy that fails after the SAVE asks the daemon to drop the step; a trainer that dies mid-copy
+ends its connection, which fails the step on the daemon (ckptd/daemon/filling.py).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from functools import partial
+
+from ckptd.core import protocol
+from ckptd.core.protocol import SaveLevel
+
+from .connection import DaemonConnection
+from .errors import CheckpointError
+from .handle import SaveHandle
+from .overlap import OverlapCopies
+from .plan_cache import Plan
+from .session import DaemonSession
+from .slots import SlotCopy
+
+
+def report(conn: DaemonConnection, step: int, upto: int) -> None:
+    """Tell the daemon the slot's bytes ``[0, upto)`` are in place (no reply waited for)."""
+    conn.notify(protocol.SaveFilled(step=step, upto=upto))
+
+
+class Fill:
+    """One filling save's side of the protocol (``slots.FillHooks``), on whichever thread copies."""
+
+    def __init__(self, session: DaemonSession, conn: DaemonConnection, handle: SaveHandle, plan: Plan,
+                 commit: str) -> None:
+        self.session, self.conn, self.handle, self.plan, self.commit = session, conn, handle, plan, commit
+        self.opened = self.disabled = False
+        self.sent = 0
+
+    def open(self) -> None:
+        if self.opened or self.disabled:
+            return
+        p, h = self.plan, self.handle
+        assert h.slot is not None
+        self.conn.request(protocol.Save(step=h.step, slot=h.slot, tensors=p.wire, tree=p.flat.tree,
+                                        commit=self.commit, filling=True))
+        h.slot = None                   # the daemon has it now: it gives it back (slot_free)
+        self.opened = True
+
+    def disable(self) -> None:
+        self.disabled = True
+
+    def report(self, upto: int) -> None:
+        if self.opened and upto > self.sent:
+            self.sent = upto
+            report(self.conn, self.handle.step, upto)
+
+    def full(self, send: Callable[[], object]) -> None:
+        """(Hand-off, every byte in place) the last mark, or ``send`` (a full slot's SAVE) if never opened."""
+        if self.opened:
+            self.report(self.plan.nbytes)
+        else:
+            send()
+
+    def failed(self, then: Callable[[BaseException], None], e: BaseException) -> None:
+        """After the SAVE: the daemon is asked to drop the step; then ``then`` (the save's failure)."""
+        if self.opened:
+            with contextlib.suppress(CheckpointError):     # (a lost daemon has dropped the step already)
+                self.session.abort(self.handle.step, f"the copy into the slot failed: {e}")
+        then(e)
+
+
+def hand_over(session: DaemonSession, conn: DaemonConnection, copies: OverlapCopies, handle: SaveHandle, plan: Plan,
+              overlap: bool | str, level: SaveLevel, commit: str, failed: Callable[[BaseException], None]) -> None:
+    """Copy ``plan``'s state into slot ``handle.slot`` and hand it to the daemon (module docstring);
+    ``failed``: what a failure after ``save()`` returned (on the copy thread) is given."""
+    assert handle.slot is not None
+    slot = session.slots[handle.slot]
+    fill = Fill(session, conn, handle, plan, commit) if session.fills and level is SaveLevel.STORAGE else None
+    if fill is not None and not OverlapCopies.deferred(plan.flat, overlap):    # the whole copy here: SAVE first
+        fill.open()
+        try:
+            copies.snapshot(slot, plan.layout, plan.flat, False, plan.splits, fill.report)
+            fill.report(plan.nbytes)
+        except BaseException as e:
+            fill.failed(lambda _: None, e)
+            raise
+        return
+    copy = copies.snapshot(slot, plan.layout, plan.flat, overlap, plan.splits, fill=fill)
+    send = partial(_send, conn, handle.step, handle.slot, plan, copy, level, commit)
+    if not copy.deferred:           # (a lazy plan's pending keys are of deferred tensors: there are none)
+        send()
+    elif fill is None:              # the daemon gets the layout once the copy is done
+        copies.begin(handle, copy, plan.flat.optimizers, send, failed, plan.pending)
+    else:
+        copies.begin(handle, copy, plan.flat.optimizers, partial(fill.full, send), partial(fill.failed, failed),
+                     plan.pending)
+
+
+def _send(conn: DaemonConnection, step: int, slot: int, plan: Plan, copy: SlotCopy, level: SaveLevel,
+          commit: str) -> None:
+    """The SAVE of a full slot: the plan's layout and tree, or the copy's if it laid the slot out anew."""
+    p = copy.relaid or plan
+    conn.request(protocol.Save(step=step, slot=slot, tensors=p.wire, tree=p.flat.tree, commit=commit,
+                               level=level.value))
