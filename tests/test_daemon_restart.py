@@ -39,7 +39,7 @@ TRAINER = textwrap.dedent("""
     if world > 1:
         store = torch.distributed.TCPStore("127.0.0.1", port, world, rank == 0, timedelta(seconds=60))
     ck = ckptd_client.Checkpointer(job, socket=sock, rank=rank, world_size=world, store=store,
-                                   commit="relay" if world > 1 else "local", commit_timeout=30)
+                                   commit="relay" if world > 1 else "local", commit_timeout=10)
     g = torch.Generator().manual_seed(rank)
     state = {"w": torch.randn(512 * 1024, generator=g), "b": torch.randn(4096, generator=g)}
     pending = []
