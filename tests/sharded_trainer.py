@@ -10,7 +10,11 @@ process group for the ``plain`` layout. A tiny model in one of these layouts:
 - ``tp``: a 2×2 ("dp", "tp") mesh: ``parallelize_module`` ColwiseParallel / RowwiseParallel on
   "tp", then ``fully_shard`` on "dp";
 - ``plain``: the model as it is, in one process;
-- ``ddp``: ``DistributedDataParallel`` on every rank: plain tensors, one replica per rank.
+- ``ddp``: ``DistributedDataParallel`` on every rank: plain tensors, one replica per rank. Its
+  gradients are all-reduced one parameter at a time in a fixed order (``train_step``), not in
+  DDP's buckets: DDP lays its buckets out anew after its first iteration, which a restarted run
+  does at another step than an uninterrupted one, so the order of the sums (and their last bits)
+  could differ between the two runs the tests compare loss by loss.
 
 Modes:
 
@@ -31,6 +35,7 @@ raises prints ``RESTORE-ERROR <exception type>: <message>`` and exits with statu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -193,9 +198,19 @@ def batch(step: int, dp_rank: int, n: int = 8) -> tuple[torch.Tensor, torch.Tens
 
 
 def train_step(model: Net, opt: torch.optim.Optimizer, sched: Any, x: torch.Tensor, y: torch.Tensor) -> float:
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    opt.zero_grad()
-    loss.backward()
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    local = model.no_sync() if isinstance(model, torch.nn.parallel.DistributedDataParallel) \
+        else contextlib.nullcontext()            # the ``ddp`` layout: see the docstring
+    with local:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+    if ddp:
+        world = torch.distributed.get_world_size()
+        for p in model.parameters():
+            if p.grad is not None:
+                torch.distributed.all_reduce(p.grad)
+                p.grad.div_(world)
     opt.step()
     sched.step()
     return float(loss.detach())
