@@ -7,12 +7,14 @@ the parse of every rank's outcome), the daemon's commit code (``parse_record`` o
 as the server does, then ``commit.write_index``: the manifests of the check ranks the relay
 names — one per node; every rank's with ``--check-all`` — checked on disk with its thread
 pool, the tensor map built from the records, the lean side files and index.json written and
-fsynced) and 32,768 real manifest files. Simulated: the other ranks — their
+fsynced) and 32,768 real manifest files; the COMMIT frame's codec (rank 0's encoding of it, the
+daemon's decoding and request parse, in this process: ``--no-frame`` leaves them out, as before
+2026-12-05). Simulated: the other ranks — their
 manifests are written straight to the step directory (no daemon, no fsync), their records come
 from ``rank_record.summarize`` and their node leaders' store traffic (``set`` of the node
 record, ``add``, ``set`` of ready) is issued by a thread pool, exactly as relay.py's
-``_publish_node`` does. The COMMIT runs in-process (no socket hop: the real path adds the
-frame's encoding on rank 0 and its decoding in the daemon, 4.5 MB of JSON at 32,768 ranks). Reported: last node record
+``_publish_node`` does. The COMMIT runs in-process (no socket: its frame is encoded and decoded
+here, 10 MB at 32,768 ranks, but not sent). Reported: last node record
 published → index.json written, → rank 0 resolved; index bytes; what one restoring rank reads.
 
     flock /tmp/ckptd-bench.lock python benchmarks/scale_thin.py --ranks 32768
@@ -36,6 +38,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ckptd.core import protocol
 from ckptd.core.codec import ChunkMeta
 from ckptd.core.gc_pause import gc_paused
 from ckptd.core.names import HEAD_NAME, INDEX_NAME, rank_data_name, rank_manifest_name, step_dir
@@ -65,6 +68,8 @@ def main() -> int:
     ap.add_argument("--node-size", type=int, default=8)
     ap.add_argument("--check-all", action="store_true",
                     help="read back every manifest at commit (before: the relay named no check ranks)")
+    ap.add_argument("--no-frame", dest="frame", action="store_false",
+                    help="hand the relay's records to the commit as they are (no COMMIT frame encoded and decoded)")
     ap.add_argument("--machine", default="shared 2-core VM, other jobs running", help="a note on the machine")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "scale_thin.json")
     a = ap.parse_args()
@@ -96,6 +101,14 @@ def main() -> int:
         def commit(step_: int, digests: dict[int, str], records: list[Any] | None, timeout: float,
                    check: list[int]) -> None:
             assert records is not None
+            if a.frame:     # rank 0's session encodes the COMMIT; the daemon's session decodes and parses it
+                wire = protocol.to_wire(protocol.Commit(step=step_, digests={str(r): d for r, d in digests.items()},
+                                                        records=records, check=check), 1)
+                frame = protocol.encode(wire)
+                del wire, records
+                _, req = protocol.parse_request(protocol.decode_body(frame[protocol.HEADER.size:]))
+                assert isinstance(req, protocol.Commit)
+                records = req.records
             with gc_paused():                    # as the daemon's server does (requests.py, commit)
                 parsed = parse_records(records)
                 write_index(str(path), job, step_, n, digests, None, parsed, None if a.check_all else check)
@@ -139,7 +152,7 @@ def main() -> int:
                "last_node_record_to_rank0_resolved_s": round(t_resolved - last[0], 3),
                "index_bytes": index.stat().st_size,
                "restore_index_bytes_per_rank": (path / HEAD_NAME).stat().st_size + 256 * 48,
-               "machine": a.machine}
+               "frame": a.frame, "machine": a.machine}
         print(json.dumps(res))
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(res, indent=1) + "\n")

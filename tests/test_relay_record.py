@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
 import pytest
 
 from ckptd.core import names
 from ckptd.core.codec import ChunkMeta
 from ckptd.core.errors import FormatError
 from ckptd.core.protocol import EventOp
-from ckptd.core.rank_record import parse_record, summarize
+from ckptd.core.rank_record import RecordWire, parse_record, parse_records, summarize
 from ckptd.core.relay_record import (
     MAX_OUTCOME_BYTES,
     MAX_REASON,
@@ -50,16 +51,37 @@ def test_rank_outcomes_round_trip_through_store_values_and_node_members() -> Non
     assert durable.durable and durable.record == rec and parse_record(durable.record, 1).digest == rec["digest"]
 
 
+def as_json(obj: Any) -> Any:
+    """``obj`` as JSON reads back (typed records' tuples as lists)."""
+    return json.loads(msgspec.json.encode(obj))
+
+
 def test_node_record_round_trips_and_feeds_the_commit() -> None:
     r2, r3 = record(2), record(3)
     node = NodeRecord(2, (RankOutcome.ok(r2["digest"], r2), RankOutcome.ok(r3["digest"], r3)))
     back = NodeRecord.decode(node.encode().encode(), range(2, 4))
-    assert back == node
-    assert commit_inputs(back.outcomes) == ({0: r2["digest"], 1: r3["digest"]}, [r2, r3])
+    # Decoded typed (msgspec): the same outcomes, their records as RecordWire.
+    assert all(isinstance(o.record, RecordWire) for o in back.outcomes)
+    assert as_json([o.to_member() for o in back.outcomes]) == [o.to_member() for o in node.outcomes]
+    digests, records = commit_inputs(back.outcomes)
+    assert digests == {0: r2["digest"], 1: r3["digest"]} and as_json(records) == [r2, r3]
+    assert records is not None and parse_record(records[0], 2) == parse_record(r2, 2)
     # one rank without a record: digests only (the daemon reads the manifests)
     assert commit_inputs([RankOutcome.ok(D0), RankOutcome.ok(r3["digest"], r3)]) == ({0: D0, 1: r3["digest"]}, None)
     with pytest.raises(FormatError, match="rank 1 failed: full"):
         commit_inputs([RankOutcome.ok(D0), RankOutcome.failed("full")])
+
+
+def test_a_record_msgspec_refuses_is_taken_as_json_and_refused_by_the_commit_parse() -> None:
+    """The typed decode is a fast path, not a new rule: a member whose record has a field of another
+    type (a float size) is decoded as plain JSON, as before, and the daemon's parse refuses it."""
+    r0, r1 = record(0), record(1)
+    bad = {**r1, "raw": 16.0}
+    back = NodeRecord.decode(_node({"ok": r0}, {"ok": bad}), range(0, 2))
+    assert back.outcomes[1].record == bad and back.outcomes[0].record == r0
+    _, records = commit_inputs(back.outcomes)
+    with pytest.raises(FormatError, match="rank 1 record: bad sizes"):
+        parse_records(records or [])
 
 
 def test_step_result_round_trips() -> None:
@@ -255,7 +277,7 @@ def test_relay_commits_with_every_rank_record() -> None:
     r0, r1 = record(0), record(1)
     err, commits, aborts = _relay_round(RankOutcome.ok(r1["digest"], r1).encode())
     assert err is None and aborts == []
-    assert commits == [(3, {0: r0["digest"], 1: r1["digest"]}, [r0, r1])]
+    assert [(s, d, as_json(r)) for s, d, r in commits] == [(3, {0: r0["digest"], 1: r1["digest"]}, [r0, r1])]
 
 
 def test_relay_fails_the_save_naming_a_malformed_outcome_or_node_record() -> None:

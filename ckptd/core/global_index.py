@@ -133,10 +133,15 @@ class GlobalTensor:
                 out["pieces"] = [{"rank": p.rank, "name": p.name, **p.region.to_json()} for p in self.pieces]
         else:       # whole copies named like the tensor: only who holds one (O(1) when every rank does)
             ranks = self.holder_ranks()
-            out["held_by"] = "all" if list(ranks) == list(range(world_size)) else list(ranks)
+            out["held_by"] = "all" if ranks == range(world_size) or list(ranks) == list(range(world_size)) \
+                else list(ranks)
             out["same"] = self.same
-            copies = {str(p.rank): {"dtype": p.dtype or self.dtype, "shape": list(p.region.sizes)}
-                      for p in self.pieces if p.dtype is not None or p.region.sizes != self.shape}
+            if self.holders is not None:     # (as built or read: only the copies that differ, no Piece made)
+                copies = {str(r): {"dtype": d or self.dtype, "shape": list(region.sizes)}
+                          for r, (d, region) in sorted(self.holders.own.items())}
+            else:
+                copies = {str(p.rank): {"dtype": p.dtype or self.dtype, "shape": list(p.region.sizes)}
+                          for p in self.pieces if p.dtype is not None or p.region.sizes != self.shape}
             if copies:   # only the copies whose dtype or shape is not the tensor's
                 out["copies"] = copies
         return out
@@ -171,19 +176,28 @@ def build_from_records(records: Sequence[RankRecord]) -> tuple[dict[str, GlobalT
                                 tuple(Piece(rank, e.name, e.region()) for e, rank in held))
         if len(held) > 1:
             _check_replicas(key, held)
-    wholes: dict[tuple[int, ...], Region] = {}
     for key, held in local.items():
         if key in out:
             raise FormatError(f"tensor {key!r} is sharded on some ranks and a plain tensor on others")
-        first = held[0][0]
-        prints = {(e.dtype, e.shape, e.fp) for e, _ in held}
-        for shape in {e.shape for e, _ in held} - wholes.keys():    # one Region per shape, not per rank
-            wholes[shape] = Region.whole(shape)
-        out[key] = GlobalTensor(key, first.dtype, tuple(first.shape), LOCAL,
-                                tuple(Piece(rank, e.name, wholes[e.shape], None if e.dtype == first.dtype else e.dtype)
-                                      for e, rank in held),
-                                same=len(prints) == 1 and len(held) == len(records))
+        out[key] = _local(key, held, len(records))
     return out, per_rank_keys(records, out)
+
+
+def _local(key: str, held: list[tuple[RecordEntry, int]], world_size: int) -> GlobalTensor:
+    """A plain tensor's entry: its holders as a range (every rank: O(1)) or a list, and the copies whose
+    dtype or shape is not the lowest holder's — no Piece per rank (made on first use, if ever)."""
+    first = held[0][0]
+    shape = tuple(first.shape)
+    ranks = [rank for _, rank in held]
+    own: dict[int, tuple[str | None, Region]] = {}
+    wholes: dict[tuple[int, ...], Region] = {}
+    for e, rank in held:
+        if e.dtype != first.dtype or e.shape != shape:
+            region = wholes.get(e.shape) or wholes.setdefault(e.shape, Region.whole(e.shape))
+            own[rank] = (None if e.dtype == first.dtype else e.dtype, region)
+    same = len(held) == world_size and not own and len({e.fp for e, _ in held}) == 1
+    holders = Holders(range(world_size) if ranks == list(range(world_size)) else ranks, own)
+    return GlobalTensor(key, first.dtype, shape, LOCAL, (), same=same, holders=holders)
 
 
 def _grid_of(key: str, shape: tuple[int, ...], held: list[tuple[RecordEntry, int]]) -> PieceGrid | None:
@@ -217,13 +231,14 @@ def per_rank_keys(records: Sequence[RankRecord], tensors: dict[str, GlobalTensor
     if len(records) < 2:
         return []
     differing = {name for name, t in tensors.items() if t.kind == LOCAL and not t.same}
+    distinct = list(dict.fromkeys(rec.forms for rec in records))     # ranks mostly repeat theirs: each once
     keys: dict[str, set[str]] = {}
-    for rec in records:
-        for key, form in rec.forms:
+    for forms in distinct:
+        for key, form in forms:
             keys.setdefault(key, set()).add(form)
     out = {k for k, forms in keys.items() if len(forms) > 1}
     out |= {name.split("/", 1)[0] for name in differing}
-    present = [{k for k, _ in rec.forms} for rec in records]
+    present = [{k for k, _ in forms} for forms in distinct]
     out |= set[str]().union(*present) - present[0].intersection(*present[1:])    # held by some ranks only
     return sorted(out)
 

@@ -11,6 +11,8 @@ from dataclasses import MISSING, dataclass, fields
 from enum import Enum
 from typing import Any, ClassVar, get_args
 
+from .commit_wire import decode_body as decode_body  # framing's, with a COMMIT decoded typed
+from .commit_wire import encode as encode  # framing's, with a COMMIT encoded by msgspec
 from .errors import ErrorCode, ProtocolError
 from .framing import HEADER as HEADER  # re-exported: protocol.X is how callers name the frame layer
 from .framing import MAGIC as MAGIC
@@ -18,8 +20,6 @@ from .framing import MAX_FDS_PER_FRAME as MAX_FDS_PER_FRAME
 from .framing import MAX_FRAME_BYTES as MAX_FRAME_BYTES
 from .framing import PROTOCOL_VERSION as PROTOCOL_VERSION
 from .framing import FrameReceiver as FrameReceiver
-from .framing import decode_body as decode_body
-from .framing import encode as encode
 from .framing import parse_header as parse_header
 from .framing import recv_exact_async as recv_exact_async
 from .framing import send_frame as send_frame

@@ -10,6 +10,13 @@ tensor map from them (``global_index.build_from_records``) instead of re-reading
 on the commit's critical path. Nothing is lost by that: a reader checks every manifest it reads
 against its digest in the index and against the tensor map, and ``ckptd verify`` checks all of
 them. Records come off the wire, so ``parse_record`` validates them like a manifest.
+
+A record travels as JSON (``RankRecord.to_json``). Where many are read at once — rank 0's relay
+reading every node's record from the store — they are decoded straight into :class:`RecordWire`
+by msgspec, which checks every field's type and each entry's arity as it decodes (4,096 node
+records of 8 ranks: 77 ms, against 250 ms for ``json.loads`` and the relay's checks);
+``parse_record`` then checks what types cannot say (names, dtypes, digests, bounds), as it does
+for a record that came as plain JSON.
 """
 from __future__ import annotations
 
@@ -18,6 +25,8 @@ import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from .errors import FormatError
 from .gc_pause import gc_paused
@@ -74,6 +83,18 @@ class RankRecord:
                 "stored_bytes": self.stored_bytes}
 
 
+class RecordWire(msgspec.Struct, frozen=True):
+    """A record as ``RankRecord.to_json`` writes it, typed by msgspec's decoder (its fields' types
+    and each entry's arity checked there); ``parse_record`` checks the rest."""
+    rank: int
+    digest: str
+    raw: int
+    stored: int
+    t: tuple[tuple[str, str, tuple[int, ...], str | None, tuple[int, ...] | None, tuple[int, ...] | None,
+                   str | None], ...]
+    k: tuple[tuple[str, str], ...]
+
+
 def top_level(tree: Any) -> list[tuple[str, Any]]:
     """(key, content) of a state tree's top-level entries (one unnamed entry for a non-dict tree)."""
     if isinstance(tree, dict) and isinstance(tree.get("d"), list):
@@ -113,6 +134,8 @@ def parse_record(obj: Any, rank: int, seen_entries: dict[Any, Any] | None = None
     cache: dict[Any, Any] = {} if seen_entries is None else seen_entries
     def bad(why: str) -> FormatError:
         return FormatError(f"rank {rank} record: {why}")
+    if isinstance(obj, RecordWire):
+        return _parse_typed(obj, rank, cache, bad)
     if not (isinstance(obj, dict) and obj.get("rank") == rank):
         raise bad(f"not a record of rank {rank}")
     if not is_digest(obj.get("digest")):
@@ -139,33 +162,99 @@ def parse_record(obj: Any, rank: int, seen_entries: dict[Any, Any] | None = None
         if hit is not None:
             entries.append(hit)
             continue
-        try:
-            validate_shape(dtype, shape)
-        except FormatError as e:
-            raise bad(f"tensor {name!r}: {e}") from None
-        if gshape is not None:
-            p = parse_placement({"shape": gshape, "offsets": offsets}, shape, f"rank {rank} record: tensor {name!r}")
-            if not (fp is None or is_checksum(fp)):
-                raise bad("bad fingerprint")
-            entry = RecordEntry(name, dtype, tuple(shape), key or name, p.global_shape, p.offsets, fp)
-        else:
-            if not (key is None and offsets is None and is_checksum(fp)):
-                raise bad(f"plain tensor {name!r} needs a fingerprint and no placement")
-            entry = RecordEntry(name, dtype, tuple(shape), name, None, None, fp)
+        entry = _entry(name, dtype, shape, key, gshape, offsets, fp, rank, bad)
         if ck is not None:
             cache[ck] = entry
         entries.append(entry)
+    return RankRecord(rank, obj["digest"], obj["raw"], obj["stored"], tuple(entries), _forms(obj["k"], cache, bad))
+
+
+def _entry(name: str, dtype: Any, shape: Any, key: Any, gshape: Any, offsets: Any, fp: Any, rank: int,
+           bad: Any) -> RecordEntry:
+    """A tensor entry whose name and key were checked, checked for the rest (dtype, shape, placement)."""
+    try:
+        validate_shape(dtype, shape)
+    except FormatError as e:
+        raise bad(f"tensor {name!r}: {e}") from None
+    if gshape is not None:
+        p = parse_placement({"shape": gshape, "offsets": offsets}, shape, f"rank {rank} record: tensor {name!r}")
+        if not (fp is None or is_checksum(fp)):
+            raise bad("bad fingerprint")
+        return RecordEntry(name, dtype, tuple(shape), key or name, p.global_shape, p.offsets, fp)
+    if not (key is None and offsets is None and is_checksum(fp)):
+        raise bad(f"plain tensor {name!r} needs a fingerprint and no placement")
+    return RecordEntry(name, dtype, tuple(shape), name, None, None, fp)
+
+
+def _forms(items: Any, cache: dict[Any, Any], bad: Any) -> tuple[tuple[str, str], ...]:
+    """The record's (state key, content hash) pairs (lists from JSON, tuples from a typed record),
+    each distinct one checked once."""
     forms = []
-    for f in obj["k"]:
-        form = cache.get(("k", f[0], f[1])) if isinstance(f, list) and len(f) == 2 \
-            and isinstance(f[0], str) and isinstance(f[1], str) else None
+    for f in items:
+        pair = isinstance(f, (list, tuple)) and len(f) == 2
+        form = cache.get(("k", f[0], f[1])) if pair and isinstance(f[0], str) and isinstance(f[1], str) else None
         if form is None:
-            if not (isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) and len(f[0]) <= 1024
+            if not (pair and isinstance(f[0], str) and len(f[0]) <= 1024
                     and is_checksum(f[1])):
                 raise bad("malformed state key entry")
             form = cache[("k", f[0], f[1])] = (f[0], f[1])
         forms.append(form)
-    return RankRecord(rank, obj["digest"], obj["raw"], obj["stored"], tuple(entries), tuple(forms))
+    return tuple(forms)
+
+
+def _parse_typed(obj: RecordWire, rank: int, cache: dict[Any, Any], bad: Any) -> RankRecord:
+    """``parse_record`` of a typed record: the same checks, less the types msgspec checked; an entry
+    is its own cache key (the dict path's ``_entry_key`` makes the same tuples), a state key pair too."""
+    if obj.rank != rank:
+        raise bad(f"not a record of rank {rank}")
+    if not is_digest(obj.digest):
+        raise bad("bad digest")
+    if obj.raw < 0 or obj.stored < 0:
+        raise bad("bad sizes")
+    get = cache.get
+    entries = [get(t) or _typed_entry(t, rank, cache, bad) for t in obj.t]
+    if len(entries) > 1 and len({e.name for e in entries}) != len(entries):
+        names = [e.name for e in entries]
+        raise bad(f"duplicate tensor {next(n for n in names if names.count(n) > 1)!r}")
+    forms = tuple(get(f) or _typed_form(f, cache, bad) for f in obj.k)
+    return RankRecord(rank, obj.digest, obj.raw, obj.stored, tuple(entries), forms)
+
+
+def _typed_entry(t: tuple[Any, ...], rank: int, cache: dict[Any, Any], bad: Any) -> RecordEntry:
+    """A typed entry not seen yet, checked (its dtype and shape, and its placement, checked once per
+    distinct value: the ranks of a sharded tensor share them) and cached."""
+    name, dtype, shape, key, gshape, offsets, fp = t
+    fault = _name_fault(name) or (None if key is None else _name_fault(key))
+    if fault:
+        raise bad(fault)
+    if ("s", dtype, shape) not in cache:
+        try:
+            validate_shape(dtype, list(shape))
+        except FormatError as e:
+            raise bad(f"tensor {name!r}: {e}") from None
+        cache[("s", dtype, shape)] = True
+    if gshape is not None:
+        p = cache.get(("p", shape, gshape, offsets))
+        if p is None:
+            p = cache[("p", shape, gshape, offsets)] = parse_placement(
+                {"shape": list(gshape), "offsets": list(offsets or ())}, list(shape),
+                f"rank {rank} record: tensor {name!r}")
+        if not (fp is None or is_checksum(fp)):
+            raise bad("bad fingerprint")
+        entry = RecordEntry(name, dtype, shape, key or name, p.global_shape, p.offsets, fp)
+    else:
+        if not (key is None and offsets is None and is_checksum(fp)):
+            raise bad(f"plain tensor {name!r} needs a fingerprint and no placement")
+        entry = RecordEntry(name, dtype, shape, name, None, None, fp)
+    cache[t] = entry
+    return entry
+
+
+def _typed_form(f: tuple[str, str], cache: dict[Any, Any], bad: Any) -> tuple[str, str]:
+    if not (len(f[0]) <= 1024 and is_checksum(f[1])):
+        raise bad("malformed state key entry")
+    cache[f] = f
+    return f
 
 
 def _entry_key(t: list[Any]) -> tuple[Any, ...] | None:
