@@ -12,8 +12,10 @@ daemon's decoding and request parse, in this process: ``--no-frame`` leaves them
 2026-12-05). Simulated: the other ranks — their
 manifests are written straight to the step directory (no daemon, no fsync), their records come
 from ``rank_record.summarize`` and their node leaders' store traffic (``set`` of the node
-record, ``add``, ``set`` of ready) is issued by a thread pool, exactly as relay.py's
-``_publish_node`` does. The COMMIT runs in-process (no socket: its frame is encoded and decoded
+record, ``add``, ``set`` of ready) is issued by a thread pool, as relay.py's ``_publish_node``
+did before 2026-12-05 (rank 0 now reads the node records as they come and no longer needs the
+count and ready key: they are kept so that one script drives the trees before and after). The
+COMMIT runs in-process (no socket: its frame is encoded and decoded
 here, 10 MB at 32,768 ranks, but not sent). Reported: last node record
 published → index.json written, → rank 0 resolved; index bytes; what one restoring rank reads.
 
@@ -135,11 +137,11 @@ def main() -> int:
             c = clients[node % len(clients)]
             members = tuple(outcomes[node * a.node_size: (node + 1) * a.node_size])
             c.set(store_keys.node_record(scope, step, node), NodeRecord(node * a.node_size, members).encode())
-            if c.add(store_keys.node_count(scope, step), 1) == nodes:
-                c.set(store_keys.nodes_ready(scope, step), "1")
+            if c.add(f"{scope}/s{step}/nodes", 1) == nodes:     # (the keys trees before 2026-12-05 wait on)
+                c.set(f"{scope}/s{step}/ready", "1")
             with lock:
                 last[0] = max(last[0], time.time())
-        time.sleep(2.0)          # rank 0's relay is waiting on the count (its clone made) before nodes publish
+        time.sleep(2.0)          # rank 0's relay is waiting (its clone made) before nodes publish
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(publish_node, range(1, nodes)))
         done.wait(300)

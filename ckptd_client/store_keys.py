@@ -96,16 +96,6 @@ def node_record(scope: str, step: int, node: int) -> str:
     return f"{scope}/s{step}/n{node}"
 
 
-def node_count(scope: str, step: int) -> str:
-    """The counter of ``step``'s published node records."""
-    return f"{scope}/s{step}/nodes"
-
-
-def nodes_ready(scope: str, step: int) -> str:
-    """Set once every node record of ``step`` is published."""
-    return f"{scope}/s{step}/ready"
-
-
 def save_result(scope: str, step: int) -> str:
     """Where rank 0 publishes whether ``step`` committed."""
     return f"{scope}/s{step}/result"

@@ -260,7 +260,6 @@ def _relay_round(rank1_value: str | None = None, node1_value: str | None = None)
     try:
         if node1_value is not None:
             store.set(store_keys.node_record(scope, 3, 1), node1_value)
-            store.add(store_keys.node_count(scope, 3), 1)
         else:
             store.set(store_keys.rank_outcome(scope, 3, 1), rank1_value or "")
         relay.claim(3)

@@ -83,9 +83,11 @@ class RankRecord:
                 "stored_bytes": self.stored_bytes}
 
 
-class RecordWire(msgspec.Struct, frozen=True):
+class RecordWire(msgspec.Struct, frozen=True, gc=False):
     """A record as ``RankRecord.to_json`` writes it, typed by msgspec's decoder (its fields' types
-    and each entry's arity checked there); ``parse_record`` checks the rest."""
+    and each entry's arity checked there); ``parse_record`` checks the rest. Not tracked by the cyclic
+    collector (``gc=False``: it holds only strings, numbers and tuples of them), so 32,768 of them
+    held by rank 0 while the node records come in add nothing to a collection."""
     rank: int
     digest: str
     raw: int

@@ -169,7 +169,7 @@ class RankOutcome:
         return cls(check_digest(value, _outcome(rank)))
 
 
-class _Member(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class _Member(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """A node record's entry as msgspec decodes it: one of ``ok`` (a record or a bare digest), ``fail``."""
     ok: RecordWire | str | None = None
     fail: str | None = None
