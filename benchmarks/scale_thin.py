@@ -98,11 +98,13 @@ def main() -> int:
             return dist.TCPStore("127.0.0.1", port, n, is_master=False, timeout=timedelta(seconds=300),
                                  wait_for_workers=False)
         done = threading.Event()
+        commit_called: list[float] = []
         resolved: list[Any] = []
 
         def commit(step_: int, digests: dict[int, str], records: list[Any] | None, timeout: float,
                    check: list[int]) -> None:
             assert records is not None
+            commit_called.append(time.time())
             if a.frame:     # rank 0's session encodes the COMMIT; the daemon's session decodes and parses it
                 wire = protocol.to_wire(protocol.Commit(step=step_, digests={str(r): d for r, d in digests.items()},
                                                         records=records, check=check), 1)
@@ -152,6 +154,8 @@ def main() -> int:
         res = {"ranks": n, "nodes": nodes, "error": err, "setup_s": round(setup_s, 1),
                "last_node_record_to_index_s": round(index.stat().st_mtime - last[0], 3),
                "last_node_record_to_rank0_resolved_s": round(t_resolved - last[0], 3),
+               # rank 0's gather: what of fetching and decoding the node records is left after the last one
+               "last_node_record_to_commit_call_s": round(commit_called[0] - last[0], 3),
                "index_bytes": index.stat().st_size,
                "restore_index_bytes_per_rank": (path / HEAD_NAME).stat().st_size + 256 * 48,
                "frame": a.frame, "machine": a.machine}
