@@ -15,7 +15,6 @@ from typing import Any
 import msgspec
 
 from . import framing
-from .errors import ProtocolError
 from .gc_pause import gc_paused
 from .rank_record import RecordWire
 
@@ -43,10 +42,7 @@ def encode(msg: dict[str, Any]) -> bytes:
     """``framing.encode``, with msgspec for a COMMIT (its records as they are: JSON objects or typed)."""
     if msg.get("op") != "commit":
         return framing.encode(msg)
-    body = _ENCODER.encode(msg)
-    if len(body) > framing.MAX_FRAME_BYTES:
-        raise ProtocolError(f"message of {len(body)} bytes exceeds the {framing.MAX_FRAME_BYTES}-byte frame limit")
-    return framing.HEADER.pack(framing.MAGIC, framing.PROTOCOL_VERSION, len(body)) + body
+    return framing.frame(_ENCODER.encode(msg))
 
 
 def decode_body(body: bytes) -> dict[str, Any]:

@@ -21,7 +21,11 @@ MAX_FDS_PER_FRAME = 16
 
 
 def encode(msg: dict[str, Any]) -> bytes:
-    body = json.dumps(msg, separators=(",", ":"), allow_nan=True).encode()
+    return frame(json.dumps(msg, separators=(",", ":"), allow_nan=True).encode())
+
+
+def frame(body: bytes) -> bytes:
+    """An encoded body with its header; ProtocolError (nothing to send) when it is over the limit."""
     if len(body) > MAX_FRAME_BYTES:
         raise ProtocolError(f"message of {len(body)} bytes exceeds the {MAX_FRAME_BYTES}-byte frame limit")
     return HEADER.pack(MAGIC, PROTOCOL_VERSION, len(body)) + body
