@@ -54,8 +54,7 @@ class Fill:
             return
         p, h = self.plan, self.handle
         assert h.slot is not None
-        self.conn.request(protocol.Save(step=h.step, slot=h.slot, tensors=p.wire, tree=p.flat.tree,
-                                        commit=self.commit, filling=True))
+        _save(self.conn, h.step, h.slot, p, SaveLevel.STORAGE, self.commit, filling=True)
         h.slot = None                   # the daemon has it now: it gives it back (slot_free)
         self.opened = True
 
@@ -112,6 +111,11 @@ def hand_over(session: DaemonSession, conn: DaemonConnection, copies: OverlapCop
 def _send(conn: DaemonConnection, step: int, slot: int, plan: Plan, copy: SlotCopy, level: SaveLevel,
           commit: str) -> None:
     """The SAVE of a full slot: the plan's layout and tree, or the copy's if it laid the slot out anew."""
-    p = copy.relaid or plan
+    _save(conn, step, slot, copy.relaid or plan, level, commit)
+
+
+def _save(conn: DaemonConnection, step: int, slot: int, p: Plan, level: SaveLevel, commit: str,
+          filling: bool = False) -> None:
+    """The SAVE of slot ``slot`` laid out as ``p``: full, or ``filling`` (its bytes come as reported)."""
     conn.request(protocol.Save(step=step, slot=slot, tensors=p.wire, tree=p.flat.tree, commit=commit,
-                               level=level.value))
+                               level=level.value, filling=filling))

@@ -42,22 +42,29 @@ def written(sock: Any, job: str, step: int) -> int:
     return sum(w["written_bytes"] for w in status(sock)["saves"] if w["job"] == job and w["step"] == step)
 
 
-def test_the_write_runs_while_the_slot_is_filled_and_the_step_restores_exactly(daemon_factory, monkeypatch):
-    d = daemon_factory()
-    ck = ckptd_client.Checkpointer("fill", socket=str(d.socket), overlap=False)
-    state = big_state(1)
-    seen: list[tuple[int, int]] = []          # (bytes the slot was filled to, bytes the daemon had written)
+def watch_first_mark(monkeypatch: Any, ck: Any, sock: Any, job: str) -> list[tuple[int, int]]:
+    """At the save's first fill mark (long before its slot is full), wait until the daemon has written
+    some of it; the list gets (bytes the slot was filled to, bytes the daemon had written)."""
+    seen: list[tuple[int, int]] = []
     real = handoff.report
 
-    def report(conn, step, upto):
+    def report(conn: Any, step: int, upto: int) -> None:
         real(conn, step, upto)
-        if not seen and upto < ck.slots[0].size:        # the first mark, long before the slot is full
+        if not seen and upto < ck.slots[0].size:
             end = time.monotonic() + 60
-            while (w := written(d.socket, "fill", step)) == 0:
+            while (w := written(sock, job, step)) == 0:
                 assert time.monotonic() < end, "the daemon wrote nothing of a slot filled past its first mark"
                 time.sleep(0.01)
             seen.append((upto, w))
     monkeypatch.setattr(handoff, "report", report)
+    return seen
+
+
+def test_the_write_runs_while_the_slot_is_filled_and_the_step_restores_exactly(daemon_factory, monkeypatch):
+    d = daemon_factory()
+    ck = ckptd_client.Checkpointer("fill", socket=str(d.socket), overlap=False)
+    state = big_state(1)
+    seen = watch_first_mark(monkeypatch, ck, d.socket, "fill")
     h = ck.save(1, state)
     assert seen and 0 < seen[0][1] <= seen[0][0], seen      # written: only bytes already filled
     h.wait(120)
@@ -169,18 +176,7 @@ def test_an_overlapped_save_is_written_while_its_copy_thread_fills_the_slot(daem
     ck = ckptd_client.Checkpointer("overlap-fill", socket=str(d.socket))      # overlap=True, the default
     state = {"model": model, "optim": opt, "meta": {"step": 1}}
     saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    seen: list[tuple[int, int]] = []
-    real = handoff.report
-
-    def report(conn, step, upto):
-        real(conn, step, upto)
-        if not seen and upto < ck.slots[0].size:
-            end = time.monotonic() + 60
-            while (w := written(d.socket, "overlap-fill", step)) == 0:
-                assert time.monotonic() < end, "the daemon wrote nothing of a slot filled past its first mark"
-                time.sleep(0.01)
-            seen.append((upto, w))
-    monkeypatch.setattr(handoff, "report", report)
+    seen = watch_first_mark(monkeypatch, ck, d.socket, "overlap-fill")
     h = ck.save(1, state)
     h.wait(120)
     assert seen and 0 < seen[0][1] <= seen[0][0], seen

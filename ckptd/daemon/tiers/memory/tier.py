@@ -141,8 +141,7 @@ class MemoryTier(StorageTier):
             try:
                 held.fd, held.mm = new_memfd(f"ckptd-mem-{ref.job}-{ref.step}-r{ref.rank}", nbytes)
                 # (a slot still being filled: copied once full, beside the writer as ever)
-                return copy_in(held, data if isinstance(data, memoryview) else data.whole(abandoned), layout,
-                               self.chunk_bytes)
+                return copy_in(held, _whole(data, abandoned), layout, self.chunk_bytes)
             finally:
                 both()
         copying = loop.run_in_executor(self.pool, copy)
@@ -175,9 +174,8 @@ class MemoryTier(StorageTier):
             result = await self.inner.write_shard(ref, data, layout, tree, released=back.read, abandoned=abandoned)
             sums = None if result.manifest is None else written_checksums(result.manifest, layout, self.chunk_bytes)
             if sums is None:
-                whole = data if isinstance(data, memoryview) else data.whole(abandoned)   # (written: filled)
-                sums = await asyncio.get_running_loop().run_in_executor(
-                    self.pool, layout_checksums, whole, layout, self.chunk_bytes)
+                sums = await asyncio.get_running_loop().run_in_executor(   # (written: a filling slot is full)
+                    self.pool, layout_checksums, _whole(data, abandoned), layout, self.chunk_bytes)
         except BaseException:
             self.store.cancel(held)
             back.decide(False)
@@ -289,3 +287,8 @@ class MemoryTier(StorageTier):
         self.store.pin(held)
         self.store.totals.served += 1
         return held, source
+
+
+def _whole(data: memoryview | StreamedData, stop: Callable[[], bool]) -> memoryview:
+    """A resident shard's bytes: the slot itself, or a filling slot once every byte is in it."""
+    return data if isinstance(data, memoryview) else data.whole(stop)
