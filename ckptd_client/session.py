@@ -36,7 +36,7 @@ class DaemonSession:
         self.job, self.rank, self.world_size = job, rank, world_size
         self.num_slots = num_slots
         self.daemon_root: str | None = None      # where the daemon writes, as its hello said
-        self.fills = False                       # its daemon takes a save before the slot is full (filled.py)
+        self.fills = False                       # its daemon takes a save before the slot is full (handoff.py)
         self.conn: DaemonConnection | None = None
         self.slots: list[ClientSlot] = []
         self.asked = 0                           # the slot bytes the slots were asked for

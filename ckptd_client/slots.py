@@ -124,11 +124,11 @@ class CopySplit:
                    [(layout[i], local[i]) for i in sorted(deferred) if not local[i].is_cuda], later_gpu)
 
 
-FILL_STEP = 32 << 20      # a filling save's copy tells how far it got every this many bytes (filled.py)
+FILL_STEP = 32 << 20      # a filling save's copy tells how far it got every this many bytes (handoff.py)
 
 
 class _FillMarks:
-    """A copy's progress through its slot for ``filled(upto)`` (a filling save's, filled.py): CPU
+    """A copy's progress through its slot for ``filled(upto)`` (a filling save's, handoff.py): CPU
     copies are done when they return; a non-blocking device-to-host copy only once its stream gets
     past it, so from the first one on each mark is an event per device, waited for in order at the
     end of the copy (where the copy waits for its streams anyway): the writer starts on the first
@@ -163,7 +163,7 @@ class _FillMarks:
 
 
 class FillHooks(Protocol):
-    """A filling save's hand-off as an overlapped copy drives it (filled.py): ``open`` sends the
+    """A filling save's hand-off as an overlapped copy drives it (handoff.py): ``open`` sends the
     SAVE flagged filling once (later calls do nothing; ``disable`` first: never), ``report`` says
     how far the slot is filled."""
 
