@@ -78,7 +78,3 @@ class FillingSlot(StreamedData):
         with self._cond:
             self._ended = True
             self._cond.notify_all()
-
-    def finish(self) -> None:
-        """(Loop) the writer reads no more."""
-        self.cancel()
