@@ -94,6 +94,12 @@ class DaemonConnection:
         the caller's to close). An error reply raises DaemonRefused; no reply in ``timeout``
         seconds, NoReply; a connection that ends first, ConnectionLost; a send that fails, NotDelivered;
         a message over the frame limit, ProtocolError (before anything is sent)."""
+        return self.send(msg).result(timeout)
+
+    def send(self, msg: Outgoing) -> Reply:
+        """``request`` without the wait: the caller goes on while the daemon answers, and takes the
+        reply (or its error) from ``Reply.result`` (which it must call). NotDelivered and
+        ProtocolError are raised here."""
         req = next(self._req_ids)
         op, wire = _frame(msg, req)
         data = protocol.encode(wire)
@@ -111,16 +117,11 @@ class DaemonConnection:
                 self._pending.pop(req, None)
             self._mark_lost(f"send failed: {e}")
             raise NotDelivered(f"connection to ckptd at {self.socket_path} lost: {e}") from None
-        try:
-            reply = fut.result(timeout if timeout is not None else self.timeout)
-        except TimeoutError:
-            raise NoReply(f"ckptd at {self.socket_path} did not answer {op} in time") from None
-        finally:
-            with self._lock:
-                self._pending.pop(req, None)
-        if reply.get("op") != "ok":
-            raise DaemonRefused(op, error_code(reply), str(reply.get("reason", "no reason given")))
-        return reply
+        return Reply(self, req, op, fut)
+
+    def _replied(self, req: int) -> None:
+        with self._lock:
+            self._pending.pop(req, None)
 
     def notify(self, msg: protocol.Request) -> None:
         """Send a request whose reply nobody waits for (reports); failures are ignored."""
@@ -199,3 +200,23 @@ def ask(socket_path: str, msg: Outgoing, timeout: float = 10.0) -> dict[str, Any
     ``DaemonConnection.request`` raises (and Unreachable when no daemon listens)."""
     with DaemonConnection(socket_path, timeout=timeout) as conn:
         return conn.request(msg)
+
+
+class Reply:
+    """A sent request's reply to come (``DaemonConnection.send``)."""
+
+    def __init__(self, conn: DaemonConnection, req: int, op: str, fut: Future[dict[str, Any]]) -> None:
+        self._conn, self._req, self._op, self._fut = conn, req, op, fut
+
+    def result(self, timeout: float | None = None) -> dict[str, Any]:
+        """The reply; raises as ``DaemonConnection.request`` does."""
+        conn = self._conn
+        try:
+            reply = self._fut.result(timeout if timeout is not None else conn.timeout)
+        except TimeoutError:
+            raise NoReply(f"ckptd at {conn.socket_path} did not answer {self._op} in time") from None
+        finally:
+            conn._replied(self._req)
+        if reply.get("op") != "ok":
+            raise DaemonRefused(self._op, error_code(reply), str(reply.get("reason", "no reason given")))
+        return reply

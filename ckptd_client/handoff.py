@@ -26,7 +26,7 @@ from functools import partial
 from ckptd.core import protocol
 from ckptd.core.protocol import SaveLevel
 
-from .connection import DaemonConnection
+from .connection import DaemonConnection, Reply
 from .errors import CheckpointError
 from .handle import SaveHandle
 from .overlap import OverlapCopies
@@ -46,17 +46,30 @@ class Fill:
     def __init__(self, session: DaemonSession, conn: DaemonConnection, handle: SaveHandle, plan: Plan,
                  commit: str) -> None:
         self.session, self.conn, self.handle, self.plan, self.commit = session, conn, handle, plan, commit
-        self.opened = self.disabled = False
+        self.opened = self.disabled = self.refused = False
         self.sent = 0
+        self._reply: Reply | None = None
 
     def open(self) -> None:
+        """Send the SAVE; its reply is waited for once the copy is done (``confirm``), so the copy
+        does not wait for the daemon to take in the layout."""
         if self.opened or self.disabled:
             return
         p, h = self.plan, self.handle
         assert h.slot is not None
-        _save(self.conn, h.step, h.slot, p, SaveLevel.STORAGE, self.commit, filling=True)
-        h.slot = None                   # the daemon has it now: it gives it back (slot_free)
+        self._reply = self.conn.send(_message(h.step, h.slot, p, SaveLevel.STORAGE, self.commit, filling=True))
         self.opened = True
+
+    def confirm(self) -> None:
+        """The SAVE's reply (raises a refusal): the daemon has the slot now, and gives it back (slot_free)."""
+        reply, self._reply = self._reply, None
+        if reply is not None:
+            try:
+                reply.result()
+            except CheckpointError:
+                self.refused = True         # no save of this step on the daemon's side: none to drop
+                raise
+            self.handle.slot = None
 
     def disable(self) -> None:
         self.disabled = True
@@ -70,13 +83,15 @@ class Fill:
         """(Hand-off, every byte in place) the last mark, or ``send`` (a full slot's SAVE) if never opened."""
         if self.opened:
             self.report(self.plan.nbytes)
+            self.confirm()
         else:
             send()
 
     def failed(self, then: Callable[[BaseException], None], e: BaseException) -> None:
         """After the SAVE: the daemon is asked to drop the step; then ``then`` (the save's failure)."""
-        if self.opened:
-            with contextlib.suppress(CheckpointError):     # (a lost daemon has dropped the step already)
+        if self.opened and not self.refused:
+            with contextlib.suppress(CheckpointError):     # (refused, or a lost daemon: no step to drop)
+                self.confirm()
                 self.session.abort(self.handle.step, f"the copy into the slot failed: {e}")
         then(e)
 
@@ -93,6 +108,7 @@ def hand_over(session: DaemonSession, conn: DaemonConnection, copies: OverlapCop
         try:
             copies.snapshot(slot, plan.layout, plan.flat, False, plan.splits, fill.report)
             fill.report(plan.nbytes)
+            fill.confirm()
         except BaseException as e:
             fill.failed(lambda _: None, e)
             raise
@@ -111,11 +127,10 @@ def hand_over(session: DaemonSession, conn: DaemonConnection, copies: OverlapCop
 def _send(conn: DaemonConnection, step: int, slot: int, plan: Plan, copy: SlotCopy, level: SaveLevel,
           commit: str) -> None:
     """The SAVE of a full slot: the plan's layout and tree, or the copy's if it laid the slot out anew."""
-    _save(conn, step, slot, copy.relaid or plan, level, commit)
+    conn.request(_message(step, slot, copy.relaid or plan, level, commit, False))
 
 
-def _save(conn: DaemonConnection, step: int, slot: int, p: Plan, level: SaveLevel, commit: str,
-          filling: bool = False) -> None:
+def _message(step: int, slot: int, p: Plan, level: SaveLevel, commit: str, filling: bool) -> protocol.Save:
     """The SAVE of slot ``slot`` laid out as ``p``: full, or ``filling`` (its bytes come as reported)."""
-    conn.request(protocol.Save(step=step, slot=slot, tensors=p.wire, tree=p.flat.tree, commit=commit,
-                               level=level.value, filling=filling))
+    return protocol.Save(step=step, slot=slot, tensors=p.wire, tree=p.flat.tree, commit=commit, level=level.value,
+                         filling=filling)

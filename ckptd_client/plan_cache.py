@@ -22,7 +22,9 @@ copy thread, before it copies (``Plan.pending``, a ``Recheck``). A plain tensor 
 over the same bytes (reshaped, re-typed, transposed) is found there and that save re-laid out
 (``Recheck.run``); a DTensor so changed fails that save, saying why, and the next one plans anew.
 Everything else (buffers, tensors the copy does not defer, DTensors this rank does not write) is
-compared in full on the trainer's thread.
+compared in full on the trainer's thread. Such a save does not walk its modules and optimizers
+there either: the last walk's part of each is spliced in while a quick check holds, and the copy
+thread walks them for real in its ``Recheck`` (plan_defer.py; the walk itself: plan_walk.py).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import eq
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -38,111 +40,15 @@ from ckptd.core.schema import TensorLayout
 
 from . import dtensor
 from .errors import CheckpointError
+from .plan_defer import Segment, segments
 from .plan_tree import counts_of, refill, scalar_counts, zeros
+from .plan_walk import Walk
 from .sharded_sd import StateDicts
 from .slots import CopySplit, plan_layout
-from .state import FlatState, flatten_state, replacement, top_optimizer_ids
+from .state import FlatState, flatten_state
 
-_SCALARS = (str, int, float, bool, type(None))     # the tree's leaves (core.tree)
-# Sentinels of the token list: nothing a state holds compares equal to them.
-_DICT, _LIST, _TUPLE, _TENSOR, _OBJ, _FENCE = (object() for _ in range(6))
-
-
-class _Walk:
-    """One save's walk: tokens, tensors, scalars in tree order, state dicts taken (by object id)."""
-
-    def __init__(self, state: dict[str, Any], fence_on: Sequence[torch.optim.Optimizer],
-                 sharded: torch.nn.Module | None, memo: StateDicts) -> None:
-        self.tokens: list[Any] = []
-        self.tensors: list[torch.Tensor] = []
-        self.scalars: list[Any] = []
-        self.taken: dict[int, Any] = {}
-        self.objects: list[Any] = []          # kept alive while cached: their ids stay theirs
-        self._keys: list[Any] = []            # the key path, for replacement()'s errors and FQNs
-        self.sharded = sharded
-        self._memo = memo
-        memo.begin(sharded)
-        self._top = top_optimizer_ids(state)
-        self.walk(state)
-        for opt in fence_on:
-            self.tokens += (_FENCE, id(opt))
-            self.optimizer(opt)
-
-    def optimizer(self, opt: torch.optim.Optimizer) -> None:
-        """Which tensors are deferrable depends on the optimizer's parameters, by address."""
-        self.objects.append(opt)
-        self.tokens.append(len(opt.state))
-        self.tokens += [p.data_ptr() if type(p) is torch.nn.Parameter else dtensor.storage_key(p)
-                        for g in opt.param_groups for p in g["params"]]
-
-    def walk(self, obj: Any) -> None:
-        """The same order and cases as ``encode_tree`` with ``flatten_state``'s callbacks; tensor
-        and scalar values of a container are taken in its loop (most of a state's nodes)."""
-        tokens, tensors, scalars = self.tokens, self.tensors, self.scalars
-        if isinstance(obj, torch.Tensor):
-            tokens.append(_TENSOR)
-            tensors.append(obj)
-        elif isinstance(obj, _SCALARS):
-            tokens.append(type(obj))
-            scalars.append(obj)
-        elif isinstance(obj, dict):
-            tokens += (_DICT, len(obj))
-            for k, v in obj.items():
-                tokens.append(k)
-                if type(k) is not str:
-                    tokens.append(type(k))     # 1, 1.0 and True are equal keys, not equal trees
-                if isinstance(v, torch.Tensor):
-                    tokens.append(_TENSOR)
-                    tensors.append(v)
-                elif isinstance(v, _SCALARS):
-                    tokens.append(type(v))
-                    scalars.append(v)
-                else:
-                    self._keys.append(k)
-                    self.walk(v)
-                    self._keys.pop()
-        elif isinstance(obj, (list, tuple)):
-            tokens += (_TUPLE if isinstance(obj, tuple) else _LIST, len(obj))
-            for i, v in enumerate(obj):
-                if isinstance(v, _SCALARS):
-                    tokens.append(type(v))
-                    scalars.append(v)
-                else:
-                    self._keys.append(i)
-                    self.walk(v)
-                    self._keys.pop()
-        else:
-            stateful = callable(getattr(obj, "state_dict", None))
-            tokens += (_OBJ, id(obj) if stateful else type(obj))
-            if id(obj) in self.taken:
-                sd = self.taken[id(obj)]
-            else:
-                sd = self.taken[id(obj)] = _state_of(obj, "/".join(map(str, self._keys)), self.sharded, self._top,
-                                                     self._memo)
-                self.objects.append(obj)
-            if isinstance(obj, torch.optim.Optimizer):
-                self.optimizer(obj)
-            self.walk(sd)
-
-
-_MODULE_STATE_DICT = torch.nn.Module.state_dict
 _PLAIN = (torch.Tensor, torch.nn.Parameter)      # tensor_key's types that are never DTensors
 _PLAIN_KEY = 7                                    # a plain tensor's key length (a DTensor's is longer)
-
-
-def _state_of(obj: Any, path: str, sharded: torch.nn.Module | None, top: set[int], memo: StateDicts) -> Any:
-    """``replacement(obj)``; for a module with torch's own ``state_dict`` its parameters and
-    buffers themselves (``keep_vars``): no detached copy of each tensor per save (at 8,192 tensors
-    a third of the walk), and the same objects every save (``flatten_state`` detaches on a miss).
-    The sharded model's and its optimizers' FQN state dicts come through ``memo`` (sharded_sd.py)."""
-    if getattr(type(obj), "state_dict", None) is _MODULE_STATE_DICT and obj is not sharded:
-        return obj.state_dict(keep_vars=True)
-    if sharded is not None:
-        if obj is sharded:
-            return memo.model(obj)
-        if isinstance(obj, torch.optim.Optimizer) and id(obj) in top:
-            return memo.optimizer(sharded, obj, path)
-    return replacement(obj, path, sharded, top)
 
 
 def tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -199,6 +105,10 @@ class _Cached:
     lazy: list[int]
     eager: list[int]
     flat_of: dict[int, int]
+    # Modules and optimizers a lazy walk splices (plan_defer.py), by id; ``lazy_free``: the lazy
+    # indices outside them (the ones whose address the trainer's thread compares when all splice).
+    segments: dict[int, Segment]
+    lazy_free: list[int]
 
 
 class PlanCache:
@@ -210,6 +120,8 @@ class PlanCache:
         self.state_dicts = StateDicts()      # the sharded model's and its optimizers' (sharded_sd.py)
         self.hits = 0
         self.misses = 0
+        self.deferring = True                # whether lazy walks splice (off after a Recheck found a change)
+        self.spliced = 0                     # hits whose every module and optimizer was spliced (plan_defer.py)
 
     def clear(self) -> None:
         self._last = None
@@ -237,25 +149,30 @@ class PlanCache:
             raise TypeError(f"state must be a dict of names to values, got {type(state).__name__}")
         last = self._last
         sharded = last.sharded if last is not None else dtensor.sharded_model_of(state)
-        try:
-            walk = _Walk(state, fence_on, sharded, self.state_dicts)
-        except (TypeError, ValueError, RuntimeError, AttributeError):
-            walk = None          # flatten_state raises the error with its message
+        defer = last.segments if lazy and self.deferring and last is not None else None
+        walk = self._walk(state, fence_on, sharded, defer)
         if walk is not None and last is not None and walk.tokens == last.tokens:
             # Key by key, each dropped once compared: a list of them would live through young
             # collections into the oldest generation, and set off its collection (0.2 s).
             try:
-                same = len(walk.tensors) == len(last.keys) and _same_keys(walk.tensors, last, lazy)
+                free = len(walk.spliced) == len(last.segments)
+                same = len(walk.tensors) == len(last.keys) and _same_keys(walk.tensors, last, lazy, free)
             except (RuntimeError, TypeError, AttributeError):
                 same = False
             if same:
                 self.hits += 1
+                self.spliced += bool(free and last.segments)
                 plan = self._reuse(last, walk)
+                if defer and not free:       # re-armed from this walk where a check failed (a registration)
+                    last = self._last = dataclasses.replace(last, segments={**last.segments, **segments(
+                        walk.spans, walk.tokens, walk.tensors, walk.scalars, walk.taken, last.flat_of)})
                 if lazy and last.lazy:
-                    return dataclasses.replace(plan, pending=Recheck(self, [walk.tensors[i] for i in last.lazy]))
+                    return dataclasses.replace(plan, pending=Recheck(self, walk.tensors, walk.spliced))
                 return plan
         self.misses += 1
         self._last = None
+        if walk is not None and walk.spliced:
+            walk = self._walk(state, fence_on, sharded, None)      # the state's own parts, not the last walk's
         if walk is not None and sharded is not dtensor.sharded_model_of(state):
             walk = None          # its state dicts were taken for another sharded model: not reused
         flat = flatten_state(state, fence_on, walk.taken if walk is not None else None)
@@ -265,11 +182,21 @@ class PlanCache:
             counts: dict[int, int] = {}
             if scalar_counts(flat.tree, counts) == len(walk.scalars):   # else: never reused
                 lazy_at = _lazy_indices(walk.tensors, flat)
+                segs = (segments(walk.spans, walk.tokens, walk.tensors, walk.scalars, walk.taken, lazy_at)
+                        if walk.sharded is None else {})
+                inside = {s.at + i for s in segs.values() for i in range(len(s.tensors))}
                 self._last = _Cached(plan, walk.tokens, [tensor_key(t) for t in walk.tensors], walk.scalars,
                                      zeros(walk.scalars), counts, walk.objects, len(counts), walk.sharded,
                                      list(lazy_at), [i for i in range(len(walk.tensors)) if i not in lazy_at],
-                                     lazy_at)
+                                     lazy_at, segs, [i for i in lazy_at if i not in inside])
         return plan
+
+    def _walk(self, state: dict[str, Any], fence_on: Sequence[torch.optim.Optimizer],
+              sharded: torch.nn.Module | None, defer: dict[int, Segment] | None) -> Walk | None:
+        try:
+            return Walk(state, fence_on, sharded, self.state_dicts, defer)
+        except (TypeError, ValueError, RuntimeError, AttributeError):
+            return None          # flatten_state raises the error with its message
 
     def relaid(self, changed: dict[int, torch.Tensor]) -> Plan:
         """(Copy thread, a lazy hit's ``Recheck``) the cached plan with the lazy tensors at walk
@@ -289,7 +216,7 @@ class PlanCache:
         self._last = dataclasses.replace(last, plan=plan, keys=keys)
         return plan
 
-    def _reuse(self, last: _Cached, walk: _Walk) -> Plan:
+    def _reuse(self, last: _Cached, walk: Walk) -> Plan:
         """The last plan with this save's scalars (its tensors: see tensor_key)."""
         p = last.plan
         tree = refill(p.flat.tree, last.scalars, last.zeros, last.counts, walk.scalars)
@@ -304,17 +231,37 @@ class PlanCache:
 class Recheck:
     """A lazy hit's full key comparison of the tensors the copy defers, run on the copy thread before
     it copies them (they stay as they are until the fence). ``run``: None when every key is equal, else
-    the save's plan laid out for the tensors as they now are (``PlanCache.relaid``)."""
+    the save's plan laid out for the tensors as they now are (``PlanCache.relaid``). The modules and
+    optimizers the walk spliced are walked here first (plan_defer.py): their tensors as they are now."""
 
-    def __init__(self, cache: PlanCache, tensors: list[torch.Tensor]) -> None:
-        self._cache, self._tensors = cache, tensors
+    def __init__(self, cache: PlanCache, walked: list[torch.Tensor], spliced: list[tuple[Segment, int]]) -> None:
+        self._cache, self._walked, self._spliced = cache, walked, spliced
 
     def run(self) -> Plan | None:
         last = self._cache._last
         if last is None:        # cleared (close) before the copy ran: nothing to compare with
             return None
-        tensors, self._tensors = self._tensors, []        # held no longer than the copy
-        changed = {i: t for i, t in zip(last.lazy, tensors, strict=True) if tensor_key(t) != last.keys[i]}
+        walked, spliced = self._walked, self._spliced
+        self._walked, self._spliced = [], []           # held no longer than the copy
+        now: dict[int, torch.Tensor] = {}
+        for seg, at in spliced:
+            try:
+                fresh = Walk.alone(seg.obj)
+                same = seg.same(fresh.tokens[2:])
+            except (TypeError, ValueError, RuntimeError, AttributeError) as e:
+                self._stop(f"walking it again failed ({e})")
+            if not same:
+                self._stop("its structure changed (a parameter re-pointed with .data, a buffer or module "
+                           "added without torch's registration, a state-dict hook added)")
+            for i in seg.lazy:
+                now[at + i] = fresh.tensors[i]
+        changed = {}
+        for i in last.lazy:
+            t = now[i] if i in now else walked[i]
+            if tensor_key(t) != last.keys[i]:
+                if i in now and t.data_ptr() != last.keys[i][0]:
+                    self._stop("a parameter or optimizer state tensor moved to other memory (.data =, .to())")
+                changed[i] = t
         if any(len(last.keys[i]) != _PLAIN_KEY for i in changed):
             self._cache.clear()
             raise CheckpointError("a DTensor of the state changed in place since the last save (its local shard's "
@@ -322,14 +269,24 @@ class Recheck:
                                   "dropped; the next one plans the state anew")
         return self._cache.relaid(changed) if changed else None
 
+    def _stop(self, why: str) -> NoReturn:
+        """A spliced model or optimizer is not what the last walk saw: this save fails; the cache
+        stops splicing (its later saves walk everything on the trainer's thread)."""
+        self._cache.clear()
+        self._cache.deferring = False
+        raise CheckpointError(f"the model or optimizer changed since the last save, unseen by save(): {why}. This "
+                              "save is dropped; this Checkpointer's later saves walk the whole state before "
+                              "save() returns")
 
-def _same_keys(tensors: list[torch.Tensor], last: _Cached, lazy: bool) -> bool:
+
+def _same_keys(tensors: list[torch.Tensor], last: _Cached, lazy: bool, free: bool) -> bool:
     """Whether this walk's tensors are the last plan's: every key in full, or with ``lazy`` the lazy
-    ones by address only (their full keys: ``Recheck``)."""
+    ones by address only (their full keys: ``Recheck``), and with ``free`` (every segment spliced)
+    only those outside the segments (the rest: ``Recheck`` too)."""
     if not lazy or not last.lazy:
         return all(map(eq, map(tensor_key, tensors), last.keys))
     keys = last.keys
-    return (all(_at(tensors[i], keys[i]) for i in last.lazy)
+    return (all(_at(tensors[i], keys[i]) for i in (last.lazy_free if free else last.lazy))
             and all(tensor_key(tensors[i]) == keys[i] for i in last.eager))
 
 
