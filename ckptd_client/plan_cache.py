@@ -127,19 +127,20 @@ class PlanCache:
         self._last = None
         self.state_dicts = StateDicts()
 
-    def warm(self, state: dict[str, Any]) -> int | None:
+    def warm(self, state: dict[str, Any]) -> tuple[int, CopySplit] | None:
         """Plan ``state`` now (after a restore: ``load_state_dict`` gives an optimizer new state
-        tensors, so the next save would pay the full plan); its bytes in a slot, or None: a state
-        that cannot be saved is left for ``save`` to refuse."""
+        tensors, so the next save would pay the full plan); its bytes in a slot and the copy's split
+        for an overlapped save (the default), or None: a state that cannot be saved is left for
+        ``save`` to refuse."""
         try:
             plan = self.plan(state)
         except (TypeError, ValueError):
             self._last = None
             return None
-        d = plan.flat.deferrable       # and the copy's split for an overlapped save (the default)
+        d = plan.flat.deferrable
         if d not in plan.splits:
             plan.splits[d] = CopySplit.of(plan.layout, plan.flat.tensors, d)
-        return plan.nbytes
+        return plan.nbytes, plan.splits[d]
 
     def plan(self, state: dict[str, Any], fence_on: Sequence[torch.optim.Optimizer] = (), *,
              lazy: bool = False) -> Plan:

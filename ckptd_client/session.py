@@ -5,6 +5,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ckptd.core import protocol
@@ -84,17 +85,19 @@ class DaemonSession:
         if conn is not None:
             conn.notify(protocol.Report(step=step, stall_s=stall_s, fence_s=fence_s))
 
-    def prepare_soon(self, nbytes: int) -> None:
+    def prepare_soon(self, nbytes: int, then: Callable[[list[ClientSlot]], object] | None = None) -> None:
         """Connect and size the slots for ``nbytes`` on a thread (after a restore, which knows the
-        state): the first save then pays no set-up. ``ensure_slots`` waits for it; a failure here
-        is left for that save to meet (and report)."""
+        state), then ``then(slots)`` there (the copy's slot views): the first save then pays no
+        set-up. ``ensure_slots`` waits for it; a failure here is left for that save to meet (and report)."""
         self.settle()
-        if self.live() is not None and self.slots and self.asked >= nbytes:
-            return
+        ready = self.live() is not None and self.slots and self.asked >= nbytes
 
         def run() -> None:
             try:
-                self._ensure(nbytes)
+                if not ready:
+                    self._ensure(nbytes)
+                if then is not None:
+                    then(self.slots)
             except (CheckpointError, OSError) as e:
                 log.debug("ckptd: slots not prepared after restore: %s", e)
         self._preparing = threading.Thread(target=run, name="ckptd-prepare", daemon=True)
