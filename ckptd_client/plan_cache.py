@@ -29,6 +29,7 @@ thread walks them for real in its ``Recheck`` (plan_defer.py; the walk itself: p
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import eq
@@ -47,6 +48,7 @@ from .sharded_sd import StateDicts
 from .slots import CopySplit, plan_layout
 from .state import FlatState, flatten_state
 
+log = logging.getLogger("ckptd_client")
 _PLAIN = (torch.Tensor, torch.nn.Parameter)      # tensor_key's types that are never DTensors
 _PLAIN_KEY = 7                                    # a plain tensor's key length (a DTensor's is longer)
 
@@ -275,9 +277,11 @@ class Recheck:
         stops splicing (its later saves walk everything on the trainer's thread)."""
         self._cache.clear()
         self._cache.deferring = False
-        raise CheckpointError(f"the model or optimizer changed since the last save, unseen by save(): {why}. This "
+        err = CheckpointError(f"the model or optimizer changed since the last save, unseen by save(): {why}. This "
                               "save is dropped; this Checkpointer's later saves walk the whole state before "
                               "save() returns")
+        log.warning("ckptd: %s", err)        # an overlapped save's failure is otherwise only on its handle
+        raise err
 
 
 def _same_keys(tensors: list[torch.Tensor], last: _Cached, lazy: bool, free: bool) -> bool:

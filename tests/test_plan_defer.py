@@ -100,7 +100,7 @@ def test_a_registration_that_leaves_the_state_as_it_was_splices_again_after_one_
     assert restored(daemon, state, 3) == expected
 
 
-def test_a_parameter_moved_unseen_fails_that_save_and_stops_splicing(daemon):
+def test_a_parameter_moved_unseen_fails_that_save_and_stops_splicing(daemon, caplog):
     """``.data =`` re-points a parameter without any hook: the trainer's check cannot see it. The
     copy thread does; that save fails (no step on disk) rather than save other bytes, and the
     Checkpointer's later saves walk everything before save() returns."""
@@ -116,6 +116,7 @@ def test_a_parameter_moved_unseen_fails_that_save_and_stops_splicing(daemon):
         h.wait(60)
     assert not (daemon.root / "pd" / "step-000000000002").exists()
     assert ck.plans.deferring is False
+    assert "later saves walk the whole state" in caplog.text      # logged, not only on the handle
     train(state)
     ck.save(3, state).wait(60)
     train(state)
