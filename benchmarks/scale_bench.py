@@ -75,7 +75,8 @@ class CpuSampler(threading.Thread):
         return (after[0][1] - before[-1][1]) / (after[0][0] - before[-1][0])
 
 
-def run_once(code: Path, ranks: int, daemons: int, timeout: float, share_store: bool = False) -> dict[str, Any]:
+def run_once(code: Path, ranks: int, daemons: int, timeout: float, share_store: bool = False,
+             restore: bool = True) -> dict[str, Any]:
     area = Path(tempfile.mkdtemp(prefix="ckscale-", dir="/tmp"))
     env = {**os.environ, "PYTHONPATH": str(code), "LOCAL_WORLD_SIZE": str(ranks // daemons)}
     store = subprocess.Popen([sys.executable, "-c", STORE_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -101,7 +102,7 @@ def run_once(code: Path, ranks: int, daemons: int, timeout: float, share_store: 
         workers = [subprocess.Popen([sys.executable, str(WORKER), "--store", f"127.0.0.1:{port}", "--world",
                                      str(ranks), "--ranks", f"{i * per}:{(i + 1) * per}", "--socket",
                                      str(area / f"d{i}.sock"), "--root", str(root), "--steps", "2", "--timeout",
-                                     str(timeout), "--restore", "--workers", str(daemons),
+                                     str(timeout), *(["--restore"] if restore else []), "--workers", str(daemons),
                                      *(["--share-store"] if share_store else [])],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True, cwd=code)
                    for i in range(daemons)]
@@ -120,7 +121,7 @@ def run_once(code: Path, ranks: int, daemons: int, timeout: float, share_store: 
         resolved = max(s["resolved"] for s in steps)
         head = step_dir / "index-head.json"
         fan_in = head.stat().st_size + min(256, ranks) * 48 if head.exists() else index.stat().st_size
-        restores = [x["restore"] for x in lines]
+        restores = [x["restore"] for x in lines if "restore" in x]
         cpu = sampler.share(min(s["started"] for s in steps), resolved)
         return {"ranks": ranks, "daemons": daemons, "failed_handles": len(errors),
                 "first_error": errors[0] if errors else None,
@@ -129,7 +130,7 @@ def run_once(code: Path, ranks: int, daemons: int, timeout: float, share_store: 
                 "index_bytes": index.stat().st_size if index.exists() else None,
                 "restore_index_bytes_per_rank": fan_in,
                 "restore_all_s": round(max(r.get("ended", 0) for r in restores)
-                                       - min(r.get("started", 1e18) for r in restores), 3),
+                                       - min(r.get("started", 1e18) for r in restores), 3) if restores else None,
                 "restores_ok": sum(1 for r in restores if r.get("ok")),
                 "store_cpu_share": None if cpu is None else round(cpu, 3)}
     finally:
@@ -225,6 +226,8 @@ def main() -> int:
     ap.add_argument("--share-store", action="store_true",
                     help="the ranks of a worker share one store connection for their short requests (fewer "
                          "connects to set up; each relay still waits on its own clone)")
+    ap.add_argument("--no-restore", dest="restore", action="store_false",
+                    help="save only: leave out the all-ranks restore (at 4,096 ranks most of a run's time)")
     ap.add_argument("--markdown-only", action="store_true", help="rewrite the .md from the .json and exit")
     a = ap.parse_args()
     if a.markdown_only:
@@ -241,8 +244,8 @@ def main() -> int:
             for name, code in (codes if rnd % 2 == 0 else codes[::-1]):
                 t = time.monotonic()
                 print(f"[{n} ranks, round {rnd + 1}, {name}] ...", file=sys.stderr, flush=True)
-                res = {"code": name, "round": rnd + 1, **run_once(code, n, a.daemons, a.timeout, a.share_store),
-                       "run_s": round(time.monotonic() - t, 1)}
+                once = run_once(code, n, a.daemons, a.timeout, a.share_store, a.restore)
+                res = {"code": name, "round": rnd + 1, **once, "run_s": round(time.monotonic() - t, 1)}
                 print(json.dumps(res), file=sys.stderr, flush=True)
                 results.append(res)
     machine = {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
