@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .state import packed_groups
+
 if TYPE_CHECKING:
     from .plan_walk import Walk
 
@@ -127,8 +129,7 @@ class Segment:
                 return False
         walk.tokens += self.head
         walk.tensors += self.tensors
-        walk.walk([{**{k: v for k, v in g.items() if k != "params"}, "params": idx}
-                   for g, (_, idx) in zip(obj.param_groups, self.groups, strict=True)])
+        walk.walk(packed_groups(obj, [idx for _, idx in self.groups]))
         return True
 
     def same(self, tokens: list[Any]) -> bool:

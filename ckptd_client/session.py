@@ -91,6 +91,8 @@ class DaemonSession:
         set-up. ``ensure_slots`` waits for it; a failure here is left for that save to meet (and report)."""
         self.settle()
         ready = self.live() is not None and self.slots and self.asked >= nbytes
+        if ready and then is None:
+            return
 
         def run() -> None:
             try:

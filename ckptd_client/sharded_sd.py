@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from . import dtensor
+from .state import packed_groups
 
 _NO_EXTRA_STATE = torch.nn.Module.get_extra_state
 _FSDP2_PRE_SAVE = "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"
@@ -96,9 +97,8 @@ class StateDicts:
         if sig is not None and last is not None and last[0] is opt and last[1] == sig and self._same_model(model):
             self.reused += 1
             osd = last[2]
-            groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": old["params"]}
-                      for g, old in zip(opt.param_groups, osd["param_groups"], strict=True)]
-            return {"state": osd["state"], "param_groups": groups}
+            return {"state": osd["state"],
+                    "param_groups": packed_groups(opt, [old["params"] for old in osd["param_groups"]])}
         osd = dtensor.optimizer_state_dict(model, opt, path)
         if sig is None or self._now is None:
             self._optims.pop(id(opt), None)

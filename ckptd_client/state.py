@@ -84,6 +84,14 @@ def replacement(obj: Any, path: str, sharded_model: torch.nn.Module | None, top_
                     "a tensor, a JSON-able value, nor an object with state_dict()/load_state_dict()")
 
 
+def packed_groups(opt: torch.optim.Optimizer, params: Sequence[Any]) -> list[dict[str, Any]]:
+    """``opt``'s param groups as its state dict packs them (the values as they are now, ``params``
+    last) with ``params[i]`` as group i's parameter list: a state dict taken earlier has those
+    (indices, or FQNs), and they stand while the groups hold the same parameters."""
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": p}
+            for g, p in zip(opt.param_groups, params, strict=True)]
+
+
 def top_optimizer_ids(state: dict[str, Any]) -> set[int]:
     return {id(v) for v in state.values() if isinstance(v, torch.optim.Optimizer)}
 
