@@ -76,9 +76,15 @@ class CpuSampler(threading.Thread):
 
 
 def run_once(code: Path, ranks: int, daemons: int, timeout: float, share_store: bool = False,
-             restore: bool = True) -> dict[str, Any]:
+             restore: bool = True, keep: Path | None = None) -> dict[str, Any]:
     area = Path(tempfile.mkdtemp(prefix="ckscale-", dir="/tmp"))
-    env = {**os.environ, "PYTHONPATH": str(code), "LOCAL_WORLD_SIZE": str(ranks // daemons)}
+    # torch's store server resolves every connecting peer's name on its one thread; this VM's
+    # resolver drops replies to bursts of lookups, and glibc retries a lost one after 5 s, which
+    # stalls every connect queued behind it (thousands of ranks connecting at start took minutes).
+    # A 1 s resolver timeout keeps start-up inside the commit timeout; the commit measured comes
+    # after every connection is up, so it changes no figure reported.
+    env = {**os.environ, "PYTHONPATH": str(code), "LOCAL_WORLD_SIZE": str(ranks // daemons),
+           "RES_OPTIONS": os.environ.get("RES_OPTIONS", "timeout:1 attempts:3")}
     store = subprocess.Popen([sys.executable, "-c", STORE_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, env=env, text=True)
     procs: list[subprocess.Popen[bytes]] = []
@@ -104,13 +110,14 @@ def run_once(code: Path, ranks: int, daemons: int, timeout: float, share_store: 
                                      str(area / f"d{i}.sock"), "--root", str(root), "--steps", "2", "--timeout",
                                      str(timeout), *(["--restore"] if restore else []), "--workers", str(daemons),
                                      *(["--share-store"] if share_store else [])],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True, cwd=code)
+                                    stdout=subprocess.PIPE, stderr=open(area / f"w{i}.err", "wb"), env=env, text=True,
+                                    cwd=code)
                    for i in range(daemons)]
         lines: list[dict[str, Any]] = []
-        for w in workers:
-            out, err = w.communicate(timeout=timeout * 10)
+        for i, w in enumerate(workers):
+            out, _ = w.communicate(timeout=timeout * 10)
             if w.returncode != 0:
-                raise RuntimeError(f"worker failed: {err[-2000:]}")
+                raise RuntimeError(f"worker {i} failed: {(area / f'w{i}.err').read_text()[-2000:]}")
             lines += [json.loads(x) for x in out.splitlines()]
         sampler.stop.set()
         steps = [x["steps"][-1] for x in lines]
@@ -141,6 +148,9 @@ def run_once(code: Path, ranks: int, daemons: int, timeout: float, share_store: 
         if store.stdin:
             store.stdin.close()
         store.wait()
+        if keep is not None:        # the daemons' logs and the workers' stderr, for a run that went wrong
+            shutil.rmtree(keep, ignore_errors=True)
+            shutil.copytree(area, keep, ignore=shutil.ignore_patterns("root", "*.sock"))
         shutil.rmtree(area, ignore_errors=True)
 
 
@@ -228,6 +238,7 @@ def main() -> int:
                          "connects to set up; each relay still waits on its own clone)")
     ap.add_argument("--no-restore", dest="restore", action="store_false",
                     help="save only: leave out the all-ranks restore (at 4,096 ranks most of a run's time)")
+    ap.add_argument("--keep", type=Path, help="copy each run's daemon logs and workers' stderr here (the last run's)")
     ap.add_argument("--markdown-only", action="store_true", help="rewrite the .md from the .json and exit")
     a = ap.parse_args()
     if a.markdown_only:
@@ -244,7 +255,7 @@ def main() -> int:
             for name, code in (codes if rnd % 2 == 0 else codes[::-1]):
                 t = time.monotonic()
                 print(f"[{n} ranks, round {rnd + 1}, {name}] ...", file=sys.stderr, flush=True)
-                once = run_once(code, n, a.daemons, a.timeout, a.share_store, a.restore)
+                once = run_once(code, n, a.daemons, a.timeout, a.share_store, a.restore, a.keep)
                 res = {"code": name, "round": rnd + 1, **once, "run_s": round(time.monotonic() - t, 1)}
                 print(json.dumps(res), file=sys.stderr, flush=True)
                 results.append(res)

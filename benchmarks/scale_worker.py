@@ -12,8 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -29,7 +32,41 @@ def state(rank: int, step: int) -> dict[str, Any]:
             "step": step}
 
 
+def where_threads(*_: Any) -> None:
+    """SIGUSR1: where each relay / run-handshake thread is (innermost ckptd_client frame), counted
+    per place, with the node leaders' and rank 0's named: what a stuck run is waiting on."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    places: Counter[str] = Counter()
+    leaders: list[str] = []
+    for ident, frame in sys._current_frames().items():
+        stack = []
+        f: Any = frame
+        while f is not None:
+            if "ckptd_client" in f.f_code.co_filename:
+                stack.append(f"{os.path.basename(f.f_code.co_filename)}:{f.f_code.co_name}:{f.f_lineno}")
+            f = f.f_back
+        if not stack:
+            continue
+        place = f"{names.get(ident)} {' < '.join(stack[:3])}"
+        places[place] += 1
+        g: Any = frame
+        while g is not None:
+            me = g.f_locals.get("self")
+            if me is not None and type(me).__name__ == "StoreRelay":
+                if me.rank % me.node_size == 0:
+                    leaders.append(f"rank {me.rank}: {place}")
+                break
+            g = g.f_back
+    print(f"--- {time.strftime('%H:%M:%S')} threads by place", file=sys.stderr)
+    for place, n in places.most_common(20):
+        print(f"{n:6d} {place}", file=sys.stderr)
+    for line in leaders:
+        print("leader " + line, file=sys.stderr)
+    sys.stderr.flush()
+
+
 def main() -> int:
+    signal.signal(signal.SIGUSR1, where_threads)
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", required=True, help="host:port of the job's TCPStore")
     ap.add_argument("--world", type=int, required=True)

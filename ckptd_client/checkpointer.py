@@ -33,6 +33,7 @@ from .run_scope import RunScope
 from .session import DaemonSession
 from .slots import ClientSlot
 from .sources import Reader, RestoreInfo, restore_chain, run_chain
+from .store_io import CloneShelf
 from .streamed import needs_stream, stream_save
 
 if TYPE_CHECKING:
@@ -74,7 +75,8 @@ class Checkpointer:
         self.store = c.store if c.store is not None else d_store
         self.commit_mode = resolve_commit_mode(c.commit, self.world_size, self.store is not None)
         self.commit_timeout = c.commit_timeout
-        self.run_scope = RunScope(self.store, self.job, self.rank, self.world_size, c.commit_timeout) \
+        self._lines = CloneShelf()      # cloned store connections for blocking waits, shared (store_io.py)
+        self.run_scope = RunScope(self.store, self.job, self.rank, self.world_size, c.commit_timeout, self._lines) \
             if self.store is not None and (self.world_size > 1 or self.commit_mode is CommitMode.RELAY) else None
         # Ranks per node (one daemon each, sharing its CPUs): the relay's fan-in groups (relay.py), 8 if unknown.
         known = c.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
@@ -265,7 +267,7 @@ class Checkpointer:
                                      lambda step, *a: s.commit(step, *a, memory=self._held(step)),
                                      lambda step, why: s.abort(step, why, memory=self._held(step)),
                                      lambda step: self._on_disk(step, self._handles.get(step)),
-                                     node_size=self.local_world_size, run=self.run_scope)
+                                     node_size=self.local_world_size, run=self.run_scope, shelf=self._lines)
         return self._relay
 
     def wait(self, timeout: float | None = None) -> None:
@@ -340,7 +342,7 @@ class Checkpointer:
             return ok
         self._restores += 1
         return all_ranks_ok(self.store, self.run_scope.scope(), self._restores, self.world_size, ok,
-                            self.commit_timeout)
+                            self.commit_timeout, self._lines)
 
     def _agree(self, step: int | None) -> int | None:
         """Every rank restores rank 0's choice of step (agree_step), numbered by this run's restores."""
@@ -367,6 +369,7 @@ class Checkpointer:
             self._relay.close()
         if self.run_scope is not None:
             self.run_scope.close()
+        self._lines.clear()
         for h in list(self._handles.values()):      # before the disconnect, which would say "lost"
             self._finish(h, f"checkpointer closed before step {h.step} committed (close timeout {timeout}s)")
         self._copies.shutdown()

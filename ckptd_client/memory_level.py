@@ -29,7 +29,7 @@ from .memory_restore import MEMORY, PEER, MemoryUnavailable
 from .read_stats import ReadStats
 from .restore import PerRank, restore_state
 from .sources import Reader, RestoreInfo, Served, Unavailable, saved_world
-from .store_io import StoreWaiter
+from .store_io import CloneShelf, StoreWaiter
 
 MEMORY_LEVEL = "memory-level"
 
@@ -87,7 +87,8 @@ def restore_held(reader: Reader, step: int, state: dict[str, Any], per_rank: Per
     return RestoreInfo.of(step, got, started, level="memory")
 
 
-def all_ranks_ok(store: Any, scope: str, n: int, world_size: int, ok: bool, timeout: float) -> bool:
+def all_ranks_ok(store: Any, scope: str, n: int, world_size: int, ok: bool, timeout: float,
+                 shelf: CloneShelf | None = None) -> bool:
     """Whether every rank answered ``ok`` in the run's ``n``-th restore agreement: one counter of
     failures, one of arrivals, a key the last arrival sets; the last reader deletes them."""
     failed, arrived, done, read = store_keys.restore_votes(scope, n)
@@ -95,7 +96,10 @@ def all_ranks_ok(store: Any, scope: str, n: int, world_size: int, ok: bool, time
         store.add(failed, 1)
     if store.add(arrived, 1) >= world_size:
         store.set(done, "1")
-    if not StoreWaiter(store).wait([done], timeout):
+    waiter = StoreWaiter(store, shelf=shelf)
+    ok_all = waiter.wait([done], timeout)
+    waiter.forget()
+    if not ok_all:
         raise CheckpointError(f"restore: not every rank said within {timeout:g}s whether it restored the "
                               "memory-level step (a rank died or hangs)")
     bad = int(store.add(failed, 0))

@@ -51,7 +51,7 @@ from ckptd.core.relay_record import NodeRecord, RankOutcome, StepResult, commit_
 
 from . import store_keys
 from .errors import CheckpointError, NoReply
-from .store_io import CHUNK, WAIT_SLICE_S, StoreWaiter, multi_get, read_once
+from .store_io import CHUNK, WAIT_SLICE_S, CloneShelf, StoreWaiter, multi_get, read_once
 
 WAIT_NODES = 256          # node records rank 0 waits for, then fetches and decodes, at a time
 
@@ -88,7 +88,7 @@ class StoreRelay:
                  commit: Callable[[int, dict[int, str], list[Any] | None, float, list[int]], None],
                  abort: Callable[[int, str], None],
                  on_disk: Callable[[int], bool] = lambda step: False, node_size: int = 8, *,
-                 run: RunSource) -> None:
+                 run: RunSource, shelf: CloneShelf | None = None) -> None:
         self.store, self.job, self.rank, self.world_size = store, job, rank, world_size
         self._run_source = run
         known = run.current()
@@ -100,7 +100,7 @@ class StoreRelay:
         self._commit, self._abort, self._on_disk = commit, abort, on_disk
         self._own = store       # short requests; the blocking waits run on a cloned connection
         self._stop = threading.Event()
-        self._waiter = StoreWaiter(store, self._stop)
+        self._waiter = StoreWaiter(store, self._stop, shelf)
         self._saves: dict[int, RelayedSave] = {}
         self._claimed: set[int] = set()         # steps this run saved (or tried to)
         self._lock = threading.Lock()

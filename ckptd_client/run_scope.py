@@ -2,18 +2,24 @@
 key an earlier run wrote (a store that outlives a run: a launcher's, or a process group's with
 two ``Checkpointer`` s one after the other).
 
-Rank 0 makes the id (uuid4 hex) and knows it at once. Every other rank writes a fresh nonce
-under ``join/r<rank>``, rings the bell, and waits (a store wait on a cloned connection: no
-polling) for rank 0's answer under ``join/a<nonce>``. No earlier run can have written that key:
-the nonce is new. Rank 0, on a thread of its own, answers every nonce it finds — a stale one
-too, harmlessly, as nobody waits for it — on its first look and again each time the bell rings,
-until ``world_size - 1`` ranks took the id or the join timeout passes. It deletes the bell before
-each look, so a ring is never lost: a nonce written after a look rings after that deletion.
+Rank 0 makes the id (uuid4 hex) and knows it at once. Every other rank takes a ticket (``add``
+on ``join/n``), writes a fresh nonce under ``join/t<ticket>``, rings the bell, and waits (a
+store wait on a cloned connection: no polling) for rank 0's answer under ``join/a<nonce>``. No
+earlier run can have written that key: the nonce is new. Rank 0, on a thread of its own, reads
+the tickets taken since its last look (the first look starts where the previous rank 0 stopped,
+``join/done``) and answers them all with one ``multi_set`` — a stale nonce too, harmlessly, as
+nobody waits for it — on its first look and again each time the bell rings, until
+``world_size - 1`` ranks took the id or the join timeout passes. It deletes the bell before each
+look, so a ring is never lost: a nonce written after a look rings after that deletion. A ticket
+taken whose nonce is not there yet (its rank is between the two requests) is looked at again on
+the next ring, which that rank's own ring guarantees.
 
-So ranks may start in any order and at any time within the timeout, and an earlier run's keys
-(crashed or not) change nothing. The run's keys live under ``ckptd/<job>/<run>/`` (store_keys.py).
-Assumes one live process per rank: a previous run's process still running as rank r could
-overwrite this run's nonce.
+So each look costs rank 0 O(tickets since the last one), not O(world size): at 2,048 ranks the
+old design (rank 0 peeking one request key per rank on every ring) took minutes to let everyone
+join. Ranks may start in any order and at any time within the timeout, and an earlier run's keys
+(crashed or not) change nothing. The run's keys live under ``ckptd/<job>/<run>/``
+(store_keys.py). Assumes one live process per rank: a previous run's process still running as
+rank r could take a ticket of this run.
 """
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ from typing import Any
 
 from . import store_keys
 from .errors import CheckpointError
-from .store_io import WAIT_SLICE_S, StoreWaiter, peek
+from .store_io import CHUNK, WAIT_SLICE_S, CloneShelf, StoreWaiter, multi_get, peek
 
 log = logging.getLogger("ckptd_client")
 
@@ -47,7 +53,8 @@ class RunScope:
     """This Checkpointer's run id, agreed with the job's other ranks through ``store`` within
     ``timeout`` seconds of its start. ``current()`` never blocks; ``wait()`` does (bounded)."""
 
-    def __init__(self, store: Any, job: str, rank: int, world_size: int, timeout: float) -> None:
+    def __init__(self, store: Any, job: str, rank: int, world_size: int, timeout: float,
+                 shelf: CloneShelf | None = None) -> None:
         self.store, self.job, self.rank, self.world_size = store, job, rank, world_size
         self.timeout = timeout
         self.started = time.monotonic()
@@ -57,7 +64,7 @@ class RunScope:
         if self.run is not None:
             self._ready.set()
         self._stop = threading.Event()
-        self._waiter = StoreWaiter(store, self._stop)
+        self._waiter = StoreWaiter(store, self._stop, shelf)     # its clone goes to the relay afterwards
         self._thread = threading.Thread(target=self._serve if rank == 0 else self._join,
                                         name="ckptd-client-run", daemon=True)
         self._thread.start()
@@ -88,15 +95,18 @@ class RunScope:
         nonce = uuid.uuid4().hex
         answer = store_keys.join_answer(job, nonce)
         try:
-            store.set(store_keys.join_request(job, self.rank), nonce)
+            ticket = int(store.add(store_keys.join_tickets(job), 1))
+            store.set(store_keys.join_request(job, ticket), nonce)
             store.set(store_keys.join_bell(job), "1")
-            if not self._waiter.wait([answer], self.timeout):
+            answered = self._waiter.wait([answer], self.timeout)
+            self._waiter.forget()       # before anyone learns the run id: the relay takes this clone
+            if not answered:
                 self.error = (f"rank 0 never told rank {self.rank} the run id of job {job!r} within "
                               f"{self.timeout:g}s (is rank 0 running a Checkpointer of this job on this store?)")
                 return
             run = store.get(answer).decode()
             store.delete_key(answer)
-            store.delete_key(store_keys.join_request(job, self.rank))
+            store.delete_key(store_keys.join_request(job, ticket))
             self.run = run
             self._ready.set()
             if store.add(store_keys.joined(store_keys.scope(job, run)), 1) >= self.world_size - 1:
@@ -113,24 +123,33 @@ class RunScope:
         store, job, run = self.store, self.job, self.run
         assert run is not None
         bell, count = store_keys.join_bell(job), store_keys.joined(store_keys.scope(job, run))
-        requests = [store_keys.join_request(job, r) for r in range(1, self.world_size)]
-        answered: set[str] = set()
+        tickets, done = store_keys.join_tickets(job), store_keys.join_done(job)
+        answered: dict[int, str] = {}      # ticket: the nonce answered under it
+        junk: list[int] = []                # tickets holding anything but a nonce
         try:
+            seen = int(store.add(done, 0))      # tickets an earlier rank 0 looked at: not this run's
+            waiting: list[int] = []             # tickets taken whose nonce was not there yet
             while True:
                 store.delete_key(bell)
-                if store.add(count, 0) >= self.world_size - 1:
-                    # Everyone took the id (and deleted its answer): the rest answered stale nonces.
-                    for stale in answered:
-                        store.delete_key(store_keys.join_answer(job, stale))
+                if store.add(count, 0) >= self.world_size - 1:     # everyone took the id
+                    if len(answered) > self.world_size - 1 or junk:
+                        self._sweep(answered, junk)
                     store.delete_key(count)
                     return
                 if self._stop.is_set():
                     return
-                for key in requests:
-                    nonce = peek(store, key)
-                    if nonce is not None and nonce not in answered:
-                        store.set(store_keys.join_answer(job, nonce), run)
-                        answered.add(nonce)
+                taken = int(store.add(tickets, 0))
+                if taken < seen:        # the counter was deleted under us: its tickets start at 1 again
+                    store.set(done, "0")
+                    seen = 0
+                found, bad, waiting = _requests(store, job, waiting + list(range(seen + 1, taken + 1)))
+                if found:
+                    store.multi_set([store_keys.join_answer(job, n) for n in found.values()], [run] * len(found))
+                    answered.update(found)
+                junk += bad
+                if taken > seen:
+                    store.add(done, taken - seen)
+                    seen = taken
                 left = self.started + self.timeout - time.monotonic()
                 if left <= 0:
                     log.warning("ckptd: %d of %d ranks of job %r did not join run %s within %gs",
@@ -143,9 +162,43 @@ class RunScope:
         finally:
             self._waiter.forget()
 
+    def _sweep(self, answered: dict[int, str], junk: list[int]) -> None:
+        """Everyone joined, and some tickets were not this run's (a crashed run's, or garbage):
+        delete every ticket and answer this rank 0 handled (this run's ranks deleted their own
+        already: no-ops), so a run that ends leaves only the counter, the cursor and the bell."""
+        for ticket, nonce in answered.items():
+            self.store.delete_key(store_keys.join_answer(self.job, nonce))
+            self.store.delete_key(store_keys.join_request(self.job, ticket))
+        for ticket in junk:
+            self.store.delete_key(store_keys.join_request(self.job, ticket))
+
     def close(self) -> None:
         """Stop answering or waiting (within one store-wait slice)."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=WAIT_SLICE_S + 5)
         atexit.unregister(self.close)
+
+
+def _requests(store: Any, job: str, tickets: list[int]) -> tuple[dict[int, str], list[int], list[int]]:
+    """({ticket: nonce} for the tickets holding one — a uuid4 hex —, the tickets holding anything
+    else, the tickets whose nonce is not written yet). Whole chunks are read with one
+    ``multi_get`` when all their keys exist (the common case); a chunk with a gap, key by key."""
+    found: dict[int, str] = {}
+    bad: list[int] = []
+    missing: list[int] = []
+    for i in range(0, len(tickets), CHUNK):
+        part = tickets[i: i + CHUNK]
+        keys = [store_keys.join_request(job, t) for t in part]
+        if store.check(keys):
+            values: list[str | None] = [v.decode(errors="replace") for v in multi_get(store, keys)]
+        else:
+            values = [peek(store, k) for k in keys]
+        for t, v in zip(part, values, strict=True):
+            if v is None:
+                missing.append(t)
+            elif len(v) == 32 and all(c in "0123456789abcdef" for c in v):
+                found[t] = v
+            else:
+                bad.append(t)
+    return found, bad, missing

@@ -16,6 +16,34 @@ WAIT_SLICE_S = 10.0     # longest single store wait: bounds how long close() and
 ABSENT = "\x00ckptd-absent"     # peek's answer for a missing key (never a value ckptd writes)
 
 
+class CloneShelf:
+    """Spare cloned connections to one store, shared by the waiters of one ``Checkpointer``: a
+    waiter done with its clone (the run handshake's, once the run id is known) leaves it here
+    and the next waiter (the relay's) takes it instead of opening another. Every connection
+    costs the store's server an accept on its one thread, and torch's server looks up each
+    peer's name there too: a lost DNS reply stalls every other connect behind it for 5 s, so a
+    job of thousands of ranks each opening one more connection at the same moment waited
+    minutes (benchmarks/results/scale.md)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._spare: list[Any] = []
+
+    def take(self) -> Any:
+        """A spare clone, or None."""
+        with self._lock:
+            return self._spare.pop() if self._spare else None
+
+    def put(self, clone: Any) -> None:
+        with self._lock:
+            self._spare.append(clone)
+
+    def clear(self) -> None:
+        """Close the spares (a clone's connection closes when it is dropped)."""
+        with self._lock:
+            self._spare.clear()
+
+
 class StoreWaiter:
     """Blocking waits on store keys without polling: ``wait`` on a cloned connection, in slices
     of at most ``WAIT_SLICE_S`` so that ``stop`` ends a wait soon (a thread still inside a C++
@@ -24,9 +52,10 @@ class StoreWaiter:
     exited) every wait raises at once: a clone() of a dead store would block for the store's
     whole timeout, and again on its retry."""
 
-    def __init__(self, store: Any, stop: threading.Event | None = None) -> None:
+    def __init__(self, store: Any, stop: threading.Event | None = None, shelf: CloneShelf | None = None) -> None:
         self.store = store
         self.stop = stop or threading.Event()
+        self.shelf = shelf
         self._clone: Any = None
         self.can_clone = True         # until a clone() fails
         self.gone: Exception | None = None
@@ -52,7 +81,7 @@ class StoreWaiter:
             if done or left <= 0 or self.stop.is_set():
                 return done
             if self._clone is None and self.can_clone:
-                self._clone = _clone(self.store)
+                self._clone = (self.shelf.take() if self.shelf is not None else None) or _clone(self.store)
                 self.can_clone = self._clone is not None
             if not self.can_clone:
                 time.sleep(min(left, 0.2 + 0.3 * random.random()))
@@ -67,7 +96,10 @@ class StoreWaiter:
                     time.sleep(min(left, 0.2 + 0.3 * random.random()))
 
     def forget(self) -> None:
-        """Drop the cloned connection (no more waits: it would only hold a socket open)."""
+        """No more waits: the cloned connection goes to the shelf (or is dropped, without one, so as
+        not to hold a socket open). A clone whose wait failed was dropped already."""
+        if self._clone is not None and self.shelf is not None and self.gone is None:
+            self.shelf.put(self._clone)
         self._clone = None
 
 

@@ -15,14 +15,19 @@ made itself a moment ago.
 
 The handshake (``ckptd/<job>/join/...``; see run_scope.py):
 
-``ckptd/<job>/join/r<rank>``
-    rank ``rank``'s (> 0) fresh nonce: "tell me the run id";
+``ckptd/<job>/join/n``
+    the ticket counter (``add``): a rank (> 0) takes the next ticket to ask for the run id;
+``ckptd/<job>/join/t<ticket>``
+    that rank's fresh nonce: "tell me the run id" (deleted by the rank once answered);
+``ckptd/<job>/join/done``
+    the tickets a rank 0 has looked at (``add``): where the next run's rank 0 starts, so it reads
+    only tickets taken since (counter and cursor stay in the store: two numbers per job);
 ``ckptd/<job>/join/a<nonce>``
     rank 0's answer to that nonce: the run id (read, then deleted, by the rank that asked);
 ``ckptd/<job>/join/bell``
     rung (set) by a rank after it wrote its nonce, or completed the count; rank 0 waits on it
-    (deleting it before each look), so it answers without polling. The one key a run may leave:
-    it holds nothing (a stale ring costs the next run's rank 0 one more look);
+    (deleting it before each look), so it answers without polling. It holds nothing (a stale
+    ring costs the next run's rank 0 one more look);
 ``ckptd/<job>/<run>/joined``
     how many ranks took the run id (``add``); rank 0 stops answering at ``world_size - 1``.
 
@@ -34,10 +39,6 @@ how many times it called ``save``; a step is saved at most once per run in ``rel
     or failed and why); its node's leader deletes them once it has published the node record.
 ``ckptd/<job>/<run>/s<step>/n<node>``
     a node leader's record of ``step`` (a ``NodeRecord``): its members' outcomes, in rank order;
-``ckptd/<job>/<run>/s<step>/nodes``
-    how many node records of ``step`` are published (``add``);
-``ckptd/<job>/<run>/s<step>/ready``
-    set by the node leader whose record completed the count; rank 0 waits on it.
 ``ckptd/<job>/<run>/s<step>/result``
     rank 0's verdict (a ``StepResult``: committed, or failed and why); ``.../result/read`` counts
     the ranks that read it (``add``), and the last of them deletes both.
@@ -64,9 +65,19 @@ def scope(job: str, run: str) -> str:
 
 # ---- the run handshake (outside any run) ----------------------------------------------------
 
-def join_request(job: str, rank: int) -> str:
-    """Where rank ``rank`` (> 0) asks for the run id with a fresh nonce."""
-    return f"{_job(job)}/join/r{rank}"
+def join_tickets(job: str) -> str:
+    """The ticket counter: a rank asking for the run id takes the next number (``add``)."""
+    return f"{_job(job)}/join/n"
+
+
+def join_request(job: str, ticket: int) -> str:
+    """Where the rank holding ``ticket`` asks for the run id with a fresh nonce."""
+    return f"{_job(job)}/join/t{ticket}"
+
+
+def join_done(job: str) -> str:
+    """How many tickets a rank 0 has looked at (``add``): the next run's rank 0 starts there."""
+    return f"{_job(job)}/join/done"
 
 
 def join_answer(job: str, nonce: str) -> str:
