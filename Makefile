@@ -8,6 +8,10 @@ PIP := $(VENV)/bin/pip
 TORCH_PIN ?= torch==2.13.0
 # What `make lint` (and so `make test`) checks with ruff and mypy: the whole tree.
 CHECKED := ckptd ckptd_client tests benchmarks examples
+# Test processes side by side (pytest-xdist; each takes the next test when done: worksteal). Most
+# tests wait on real subprocesses and I/O, so 2 workers use a 2-core machine better than 1;
+# TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: demo demo-s3 test lint bench bench-sharded bench-s3 bench-memory bench-memory-footprint bench-scale bench-stall bench-durable bench-dcp bench-parity install install-test clean
 
@@ -48,7 +52,7 @@ lint: $(VENV)/.installed-test
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check $(CHECKED)
 	$(VENV)/bin/mypy $(CHECKED)
-	$(PY) -m pytest -q -rs -p no:cacheprovider --durations=15 tests
+	$(PY) -m pytest -q -rs -p no:cacheprovider --durations=15 -n $(TEST_WORKERS) --dist worksteal tests
 
 bench: $(VENV)/.installed-bench
 	$(PY) benchmarks/run.py

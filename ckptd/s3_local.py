@@ -37,13 +37,20 @@ def weed_binary() -> str:
     return found
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct loopback ports free now, below Linux's ephemeral range (32768 up), so that no
-    outgoing connection takes one while the server is down for a restart on the same ports."""
+PORT_SPAN = (20000, 32000)     # below Linux's ephemeral range (32768 up)
+
+
+def free_ports(n: int, span: tuple[int, int] = PORT_SPAN) -> list[int]:
+    """``n`` distinct loopback ports free now, at random in ``span`` (below Linux's ephemeral range,
+    so that no outgoing connection takes one while the server is down for a restart on the same
+    ports; tests running side by side give each worker a span of its own)."""
     rng = random.Random()
     ports: list[int] = []
+    lo, hi = span
+    if hi - lo < 2 * n:
+        raise ValueError(f"port span {lo}..{hi} is too narrow for {n} ports")
     while len(ports) < n:
-        port = rng.randrange(20000, 32000)
+        port = rng.randrange(lo, hi)
         if port in ports:
             continue
         with socket.socket() as s:
@@ -63,6 +70,7 @@ class SeaweedServer:
     # (access key, secret) pairs the identity accepts, read at each start: a test rotates keys by
     # changing them and restarting (the gateway reads its -s3.config once).
     keys: list[tuple[str, str]] = field(default_factory=lambda: [(ACCESS_KEY, SECRET_KEY)])
+    port_span: tuple[int, int] = PORT_SPAN       # where its ports are picked (free_ports)
 
     @property
     def endpoint(self) -> str:
@@ -76,7 +84,7 @@ class SeaweedServer:
     def start(self, timeout: float = 60.0) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         if not self.ports:
-            self.ports = dict(zip(PORT_NAMES, free_ports(len(PORT_NAMES)), strict=True))
+            self.ports = dict(zip(PORT_NAMES, free_ports(len(PORT_NAMES), self.port_span), strict=True))
         config = self.dir / "s3.json"
         config.write_text(json.dumps({"identities": [{
             "name": "ckptd", "credentials": [{"accessKey": a, "secretKey": s} for a, s in self.keys],
@@ -145,8 +153,8 @@ class SeaweedServer:
         self.start(timeout)
 
 
-def start_seaweed(directory: Path, timeout: float = 60.0) -> SeaweedServer:
-    server = SeaweedServer(Path(directory))
+def start_seaweed(directory: Path, timeout: float = 60.0, port_span: tuple[int, int] = PORT_SPAN) -> SeaweedServer:
+    server = SeaweedServer(Path(directory), port_span=port_span)
     server.start(timeout)
     return server
 

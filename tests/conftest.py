@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ports import SPAN
 
 from ckptd.launch import DaemonProcess, spawn_daemon
 from ckptd.s3_local import SeaweedServer, start_seaweed
@@ -71,7 +72,7 @@ def daemon_factory(tmp: Path):
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
     """One real S3-compatible server (SeaweedFS) for every bucket test of the session."""
-    srv = start_seaweed(tmp_path_factory.mktemp("seaweed"))
+    srv = start_seaweed(tmp_path_factory.mktemp("seaweed"), port_span=SPAN)
     yield srv
     srv.stop(grace=2.0)
 

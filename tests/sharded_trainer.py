@@ -41,7 +41,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -50,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ports import free_port
 from rank_exit import leave
 
 HERE = Path(__file__).resolve()
@@ -57,11 +57,6 @@ RESTORE_ERROR_EXIT = 3
 
 # ---- spawning (imported by tests/test_sharded.py) ---------------------------------------------
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def launch(world: int, *args: str, script: Path = HERE) -> list[subprocess.Popen[str]]:

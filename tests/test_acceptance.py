@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from ports import free_port
 from safetensors.torch import load_file
 
 import ckptd_client
@@ -23,11 +23,6 @@ from conftest import REPO
 
 TRAINER = REPO / "tests" / "trainer.py"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(world: int, sockets: list[Path], job: str, out: Path, *extra: str) -> list[subprocess.Popen]:

@@ -36,7 +36,6 @@ import multiprocessing
 import os
 import random
 import signal
-import socket
 import sys
 import threading
 import time
@@ -46,6 +45,7 @@ from typing import Any
 
 import pytest
 import torch
+from ports import free_port
 
 from ckptd import cli
 from ckptd.core import protocol
@@ -196,11 +196,6 @@ def _train(spec: dict[str, Any]) -> int:
 
 
 # ---- the test side ----------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 import threading
 import time
 from pathlib import Path
+
+from ports import free_port
 
 from ckptd.core import protocol
 from ckptd.core.errors import ProtocolError
@@ -69,11 +70,6 @@ TRAINER = textwrap.dedent("""
     print("DONE", flush=True)
 """)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Trainer:

@@ -4,12 +4,12 @@
 # (replies and pipes are Optional in their types; a None there fails the test, as it should)
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from ports import free_port
 
 import ckptd_client
 from ckptd.core.names import step_dir
@@ -85,11 +85,6 @@ for step in range(1, steps + 1):
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_rank0_killed_right_after_commit_leaves_no_false_failure(daemon, tmp):
     """Rank 0 is SIGKILLed as soon as its handle reports the commit; the c10d store it hosts dies
@@ -97,7 +92,7 @@ def test_rank0_killed_right_after_commit_leaves_no_false_failure(daemon, tmp):
     script = tmp / "rank.py"
     script.write_text(RANK)
     for trial in range(3):
-        port = _free_port()
+        port = free_port()
         procs = [subprocess.Popen([sys.executable, str(script), str(daemon.socket), str(r), str(port), str(trial + 2)],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
         outs = [p.communicate(timeout=180)[0] for p in procs]

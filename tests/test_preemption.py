@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from ports import free_port
 
 import ckptd_client
 from ckptd.core.reader import StepReader
@@ -146,18 +146,10 @@ def test_failed_checkpoint_still_stops_and_says_why(tmp):
         assert preempt.saved_step is None and "cannot reach the ckptd daemon" in preempt.error
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def test_two_ranks_agree_on_the_step_when_one_is_signalled(daemon, tmp):
     """SIGTERM reaches rank 1 only; through the job's c10d store both ranks stop at the same step,
     which commits (relay commit across ranks) — and both exit 0."""
-    port = _free_port()
+    port = free_port()
     procs = [start_trainer(tmp, daemon.socket, rank=r, world=2, port=port, job="pair") for r in (0, 1)]
     lines: list[list[str]] = [[], []]
     try:

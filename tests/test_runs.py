@@ -8,7 +8,6 @@ preemption step stops a later run, and a rank's retried save cannot shift later 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -17,17 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from ports import free_port
 
 import ckptd_client
 from ckptd.core.names import INDEX_NAME, step_dir
 
 WORKER = Path(__file__).resolve().parent / "runs_worker.py"
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(mode: str, spec: dict) -> subprocess.Popen:
@@ -100,7 +95,7 @@ def test_a_second_checkpointer_on_the_process_group_store_trusts_none_of_the_fir
     store (no ``store=``), each preempted by rank 1 five steps in: the first stops at 7, the
     second (rank 0 slowed) restores 7 on both ranks and stops at 14, not at once on the first's
     preemption step; every committed handle finds its index.json."""
-    base = {"port": _free_port(), "socket": str(daemon.socket), "root": str(daemon.root), "job": "twice"}
+    base = {"port": free_port(), "socket": str(daemon.socket), "root": str(daemon.root), "job": "twice"}
     outs = _finish([_start("pg", {**base, "rank": r}) for r in (0, 1)])
     for rank, out in enumerate(outs):
         assert _lines(out, "RESTORED") == ["RESTORED None", "RESTORED 7"], why(rank, out)

@@ -16,6 +16,7 @@ from typing import Any
 
 import boto3
 import pytest
+from ports import SPAN
 from test_s3_tier import JOB, bucket_of, make_bucket, s3_args, save, wait_for
 
 from ckptd.core import protocol
@@ -54,7 +55,7 @@ def settled_failure(sock: Path, step: int) -> dict[str, Any]:
 
 
 def test_rotated_credentials_are_renewed_and_a_failed_refresh_fails_the_upload_clearly(daemon_factory, tmp):
-    srv = start_seaweed(tmp / "sw")      # its own server: restarted with another key pair
+    srv = start_seaweed(tmp / "sw", port_span=SPAN)      # its own server: restarted with another key pair
     try:
         bucket = make_bucket(srv)
         b = bucket_of(srv, bucket)

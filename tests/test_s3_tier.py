@@ -26,6 +26,7 @@ from typing import Any
 import boto3
 import pytest
 import torch
+from ports import SPAN
 
 import ckptd_client
 from ckptd.core import protocol
@@ -179,7 +180,7 @@ def test_daemon_killed_mid_upload_leaves_no_bucket_step_and_a_restart_redoes_it(
 
 def test_server_down_while_uploading_local_commits_go_on_and_uploads_complete(daemon_factory, tmp):
     """Acceptance 3: its own server, SIGKILLed mid-upload and restarted on the same dir and ports."""
-    srv = start_seaweed(tmp / "sw")
+    srv = start_seaweed(tmp / "sw", port_span=SPAN)
     try:
         bucket = make_bucket(srv)
         b = bucket_of(srv, bucket)

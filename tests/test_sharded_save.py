@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from ports import free_port
 
 import ckptd_client
 from ckptd.core.global_index import LOCAL, SHARDED, parse_tensor_map
@@ -213,11 +213,6 @@ dist.destroy_process_group()
 print("WORKER OK", flush=True)
 '''
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_ranks(tmp: Path, sock: Path, scenario: str, world: int = 2, timeout: float = 120) -> Path:
