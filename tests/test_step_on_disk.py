@@ -27,7 +27,7 @@ from ckptd.core.rank_record import summarize
 from ckptd.core.rank_table import SIDE_FILES, SMALL_INDEX_BYTES
 from ckptd.core.reader import StepReader, verify_step
 from ckptd.core.schema import Placement, TensorLayout
-from ckptd.core.shard_writer import Encoding, WrittenShard, write_shard
+from ckptd.core.shard_writer import Encoding, ShardHooks, WrittenShard, write_shard
 from ckptd.core.step_files import is_committed, remove_step, stray_temps
 from ckptd.daemon.tiers.fs.commit import CommitError, write_index
 from ckptd.hf.importer import import_hf
@@ -207,6 +207,55 @@ def test_adaptive_writes_raw_what_no_codec_thread_took_and_copies_stay_identical
             os.close(fd)
         assert bytes(out) == w.tobytes()
 
+
+
+def test_adaptive_raw_chunks_are_hashed_by_idle_codec_threads_not_the_writer(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adaptive, the disk not the limit: chunks go raw, and a free codec thread takes the checksum of
+    an untaken one ahead of the writer, whose own thread then only writes it. The writer is held
+    before its first write until a codec thread has hashed a chunk (bounded); that chunk is written
+    raw with the checksum the codec thread took, and the shard verifies and reads back bit-exact."""
+    import ckptd.core.shard_writer as shard_writer
+    real = shard_writer.encode_chunk
+    hashed_by: list[tuple[str, str]] = []              # (thread name, codec) per chunk encoded
+    pool_hashed = threading.Event()
+
+    def encode(raw: memoryview, dtype: str, codec: str, level: int = 1):  # type: ignore[no-untyped-def]
+        out = real(raw, dtype, codec, level)
+        name = threading.current_thread().name
+        hashed_by.append((name, codec))
+        if name.startswith("codec") and codec == "none":
+            pool_hashed.set()
+        return out
+    monkeypatch.setattr(shard_writer, "encode_chunk", encode)
+    writer = threading.current_thread().name
+    path = tmp_path / "job" / "step-000000000001"
+    w = (np.random.default_rng(3).standard_normal(3000) * 0.02).astype(np.float32)   # 12 chunks of 1 KiB
+    data = memoryview(w.tobytes())
+    layout = [TensorLayout("w", "float32", w.shape, 0, w.nbytes, None)]
+
+    def held() -> None:
+        if not pool_hashed.wait(20):
+            raise AssertionError("no codec thread hashed a chunk ahead of the writer")
+    with ThreadPoolExecutor(2, thread_name_prefix="codec") as pool:
+        shard = write_shard(str(path), "job", 1, 0, 1, layout, lambda t, s, n: data[s: s + n],
+                            {"d": [["w", {"T": "w"}]]}, Encoding("bplane", 1, 1024, adaptive=True), pool, 4,
+                            ShardHooks(before_write=held))
+    chunks = shard.manifest.tensors[0].chunks
+    assert len(chunks) == 12 and {c.codec for c in chunks} == {"none"}
+    assert ("codec", "none") in {(n[:5], c) for n, c in hashed_by}, hashed_by
+    assert len(hashed_by) == 12 and all(c == "none" for _, c in hashed_by)          # each chunk hashed once
+    assert sum(n == writer for n, _ in hashed_by) < 12
+    publish_step(str(path), "job", 1, 1, [summarize(shard.manifest, shard.digest)])
+    assert verify_step(str(path)) == []
+    reader = StepReader(str(path))
+    out = bytearray(w.nbytes)
+    fd = reader.open_data(0)
+    try:
+        reader.read_tensor_into(fd, reader.manifest(0).tensors[0], memoryview(out))
+    finally:
+        os.close(fd)
+    assert bytes(out) == w.tobytes()
 
 
 def test_adaptive_encodes_once_the_disk_is_the_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

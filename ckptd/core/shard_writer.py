@@ -18,7 +18,10 @@ waits for the disk show that the disk sets the pace (``DISK_BOUND``). When the d
 limit, encoding costs the writer nothing and fewer bytes reach the disk; when it is not (a
 disk as fast as the writer's own copies into the page cache: this 2-core VM's), the codec
 would only take CPU from the writer, and chunks go raw. Each chunk names its codec, so
-readers need nothing new.
+readers need nothing new. A raw chunk's checksum is taken off the writer's thread too while the
+codec threads are idle: they hash untaken chunks ahead of it (newest first, like the encoding), so
+the writer's thread only writes — on a 2-core node the hash runs on the core the trainer's copy
+frees, beside the writes instead of between them.
 """
 from __future__ import annotations
 
@@ -60,7 +63,7 @@ class Encoding:
     adaptive: bool = False
 
 
-_CODEC, _WRITER = 1, 2      # who took a chunk of the window
+_CODEC, _WRITER, _HASH = 1, 2, 3      # who took a chunk of the window (_HASH: a codec thread, to write it raw)
 
 
 class _Chunk:
@@ -100,19 +103,19 @@ class _Window:
 
     def _take(self) -> _Chunk | None:
         with self.lock:
-            if not self.encoding:
-                return None
             order = reversed(self.chunks) if self.adaptive else iter(self.chunks)
             chunk = next((c for c in order if not c.taken), None)
             if chunk is not None:
-                chunk.taken = _CODEC
+                chunk.taken = _CODEC if self.encoding else _HASH
             return chunk
 
     def encode_one(self) -> None:
-        """A codec task: encode untaken chunks while there are any (and, adaptive, the disk is the limit)."""
+        """A codec task: take untaken chunks while there are any; encode them (adaptive: while the disk
+        is the limit) or, adaptive and the disk not the limit, hash them to be written raw."""
         while (chunk := self._take()) is not None:
             try:
-                chunk.encoded = encode_chunk(chunk.view, chunk.dtype, chunk.codec, self.level)
+                codec = chunk.codec if chunk.taken == _CODEC else "none"
+                chunk.encoded = encode_chunk(chunk.view, chunk.dtype, codec, self.level)
             except BaseException as e:   # handed to the writer, which raises it
                 chunk.error = e
             finally:
@@ -144,7 +147,7 @@ class _Window:
             for c in self.chunks:
                 if not c.taken:
                     c.taken = _WRITER
-            busy = [c for c in self.chunks if c.taken == _CODEC]
+            busy = [c for c in self.chunks if c.taken in (_CODEC, _HASH)]
         for c in busy:
             c.done.wait()
         with self.lock:
@@ -230,8 +233,7 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
             entries.append(entry)
             for start, length in chunk_ranges(t.nbytes, encoding.chunk_bytes):
                 window.add(_Chunk(entry, read(t, start, length), t.dtype, codec))
-                if window.encoding:   # (a task submitted later takes every chunk still untaken)
-                    pool.submit(window.encode_one)
+                pool.submit(window.encode_one)   # (a task finding none left untaken ends at once)
                 while len(window) > ahead:
                     drain_one()
         # Offsets are known only once earlier chunks are written; entries drain in order.
