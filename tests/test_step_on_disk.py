@@ -15,6 +15,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -216,12 +217,12 @@ def test_adaptive_raw_chunks_are_hashed_by_idle_codec_threads_not_the_writer(tmp
     before its first write until a codec thread has hashed a chunk (bounded); that chunk is written
     raw with the checksum the codec thread took, and the shard verifies and reads back bit-exact."""
     import ckptd.core.shard_writer as shard_writer
-    real = shard_writer.encode_chunk
+    from ckptd.core.codec import ChunkMeta, encode_chunk
     hashed_by: list[tuple[str, str]] = []              # (thread name, codec) per chunk encoded
     pool_hashed = threading.Event()
 
-    def encode(raw: memoryview, dtype: str, codec: str, level: int = 1):  # type: ignore[no-untyped-def]
-        out = real(raw, dtype, codec, level)
+    def encode(raw: memoryview, dtype: str, codec: str, level: int = 1) -> tuple[list[Any], ChunkMeta]:
+        out = encode_chunk(raw, dtype, codec, level)
         name = threading.current_thread().name
         hashed_by.append((name, codec))
         if name.startswith("codec") and codec == "none":
