@@ -28,26 +28,44 @@ _NO_EXTRA_STATE = torch.nn.Module.get_extra_state
 _FSDP2_PRE_SAVE = "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"
 
 
-def _plain(m: torch.nn.Module) -> bool:
-    """No state-dict hook but FSDP2's own pre-save one, no extra state."""
-    return (not m._state_dict_hooks and type(m).get_extra_state is _NO_EXTRA_STATE
-            and all(getattr(h, "__qualname__", "") == _FSDP2_PRE_SAVE for h in m._state_dict_pre_hooks.values()))
+class _NotPlain(Exception):
+    """A module with a state-dict hook (other than FSDP2's pre-save one) or extra state: never reused."""
 
 
 def _model_signature(model: torch.nn.Module) -> list[Any] | None:
-    """Names, types and objects of every module, parameter and buffer (a parameter's local storage
-    too), and the buffers left out of the state dict; None if a module has state-dict hooks or extra
-    state."""
+    """Each module's type, its parameters' and buffers' names and objects (a parameter's local storage
+    too), the buffers left out of the state dict and its children by name, depth first from
+    ``model``: what its FQN state dict is made of (the tree's shape is in the counts, so the names
+    are the keys, not the dotted FQNs ``named_modules`` would build for every module). None if a
+    module has a state-dict hook or extra state. One pass over the modules' own dicts, every save:
+    at 2,048 modules it is a few milliseconds of the trainer's stall, so no generator per module."""
     sig: list[Any] = []
-    for name, m in model.named_modules(remove_duplicate=False):
-        if not _plain(m):
-            return None
-        sig += (name, type(m), len(m._parameters), len(m._buffers), len(m._non_persistent_buffers_set))
-        for k, p in m._parameters.items():
-            sig += (k, id(p), 0 if p is None else dtensor.storage_key(p))
-        for k, b in m._buffers.items():
-            sig += (k, id(b), 0 if b is None else b.data_ptr())
-        sig += m._non_persistent_buffers_set
+    add, extend, key = sig.append, sig.extend, dtensor.storage_key
+
+    def visit(m: torch.nn.Module) -> None:
+        if m._state_dict_hooks or type(m).get_extra_state is not _NO_EXTRA_STATE:
+            raise _NotPlain
+        for h in m._state_dict_pre_hooks.values():
+            if getattr(h, "__qualname__", "") != _FSDP2_PRE_SAVE:
+                raise _NotPlain
+        params, buffers, children = m._parameters, m._buffers, m._modules
+        extend((type(m), len(params), len(buffers), len(m._non_persistent_buffers_set), len(children)))
+        for k, p in params.items():
+            extend((k, id(p), 0 if p is None else key(p)))
+        for k, b in buffers.items():
+            extend((k, id(b), 0 if b is None else b.data_ptr()))
+        if m._non_persistent_buffers_set:
+            extend(sorted(m._non_persistent_buffers_set))
+        for k, c in children.items():
+            add(k)
+            if c is None:
+                add(None)
+            else:
+                visit(c)
+    try:
+        visit(model)
+    except _NotPlain:
+        return None
     return sig
 
 

@@ -1,7 +1,8 @@
 """The sharded model's state dicts reused while unchanged (ckptd_client/sharded_sd.py): what a save
 takes equals what ``get_model_state_dict`` / ``get_optimizer_state_dict`` return at that moment,
-through training steps, an LR change, a new param group, an optimizer reloaded, a buffer added
-and a parameter replaced; reused (not rebuilt) only when nothing of that changed. Two real gloo
+through training steps, an LR change, a new param group, an optimizer reloaded, a buffer added,
+a buffer replaced, a state-dict hook added and removed, and a module added; reused (not rebuilt)
+only when nothing of that changed. Two real gloo
 ranks on CPU, FSDP2 with a persistent buffer beside the sharded parameters. And a DTensor whose
 local shard changes in place over the same bytes (what only the copy thread's full key compare
 sees, plan_cache.Recheck): that save fails saying why, the trainer's fence does not raise, and
@@ -99,6 +100,16 @@ check(1, 1)
 old = model[0].seen
 model[0].seen = old.clone()      # a buffer replaced by another tensor
 check(0, 0)
+check(1, 1)
+handle = model[1].register_state_dict_pre_hook(lambda module, prefix, keep_vars: None)
+check(0, 0)                      # a state-dict hook of the user's: taken every save
+check(0, 0)
+handle.remove()
+check(0, 0)                      # the hook gone: taken once more, then reused
+check(1, 1)
+model.add_module("act", torch.nn.ReLU())
+check(0, 0)                      # a module added (no state of its own): the tree changed, taken again
+check(1, 1)
 print("WORKER OK", flush=True)
 dist.destroy_process_group()
 os._exit(0)
