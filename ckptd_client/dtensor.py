@@ -208,6 +208,8 @@ def _mesh_info(mesh: Any) -> tuple[Any, tuple[int, ...], frozenset[int]] | None:
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose bytes this rank holds: a DTensor's ``to_local()`` (no copy), else ``t``."""
+    if type(t) is DTensor:                 # most calls (per tensor per save): no isinstance, no getattr default
+        return t._local_tensor
     if is_dtensor(t):
         # what to_local() returns with grad disabled, without its autograd wrapper
         local = getattr(t, "_local_tensor", None)

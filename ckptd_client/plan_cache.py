@@ -299,6 +299,8 @@ def _at(t: torch.Tensor, key: tuple[Any, ...]) -> bool:
     """Whether ``t`` is of ``key``'s kind (plain or DTensor) with its bytes (a local shard's) at its address."""
     if len(key) == _PLAIN_KEY:
         return type(t) in _PLAIN and t.data_ptr() == key[0]
+    if type(t) is dtensor.DTensor:
+        return bool(t._local_tensor.data_ptr() == key[0])
     return type(t) not in _PLAIN and dtensor.is_dtensor(t) and dtensor.local_tensor(t).data_ptr() == key[0]
 
 
