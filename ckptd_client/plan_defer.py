@@ -55,7 +55,7 @@ class Watch:
 
     def __init__(self) -> None:
         self.generation = 0
-        self._modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self._watched: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._hooked = False
 
     def watch(self, modules: Iterable[torch.nn.Module]) -> None:
@@ -65,14 +65,14 @@ class Watch:
             m.register_module_module_registration_hook(self._changed)
             m.register_module_buffer_registration_hook(self._buffer)
             self._hooked = True
-        self._modules.update(modules)
+        self._watched.update(modules)
 
     def _changed(self, module: torch.nn.Module, name: str, value: Any) -> None:
-        if module in self._modules:
+        if module in self._watched:
             self.generation += 1
 
     def _buffer(self, module: torch.nn.Module, name: str, value: Any) -> None:
-        if module in self._modules and (value is None or name not in module._buffers):
+        if module in self._watched and (value is None or name not in module._buffers):
             self.generation += 1
 
 
