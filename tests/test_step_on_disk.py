@@ -161,14 +161,27 @@ def test_is_committed_means_an_index_file(tmp_path: Path) -> None:
 
 
 def write_vector(path: Path, rank: int, world: int, w: np.ndarray, encoding: Encoding,
-                 pool: ThreadPoolExecutor) -> WrittenShard:
+                 pool: ThreadPoolExecutor, hooks: ShardHooks | None = None) -> WrittenShard:
     """Rank ``rank``'s shard holding the plain (replicated) tensor ``w``, by the shared encoder."""
     data = memoryview(w.tobytes())
     layout = [TensorLayout("w", "float32", w.shape, 0, w.nbytes, None)]
 
     def read(t: TensorLayout, start: int, n: int) -> memoryview:
         return data[t.offset + start: t.offset + start + n]
-    return write_shard(str(path), "job", 1, rank, world, layout, read, {"d": [["w", {"T": "w"}]]}, encoding, pool, 4)
+    return write_shard(str(path), "job", 1, rank, world, layout, read, {"d": [["w", {"T": "w"}]]}, encoding, pool, 4,
+                       hooks or ShardHooks())
+
+
+def read_back(reader: StepReader, rank: int) -> bytes:
+    """Rank ``rank``'s one tensor of a committed step, read and checked by the step reader."""
+    entry = reader.manifest(rank).tensors[0]
+    out = bytearray(entry.nbytes)
+    fd = reader.open_data(rank)
+    try:
+        reader.read_tensor_into(fd, entry, memoryview(out))
+    finally:
+        os.close(fd)
+    return bytes(out)
 
 
 def test_adaptive_writes_raw_what_no_codec_thread_took_and_copies_stay_identical(tmp_path: Path) -> None:
@@ -200,13 +213,7 @@ def test_adaptive_writes_raw_what_no_codec_thread_took_and_copies_stay_identical
     reader = StepReader(str(path))
     assert reader.tensor_map()[0]["w"].same
     for rank in (0, 1):
-        out = bytearray(w.nbytes)
-        fd = reader.open_data(rank)
-        try:
-            reader.read_tensor_into(fd, reader.manifest(rank).tensors[0], memoryview(out))
-        finally:
-            os.close(fd)
-        assert bytes(out) == w.tobytes()
+        assert read_back(reader, rank) == w.tobytes()
 
 
 
@@ -232,16 +239,13 @@ def test_adaptive_raw_chunks_are_hashed_by_idle_codec_threads_not_the_writer(tmp
     writer = threading.current_thread().name
     path = tmp_path / "job" / "step-000000000001"
     w = (np.random.default_rng(3).standard_normal(3000) * 0.02).astype(np.float32)   # 12 chunks of 1 KiB
-    data = memoryview(w.tobytes())
-    layout = [TensorLayout("w", "float32", w.shape, 0, w.nbytes, None)]
 
     def held() -> None:
         if not pool_hashed.wait(20):
             raise AssertionError("no codec thread hashed a chunk ahead of the writer")
     with ThreadPoolExecutor(2, thread_name_prefix="codec") as pool:
-        shard = write_shard(str(path), "job", 1, 0, 1, layout, lambda t, s, n: data[s: s + n],
-                            {"d": [["w", {"T": "w"}]]}, Encoding("bplane", 1, 1024, adaptive=True), pool, 4,
-                            ShardHooks(before_write=held))
+        shard = write_vector(path, 0, 1, w, Encoding("bplane", 1, 1024, adaptive=True), pool,
+                             ShardHooks(before_write=held))
     chunks = shard.manifest.tensors[0].chunks
     assert len(chunks) == 12 and {c.codec for c in chunks} == {"none"}
     assert ("codec", "none") in {(n[:5], c) for n, c in hashed_by}, hashed_by
@@ -249,14 +253,7 @@ def test_adaptive_raw_chunks_are_hashed_by_idle_codec_threads_not_the_writer(tmp
     assert sum(n == writer for n, _ in hashed_by) < 12
     publish_step(str(path), "job", 1, 1, [summarize(shard.manifest, shard.digest)])
     assert verify_step(str(path)) == []
-    reader = StepReader(str(path))
-    out = bytearray(w.nbytes)
-    fd = reader.open_data(0)
-    try:
-        reader.read_tensor_into(fd, reader.manifest(0).tensors[0], memoryview(out))
-    finally:
-        os.close(fd)
-    assert bytes(out) == w.tobytes()
+    assert read_back(StepReader(str(path)), 0) == w.tobytes()
 
 
 def test_adaptive_encodes_once_the_disk_is_the_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -282,11 +279,4 @@ def test_adaptive_encodes_once_the_disk_is_the_limit(tmp_path: Path, monkeypatch
     assert codecs[:4] == ["none"] * 4 and "bplane" in codecs[8:], codecs
     assert shard.manifest.stored_bytes < w.nbytes
     publish_step(str(path), "job", 1, 1, [summarize(shard.manifest, shard.digest)])
-    reader = StepReader(str(path))
-    out = bytearray(w.nbytes)
-    fd = reader.open_data(0)
-    try:
-        reader.read_tensor_into(fd, reader.manifest(0).tensors[0], memoryview(out))
-    finally:
-        os.close(fd)
-    assert bytes(out) == w.tobytes() and verify_step(str(path)) == []
+    assert read_back(StepReader(str(path)), 0) == w.tobytes() and verify_step(str(path)) == []
