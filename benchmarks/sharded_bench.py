@@ -308,7 +308,9 @@ def write_profiles(spec: dict[str, Any]) -> None:
     import pstats
     for key, prof in _PROFILES.items():
         with open(f"{spec['out']}-profile-{key}.txt", "w") as f:
-            pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
+            stats = pstats.Stats(prof, stream=f)
+            stats.sort_stats("cumulative").print_stats(60)
+            stats.sort_stats("tottime").print_stats(30)
 
 
 def drop_cache(directory: Path) -> None:

@@ -168,7 +168,8 @@ class PlanCache:
                 plan = self._reuse(last, walk)
                 if defer and not free:       # re-armed from this walk where a check failed (a registration)
                     last = self._last = dataclasses.replace(last, segments={**last.segments, **segments(
-                        walk.spans, walk.tokens, walk.tensors, walk.scalars, walk.taken, last.flat_of)})
+                        walk.spans, walk.tokens, walk.tensors, walk.scalars, walk.taken, last.flat_of,
+                        self._takes(walk))})
                 if lazy and last.lazy:
                     return dataclasses.replace(plan, pending=Recheck(self, walk.tensors, walk.spliced))
                 return plan
@@ -185,14 +186,18 @@ class PlanCache:
             counts: dict[int, int] = {}
             if scalar_counts(flat.tree, counts) == len(walk.scalars):   # else: never reused
                 lazy_at = _lazy_indices(walk.tensors, flat)
-                segs = (segments(walk.spans, walk.tokens, walk.tensors, walk.scalars, walk.taken, lazy_at)
-                        if walk.sharded is None else {})
+                segs = segments(walk.spans, walk.tokens, walk.tensors, walk.scalars, walk.taken, lazy_at,
+                                self._takes(walk))
                 inside = {s.at + i for s in segs.values() for i in range(len(s.tensors))}
                 self._last = _Cached(plan, walk.tokens, [tensor_key(t) for t in walk.tensors], walk.scalars,
                                      zeros(walk.scalars), counts, walk.objects, len(counts), walk.sharded,
                                      list(lazy_at), [i for i in range(len(walk.tensors)) if i not in lazy_at],
                                      lazy_at, segs, [i for i in lazy_at if i not in inside])
         return plan
+
+    def _takes(self, walk: Walk) -> int | None:
+        """Beside a sharded model: how often its state dict was taken (plan_defer.segments); else None."""
+        return self.state_dicts.takes if walk.sharded is not None else None
 
     def _walk(self, state: dict[str, Any], fence_on: Sequence[torch.optim.Optimizer],
               sharded: torch.nn.Module | None, defer: dict[int, Segment] | None) -> Walk | None:
@@ -249,8 +254,10 @@ class Recheck:
         now: dict[int, torch.Tensor] = {}
         for seg, at in spliced:
             try:
-                fresh = Walk.alone(seg.obj)
+                fresh = Walk.alone(seg.obj, seg.state_now())
                 same = seg.same(fresh.tokens[2:])
+            except KeyError:
+                same = False
             except (TypeError, ValueError, RuntimeError, AttributeError) as e:
                 self._stop(f"walking it again failed ({e})")
             if not same:

@@ -17,8 +17,12 @@ optimizer holds the same parameter objects and as many states.
 
 Only objects whose state dict is torch's own qualify: no state-dict hooks, no overridden
 ``_save_to_state_dict`` or ``get_extra_state``, nothing but parameters the copy defers and
-persistent buffers in a module's part, no scalars in an optimizer's per-parameter state, no
-sharded model (FSDP2 swaps parameters during forward). What the copy thread finds changed:
+persistent buffers in a module's part, no scalars in an optimizer's per-parameter state. Beside a
+sharded model (FSDP2) only optimizers qualify: FSDP2 swaps the model's parameters during forward,
+so its part is walked on the trainer's thread, but the optimizer's FQN-keyed state dict
+(``sharded_sd``: its per-parameter state is ``opt.state``'s own dicts) is spliced while the model's
+state dict was not taken anew since (``StateDicts.takes``), and the copy thread rebuilds it from
+``opt.state`` by the FQNs recorded (``Segment.fqns``). What the copy thread finds changed:
 - a tensor laid out anew over the same bytes (reshaped, re-typed): ``Recheck`` lays the slot out
   anew, as for any deferred tensor;
 - anything else (a parameter re-pointed with ``.data =``, a buffer added without torch's
@@ -101,8 +105,11 @@ class Segment:
     lazy: list[int]                   # positions (in ``tensors``) the copy defers
     buffers: list[tuple[int, torch.nn.Module, str]]    # a module's other positions: persistent buffers
     generation: int
-    groups: list[tuple[list[Any], list[int]]]          # an optimizer's: (its params, their packed indices)
+    groups: list[tuple[list[Any], list[Any]]]          # an optimizer's: (its params, their packed ids)
     states: int                       # an optimizer's: how many parameters have state
+    # A sharded model's optimizer: (FQN, parameter) of each entry of its state dict's ``state``, in
+    # order; ``generation`` is then the model's ``StateDicts.takes`` it was recorded at. None otherwise.
+    fqns: tuple[tuple[str, Any], ...] | None = None
 
     def splice(self, walk: Walk) -> bool:
         """Append this part to ``walk`` if the trainer-side check holds (else append nothing)."""
@@ -121,7 +128,8 @@ class Segment:
                 walk.tensors[base + i] = b
             return True
         if (len(obj.state) != self.states or len(obj.param_groups) != len(self.groups)
-                or obj._optimizer_state_dict_pre_hooks or obj._optimizer_state_dict_post_hooks):
+                or obj._optimizer_state_dict_pre_hooks or obj._optimizer_state_dict_post_hooks
+                or (self.fqns is not None and not walk.sharded_unchanged(self.generation))):
             return False
         for g, (params, _) in zip(obj.param_groups, self.groups, strict=True):
             p = g["params"]
@@ -132,14 +140,24 @@ class Segment:
         walk.walk(packed_groups(obj, [idx for _, idx in self.groups]))
         return True
 
+    def state_now(self) -> dict[str, Any] | None:
+        """(Copy thread) a sharded model's optimizer's state dict as the walk took it, from
+        ``opt.state`` as it is now (KeyError: a parameter lost its state); None: the object's own."""
+        if self.fqns is None:
+            return None
+        opt = self.obj
+        return {"state": {fqn: opt.state[p] for fqn, p in self.fqns},
+                "param_groups": packed_groups(opt, [ids for _, ids in self.groups])}
+
     def same(self, tokens: list[Any]) -> bool:
         """Whether a fresh walk of the object (its tokens after the object's own) has this structure."""
         return tokens == self.tokens
 
 
 def segments(spans: list[Span], tokens: list[Any], tensors: list[torch.Tensor], scalars: list[Any],
-             taken: dict[int, Any], lazy_at: dict[int, int]) -> dict[int, Segment]:
-    """The spans of a full walk that qualify (module docstring), by object id."""
+             taken: dict[int, Any], lazy_at: dict[int, int], takes: int | None = None) -> dict[int, Segment]:
+    """The spans of a full walk that qualify (module docstring), by object id. ``takes``: beside a
+    sharded model, its ``StateDicts.takes`` now (only optimizers qualify)."""
     seen: dict[int, int] = {}
     for s in spans:
         seen[id(s.obj)] = seen.get(id(s.obj), 0) + 1
@@ -151,12 +169,12 @@ def segments(spans: list[Span], tokens: list[Any], tensors: list[torch.Tensor], 
         lazy = [i - n0 for i in range(n0, n1) if i in lazy_at]
         sd = taken.get(id(s.obj))
         seg: Segment | None = None
-        if isinstance(s.obj, torch.nn.Module) and isinstance(sd, dict):
+        if isinstance(s.obj, torch.nn.Module) and isinstance(sd, dict) and takes is None:
             seg = _module(s.obj, n0, sd, tokens[t0:t1], tensors[n0:n1], lazy, k1 - k0)
         elif isinstance(s.obj, torch.optim.Optimizer) and isinstance(sd, dict) and s.mark is not None:
             mt, mn, mk = s.mark
             if mk == k0 and mn == n1 and len(lazy) == n1 - n0:
-                seg = _optimizer(s.obj, n0, sd, tokens[t0:t1], tokens[t0:mt], tensors[n0:n1], lazy)
+                seg = _optimizer(s.obj, n0, sd, tokens[t0:t1], tokens[t0:mt], tensors[n0:n1], lazy, takes)
         if seg is not None:
             out[id(s.obj)] = seg
     return out
@@ -190,7 +208,7 @@ def _module(m: torch.nn.Module, at: int, sd: dict[str, Any], tokens: list[Any], 
 
 
 def _optimizer(opt: torch.optim.Optimizer, at: int, sd: dict[str, Any], tokens: list[Any], head: list[Any],
-               tensors: list[torch.Tensor], lazy: list[int]) -> Segment | None:
+               tensors: list[torch.Tensor], lazy: list[int], takes: int | None) -> Segment | None:
     if (type(opt).state_dict is not _OPT_STATE_DICT or opt._optimizer_state_dict_pre_hooks
             or opt._optimizer_state_dict_post_hooks):
         return None
@@ -198,4 +216,25 @@ def _optimizer(opt: torch.optim.Optimizer, at: int, sd: dict[str, Any], tokens: 
     if not isinstance(packed, list) or len(packed) != len(opt.param_groups):
         return None
     groups = [(list(g["params"]), p["params"]) for g, p in zip(opt.param_groups, packed, strict=True)]
-    return Segment(opt, at, tokens, head, tensors, lazy, [], 0, groups, len(opt.state))
+    if takes is None:
+        return Segment(opt, at, tokens, head, tensors, lazy, [], 0, groups, len(opt.state))
+    fqns = _fqns(opt, sd.get("state"))
+    if fqns is None:
+        return None
+    return Segment(opt, at, tokens, head, tensors, lazy, [], takes, groups, len(opt.state), fqns)
+
+
+def _fqns(opt: torch.optim.Optimizer, state: Any) -> tuple[tuple[str, Any], ...] | None:
+    """(FQN, parameter) of each entry of a sharded model's optimizer state dict's ``state``, whose
+    values are ``opt.state``'s own dicts (``get_optimizer_state_dict`` hands them out as they are);
+    None where one is not, or the entries are not every parameter with state."""
+    if not isinstance(state, dict) or len(state) != len(opt.state):
+        return None
+    param_of = {id(v): p for p, v in opt.state.items()}
+    out = []
+    for fqn, v in state.items():
+        p = param_of.get(id(v))
+        if type(fqn) is not str or p is None:
+            return None
+        out.append((fqn, p))
+    return tuple(out)

@@ -46,12 +46,20 @@ class Walk:
             self.optimizer(opt)
 
     @classmethod
-    def alone(cls, obj: Any) -> Walk:
-        """(Copy thread) the walk of one module or optimizer as it is now, its tokens after its own two."""
+    def alone(cls, obj: Any, sd: Any = None) -> Walk:
+        """(Copy thread) the walk of one module or optimizer as it is now, its tokens after its own two;
+        ``sd``: its state dict as the save takes it, where that is not its own (a sharded model's optimizer)."""
         walk = cls({}, (), None, StateDicts())
         walk.tokens.clear()
+        if sd is not None:
+            walk.taken[id(obj)] = sd
         walk.walk(obj)
         return walk
+
+    def sharded_unchanged(self, takes: int) -> bool:
+        """Whether the sharded model is as it was when its state dict was taken for the ``takes``-th time
+        (its optimizers' FQN-keyed state dicts still stand: plan_defer.py)."""
+        return self.sharded is not None and self._memo.unchanged(self.sharded, takes)
 
     def optimizer(self, opt: torch.optim.Optimizer) -> None:
         """Which tensors are deferrable depends on the optimizer's parameters, by address."""

@@ -92,6 +92,7 @@ class StateDicts:
         self._optims: dict[int, tuple[torch.optim.Optimizer, list[Any], dict[str, Any]]] = {}
         self._now: list[Any] | None = None        # this save's signature of the sharded model
         self.reused = 0
+        self.takes = 0                            # times the model's state dict was taken anew
 
     def begin(self, model: torch.nn.Module | None) -> None:
         self._now = None if model is None else _model_signature(model)
@@ -100,10 +101,16 @@ class StateDicts:
         last = self._model
         return self._now is not None and last is not None and last[0] is model and last[1] == self._now
 
+    def unchanged(self, model: torch.nn.Module, takes: int) -> bool:
+        """Whether ``model`` is as this save's signature found it and its state dict was last taken
+        for the ``takes``-th time (what an optimizer's FQNs recorded then still name)."""
+        return self.takes == takes and self._same_model(model)
+
     def model(self, model: torch.nn.Module) -> dict[str, Any]:
         if self._same_model(model):
             self.reused += 1
             return self._model[2]  # type: ignore[index]
+        self.takes += 1
         sd = dtensor.model_state_dict(model)
         self._model = None if self._now is None else (model, self._now, sd)
         self._optims.clear()            # keyed by the model's FQNs

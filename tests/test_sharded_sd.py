@@ -6,7 +6,8 @@ only when nothing of that changed. Two real gloo
 ranks on CPU, FSDP2 with a persistent buffer beside the sharded parameters. And a DTensor whose
 local shard changes in place over the same bytes (what only the copy thread's full key compare
 sees, plan_cache.Recheck): that save fails saying why, the trainer's fence does not raise, and
-the next save plans anew and restores bit-exact."""
+the next save plans anew and restores bit-exact. And the FSDP2 optimizer's walk spliced on the
+trainer's thread and checked on the copy thread (plan_defer.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -155,6 +156,137 @@ os._exit(0)
 '''
 
 
+OPTIMIZER_SPLICED = r'''
+import os, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+import ckptd_client
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+                        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 5))     # 5 rows: uneven shards
+for m in model:
+    fully_shard(m, mesh=mesh)
+fully_shard(model, mesh=mesh)
+opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def train():
+    opt.zero_grad()
+    model(torch.randn(4, 8)).square().mean().backward()
+    opt.step()                      # its pre-hook fences an overlapped save's copy first
+
+
+def snap():
+    """Every local shard's bytes and every scalar of the model and optimizer, keyed as saved."""
+    out = {}
+
+    def walk(x, path):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, f"{path}/{k}")
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(v, f"{path}/{i}")
+        elif isinstance(x, torch.Tensor):
+            local = x.to_local() if isinstance(x, DTensor) else x
+            out[path] = (local.dtype, tuple(local.shape), local.detach().clone())
+        else:
+            out[path] = x
+    walk({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, "")
+    return out
+
+
+def equal(a, b):
+    assert list(a) == list(b), (list(a), list(b))
+    for k, x in a.items():
+        y = b[k]
+        if isinstance(x, tuple) and len(x) == 3 and isinstance(x[2], torch.Tensor):
+            assert x[:2] == y[:2] and torch.equal(x[2], y[2]), k
+        else:
+            assert x == y, (k, x, y)
+
+
+def spliced_save(ck, step, state):
+    """An overlapped save whose optimizer part is spliced; what it saw, restored bit-exact later."""
+    h = ck.save(step, state)
+    assert ck.plans.spliced == spliced_save.count + 1, (ck.plans.hits, ck.plans.misses, ck.plans.spliced)
+    spliced_save.count += 1
+    seen = snap()
+    train()                         # the optimizer's step changes every state tensor after the copy
+    h.wait(60)
+    return seen
+
+
+spliced_save.count = 0
+state = {"model": model, "optim": opt}
+ck = ckptd_client.Checkpointer("fo", socket=sys.argv[1])
+train()
+ck.save(1, state).wait(60)
+train()
+want2 = spliced_save(ck, 2, state)
+
+# An optimizer state tensor replaced, unseen by the trainer's quick check: the copy thread's
+# compare finds it, that save fails (never other bytes), and later saves walk it here.
+for s in opt.state.values():
+    s["exp_avg"] = s["exp_avg"].clone()
+h = ck.save(3, state)
+ck.fence()
+try:
+    h.wait(60)
+    raise AssertionError("a save whose optimizer state moved unseen committed")
+except ckptd_client.CheckpointError as e:
+    assert "changed since the last save" in str(e) and "moved to other memory" in str(e), e
+assert ck.plans.deferring is False
+train()
+ck.save(4, state).wait(60)
+want4 = snap()
+train()
+ck.save(5, state).wait(60)
+counts = (ck.plans.hits, ck.plans.misses, ck.plans.spliced)
+assert counts == (3, 2, 2), counts       # 2 and 3 spliced (3 failed on the copy thread); 5 a hit walked here
+assert ck.restore(state, step=2) == 2
+equal(snap(), want2)
+assert ck.restore(state, step=4) == 4
+equal(snap(), want4)
+ck.close()
+
+# The model's state dict taken anew (a module added: its signature changed, its tensors did not):
+# the optimizer's recorded FQNs are not spliced that save, whichever of the two the state holds
+# first, and are again from the next.
+for order in ("model-first", "optim-first"):
+    state = {"model": model, "optim": opt} if order == "model-first" else {"optim": opt, "model": model}
+    ck = ckptd_client.Checkpointer(f"fm-{order}", socket=sys.argv[1])
+    spliced_save.count = 0
+    train()
+    ck.save(1, state).wait(60)
+    model.add_module(f"act-{order}", torch.nn.ReLU())
+    train()
+    h = ck.save(2, state)
+    assert (ck.plans.misses, ck.plans.hits, ck.plans.spliced) == (1, 1, 0), order
+    want2 = snap()
+    train()
+    h.wait(60)
+    train()
+    want3 = spliced_save(ck, 3, state)
+    assert ck.restore(state, step=2) == 2
+    equal(snap(), want2)
+    assert ck.restore(state, step=3) == 3
+    equal(snap(), want3)
+    ck.close()
+print("WORKER OK", flush=True)
+dist.destroy_process_group()
+os._exit(0)
+'''
+
+
 def run(script: Path, world: int, *args: str) -> None:
     """``world`` gloo ranks of ``script`` (sharded_trainer.run_group); each must print WORKER OK."""
     for r, out in enumerate(st.run_group(world, *args, script=script, timeout=180)):
@@ -172,3 +304,15 @@ def test_dtensor_changed_in_place_fails_that_save_only(tmp: Path, daemon: Any) -
     script.write_text(DTENSOR_IN_PLACE)
     run(script, 1, str(daemon.socket))
     assert not (daemon.root / "dt" / "step-000000000002").exists()
+
+
+def test_fsdp2_optimizer_walk_spliced_and_checked_on_the_copy_thread(tmp: Path, daemon: Any) -> None:
+    """Beside an FSDP2 model, the optimizer's part of a save is spliced from the last walk
+    (plan_defer.py) and walked for real on the copy thread: what save() saw is what restores, on
+    2 ranks with uneven shards; a state tensor replaced unseen fails that save only; a model whose
+    state dict is taken anew is not spliced that save."""
+    script = tmp / "fo_worker.py"
+    script.write_text(OPTIMIZER_SPLICED)
+    run(script, 2, str(daemon.socket))
+    assert (daemon.root / "fo" / "step-000000000002").is_dir()
+    assert not (daemon.root / "fo" / "step-000000000003").exists()
