@@ -154,8 +154,10 @@ def _check(meta: HeldMeta, layout: dict[str, tuple[TensorLayout, Any]], state: d
     items = tree_items(meta.tree)
     if items is None:
         raise MemoryUnavailable("the held state tree is not a dict")
-    live, _ = live_tensors({k: state[k] for k, _ in items if k in state})
-    names = [name for k, sub in items if k in state for _, name in saved_leaves({k: sub})[k]]
+    subtrees = {k: sub for k, sub in items if k in state}
+    live, lazy = live_tensors({k: state[k] for k in subtrees})
+    leaves = saved_leaves(subtrees)
+    names = [name for found in leaves.values() for _, name in found]
     in_place: dict[str, torch.Tensor] = {}
     for name in names:
         t = layout[name][0] if name in layout else None
@@ -176,7 +178,8 @@ def _check(meta: HeldMeta, layout: dict[str, tuple[TensorLayout, Any]], state: d
         t = layout[name][0]
         return SimpleNamespace(dtype=t.dtype, shape=t.placement.global_shape) if name in in_place and t.placement \
             else t
-    subtrees, outcome = check_plain(state, items, saved, f"step {meta.step} (held in the daemon's memory)", strict)
+    subtrees, outcome = check_plain(state, items, saved, f"step {meta.step} (held in the daemon's memory)", strict,
+                                    (live, lazy, leaves))
     return subtrees, list(dict.fromkeys(names)), in_place, live, outcome
 
 

@@ -73,12 +73,15 @@ class Check:
             self.add(f"tensor {path!r}: the checkpoint's shape is {list(shape)}, the state's {list(live.shape)}")
 
     def finish(self, state: Mapping[Any, Any], wanted: Iterable[Any], subtrees: Mapping[Any, Any],
-               live: Mapping[str, torch.Tensor], lazy: Sequence[str]) -> Outcome:
+               live: Mapping[str, torch.Tensor], lazy: Sequence[str],
+               leaves: Mapping[Any, list[tuple[str, str]]] | None = None) -> Outcome:
         """Raise every problem found, or say what the restore will load. ``wanted``: the keys of
         ``state`` to take from the step; ``subtrees``: the saved subtree of each the step has;
-        ``live``/``lazy``: ``live_tensors`` of those entries (as the restore will write them)."""
+        ``live``/``lazy``: ``live_tensors`` of those entries (as the restore will write them);
+        ``leaves``: ``saved_leaves(subtrees)``, where the caller has it."""
         missing = [str(k) for k in wanted if k not in subtrees]
-        leaves = saved_leaves(subtrees)
+        if leaves is None:
+            leaves = saved_leaves(subtrees)
         saved = {path for found in leaves.values() for path, _ in found}
         missing_tensors = [p for p in live if p not in saved and not any(p.startswith(x) for x in lazy)]
         absent = []                   # listed first: the likeliest cause of whatever else does not match
@@ -109,18 +112,25 @@ class Check:
 
 
 def check_plain(state: Mapping[Any, Any], items: Sequence[Sequence[Any]], saved: Callable[[str], Any],
-                where: str, strict: bool) -> tuple[dict[Any, Any], Outcome]:
+                where: str, strict: bool,
+                walked: tuple[dict[str, torch.Tensor], list[str], dict[Any, list[tuple[str, str]]]] | None = None,
+                ) -> tuple[dict[Any, Any], Outcome]:
     """A restore of this rank's own saved tree into plain tensors (the memory tier, format-1 steps):
     the saved subtree of each entry of ``state`` the tree's ``items`` have, and the Outcome, once
     every tensor is checked. ``saved(name)``: the saved tensor's ``.dtype`` and ``.shape`` holder,
-    or None (not checked here: the caller says what a name without one means)."""
+    or None (not checked here: the caller says what a name without one means). ``walked``: the
+    caller's ``live_tensors`` and ``saved_leaves`` of those entries, not walked again here."""
     have = {key: sub for key, sub in items}
     subtrees = {k: have[k] for k in state if k in have}
     check = Check(where, strict)
-    live, lazy = live_tensors({k: state[k] for k in subtrees})
-    for found in saved_leaves(subtrees).values():
+    if walked is None:
+        live, lazy = live_tensors({k: state[k] for k in subtrees})
+        leaves = saved_leaves(subtrees)
+    else:
+        live, lazy, leaves = walked
+    for found in leaves.values():
         for path, name in found:
             t, meta = live.get(path), saved(name)
             if t is not None and meta is not None:
                 check.tensor(path, t, meta.dtype, meta.shape)
-    return subtrees, check.finish(state, list(state), subtrees, live, lazy)
+    return subtrees, check.finish(state, list(state), subtrees, live, lazy, leaves)
