@@ -30,6 +30,8 @@ import time
 import uuid
 from typing import Any
 
+from ckptd.core.names import is_hex
+
 from . import store_keys
 from .errors import CheckpointError
 from .store_io import CHUNK, WAIT_SLICE_S, CloneShelf, StoreWaiter, multi_get, peek
@@ -197,7 +199,7 @@ def _requests(store: Any, job: str, tickets: list[int]) -> tuple[dict[int, str],
         for t, v in zip(part, values, strict=True):
             if v is None:
                 missing.append(t)
-            elif len(v) == 32 and all(c in "0123456789abcdef" for c in v):
+            elif is_hex(v, 32):
                 found[t] = v
             else:
                 bad.append(t)

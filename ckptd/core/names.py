@@ -35,6 +35,7 @@ MAX_TENSOR_NAME = 1024
 MAX_TREE_DEPTH = 256
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}\Z")    # a manifest's digest (schema.digest_bytes)
 _HASH16_RE = re.compile(r"^[0-9a-f]{16}\Z")            # codec.checksum, rank_record.short_hash
+_HEX_RE = re.compile(r"^[0-9a-f]*\Z")
 
 
 def short(value: object, limit: int = 80) -> str:
@@ -95,6 +96,11 @@ def is_rank(rank: Any, world_size: Any) -> bool:
 def is_digest(v: Any) -> TypeGuard[str]:
     """A manifest digest: ``sha256:`` and 64 lower-case hex digits."""
     return isinstance(v, str) and _DIGEST_RE.match(v) is not None
+
+
+def is_hex(v: Any, digits: int) -> TypeGuard[str]:
+    """Exactly ``digits`` lower-case hex digits (a nonce, a ticket's answer): nothing else passes."""
+    return isinstance(v, str) and len(v) == digits and _HEX_RE.match(v) is not None
 
 
 def is_checksum(v: Any) -> TypeGuard[str]:

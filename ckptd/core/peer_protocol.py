@@ -39,6 +39,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from .errors import ProtocolError
+from .names import is_hex
 
 PEER_VERSION = 1
 PEER_MAGIC = b"CP"
@@ -90,7 +91,7 @@ def mac(secret: bytes, role: bytes, first: str, second: str) -> str:
 
 def _nonce(msg: dict[str, Any]) -> str:
     n = msg.get("nonce")
-    if not (isinstance(n, str) and len(n) == 64 and all(c in "0123456789abcdef" for c in n)):
+    if not is_hex(n, 64):
         raise AuthError("bad handshake nonce")
     return n
 
