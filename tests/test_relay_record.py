@@ -217,8 +217,8 @@ def test_shared_checks_bound_both_ends() -> None:
     assert names.is_digest(D0) and not names.is_digest(D0[:-1]) and not names.is_digest(D0 + "0")
     assert names.is_checksum("0123456789abcdef") and not names.is_checksum("0123456789ABCDEF")
     assert names.is_hex("ab" * 16, 32) and names.is_hex("", 0)
-    for bad in ("ab" * 16 + "\n", "AB" * 16, "ab" * 15, "ab" * 17, "g" * 32, "٣" * 32, b"ab" * 16, None):
-        assert not names.is_hex(bad, 32), bad
+    for not_hex in ("ab" * 16 + "\n", "AB" * 16, "ab" * 15, "ab" * 17, "g" * 32, "٣" * 32, b"ab" * 16, None):
+        assert not names.is_hex(not_hex, 32), not_hex
     with pytest.raises(FormatError, match="manifest: bad manifest digest 'sha256:'"):
         names.check_digest("sha256:", "manifest")
     assert names.short("x" * 500).endswith("...") and len(names.short("x" * 500)) == 83

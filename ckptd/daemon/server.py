@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ckptd import __version__
 from ckptd.core import names
+from ckptd.daemon import shm
 from ckptd.daemon.requests import Requests
 from ckptd.daemon.runtime import TaskSet, describe_error
 from ckptd.daemon.service import systemd
@@ -128,7 +129,11 @@ class Daemon:
                 pass
         log.info("serving", extra={"ctx": {"socket": self.socket_path, "root": self.root,
                                           "threads": self.config.threads, "codec": self.config.write.codec,
-                                          "socket_activated": listen_sock is not None, "pid": os.getpid()}})
+                                          "socket_activated": listen_sock is not None, "pid": os.getpid(),
+                                          "shmem_huge_pages": shm.node_mode()}})
+        if shm.node_mode() not in shm.HUGE_MODES:
+            log.info("shared memory uses 4 KiB pages on this node (transparent_hugepage/shmem_enabled is %s): "
+                     "restores from memory copy faster with huge pages (docs/operations.md)", shm.node_mode())
         accept = self.tasks.spawn(self._accept_loop(sock), "accept loop")
         sweeper = self.tasks.spawn(self._sweep_loop(), "step timeout sweep")
         notifier = self.tasks.spawn(self._notify_loop(), "systemd notify loop")

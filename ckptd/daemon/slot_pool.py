@@ -16,6 +16,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 from ckptd.daemon.runtime import RequestError, describe_error
+from ckptd.daemon.shm import new_memfd
 
 log = logging.getLogger("ckptd")
 MAX_SLOTS = 8
@@ -27,23 +28,16 @@ NO_FD_COPY: dict[str, bool] = {"trackfd": False} if sys.version_info >= (3, 13) 
 
 
 def allocate_slots(name: str, size: int, count: int) -> list[tuple[int, mmap.mmap]]:
-    """(memfd, read-only mapping) for each slot, pages allocated and mapped up front.
+    """(memfd, read-only mapping) for each slot, pages allocated (huge where the node allows: shm.py)
+    and mapped up front.
 
     First touch of fresh shared memory is ~15x slower than a warm copy: it must be paid here,
     once per session, not on the trainer's first save or the daemon's first read."""
     made: list[tuple[int, mmap.mmap]] = []
     try:
         for i in range(count):
-            fd = os.memfd_create(f"{name}-s{i}", os.MFD_CLOEXEC)
-            try:
-                os.ftruncate(fd, size)
-                os.posix_fallocate(fd, 0, size)
-                mm = mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ,
-                               **NO_FD_COPY)
-            except BaseException:
-                os.close(fd)
-                raise
-            made.append((fd, mm))
+            made.append(new_memfd(f"{name}-s{i}", size, mmap.PROT_READ, getattr(mmap, "MAP_POPULATE", 0),
+                                  **NO_FD_COPY))
     except BaseException:
         for fd, mm in made:
             os.close(fd)

@@ -23,23 +23,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckptd.core.held import HeldMeta
+from ckptd.daemon import shm
 
 log = logging.getLogger("ckptd")
 LOCAL, REPLICA = "local", "replica"
 
 
 def new_memfd(name: str, nbytes: int) -> tuple[int, mmap.mmap]:
-    """A memfd of ``nbytes`` (at least a page), allocated up front, mapped read-write."""
-    size = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, size)
-        os.posix_fallocate(fd, 0, size)
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, mm
+    """A memfd of ``nbytes`` (at least a page), allocated up front (huge pages where the node allows:
+    ``ckptd.daemon.shm``), mapped read-write."""
+    return shm.new_memfd(name, max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE))
 
 
 @dataclass(eq=False)
