@@ -146,8 +146,13 @@ class Segment:
         if self.fqns is None:
             return None
         opt = self.obj
-        return {"state": {fqn: opt.state[p] for fqn, p in self.fqns},
-                "param_groups": packed_groups(opt, [ids for _, ids in self.groups])}
+        state = {}
+        for fqn, p in self.fqns:
+            s = opt.state.get(p)         # (not opt.state[p]: a defaultdict would add one)
+            if s is None:
+                raise KeyError(fqn)
+            state[fqn] = s
+        return {"state": state, "param_groups": packed_groups(opt, [ids for _, ids in self.groups])}
 
     def same(self, tokens: list[Any]) -> bool:
         """Whether a fresh walk of the object (its tokens after the object's own) has this structure."""

@@ -258,6 +258,30 @@ assert ck.restore(state, step=4) == 4
 equal(snap(), want4)
 ck.close()
 
+# A parameter's state moved under another key, as many states as before: the trainer's check holds,
+# the copy thread finds the parameter without state; that save fails, and nothing is added to
+# the optimizer's state (a defaultdict) by looking.
+ck = ckptd_client.Checkpointer("fk", socket=sys.argv[1])
+train()
+ck.save(1, state).wait(60)
+order = list(opt.state)
+p = order[0]
+stand_in = torch.nn.Parameter(torch.zeros(1))
+opt.state[stand_in] = opt.state.pop(p)
+h = ck.save(2, state)
+assert ck.plans.spliced == 1
+ck.fence()
+try:
+    h.wait(60)
+    raise AssertionError("a save whose optimizer lost a parameter's state committed")
+except ckptd_client.CheckpointError as e:
+    assert "its structure changed" in str(e), e
+assert p not in opt.state and len(opt.state) == len(list(model.parameters()))
+kept = {**opt.state, p: opt.state.pop(stand_in)}
+opt.state.clear()
+opt.state.update((q, kept[q]) for q in order)      # as it was, in its order
+ck.close()
+
 # The model's state dict taken anew (a module added: its signature changed, its tensors did not):
 # the optimizer's recorded FQNs are not spliced that save, whichever of the two the state holds
 # first, and are again from the next.
@@ -316,3 +340,4 @@ def test_fsdp2_optimizer_walk_spliced_and_checked_on_the_copy_thread(tmp: Path, 
     run(script, 2, str(daemon.socket))
     assert (daemon.root / "fo" / "step-000000000002").is_dir()
     assert not (daemon.root / "fo" / "step-000000000003").exists()
+    assert not (daemon.root / "fk" / "step-000000000002").exists()

@@ -51,7 +51,7 @@ def node_mode() -> str:
 def allocate(fd: int, size: int, mode: str | None = None) -> None:
     """Every page of memfd ``fd``'s first ``size`` bytes (its size already), in huge pages where
     ``mode`` (default: the node's) allows; OSError when the node cannot (out of memory)."""
-    if (mode or node_mode()) == "advise" and hasattr(mmap, "MADV_HUGEPAGE"):
+    if size > 0 and (mode or node_mode()) == "advise" and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
                 mm.madvise(mmap.MADV_HUGEPAGE)
