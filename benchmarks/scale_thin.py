@@ -72,6 +72,8 @@ def main() -> int:
                     help="read back every manifest at commit (before: the relay named no check ranks)")
     ap.add_argument("--no-frame", dest="frame", action="store_false",
                     help="hand the relay's records to the commit as they are (no COMMIT frame encoded and decoded)")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="cProfile the COMMIT (frame, record parse, write_index) into this text file")
     ap.add_argument("--machine", default="shared 2-core VM, other jobs running", help="a note on the machine")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "scale_thin.json")
     a = ap.parse_args()
@@ -105,6 +107,22 @@ def main() -> int:
                    check: list[int]) -> None:
             assert records is not None
             commit_called.append(time.time())
+            if a.profile is None:
+                return commit_now(step_, digests, records, check)
+            import cProfile
+            import pstats
+            prof = cProfile.Profile()
+            prof.enable()
+            try:
+                return commit_now(step_, digests, records, check)
+            finally:
+                prof.disable()
+                with open(a.profile, "w") as f:
+                    stats = pstats.Stats(prof, stream=f)
+                    stats.sort_stats("cumulative").print_stats(50)
+                    stats.sort_stats("tottime").print_stats(30)
+
+        def commit_now(step_: int, digests: dict[int, str], records: list[Any], check: list[int]) -> None:
             if a.frame:     # rank 0's session encodes the COMMIT; the daemon's session decodes and parses it
                 wire = protocol.to_wire(protocol.Commit(step=step_, digests={str(r): d for r, d in digests.items()},
                                                         records=records, check=check), 1)

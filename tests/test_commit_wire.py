@@ -53,6 +53,8 @@ def test_a_commit_without_records_and_other_frames_decode_as_before() -> None:
     ({"t": [["w", "float32", [4], None, None, None]]}, "rank 1 record: malformed tensor entry"),
     ({"t": [["w", "float99", [4], None, None, None, "00000000000000aa"]]}, "unknown dtype"),
     ({"k": [["w"]]}, "malformed state key entry"),
+    ({"k": [["w", "zz"]]}, "malformed state key entry"),                     # typed: checked by the parse
+    ({"k": [["x" * 1025, "00000000000000aa"]]}, "malformed state key entry"),
 ])
 def test_a_record_the_typed_decode_refuses_is_refused_by_the_parse_naming_it(bad: dict[str, Any], match: str) -> None:
     recs = [record(0), {**record(1), **bad}]

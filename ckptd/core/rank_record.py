@@ -225,7 +225,18 @@ def _parse_typed(obj: RecordWire, rank: int, cache: dict[Any, Any], bad: Any) ->
     if len(entries) > 1 and len({e.name for e in entries}) != len(entries):
         names = [e.name for e in entries]
         raise bad(f"duplicate tensor {next(n for n in names if names.count(n) > 1)!r}")
-    return RankRecord(rank, obj.digest, obj.raw, obj.stored, tuple(entries), _forms(obj.k, cache, bad))
+    return RankRecord(rank, obj.digest, obj.raw, obj.stored, tuple(entries), _typed_forms(obj.k, cache, bad))
+
+
+def _typed_forms(items: tuple[tuple[str, str], ...], cache: dict[Any, Any], bad: Any) -> tuple[tuple[str, str], ...]:
+    """``_forms`` of a typed record (pairs of strings, msgspec checked): ``items`` themselves once each
+    distinct pair is checked; a pair is its own cache key (no other key of ``cache`` is a 2-tuple)."""
+    for f in items:
+        if f not in cache:
+            if not (len(f[0]) <= 1024 and is_checksum(f[1])):
+                raise bad("malformed state key entry")
+            cache[f] = f
+    return items
 
 
 def _typed_entry(t: tuple[Any, ...], rank: int, cache: dict[Any, Any], bad: Any) -> RecordEntry:
