@@ -20,6 +20,7 @@ from ckptd.daemon.service.allocator import tune_allocator
 from ckptd.daemon.service.root_check import RootNotWritable, check_root
 from ckptd.daemon.settings.config import DEBUG_KEYS, DEFAULT_CONFIG_PATH, KEYS, ConfigError, load_settings
 from ckptd.daemon.settings.spec import Key
+from ckptd.daemon.shm import HUGE_MODES
 from ckptd.daemon.tiers.fs.retention import collect_root
 from ckptd.hf import commands as hf_commands
 from ckptd.status_text import group_lines, memory_lines
@@ -152,6 +153,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     if st.get("socket"):
         print(f"socket {st['socket']}" + (f"  metrics http://{st['metrics']}/metrics" if st.get("metrics") else ""))
     print(f"slot memory {human_size(st['slot_bytes_in_use'])} of {human_size(st['slot_memory_limit'])}")
+    mode = st.get("shmem_huge_pages")
+    if mode is not None:
+        print(f"shared memory pages: {'huge where the kernel can' if mode in HUGE_MODES else '4 KiB'} "
+              f"(transparent_hugepage/shmem_enabled {mode}"
+              + ("" if mode in HUGE_MODES else "; huge pages make restores from memory faster: docs/operations.md")
+              + ")")
     print("stats " + " ".join(f"{k}={human_size(v).replace(' ', '') if k.startswith('bytes_') else v}"
                               for k, v in st["stats"].items()))
     sessions = sorted(st["sessions"], key=lambda s: (s["job"], s["rank"]))

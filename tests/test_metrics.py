@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import ckptd_client
 from ckptd.core import protocol
+from ckptd.daemon import shm
 
 
 def scrape(address: str) -> dict[str, float]:
@@ -167,6 +168,10 @@ def test_ckptd_status_shows_ranks_progress_and_last_committed(daemon_factory, ca
     assert "last committed step per job:\n  st: 2" in out
     js = json.loads(status("--json"))
     assert js["last_committed"]["st"]["step"] == 2
+    mode = shm.node_mode()                            # this node's (the daemon reads the same file)
+    assert js["shmem_huge_pages"] == mode
+    assert f"shared memory pages: {'huge where the kernel can' if mode in shm.HUGE_MODES else '4 KiB'} " \
+        f"(transparent_hugepage/shmem_enabled {mode}" in out
     ck.close()
     capsys.readouterr()
     assert main(["status", "--socket", str(d.socket) + ".nope"]) == 1
