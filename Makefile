@@ -13,7 +13,7 @@ CHECKED := ckptd ckptd_client tests benchmarks examples
 # TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: demo demo-s3 test lint bench bench-sharded bench-s3 bench-memory bench-memory-footprint bench-scale bench-stall bench-durable bench-dcp bench-parity install install-test clean
+.PHONY: demo demo-s3 test lint bench bench-sharded bench-s3 bench-memory bench-memory-level bench-memory-footprint bench-scale bench-stall bench-durable bench-dcp bench-parity install install-test clean
 
 # Daemon + client (the client extra brings torch; the daemon alone needs only `pip install ckptd`).
 $(VENV)/.installed: pyproject.toml
@@ -71,6 +71,11 @@ bench-s3: $(VENV)/.installed-bench
 # writes benchmarks/results/memory_restore.md and .json.
 bench-memory: $(VENV)/.installed-bench
 	$(PY) benchmarks/memory_restore_bench.py
+
+# Time to a protected checkpoint: save(level="memory") (held + replicated to a peer daemon) vs a storage
+# save vs DCP async_save, 2 ranks on 2 loopback "nodes"; writes benchmarks/results/memory_level.md and .json.
+bench-memory-level: $(VENV)/.installed-bench
+	$(PY) benchmarks/memory_level_bench.py
 
 # Host memory per byte of state (Pss of the trainer's process tree, daemon included): ckptd's modes vs
 # DCP async_save vs torch_checkpointing; writes benchmarks/results/memory_footprint.md and .json.
