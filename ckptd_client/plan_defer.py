@@ -13,7 +13,8 @@ check holds, and the copy thread walks the object for real and compares before i
 thread: a module's buffers (forward may change them; re-read by name), an optimizer's
 hyperparameters (an LR scheduler may step before the optimizer does), and a check that nothing
 was registered on the model since (torch's global registration hooks, ``Watch``) and that the
-optimizer holds the same parameter objects and as many states.
+optimizer holds the same parameter objects, as many states and each parameter's same state dict
+(a reloaded optimizer is walked).
 
 Only objects whose state dict is torch's own qualify: no state-dict hooks, no overridden
 ``_save_to_state_dict`` or ``get_extra_state``, nothing but parameters the copy defers and
@@ -36,6 +37,7 @@ import operator
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -110,6 +112,9 @@ class Segment:
     # A sharded model's optimizer: (FQN, parameter) of each entry of its state dict's ``state``, in
     # order; ``generation`` is then the model's ``StateDicts.takes`` it was recorded at. None otherwise.
     fqns: tuple[tuple[str, Any], ...] | None = None
+    # An optimizer's: ``opt.state.get(p)`` of each of its parameters (in ``groups`` order) when recorded;
+    # a reloaded optimizer (``load_state_dict``: new dicts, new tensors) is walked, not spliced.
+    dicts: tuple[Any, ...] = ()
 
     def splice(self, walk: Walk) -> bool:
         """Append this part to ``walk`` if the trainer-side check holds (else append nothing)."""
@@ -135,6 +140,9 @@ class Segment:
             p = g["params"]
             if len(p) != len(params) or not all(map(operator.is_, p, params)):
                 return False
+        get = obj.state.get                  # (not obj.state[p]: a defaultdict would add one)
+        if not all(map(operator.is_, map(get, chain.from_iterable(p for p, _ in self.groups)), self.dicts)):
+            return False
         walk.tokens += self.head
         walk.tensors += self.tensors
         walk.walk(packed_groups(obj, [idx for _, idx in self.groups]))
@@ -221,12 +229,13 @@ def _optimizer(opt: torch.optim.Optimizer, at: int, sd: dict[str, Any], tokens: 
     if not isinstance(packed, list) or len(packed) != len(opt.param_groups):
         return None
     groups = [(list(g["params"]), p["params"]) for g, p in zip(opt.param_groups, packed, strict=True)]
+    dicts = tuple(map(opt.state.get, chain.from_iterable(p for p, _ in groups)))
     if takes is None:
-        return Segment(opt, at, tokens, head, tensors, lazy, [], 0, groups, len(opt.state))
+        return Segment(opt, at, tokens, head, tensors, lazy, [], 0, groups, len(opt.state), None, dicts)
     fqns = _fqns(opt, sd.get("state"))
     if fqns is None:
         return None
-    return Segment(opt, at, tokens, head, tensors, lazy, [], takes, groups, len(opt.state), fqns)
+    return Segment(opt, at, tokens, head, tensors, lazy, [], takes, groups, len(opt.state), fqns, dicts)
 
 
 def _fqns(opt: torch.optim.Optimizer, state: Any) -> tuple[tuple[str, Any], ...] | None:

@@ -142,3 +142,25 @@ def test_a_buffer_reassigned_under_its_name_is_read_anew(daemon):
     ck.close()
     got = restored(daemon, state, 2)
     assert got == expected and got["model"]["1.running_mean"] == as_bytes(torch.full((8,), 3.0))
+
+
+def test_an_optimizer_reloaded_between_saves_is_walked_and_its_save_commits(daemon):
+    """``load_state_dict`` of a deep copy gives every parameter a new state dict and new tensors: the
+    trainer's check sees the new dicts, so that save walks the optimizer (a miss) rather than splice it
+    and fail on the copy thread; the save after it is spliced again."""
+    import copy
+    state = job()
+    train(state)
+    ck = checkpointer(daemon)
+    ck.save(1, state).wait(60)
+    opt = state["optim"]
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    train(state)
+    ck.save(2, state).wait(60)
+    assert (ck.plans.misses, ck.plans.spliced, ck.plans.deferring) == (2, 0, True)
+    expected = snap(state)
+    train(state)
+    ck.save(3, state).wait(60)
+    assert ck.plans.spliced == 1
+    ck.close()
+    assert restored(daemon, state, 2) == expected
