@@ -8,6 +8,7 @@ import math
 import os
 import platform
 import shutil
+import socket
 import statistics
 import subprocess
 from collections.abc import Iterable, Sequence
@@ -90,6 +91,13 @@ def machine_info(path: str | os.PathLike = ".") -> dict[str, Any]:
                                                            "free_gib": round(disk.free / 2**30, 1)},
             "kernel": platform.release(), "loadavg_at_start": list(os.getloadavg()), "versions": versions,
             "shmem_huge_pages": shmem_thp()}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free just now (a benchmark's own daemons, stores and peers)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def percentile(values: Sequence[float], q: float) -> float:

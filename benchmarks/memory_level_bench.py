@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,18 +36,12 @@ from typing import Any
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
-from common import RESULTS, machine_info, write_results  # noqa: E402
+from common import RESULTS, free_port, machine_info, write_results  # noqa: E402
 
 METHODS = ("ckptd-memory", "ckptd-storage", "dcp")
 LABELS = {"ckptd-memory": 'ckptd save(level="memory"): held + replicated to the peer, committed',
           "ckptd-storage": "ckptd save(): written, fsynced, committed",
           "dcp": "DCP async_save: written, fsynced, .metadata"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---- one rank ---------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,7 +46,7 @@ import ckptd_client  # noqa: E402
 from ckptd.core import protocol  # noqa: E402
 from ckptd.launch import DaemonProcess, spawn_daemon  # noqa: E402
 
-from common import RESULTS, fmt, machine_info, table, write_results  # noqa: E402
+from common import RESULTS, fmt, free_port, machine_info, table, write_results  # noqa: E402
 
 JOB, STEP = "par", 1
 SCHEMES: list[tuple[str, tuple[str, ...], int, int]] = [     # name, daemon flags, G, P (G = 0: copies)
@@ -71,12 +70,6 @@ RANK = textwrap.dedent("""
     if rank == 0:
         store.wait([f"done{r}" for r in range(world)], timedelta(seconds=300))
 """)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def status(d: DaemonProcess) -> dict[str, Any]:

@@ -11,7 +11,6 @@ round a new step; the median of each is compared. Writes benchmarks/results/peer
 from __future__ import annotations
 
 import argparse
-import socket
 import ssl
 import subprocess
 import sys
@@ -27,13 +26,7 @@ import ckptd_client  # noqa: E402
 from ckptd.core import protocol  # noqa: E402
 from ckptd.launch import DaemonProcess, spawn_daemon  # noqa: E402
 
-from common import RESULTS, fmt, machine_info, median, table, write_results  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from common import RESULTS, fmt, free_port, machine_info, median, table, write_results  # noqa: E402
 
 
 def openssl(cwd: Path, *args: str) -> None:

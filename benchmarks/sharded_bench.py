@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,7 +47,7 @@ import xxhash
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ckptd.launch import spawn_daemon  # noqa: E402
 
-from common import RESULTS, fmt, machine_info, median, table, write_results  # noqa: E402
+from common import RESULTS, fmt, free_port, machine_info, median, table, write_results  # noqa: E402
 
 HERE = Path(__file__).resolve()
 SAVE_METHODS = ("ckptd", "dcp-async", "dcp-async-staged")
@@ -450,12 +449,6 @@ def rank_main(spec: dict[str, Any]) -> None:
 
 
 # ---- the orchestrator ---------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def run_ranks(world: int, spec: dict[str, Any], base: Path, timeout: float) -> dict[str, Any]:
     spec = {**spec, "port": free_port(), "result": str(base / f"result-{spec['phase']}.json")}
