@@ -225,6 +225,19 @@ def spliced_save(ck, step, state):
     return seen
 
 
+def then_spliced(ck, h, state):
+    """Save 2 (``h``, in flight) as save() saw it, then save 3 spliced; both restore bit-exact."""
+    want2 = snap()
+    train()
+    h.wait(60)
+    train()
+    want3 = spliced_save(ck, 3, state)
+    for step, want in ((2, want2), (3, want3)):
+        assert ck.restore(state, step=step) == step
+        equal(snap(), want)
+    ck.close()
+
+
 spliced_save.count = 0
 state = {"model": model, "optim": opt}
 ck = ckptd_client.Checkpointer("fo", socket=sys.argv[1])
@@ -268,16 +281,7 @@ ck.save(1, state).wait(60)
 opt.load_state_dict(copy.deepcopy(opt.state_dict()))
 h = ck.save(2, state)
 assert (ck.plans.spliced, ck.plans.deferring) == (0, True), (ck.plans.hits, ck.plans.misses, ck.plans.spliced)
-want2 = snap()
-train()
-h.wait(60)
-train()
-want3 = spliced_save(ck, 3, state)
-assert ck.restore(state, step=2) == 2
-equal(snap(), want2)
-assert ck.restore(state, step=3) == 3
-equal(snap(), want3)
-ck.close()
+then_spliced(ck, h, state)
 
 # The model's state dict taken anew (a module added: its signature changed, its tensors did not):
 # the optimizer's recorded FQNs are not spliced that save, whichever of the two the state holds
@@ -292,16 +296,7 @@ for order in ("model-first", "optim-first"):
     train()
     h = ck.save(2, state)
     assert (ck.plans.misses, ck.plans.hits, ck.plans.spliced) == (1, 1, 0), order
-    want2 = snap()
-    train()
-    h.wait(60)
-    train()
-    want3 = spliced_save(ck, 3, state)
-    assert ck.restore(state, step=2) == 2
-    equal(snap(), want2)
-    assert ck.restore(state, step=3) == 3
-    equal(snap(), want3)
-    ck.close()
+    then_spliced(ck, h, state)
 print("WORKER OK", flush=True)
 dist.destroy_process_group()
 os._exit(0)
