@@ -154,9 +154,9 @@ def _check(meta: HeldMeta, layout: dict[str, tuple[TensorLayout, Any]], state: d
     items = tree_items(meta.tree)
     if items is None:
         raise MemoryUnavailable("the held state tree is not a dict")
-    subtrees = {k: sub for k, sub in items if k in state}
-    live, lazy = live_tensors({k: state[k] for k in subtrees})
-    leaves = saved_leaves(subtrees)
+    held = {k: sub for k, sub in items if k in state}
+    live, lazy = live_tensors({k: state[k] for k in held})
+    leaves = saved_leaves(held)
     names = [name for found in leaves.values() for _, name in found]
     in_place: dict[str, torch.Tensor] = {}
     for name in names:

@@ -196,8 +196,8 @@ def _placed(name: str, dtype: str, shape: tuple[int, ...], key: Any, place: Plac
 
 
 def _forms(items: Any, cache: dict[Any, Any], bad: Any) -> tuple[tuple[str, str], ...]:
-    """The record's (state key, content hash) pairs (lists from JSON, tuples from a typed record),
-    each distinct one checked once."""
+    """The record's (state key, content hash) pairs from a JSON record (lists), each distinct one
+    checked once (a typed record's: ``_typed_forms``)."""
     forms = []
     for f in items:
         pair = isinstance(f, (list, tuple)) and len(f) == 2
