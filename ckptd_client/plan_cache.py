@@ -169,7 +169,7 @@ class PlanCache:
                 if defer and not free:       # re-armed from this walk where a check failed (a registration)
                     last = self._last = dataclasses.replace(last, segments={**last.segments, **segments(
                         walk.spans, walk.tokens, walk.tensors, walk.scalars, walk.taken, last.flat_of,
-                        self._takes(walk))})
+                        self._takes(walk), walk.sharded)})
                 if lazy and last.lazy:
                     return dataclasses.replace(plan, pending=Recheck(self, walk.tensors, walk.spliced))
                 return plan
@@ -187,7 +187,7 @@ class PlanCache:
             if scalar_counts(flat.tree, counts) == len(walk.scalars):   # else: never reused
                 lazy_at = _lazy_indices(walk.tensors, flat)
                 segs = segments(walk.spans, walk.tokens, walk.tensors, walk.scalars, walk.taken, lazy_at,
-                                self._takes(walk))
+                                self._takes(walk), walk.sharded)
                 inside = {s.at + i for s in segs.values() for i in range(len(s.tensors))}
                 self._last = _Cached(plan, walk.tokens, [tensor_key(t) for t in walk.tensors], walk.scalars,
                                      zeros(walk.scalars), counts, walk.objects, len(counts), walk.sharded,
@@ -253,6 +253,8 @@ class Recheck:
         self._walked, self._spliced = [], []           # held no longer than the copy
         now: dict[int, torch.Tensor] = {}
         for seg, at in spliced:
+            if seg.sharded_model:
+                continue                # its state dict was the one reused: walked, it is this part
             try:
                 fresh = Walk.alone(seg.obj, seg.state_now())
                 same = seg.same(fresh.tokens[2:])

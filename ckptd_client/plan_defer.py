@@ -18,12 +18,15 @@ optimizer holds the same parameter objects, as many states and each parameter's 
 
 Only objects whose state dict is torch's own qualify: no state-dict hooks, no overridden
 ``_save_to_state_dict`` or ``get_extra_state``, nothing but parameters the copy defers and
-persistent buffers in a module's part, no scalars in an optimizer's per-parameter state. Beside a
-sharded model (FSDP2) only optimizers qualify: FSDP2 swaps the model's parameters during forward,
-so its part is walked on the trainer's thread, but the optimizer's FQN-keyed state dict
-(``sharded_sd``: its per-parameter state is ``opt.state``'s own dicts) is spliced while the model's
-state dict was not taken anew since (``StateDicts.takes``), and the copy thread rebuilds it from
-``opt.state`` by the FQNs recorded (``Segment.fqns``). What the copy thread finds changed:
+persistent buffers in a module's part, no scalars in an optimizer's per-parameter state. A sharded
+model (FSDP2) is different: FSDP2 swaps its parameters during forward, so no registration count
+tells whether it changed; its FQN state dict is reused while the model's signature (``sharded_sd``,
+computed on the trainer's thread every save) is equal, and while it is, walking it again gives the
+last walk's part exactly: that part is spliced (``Segment.sharded_model``) and not walked again on
+the copy thread. Its optimizers' FQN-keyed state dicts (their per-parameter state is
+``opt.state``'s own dicts) are spliced while the model's state dict was not taken anew since
+(``StateDicts.takes``), and the copy thread rebuilds them from ``opt.state`` by the FQNs recorded
+(``Segment.fqns``). What the copy thread finds changed:
 - a tensor laid out anew over the same bytes (reshaped, re-typed): ``Recheck`` lays the slot out
   anew, as for any deferred tensor;
 - anything else (a parameter re-pointed with ``.data =``, a buffer added without torch's
@@ -34,14 +37,12 @@ state dict was not taken anew since (``StateDicts.takes``), and the copy thread 
 from __future__ import annotations
 
 import operator
-import weakref
-from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .module_watch import WATCH
 from .state import packed_groups
 
 if TYPE_CHECKING:
@@ -53,36 +54,6 @@ _MODULE_EXTRA = torch.nn.Module.get_extra_state
 _OPT_STATE_DICT = torch.optim.Optimizer.state_dict
 
 
-class Watch:
-    """Counts registrations (a parameter or module set, a buffer added or removed) on watched
-    modules, through torch's global registration hooks: a module segment is spliced only while
-    the count is the one it was recorded at. A buffer reassigned under its name does not count:
-    buffers are re-read by name every save."""
-
-    def __init__(self) -> None:
-        self.generation = 0
-        self._watched: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-        self._hooked = False
-
-    def watch(self, modules: Iterable[torch.nn.Module]) -> None:
-        if not self._hooked:
-            from torch.nn.modules import module as m
-            m.register_module_parameter_registration_hook(self._changed)
-            m.register_module_module_registration_hook(self._changed)
-            m.register_module_buffer_registration_hook(self._buffer)
-            self._hooked = True
-        self._watched.update(modules)
-
-    def _changed(self, module: torch.nn.Module, name: str, value: Any) -> None:
-        if module in self._watched:
-            self.generation += 1
-
-    def _buffer(self, module: torch.nn.Module, name: str, value: Any) -> None:
-        if module in self._watched and (value is None or name not in module._buffers):
-            self.generation += 1
-
-
-WATCH = Watch()
 
 
 @dataclass(frozen=True)
@@ -112,13 +83,24 @@ class Segment:
     # A sharded model's optimizer: (FQN, parameter) of each entry of its state dict's ``state``, in
     # order; ``generation`` is then the model's ``StateDicts.takes`` it was recorded at. None otherwise.
     fqns: tuple[tuple[str, Any], ...] | None = None
-    # An optimizer's: ``opt.state.get(p)`` of each of its parameters (in ``groups`` order) when recorded;
-    # a reloaded optimizer (``load_state_dict``: new dicts, new tensors) is walked, not spliced.
+    # An optimizer's: ``opt.state``'s keys (parameters) and values (their state dicts) in order when
+    # recorded; a reloaded optimizer (``load_state_dict``: new dicts, new tensors) is walked, not
+    # spliced. Compared in order by identity: no parameter hashed (Tensor.__hash__ is Python).
+    state_keys: tuple[Any, ...] = ()
     dicts: tuple[Any, ...] = ()
+    # The sharded model itself: spliced while its state dict is the one reused this save (its walk is
+    # then this part exactly), its ``generation`` the ``StateDicts.takes`` it was recorded at.
+    sharded_model: bool = False
 
     def splice(self, walk: Walk) -> bool:
         """Append this part to ``walk`` if the trainer-side check holds (else append nothing)."""
         obj = self.obj
+        if self.sharded_model:
+            if not walk.sharded_unchanged(self.generation):
+                return False
+            walk.tokens += self.head
+            walk.tensors += self.tensors
+            return True
         if isinstance(obj, torch.nn.Module):
             if WATCH.generation != self.generation:
                 return False
@@ -140,8 +122,8 @@ class Segment:
             p = g["params"]
             if len(p) != len(params) or not all(map(operator.is_, p, params)):
                 return False
-        get = obj.state.get                  # (not obj.state[p]: a defaultdict would add one)
-        if not all(map(operator.is_, map(get, chain.from_iterable(p for p, _ in self.groups)), self.dicts)):
+        if not (all(map(operator.is_, obj.state, self.state_keys))
+                and all(map(operator.is_, obj.state.values(), self.dicts))):
             return False
         walk.tokens += self.head
         walk.tensors += self.tensors
@@ -168,9 +150,10 @@ class Segment:
 
 
 def segments(spans: list[Span], tokens: list[Any], tensors: list[torch.Tensor], scalars: list[Any],
-             taken: dict[int, Any], lazy_at: dict[int, int], takes: int | None = None) -> dict[int, Segment]:
+             taken: dict[int, Any], lazy_at: dict[int, int], takes: int | None = None,
+             sharded: torch.nn.Module | None = None) -> dict[int, Segment]:
     """The spans of a full walk that qualify (module docstring), by object id. ``takes``: beside a
-    sharded model, its ``StateDicts.takes`` now (only optimizers qualify)."""
+    sharded model (``sharded``), its ``StateDicts.takes`` now (only it and optimizers qualify)."""
     seen: dict[int, int] = {}
     for s in spans:
         seen[id(s.obj)] = seen.get(id(s.obj), 0) + 1
@@ -182,7 +165,10 @@ def segments(spans: list[Span], tokens: list[Any], tensors: list[torch.Tensor], 
         lazy = [i - n0 for i in range(n0, n1) if i in lazy_at]
         sd = taken.get(id(s.obj))
         seg: Segment | None = None
-        if isinstance(s.obj, torch.nn.Module) and isinstance(sd, dict) and takes is None:
+        if s.obj is sharded and takes is not None and isinstance(sd, dict) and k1 == k0:
+            part = tokens[t0:t1]
+            seg = Segment(s.obj, n0, part, part, tensors[n0:n1], lazy, [], takes, [], 0, sharded_model=True)
+        elif isinstance(s.obj, torch.nn.Module) and isinstance(sd, dict) and takes is None:
             seg = _module(s.obj, n0, sd, tokens[t0:t1], tensors[n0:n1], lazy, k1 - k0)
         elif isinstance(s.obj, torch.optim.Optimizer) and isinstance(sd, dict) and s.mark is not None:
             mt, mn, mk = s.mark
@@ -229,13 +215,13 @@ def _optimizer(opt: torch.optim.Optimizer, at: int, sd: dict[str, Any], tokens: 
     if not isinstance(packed, list) or len(packed) != len(opt.param_groups):
         return None
     groups = [(list(g["params"]), p["params"]) for g, p in zip(opt.param_groups, packed, strict=True)]
-    dicts = tuple(map(opt.state.get, chain.from_iterable(p for p, _ in groups)))
+    keys, dicts = tuple(opt.state), tuple(opt.state.values())
     if takes is None:
-        return Segment(opt, at, tokens, head, tensors, lazy, [], 0, groups, len(opt.state), None, dicts)
+        return Segment(opt, at, tokens, head, tensors, lazy, [], 0, groups, len(opt.state), None, keys, dicts)
     fqns = _fqns(opt, sd.get("state"))
     if fqns is None:
         return None
-    return Segment(opt, at, tokens, head, tensors, lazy, [], takes, groups, len(opt.state), fqns, dicts)
+    return Segment(opt, at, tokens, head, tensors, lazy, [], takes, groups, len(opt.state), fqns, keys, dicts)
 
 
 def _fqns(opt: torch.optim.Optimizer, state: Any) -> tuple[tuple[str, Any], ...] | None:

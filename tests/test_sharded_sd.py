@@ -1,8 +1,8 @@
 """The sharded model's state dicts reused while unchanged (ckptd_client/sharded_sd.py): what a save
 takes equals what ``get_model_state_dict`` / ``get_optimizer_state_dict`` return at that moment,
 through training steps, an LR change, a new param group, an optimizer reloaded, a buffer added,
-a buffer replaced, a state-dict hook added and removed, and a module added; reused (not rebuilt)
-only when nothing of that changed. Two real gloo
+a buffer replaced, a state-dict hook added and removed, a module added and deleted, and a shard
+re-pointed (``.data =``); reused (not rebuilt) only when nothing of that changed. Two real gloo
 ranks on CPU, FSDP2 with a persistent buffer beside the sharded parameters. And a DTensor whose
 local shard changes in place over the same bytes (what only the copy thread's full key compare
 sees, plan_cache.Recheck): that save fails saying why, the trainer's fence does not raise, and
@@ -110,6 +110,21 @@ check(0, 0)                      # the hook gone: taken once more, then reused
 check(1, 1)
 model.add_module("act", torch.nn.ReLU())
 check(0, 0)                      # a module added (no state of its own): the tree changed, taken again
+check(1, 1)
+# What no registration hook reports, seen by the cheaper compare (sharded_sd._Frame):
+assert memo.framed > 0
+del model.act
+check(0, 0)                      # a module deleted (delattr: no hook)
+check(1, 1)
+local = model[1].weight._local_tensor
+local.data = local.data.clone()  # a shard's bytes moved to other memory (.data =: no hook)
+check(0, 0)
+check(1, 1)
+model[1].__dict__["_state_dict_hooks"][10**9] = lambda *a: None      # a hook, under a handle id never used
+check(0, 0)
+check(0, 0)
+del model[1].__dict__["_state_dict_hooks"][10**9]
+check(0, 0)
 check(1, 1)
 print("WORKER OK", flush=True)
 dist.destroy_process_group()
