@@ -27,6 +27,7 @@ as dicts (``get_state_dict``'s output) are saved as they are.
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,15 +36,47 @@ import torch
 from ckptd.core.regions import Region
 from ckptd.core.schema import Placement
 
-try:    # torch.distributed may be built without DTensor support
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-except ImportError:  # pragma: no cover - torch without distributed
-    DTensor = None  # type: ignore[assignment,misc]
+
+class _NoDTensor:
+    """``DTensor`` until ``torch.distributed.tensor`` is imported: nothing is one."""
+
+
+# Bound by _bind once the process has imported torch.distributed.tensor. Importing it here would
+# cost every trainer 0.7 s of start-up (a third of ``import ckptd_client``), and no DTensor can
+# exist before it is imported: so a tensor that is not of the bound class is asked again
+# (``is_dtensor``), which binds them as soon as the module is there.
+DTensor: Any = _NoDTensor
+Partial: Any = None
+Replicate: Any = None
+compute_local_shape_and_global_offset: Any = None
+
+
+def _bind() -> bool:
+    global DTensor, Partial, Replicate, compute_local_shape_and_global_offset
+    if "torch.distributed.tensor" not in sys.modules:
+        return False
+    try:
+        from torch.distributed.tensor import DTensor as dt
+        from torch.distributed.tensor import Partial as partial
+        from torch.distributed.tensor import Replicate as replicate
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as local_shape
+    except ImportError:  # pragma: no cover - torch built without DTensor support
+        return False
+    Partial, Replicate, compute_local_shape_and_global_offset = partial, replicate, local_shape
+    DTensor = dt            # last: a thread that sees it bound finds the rest bound
+    return True
+
+
+def _ensure() -> None:
+    """(Functions given a DTensor) what they use bound, if no ``is_dtensor`` call bound it yet."""
+    if DTensor is _NoDTensor:
+        _bind()
 
 
 def is_dtensor(t: Any) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    if DTensor is _NoDTensor and not _bind():
+        return False
+    return isinstance(t, DTensor)
 
 
 _CACHE_MAX = 4096
@@ -62,6 +95,7 @@ _PARTIAL: dict[tuple[Any, ...], bool] = {}
 
 def check_saveable(path: str, t: Any) -> None:
     """TypeError naming the key for a DTensor ckptd cannot store (pending reductions)."""
+    _ensure()
     placements = tuple(t.placements)
     partial = _PARTIAL.get(placements)
     if partial is None:
@@ -79,6 +113,7 @@ _REGIONS: dict[tuple[int, tuple[Any, ...], tuple[int, ...]], tuple[Any, tuple[in
 
 def local_region(t: Any) -> tuple[Region, tuple[int, ...]]:
     """(region of the global tensor this rank's ``to_local()`` holds, global shape)."""
+    _ensure()
     gshape = tuple(t.shape)
     mesh = t.device_mesh
     placements = tuple(t.placements)
@@ -117,6 +152,7 @@ def _coordinate(mesh: Any) -> Any:
 def writes_bytes(t: Any) -> bool:
     """Whether this rank is the one replica that writes ``t``'s local bytes: coordinate 0 on every
     mesh dimension where ``t`` is replicated."""
+    _ensure()
     return _writes(_coordinate(t.device_mesh), tuple(t.placements))
 
 
@@ -162,6 +198,7 @@ def writers(dts: Sequence[Any]) -> list[bool]:
     around DTensors (DDP over TP, no DTensor along "dp") cannot be told apart from stages
     without asking the other ranks, so every data-parallel replica writes there (pieces
     overlap; ``ckptd verify`` reports it)."""
+    _ensure()
     meshes = [t.device_mesh for t in dts]
     info: dict[int, tuple[Any, tuple[int, ...], frozenset[int]] | None] = {}
     spanned: dict[int, set[int]] = {}       # id(root) → root dimensions some DTensor spans
@@ -209,7 +246,7 @@ def _mesh_info(mesh: Any) -> tuple[Any, tuple[int, ...], frozenset[int]] | None:
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose bytes this rank holds: a DTensor's ``to_local()`` (no copy), else ``t``."""
     if type(t) is DTensor:                 # most calls (per tensor per save): no isinstance, no getattr default
-        return t._local_tensor
+        return t._local_tensor  # type: ignore[attr-defined]
     if is_dtensor(t):
         # what to_local() returns with grad disabled, without its autograd wrapper
         local = getattr(t, "_local_tensor", None)

@@ -309,7 +309,7 @@ def _at(t: torch.Tensor, key: tuple[Any, ...]) -> bool:
     if len(key) == _PLAIN_KEY:
         return type(t) in _PLAIN and t.data_ptr() == key[0]
     if type(t) is dtensor.DTensor:
-        return bool(t._local_tensor.data_ptr() == key[0])
+        return bool(t._local_tensor.data_ptr() == key[0])  # type: ignore[attr-defined]
     return type(t) not in _PLAIN and dtensor.is_dtensor(t) and dtensor.local_tensor(t).data_ptr() == key[0]
 
 
