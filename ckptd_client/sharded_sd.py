@@ -18,7 +18,7 @@ show, it does nothing.
 from __future__ import annotations
 
 from itertools import chain
-from operator import attrgetter
+from operator import attrgetter, is_
 from typing import Any
 
 import torch
@@ -85,7 +85,6 @@ def _optimizer_signature(opt: torch.optim.Optimizer) -> list[Any] | None:
     return sig
 
 
-_DICTS = attrgetter("_parameters", "_buffers", "_modules")
 _HOOKS = attrgetter("_state_dict_hooks", "_state_dict_pre_hooks")
 _LOCAL = attrgetter("_local_tensor")
 _PTR = torch.Tensor.data_ptr
@@ -98,20 +97,24 @@ class _Frame:
     pass costs 7-8 ms at 2,050 FSDP2 modules there, and comparing each dict's keys and values by
     identity still 4 ms. So what torch's API changes is counted as it happens (``module_watch``: a
     parameter, buffer or module set on any of the model's modules) and only what no hook reports
-    is compared: each module's type (a parametrization), its parameter, buffer and child counts
-    (``del m.x``), its state-dict hooks (their keys are handle ids, never reused: a hook added is
-    a new key), its non-persistent buffer names, and where each recorded parameter's and buffer's
-    (local) bytes start (``.data =``). Not seen: a tensor put into ``m._parameters`` directly, not
-    through torch's API; FSDP2 does that during forward and backward (its unsharded parameters),
-    and its sharded ones, which the state dict holds, stay what they were."""
+    is compared: each module's type (a parametrization); the size of each buffer and child dict
+    that had entries (``del m.x``: an entry added is counted, so an empty one can only stay so);
+    each parameter by identity (``m.p = None`` is the one registration torch reports to no hook);
+    its state-dict hooks (their keys are handle ids, never reused: a hook added is a new key); its
+    non-persistent buffer names; and where each recorded parameter's and buffer's (local) bytes
+    start (``.data =``). Not seen: a tensor put into ``m._parameters`` directly, not through
+    torch's API; FSDP2 does that during forward and backward (its unsharded parameters), and its
+    sharded ones, which the state dict holds, stay what they were."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.mods = list(model.modules())
         WATCH.watch(self.mods)
         self.counts = (WATCH.generation, WATCH.buffers)
         self.types = list(map(type, self.mods))
-        self.dicts: list[dict[str, Any]] = list(chain.from_iterable(map(_DICTS, self.mods)))
+        self.dicts: list[dict[str, Any]] = [d for m in self.mods for d in (m._buffers, m._modules) if d]
         self.lens = list(map(len, self.dicts))
+        self.params: list[dict[str, Any]] = [m._parameters for m in self.mods if m._parameters]
+        self.param_values = self._param_values()
         self.hooks: list[dict[int, Any]] = list(chain.from_iterable(map(_HOOKS, self.mods)))
         self.hook_ids = self._hook_ids()
         self.sets = [m._non_persistent_buffers_set for m in self.mods]
@@ -123,6 +126,9 @@ class _Frame:
         self.other = [t for t in tensors if type(t) is not dtensor.DTensor and type(t) not in _PLAIN]
         self.where = self._where()
 
+    def _param_values(self) -> list[Any]:
+        return list(chain.from_iterable(map(dict.values, self.params)))
+
     def _hook_ids(self) -> list[int]:
         return list(chain.from_iterable(map(dict.keys, self.hooks)))
 
@@ -132,9 +138,12 @@ class _Frame:
 
     def same(self) -> bool:
         try:
-            return ((WATCH.generation, WATCH.buffers) == self.counts
-                    and list(map(type, self.mods)) == self.types and list(map(len, self.dicts)) == self.lens
-                    and self._hook_ids() == self.hook_ids and self.sets == self.names
+            if ((WATCH.generation, WATCH.buffers) != self.counts or list(map(type, self.mods)) != self.types
+                    or list(map(len, self.dicts)) != self.lens or self._hook_ids() != self.hook_ids
+                    or self.sets != self.names):
+                return False
+            params = self._param_values()
+            return (len(params) == len(self.param_values) and all(map(is_, params, self.param_values))
                     and self._where() == self.where)
         except (AttributeError, TypeError, RuntimeError):
             return False

@@ -1,13 +1,14 @@
 """The sharded model's state dicts reused while unchanged (ckptd_client/sharded_sd.py): what a save
 takes equals what ``get_model_state_dict`` / ``get_optimizer_state_dict`` return at that moment,
 through training steps, an LR change, a new param group, an optimizer reloaded, a buffer added,
-a buffer replaced, a state-dict hook added and removed, a module added and deleted, and a shard
-re-pointed (``.data =``); reused (not rebuilt) only when nothing of that changed. Two real gloo
-ranks on CPU, FSDP2 with a persistent buffer beside the sharded parameters. And a DTensor whose
-local shard changes in place over the same bytes (what only the copy thread's full key compare
-sees, plan_cache.Recheck): that save fails saying why, the trainer's fence does not raise, and
-the next save plans anew and restores bit-exact. And the FSDP2 optimizer's walk spliced on the
-trainer's thread and checked on the copy thread (plan_defer.py)."""
+a buffer replaced, a state-dict hook added and removed, a module added and deleted, a shard
+re-pointed (``.data =``) and a parameter set to None; reused (not rebuilt) only when nothing of
+that changed. Two real gloo ranks on CPU, FSDP2 with a persistent buffer beside the sharded
+parameters. And a DTensor whose local shard changes in place over the same bytes (what only the
+copy thread's full key compare sees, plan_cache.Recheck): that save fails saying why, the
+trainer's fence does not raise, and the next save plans anew and restores bit-exact. And the
+FSDP2 optimizer's and model's walk spliced on the trainer's thread and checked on the copy thread
+(plan_defer.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -124,6 +125,12 @@ model[1].__dict__["_state_dict_hooks"][10**9] = lambda *a: None      # a hook, u
 check(0, 0)
 check(0, 0)
 del model[1].__dict__["_state_dict_hooks"][10**9]
+check(0, 0)
+check(1, 1)
+model.add_module("plain", torch.nn.Linear(2, 2))
+check(0, 0)
+check(1, 1)
+model.plain.bias = None          # a parameter set to None (torch calls no registration hook for it)
 check(0, 0)
 check(1, 1)
 print("WORKER OK", flush=True)
