@@ -20,8 +20,8 @@ Only objects whose state dict is torch's own qualify: no state-dict hooks, no ov
 ``_save_to_state_dict`` or ``get_extra_state``, nothing but parameters the copy defers and
 persistent buffers in a module's part, no scalars in an optimizer's per-parameter state. A sharded
 model (FSDP2) is different: FSDP2 swaps its parameters during forward, so no registration count
-tells whether it changed; its FQN state dict is reused while the model's signature (``sharded_sd``,
-computed on the trainer's thread every save) is equal, and while it is, walking it again gives the
+tells whether it changed; its FQN state dict is reused while ``sharded_sd`` finds the model
+unchanged (checked on the trainer's thread every save), and while it is, walking it again gives the
 last walk's part exactly: that part is spliced (``Segment.sharded_model``) and not walked again on
 the copy thread. Its optimizers' FQN-keyed state dicts (their per-parameter state is
 ``opt.state``'s own dicts) are spliced while the model's state dict was not taken anew since
@@ -52,8 +52,6 @@ _MODULE_STATE_DICT = torch.nn.Module.state_dict
 _MODULE_SAVE = torch.nn.Module._save_to_state_dict
 _MODULE_EXTRA = torch.nn.Module.get_extra_state
 _OPT_STATE_DICT = torch.optim.Optimizer.state_dict
-
-
 
 
 @dataclass(frozen=True)

@@ -102,9 +102,10 @@ class _Frame:
     each parameter by identity (``m.p = None`` is the one registration torch reports to no hook);
     its state-dict hooks (their keys are handle ids, never reused: a hook added is a new key); its
     non-persistent buffer names; and where each recorded parameter's and buffer's (local) bytes
-    start (``.data =``). Not seen: a tensor put into ``m._parameters`` directly, not through
-    torch's API; FSDP2 does that during forward and backward (its unsharded parameters), and its
-    sharded ones, which the state dict holds, stay what they were."""
+    start (``.data =``). FSDP2's own writes into ``m._parameters`` during forward and backward
+    (its unsharded parameters) show as a change: a save then finds the signature changed and
+    takes the state dict anew, as before. Not seen: a buffer or child module put into
+    ``m._buffers`` or ``m._modules`` directly, past torch's API."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.mods = list(model.modules())
