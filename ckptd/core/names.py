@@ -34,7 +34,6 @@ MAX_TENSOR_NAME = 1024
 # to parse them without running out of recursion.
 MAX_TREE_DEPTH = 256
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}\Z")    # a manifest's digest (schema.digest_bytes)
-_HASH16_RE = re.compile(r"^[0-9a-f]{16}\Z")            # codec.checksum, rank_record.short_hash
 _HEX_RE = re.compile(r"^[0-9a-f]*\Z")
 
 
@@ -105,7 +104,7 @@ def is_hex(v: Any, digits: int) -> TypeGuard[str]:
 
 def is_checksum(v: Any) -> TypeGuard[str]:
     """16 lower-case hex digits: a ``codec.checksum`` (or a rank record's ``short_hash``)."""
-    return isinstance(v, str) and _HASH16_RE.match(v) is not None
+    return is_hex(v, 16)
 
 
 def check_digest(v: Any, what: str) -> str:
