@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ports import free_port
+
 SCRIPT = r'''
 import os, sys
 import torch
@@ -60,13 +62,9 @@ dist.destroy_process_group()
 
 
 def test_dtensor_bound_after_import_in_any_order(tmp: Path, daemon: Any) -> None:
-    import socket
     script = tmp / "bind.py"
     script.write_text(SCRIPT)
     for first in ("writes", "region", "save"):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        r = subprocess.run([sys.executable, str(script), str(daemon.socket), str(port), first],
+        r = subprocess.run([sys.executable, str(script), str(daemon.socket), str(free_port()), first],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and "BIND OK" in r.stdout, (first, r.stdout[-2000:], r.stderr[-4000:])

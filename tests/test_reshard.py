@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from ports import free_port
 
 import ckptd_client
 from ckptd.core import storage
@@ -584,9 +584,7 @@ def rank_main(mode: str, root: str, sock: str) -> None:
 
 
 def run_group(world: int, *args: str, timeout: float = 150) -> list[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",

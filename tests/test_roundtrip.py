@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from ports import free_port
 
 from ckptd import cli
 from ckptd.core.global_index import LOCAL
@@ -92,9 +92,7 @@ class Job:
         self.daemon: DaemonProcess = self.start_daemon()
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         if mode == "relay":
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                env["MASTER_PORT"] = str(s.getsockname()[1])
+            env["MASTER_PORT"] = str(free_port())
         self.ranks = [Rank(["--socket", str(self.sock), "--job", JOB, "--rank", str(r), "--world", str(WORLD),
                             "--mode", mode], env, base / f"rank{r}.log") for r in range(WORLD)]
         for r in self.ranks:
