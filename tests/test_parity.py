@@ -216,12 +216,11 @@ def test_piece_ops_check_checksums_sizes_and_repeats(group):
 
     async def ask(msg: dict[str, Any], payload: bytes | None = None) -> tuple[dict[str, Any], bytes]:
         link = await PeerLink(addrs[0], secret.read_bytes().strip(), "test", 5.0).open()
-        assert link.reader is not None and link.writer is not None
         try:
-            await pp.send(link.writer, msg, payload, timeout=5.0)
-            reply, plen = await pp.recv(link.reader, 1 << 30, timeout=5.0)
+            await pp.send(link.channel, msg, payload)
+            reply, plen = await pp.recv(link.channel, 1 << 30)
             data = bytearray(plen)
-            await pp.recv_payload(link.reader, memoryview(data), timeout=5.0)
+            await pp.recv_payload(link.channel, memoryview(data))
             return reply, bytes(data)
         finally:
             link.close()

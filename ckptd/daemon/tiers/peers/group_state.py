@@ -40,9 +40,8 @@ async def ask(layout: ParityLayout, member: int, secret: bytes, timeout: float,
     link = PeerLink(layout.address(member), secret, layout.me, timeout, tls)
     try:
         await link.open()
-        assert link.reader is not None and link.writer is not None
-        await pp.send(link.writer, {"op": "group_report"}, timeout=timeout)
-        reply, plen = await pp.recv(link.reader, timeout=timeout)
+        await pp.send(link.channel, {"op": "group_report"})
+        reply, plen = await pp.recv(link.channel)
         if reply.get("op") != "group_report" or plen:
             return f"answered {str(reply.get('op'))[:40]!r}"
         return reply

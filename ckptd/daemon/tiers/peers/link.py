@@ -6,6 +6,8 @@ refused and logged (never the secret). A received replica is reserved against th
 memory budget before a byte of it is read, and is kept only if every chunk's checksum matches.
 Every connect, read and write, both sides, is bounded by ``peers.io_timeout`` (``timeout``
 here): a stopped or wedged peer fails that one exchange (``StalledError``) and is let go.
+Connections are ``ckptd.core.peer_channel`` channels: payloads move on threads, straight from and
+into the held memfds; the event loop accepts, waits for requests and keeps the books.
 With ``peers.tls_*`` set every connection is mutual TLS (``tls.py``) underneath the same frames.
 Replication (sending our shards out, in the background) is ``replicate.py``.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import ssl
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -20,6 +23,7 @@ from typing import Any, Protocol
 from ckptd.core import peer_protocol as pp
 from ckptd.core.errors import ChecksumError, FormatError, ProtocolError
 from ckptd.core.held import MAX_HELD_BYTES, HeldMeta, verify
+from ckptd.core.peer_channel import Channel
 from ckptd.daemon.runtime import describe_error
 from ckptd.daemon.tiers.memory.store import REPLICA, Held, MemoryStore, new_memfd
 from ckptd.daemon.tiers.peers.layout import PIECE_OPS
@@ -54,8 +58,7 @@ def split_address(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-async def receive_held(store: MemoryStore, reader: asyncio.StreamReader, msg: dict[str, Any], plen: int,
-                       origin: str, timeout: float) -> Held | None:
+async def receive_held(store: MemoryStore, ch: Channel, msg: dict[str, Any], plen: int, origin: str) -> Held | None:
     """A held shard's payload, after its ``msg``: reserved, read into a memfd, checksummed.
     None (payload skipped) when it does not fit the budget; ChecksumError/FormatError when bad."""
     meta = HeldMeta.from_wire(msg)
@@ -63,17 +66,21 @@ async def receive_held(store: MemoryStore, reader: asyncio.StreamReader, msg: di
         raise FormatError(f"{meta.what}: payload of {plen} bytes for a shard of {meta.nbytes}")
     held = store.reserve(meta.job, meta.step, meta.rank, meta.nbytes, origin)
     if held is None:
-        await pp.skip(reader, plen, timeout=timeout)
+        await pp.skip(ch, plen)
         return None
+    loop = asyncio.get_running_loop()
     try:
-        held.fd, mm = await asyncio.get_running_loop().run_in_executor(
+        held.fd, mm = await loop.run_in_executor(
             None, new_memfd, f"ckptd-mem-{meta.job}-{meta.step}-r{meta.rank}", meta.nbytes)
         held.mm = mm
         view = memoryview(mm)
-        try:
-            await pp.recv_payload(reader, view[:plen], timeout=timeout)
+
+        def check() -> None:
             for t, sums in zip(meta.layout, meta.checksums, strict=True):
                 verify(view[t.offset:t.offset + t.nbytes], sums, meta.chunk_bytes, f"{meta.what} tensor {t.name!r}")
+        try:
+            await pp.recv_payload(ch, view[:plen])
+            await loop.run_in_executor(None, check)
         finally:
             view.release()
     except ChecksumError:
@@ -90,8 +97,7 @@ async def receive_held(store: MemoryStore, reader: asyncio.StreamReader, msg: di
 class PieceOps(Protocol):
     """The parity holder's side of the piece ops (parity_hold.py), when ``redundancy = "parity"``."""
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, msg: dict[str, Any],
-                     plen: int, node: str) -> None: ...
+    async def handle(self, ch: Channel, msg: dict[str, Any], plen: int, node: str) -> None: ...
 
 
 class PeerServer:
@@ -104,73 +110,95 @@ class PeerServer:
                  tls: ssl.SSLContext | None = None) -> None:
         self.store, self.secret, self.trim, self.refused = store, secret, trim, refused
         self.timeout, self.pieces, self.tls = timeout, pieces, tls
-        self.server: asyncio.base_events.Server | None = None
+        self.listener: socket.socket | None = None
+        self.accepting: asyncio.Task[None] | None = None
+        self.conns: dict[asyncio.Task[None], Channel] = {}
         self.address: tuple[str, int] | None = None
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
-        # TLS by the server itself: a connection whose certificate is refused never reaches _serve (the
-        # linking side logs the failure). Not start_tls in _serve: a ClientHello that arrives first is lost.
-        self.server = await asyncio.start_server(self._serve, host, port, limit=pp.PIECE * 2, ssl=self.tls,
-                                                 ssl_handshake_timeout=self.timeout if self.tls else None)
-        self.address = self.server.sockets[0].getsockname()[:2]
+        family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        self.listener = socket.create_server((host, port), family=family, backlog=128)
+        self.listener.setblocking(False)
+        self.address = self.listener.getsockname()[:2]
+        self.accepting = asyncio.ensure_future(self._accept())
         return self.address
 
     async def stop(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
+        if self.accepting is not None:
+            self.accepting.cancel()
+            await asyncio.gather(self.accepting, return_exceptions=True)
+        if self.listener is not None:
+            self.listener.close()
+        for task, ch in list(self.conns.items()):
+            ch.close()
+            task.cancel()
+        await asyncio.gather(*self.conns, return_exceptions=True)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        remote = writer.get_extra_info("peername")
-        where = f"{remote[0]}:{remote[1]}" if isinstance(remote, tuple) else str(remote)
+    async def _accept(self) -> None:
+        assert self.listener is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, remote = await loop.sock_accept(self.listener)
+            except OSError as e:            # EMFILE and the like: this connection is lost, not the listener
+                log.warning("peer accept failed", extra={"ctx": {"reason": describe_error(e)}})
+                await asyncio.sleep(0.1)
+                continue
+            where = f"{remote[0]}:{remote[1]}" if isinstance(remote, tuple) else str(remote)
+            ch = Channel(conn, self.timeout)
+            task = asyncio.ensure_future(self._serve(ch, where))
+            self.conns[task] = ch
+            task.add_done_callback(self.conns.pop)
+
+    async def _serve(self, ch: Channel, where: str) -> None:
         try:
-            node = await pp.server_handshake(reader, writer, self.secret, timeout=self.timeout)
+            if self.tls is not None:
+                await ch.start_tls(self.tls)
+            node = await pp.server_handshake(ch, self.secret)
         except (ProtocolError, OSError) as e:
             self.refused()
             log.warning("peer refused", extra={"ctx": {"remote": where, "reason": tls_error(e) or describe_error(e)}})
-            writer.close()
+            ch.close()
             return
         try:
             while True:
-                msg, plen = await pp.recv(reader, MAX_HELD_BYTES, timeout=self.timeout)
+                msg, plen = await pp.recv(ch, MAX_HELD_BYTES)
                 if msg["op"] == "put":
-                    await self._put(reader, writer, msg, plen, node)
+                    await self._put(ch, msg, plen, node)
                 elif msg["op"] == "get" and plen == 0:
-                    await self._get(writer, msg)
+                    await self._get(ch, msg)
                 elif msg["op"] in PIECE_OPS and self.pieces is not None:
-                    await self.pieces.handle(reader, writer, msg, plen, node)
+                    await self.pieces.handle(ch, msg, plen, node)
                 elif msg["op"] == "has" and plen == 0:
-                    await pp.send(writer, {"op": "yes" if self._lookup(msg) is not None else "missing"},
-                                  timeout=self.timeout)
+                    await pp.send(ch, {"op": "yes" if self._lookup(msg) is not None else "missing"})
                 else:
                     raise ProtocolError(f"unknown peer request {str(msg['op'])[:40]!r}")
         except ProtocolError as e:
-            if "closed the connection" not in str(e):
+            if str(e) != "peer closed the connection":
                 log.warning("peer connection dropped", extra={"ctx": {"remote": where, "node": node,
                                                                       "reason": describe_error(e)}})
-        except (OSError, asyncio.IncompleteReadError):
+        except OSError:
             pass
         finally:
-            writer.close()
+            ch.close()
 
-    async def _put(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, msg: dict[str, Any],
-                   plen: int, node: str) -> None:
+    async def _put(self, ch: Channel, msg: dict[str, Any], plen: int, node: str) -> None:
         try:
-            held = await receive_held(self.store, reader, msg, plen, REPLICA, self.timeout)
+            held = await receive_held(self.store, ch, msg, plen, REPLICA)
         except (ChecksumError, FormatError) as e:
             log.warning("replica refused", extra={"ctx": {"node": node, "reason": describe_error(e)}})
-            await pp.send(writer, {"op": "error", "reason": str(e)[:500]}, timeout=self.timeout)
+            await pp.send(ch, {"op": "error", "reason": str(e)[:500]})
             if isinstance(e, FormatError):
                 raise ProtocolError(str(e)) from None
             return
         if held is None:
-            await pp.send(writer, {"op": "error", "reason": "over this peer's memory budget"}, timeout=self.timeout)
+            await pp.send(ch, {"op": "error", "reason": "over this peer's memory budget"})
             return
         assert held.meta is not None
         log.info("replica held", extra={"ctx": {"job": held.job, "step": held.step, "rank": held.rank,
                                                 "bytes": held.meta.nbytes, "from": node}})
         self.trim(held.job)
-        await pp.send(writer, {"op": "ok"}, timeout=self.timeout)
+        await pp.send(ch, {"op": "ok"})
 
     def _lookup(self, msg: dict[str, Any]) -> Held | None:
         """The held shard a ``get``/``has`` names (job, step, rank and manifest digest), if any."""
@@ -181,15 +209,14 @@ class PeerServer:
             return None
         return held
 
-    async def _get(self, writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
+    async def _get(self, ch: Channel, msg: dict[str, Any]) -> None:
         held = self._lookup(msg)
         if held is None or held.meta is None or held.mm is None:
-            await pp.send(writer, {"op": "missing"}, timeout=self.timeout)
+            await pp.send(ch, {"op": "missing"})
             return
         self.store.pin(held)
         try:
-            await pp.send(writer, {"op": "held", **held.meta.to_wire()}, memoryview(held.mm)[:held.meta.nbytes],
-                          timeout=self.timeout)
+            await pp.send(ch, {"op": "held", **held.meta.to_wire()}, memoryview(held.mm)[:held.meta.nbytes])
         finally:
             self.store.unpin(held)
 
@@ -201,22 +228,16 @@ class PeerLink:
     def __init__(self, address: str, secret: bytes, node: str, timeout: float,
                  tls: ssl.SSLContext | None = None) -> None:
         self.address, self.secret, self.node, self.timeout, self.tls = address, secret, node, timeout, tls
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
+        self.ch: Channel | None = None
 
     async def open(self) -> PeerLink:
         host, port = split_address(self.address)
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port, limit=pp.PIECE * 2, ssl=self.tls,
-                                        server_hostname="" if self.tls else None), self.timeout)
-        except asyncio.TimeoutError:
-            raise pp.StalledError(f"peer stalled: no connection within {self.timeout:g} s") from None
+            self.ch = await Channel.connect(host, port, self.timeout, self.tls)
         except ssl.SSLError as e:
             raise ProtocolError(f"peer {self.address}: {tls_error(e)}") from None
-        self.reader, self.writer = reader, writer
         try:
-            await pp.client_handshake(reader, writer, self.secret, self.node, timeout=self.timeout)
+            await pp.client_handshake(self.ch, self.secret, self.node)
         except ssl.SSLError as e:         # TLS 1.3: the listener refuses our certificate after the handshake
             self.close()
             raise ProtocolError(f"peer {self.address}: {tls_error(e)}") from None
@@ -225,41 +246,44 @@ class PeerLink:
             raise
         return self
 
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+    @property
+    def channel(self) -> Channel:
+        """The open connection (after ``open``)."""
+        if self.ch is None:
+            raise ProtocolError(f"peer {self.address}: link not open")
+        return self.ch
 
-    async def put(self, held: Held, throttle: Callable[[int], Any] | None) -> None:
+    def close(self) -> None:
+        if self.ch is not None:
+            self.ch.close()
+            self.ch = None
+
+    async def put(self, held: Held, pace: Callable[[int], None] | None) -> None:
         """Send a held shard; ProtocolError with the peer's reason if it does not keep it."""
-        assert self.reader is not None and self.writer is not None and held.meta is not None and held.mm is not None
+        assert held.meta is not None and held.mm is not None
         view = memoryview(held.mm)[:held.meta.nbytes]
         try:
-            await pp.send(self.writer, {"op": "put", **held.meta.to_wire()}, view, throttle, timeout=self.timeout)
+            await pp.send(self.channel, {"op": "put", **held.meta.to_wire()}, view, pace)
         finally:
             view.release()
-        reply, _ = await pp.recv(self.reader, timeout=self.timeout)
+        reply, _ = await pp.recv(self.channel)
         if reply.get("op") != "ok":
             raise ProtocolError(f"peer {self.address} did not keep the replica: {reply.get('reason', reply['op'])}")
 
     async def get(self, store: MemoryStore, job: str, step: int, rank: int, digest: str) -> Held | None:
         """The peer's copy, checked (ChecksumError if corrupt), held in ``store``; None if it has none."""
-        assert self.reader is not None and self.writer is not None
-        await pp.send(self.writer, {"op": "get", "job": job, "step": step, "rank": rank, "digest": digest},
-                      timeout=self.timeout)
-        msg, plen = await pp.recv(self.reader, MAX_HELD_BYTES, timeout=self.timeout)
+        await pp.send(self.channel, {"op": "get", "job": job, "step": step, "rank": rank, "digest": digest})
+        msg, plen = await pp.recv(self.channel, MAX_HELD_BYTES)
         if msg.get("op") != "held":
             return None
         if (msg.get("job"), msg.get("step"), msg.get("rank"), msg.get("digest")) != (job, step, rank, digest):
             raise ProtocolError(f"peer {self.address} answered with another shard")
-        return await receive_held(store, self.reader, msg, plen, "peer", self.timeout)
+        return await receive_held(store, self.channel, msg, plen, "peer")
 
     async def has(self, job: str, step: int, rank: int, digest: str) -> bool:
         """Whether the peer holds that shard (a probe: no payload moves)."""
-        assert self.reader is not None and self.writer is not None
-        await pp.send(self.writer, {"op": "has", "job": job, "step": step, "rank": rank, "digest": digest},
-                      timeout=self.timeout)
-        msg, plen = await pp.recv(self.reader, timeout=self.timeout)
+        await pp.send(self.channel, {"op": "has", "job": job, "step": step, "rank": rank, "digest": digest})
+        msg, plen = await pp.recv(self.channel)
         if plen or msg.get("op") not in ("yes", "missing"):
             raise ProtocolError(f"peer {self.address} answered a probe with {str(msg.get('op'))[:40]!r}")
         return msg["op"] == "yes"

@@ -105,12 +105,11 @@ class ParityNode:
         view = memoryview(held.mm)[offset:offset + length]
         try:
             await link.open()
-            assert link.reader is not None and link.writer is not None
-            await pp.send(link.writer, {"op": "put_piece", "job": meta.job, "step": meta.step, "rank": meta.rank,
-                                        "digest": meta.digest, "stripe": s, "lane": lane,
-                                        "member": self.layout.member, "checksum": checksum(view),
-                                        "meta": meta.to_wire()}, view, self.bucket.take, timeout=self.timeout)
-            reply, _ = await pp.recv(link.reader, timeout=self.timeout)
+            await pp.send(link.channel, {"op": "put_piece", "job": meta.job, "step": meta.step, "rank": meta.rank,
+                                         "digest": meta.digest, "stripe": s, "lane": lane,
+                                         "member": self.layout.member, "checksum": checksum(view),
+                                         "meta": meta.to_wire()}, view, self.bucket.take)
+            reply, _ = await pp.recv(link.channel)
             if reply.get("op") != "ok":
                 raise ProtocolError(f"parity holder did not fold the piece: {str(reply.get('reason', reply['op']))}")
         except (OSError, ProtocolError) as e:

@@ -24,6 +24,7 @@ from ckptd.core import peer_protocol as pp
 from ckptd.core.codec import checksum
 from ckptd.core.errors import FormatError, ProtocolError
 from ckptd.core.held import HeldMeta
+from ckptd.core.peer_channel import Channel
 from ckptd.daemon.runtime import describe_error
 from ckptd.daemon.tiers.memory.store import MemoryStore, new_memfd
 from ckptd.daemon.tiers.peers import group_state
@@ -83,28 +84,27 @@ class ParityHolder:
 
     # ---- serving ---------------------------------------------------------------------------
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, msg: dict[str, Any],
-                     plen: int, node: str) -> None:
+    async def handle(self, ch: Channel, msg: dict[str, Any], plen: int, node: str) -> None:
         op = msg["op"]
         if op == "put_piece":
             try:
-                reply = await self._put(reader, msg, plen, node)
+                reply = await self._put(ch, msg, plen, node)
             except (FormatError, ValueError) as e:
                 log.warning("parity piece refused", extra={"ctx": {"from": node, "reason": describe_error(e)}})
                 raise ProtocolError(str(e)) from None
-            await pp.send(writer, reply, timeout=self.timeout)
+            await pp.send(ch, reply)
         elif op == "get_parity" and plen == 0:
-            await self._get_parity(writer, msg)
+            await self._get_parity(ch, msg)
         elif op == "get_piece" and plen == 0:
-            await self._get_piece(writer, msg)
+            await self._get_piece(ch, msg)
         elif op == "reduce_piece" and plen == 0:
-            await self._reduce_piece(writer, msg, node)
+            await self._reduce_piece(ch, msg, node)
         elif op == "group_report" and plen == 0:
-            await pp.send(writer, self.report(), timeout=self.timeout)
+            await pp.send(ch, self.report())
         else:
             raise ProtocolError(f"bad peer request {str(op)[:40]!r} with {plen} payload bytes")
 
-    async def _put(self, reader: asyncio.StreamReader, msg: dict[str, Any], plen: int, node: str) -> dict[str, Any]:
+    async def _put(self, ch: Channel, msg: dict[str, Any], plen: int, node: str) -> dict[str, Any]:
         lay = self.layout
         wire = msg.get("meta")
         meta = HeldMeta.from_wire(wire if isinstance(wire, dict) else {})
@@ -124,7 +124,7 @@ class ParityHolder:
         key = (meta.job, meta.step, s, lane)
         unit = self.units.get(key)
         if unit is not None and member in unit.record:
-            await pp.skip(reader, plen, timeout=self.timeout)
+            await pp.skip(ch, plen)
             f = unit.record[member]
             if (f.rank, f.digest) == (meta.rank, meta.digest):
                 return {"op": "ok"}            # folded already: once more would cancel it out
@@ -132,11 +132,11 @@ class ParityHolder:
         size = piece_size(meta.nbytes, lay.size, lay.p)
         grow = max(0, size - (unit.size if unit is not None else 0))
         if grow and not self.store.charge(grow, f"parity {meta.job} step {meta.step} stripe {s}"):
-            await pp.skip(reader, plen, timeout=self.timeout)
+            await pp.skip(ch, plen)
             return {"op": "error", "reason": "over this peer's memory budget"}
         data = bytearray(plen)
         try:
-            await pp.recv_payload(reader, memoryview(data), timeout=self.timeout)
+            await pp.recv_payload(ch, memoryview(data))
         finally:
             if grow:
                 self.store.uncharge(grow)   # the reservation; charged again exactly below, under the lock
@@ -189,30 +189,30 @@ class ParityHolder:
                         return unit, f
         return None
 
-    async def _found(self, writer: asyncio.StreamWriter, msg: dict[str, Any]) -> tuple[ParityUnit, Folded] | None:
+    async def _found(self, ch: Channel, msg: dict[str, Any]) -> tuple[ParityUnit, Folded] | None:
         """The buffer holding the rank the request names, or None (``missing`` answered)."""
         found = self._find(msg)
         if found is None or found[0].mm is None:
-            await pp.send(writer, {"op": "missing"}, timeout=self.timeout)
+            await pp.send(ch, {"op": "missing"})
             return None
         return found
 
-    async def _get_parity(self, writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
-        if (found := await self._found(writer, msg)) is None:
+    async def _get_parity(self, ch: Channel, msg: dict[str, Any]) -> None:
+        if (found := await self._found(ch, msg)) is None:
             return
         unit, f = found
         assert unit.mm is not None
         view = memoryview(unit.mm)[:unit.size]
         try:
-            await pp.send(writer, {"op": "parity", "q": unit.q, "lane": unit.lane, "checksum": checksum(view),
+            await pp.send(ch, {"op": "parity", "q": unit.q, "lane": unit.lane, "checksum": checksum(view),
                                    "record": [x.to_wire() for x in unit.record.values()], "meta": f.meta},
-                          view, timeout=self.timeout)
+                          view)
             self.served += len(view)
         finally:
             view.release()
 
-    async def _reduce_piece(self, writer: asyncio.StreamWriter, msg: dict[str, Any], node: str) -> None:
-        if (found := await self._found(writer, msg)) is None:
+    async def _reduce_piece(self, ch: Channel, msg: dict[str, Any], node: str) -> None:
+        if (found := await self._found(ch, msg)) is None:
             return
         unit, f = found
         assert unit.mm is not None
@@ -222,27 +222,27 @@ class ParityHolder:
         except (GiveUp, ValueError) as e:           # (ValueError: the codec's)
             log.warning("parity reduce refused", extra={"ctx": {"for": node, "job": unit.job, "step": unit.step,
                                                                 "stripe": unit.stripe, "reason": str(e)}})
-            await pp.send(writer, {"op": "error", "reason": str(e)}, timeout=self.timeout)
+            await pp.send(ch, {"op": "error", "reason": str(e)})
             return
-        await pp.send(writer, {"op": "piece", "checksum": checksum(piece), "member": f.member, "meta": f.meta},
-                      piece, timeout=self.timeout)
+        await pp.send(ch, {"op": "piece", "checksum": checksum(piece), "member": f.member, "meta": f.meta},
+                      piece)
         self.served += len(piece)
 
-    async def _get_piece(self, writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
+    async def _get_piece(self, ch: Channel, msg: dict[str, Any]) -> None:
         job, step, rank, digest, s = (msg.get(k) for k in ("job", "step", "rank", "digest", "stripe"))
         held = self.store.get(job, step, rank) if isinstance(job, str) and type(step) is int \
             and type(rank) is int else None
         if held is None or held.meta is None or held.mm is None or held.meta.digest != digest \
                 or type(s) is not int or not 0 <= s < self.layout.size \
                 or self.layout.member not in self.layout.stripe(s).data:
-            await pp.send(writer, {"op": "missing"}, timeout=self.timeout)
+            await pp.send(ch, {"op": "missing"})
             return
         piece = self.layout.cut(held.meta.nbytes).piece_in(s)
         self.store.pin(held)
         try:
             view = memoryview(held.mm)[piece.offset:piece.offset + piece.length]
             try:
-                await pp.send(writer, {"op": "piece", "checksum": checksum(view)}, view, timeout=self.timeout)
+                await pp.send(ch, {"op": "piece", "checksum": checksum(view)}, view)
                 self.served += len(view)
             finally:
                 view.release()

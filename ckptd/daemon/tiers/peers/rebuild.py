@@ -135,11 +135,10 @@ class Rebuilder:
             link = PeerLink(addr, self.secret, self.layout.me, self.timeout, self.tls)
             try:
                 await link.open()
-                assert link.reader is not None and link.writer is not None
-                await pp.send(link.writer, {"op": "reduce_piece", "job": job, "step": step, "stripe": s,
-                                            "rank": rank, "digest": digest}, timeout=self.timeout)
+                await pp.send(link.channel, {"op": "reduce_piece", "job": job, "step": step, "stripe": s,
+                                             "rank": rank, "digest": digest})
                 # the holder fetches the other pieces (each bounded by the timeout) before it answers
-                reply, plen = await pp.recv(link.reader, MAX_HELD_BYTES, timeout=3 * self.timeout)
+                reply, plen = await pp.recv(link.channel, MAX_HELD_BYTES, wait=3 * self.timeout)
                 if reply.get("op") != "piece":
                     why.append(f"parity holder {q} ({addr}): {str(reply.get('reason', 'does not hold it'))[:300]}")
                     continue
@@ -149,7 +148,7 @@ class Rebuilder:
                     raise ProtocolError(f"a reduced piece of {plen} bytes for one of {piece.length}")
                 view = memoryview(mm)[piece.offset:piece.offset + piece.length]
                 try:
-                    await pp.recv_payload(link.reader, view, timeout=self.timeout)
+                    await pp.recv_payload(link.channel, view)
                     if checksum(view) != reply.get("checksum"):
                         self.store.totals.corrupt += 1
                         raise ProtocolError("the reduced piece fails its transport checksum")
@@ -224,13 +223,12 @@ class Rebuilder:
         link = PeerLink(addr, self.secret, self.layout.me, self.timeout, self.tls)
         try:
             await link.open()
-            assert link.reader is not None and link.writer is not None
-            await pp.send(link.writer, msg, timeout=self.timeout)
-            reply, plen = await pp.recv(link.reader, MAX_HELD_BYTES, timeout=self.timeout)
+            await pp.send(link.channel, msg)
+            reply, plen = await pp.recv(link.channel, MAX_HELD_BYTES)
             if reply.get("op") != want:
                 return None
             data = bytearray(plen)
-            await pp.recv_payload(link.reader, memoryview(data), timeout=self.timeout)
+            await pp.recv_payload(link.channel, memoryview(data))
             if checksum(data) != reply.get("checksum"):
                 self.store.totals.corrupt += 1
                 log.error("parity piece from peer fails its checksum; not used",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,22 +34,26 @@ QUEUE_MAX = 1024                # shards waiting per target
 
 
 class TokenBucket:
-    """``rate`` bytes a second (0: unlimited), bursts of up to one second's worth."""
+    """``rate`` bytes a second (0: unlimited), bursts of up to one second's worth; shared by the
+    senders' threads (``peer_channel``), so it is locked and its wait is a blocking sleep."""
 
     def __init__(self, rate: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.rate, self.clock = rate, clock
         self.tokens, self.last = float(rate), clock()
+        self.lock = threading.Lock()
 
-    async def take(self, n: int) -> None:
-        """Before sending ``n`` bytes: wait until the bucket has paid for them (it may run into debt
-        for a piece larger than a burst; the wait then covers the debt)."""
+    def take(self, n: int) -> None:
+        """(A sending thread) Before sending ``n`` bytes: wait until the bucket has paid for them (it
+        may run into debt for a piece larger than a burst; the wait then covers the debt)."""
         if self.rate <= 0:
             return
-        now = self.clock()
-        self.tokens = min(float(self.rate), self.tokens + (now - self.last) * self.rate) - n
-        self.last = now
-        if self.tokens < 0:
-            await asyncio.sleep(-self.tokens / self.rate)
+        with self.lock:
+            now = self.clock()
+            self.tokens = min(float(self.rate), self.tokens + (now - self.last) * self.rate) - n
+            self.last = now
+            wait = -self.tokens / self.rate
+        if wait > 0:
+            time.sleep(wait)
 
 
 def targets(peers: list[str], me: str, k: int, jump: int) -> list[str]:

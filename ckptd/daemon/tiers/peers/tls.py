@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class PeerTLS:
-    server: ssl.SSLContext       # for asyncio.start_server(ssl=...)
-    client: ssl.SSLContext       # for asyncio.open_connection(ssl=..., server_hostname="")
+    server: ssl.SSLContext       # for Channel.start_tls on an accepted connection
+    client: ssl.SSLContext       # for Channel.connect(tls=...): no SNI, the chain checked
 
 
 def check_file(what: str, path: str, private: bool) -> None:
