@@ -80,6 +80,9 @@ def test_certificate_from_another_ca_is_refused(daemon_factory, tmp):
     c = daemon_factory(*peer_args(addrs[1], addrs, secret, *make_node(make_ca(tmp / "other"), "c")), name="c")
     _save_and_expect_refusal(a, c, "foreign")
     assert "TLS handshake failed" in c.log_text()
+    # the listener's side: the foreign certificate refused in its handshake, logged and counted
+    assert "peer refused" in a.log_text() and "TLS handshake failed" in a.log_text()
+    assert status(a.socket)["memory"]["peers_refused"] >= 1
 
 
 def test_plain_daemon_cannot_replicate_to_a_tls_one(daemon_factory, tmp):
