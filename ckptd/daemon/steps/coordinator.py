@@ -191,8 +191,9 @@ class StepCoordinator(Generic[W]):
         await self._withdraw_commits()          # from here no index of these commits can appear any more
         settled: dict[str, str] = {}
         for st in committing:
-            if st.state is not StepState.COMMITTING:
-                continue                        # its commit ended meanwhile and told everyone
+            if st.state is not StepState.COMMITTING:    # its commit ended meanwhile and told everyone
+                settled[_commit_name(st)] = "published" if st.state is StepState.COMMITTED else "failed"
+                continue
             if await self.tier.is_committed(st.job, st.step):
                 self._committed(st)
                 settled[_commit_name(st)] = "published"
