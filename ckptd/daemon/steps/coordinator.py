@@ -193,8 +193,7 @@ class StepCoordinator(Generic[W]):
         for st in committing:
             if st.state is not StepState.COMMITTING:    # its commit ended meanwhile and told everyone
                 settled[_commit_name(st)] = "published" if st.state is StepState.COMMITTED else "failed"
-                continue
-            if await self.tier.is_committed(st.job, st.step):
+            elif await self.tier.is_committed(st.job, st.step):
                 self._committed(st)
                 settled[_commit_name(st)] = "published"
             else:
