@@ -164,3 +164,47 @@ def test_close_from_another_thread_ends_a_blocked_send(pair):
         return time.monotonic() - t0
 
     assert asyncio.run(run()) < 10.0
+
+
+def test_more_crossing_transfers_than_send_threads_all_finish():
+    """Two "nodes" each send a payload to the other over more connections at once than a pool has
+    send threads, with small socket buffers so every send blocks until the other side reads. Each
+    receive runs on a pool of its own, so every transfer finishes; with one pool for both, every
+    thread would sit in a send that nobody reads and each transfer would stall out."""
+    from ckptd.core.peer_channel import POOL_THREADS, SEND
+    n, size = POOL_THREADS[SEND] + 8, 1 << 20
+    small = 64 << 10
+    pairs = []
+    with socket.create_server(("127.0.0.1", 0), backlog=n) as lsock:
+        for _ in range(n):
+            theirs = socket.socket()
+            theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, small)
+            theirs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, small)
+            theirs.connect(lsock.getsockname())
+            ours, _ = lsock.accept()
+            ours.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, small)
+            ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, small)
+            pairs.append((ours, theirs))
+
+    async def exchange(a: Channel, b: Channel, i: int) -> tuple[bool, bool]:
+        to_b, to_a = bytes([i % 251]) * size, bytes([(i + 7) % 251]) * size
+
+        async def take(ch: Channel) -> bytes:
+            _, plen = await pp.recv(ch, limit=size)
+            out = bytearray(plen)
+            await pp.recv_payload(ch, memoryview(out))
+            return bytes(out)
+        got_b, got_a, _, _ = await asyncio.gather(take(b), take(a), pp.send(a, {"op": "x"}, to_b),
+                                                  pp.send(b, {"op": "x"}, to_a))
+        return got_b == to_b, got_a == to_a
+
+    async def run() -> list[tuple[bool, bool]]:
+        chans = [(Channel(o, 5.0), Channel(t, 5.0)) for o, t in pairs]
+        try:
+            return await asyncio.gather(*(exchange(a, b, i) for i, (a, b) in enumerate(chans)))
+        finally:
+            for a, b in chans:
+                a.close()
+                b.close()
+
+    assert asyncio.run(run()) == [(True, True)] * n

@@ -3,9 +3,9 @@
 Why not the event loop's streams: under uvloop (the daemon's loop) a stream reads a large payload
 at 0.25-0.35 GB/s over loopback, a blocking ``recv_into`` on a thread at 0.8-1.05 GB/s straight into
 the destination memfd (README, "Memory-level saves"). So every transfer is a blocking call on a
-thread of this module's pool, and the event loop only waits: for the call's result, and, before a
-frame is read, for the socket to become readable (``readable``), so an idle connection holds no
-thread.
+thread of one of this module's pools (one per kind of call: ``POOL_THREADS``), and the event loop
+only waits: for the call's result, and, before a frame is read, for the socket to become readable
+(``readable``), so an idle connection holds no thread.
 
 Every blocking call is bounded by ``timeout`` per step (the socket's timeout: each ``recv`` or
 ``send`` of a piece), so a peer that sends or takes nothing for that long raises
@@ -14,8 +14,8 @@ cancelled while its call runs shuts the socket down (which ends the call at once
 thread before it lets go, so no thread ever writes into a buffer its caller has given up.
 
 Call order: ``connect`` (or ``Channel(accepted socket)``, then ``start_tls`` with TLS, on the listening
-side); then, any number of times, ``readable`` before a frame is read and ``run(fn)`` with a blocking
-``fn`` made of ``sendall`` and ``fill`` (``ckptd.core.peer_protocol`` frames that way); then ``close``.
+side); then, any number of times, ``readable`` before a frame is read and ``run(fn, kind)`` with a
+blocking ``fn`` made of ``sendall`` and ``fill`` (``ckptd.core.peer_protocol`` frames that way); then ``close``.
 """
 from __future__ import annotations
 
@@ -29,23 +29,29 @@ from typing import TypeVar
 
 from .errors import ProtocolError
 
-IO_THREADS = 32                      # transfers at once, all peers and both directions together
 PIECE = 4 * 1024 * 1024              # most bytes asked of one recv
 T = TypeVar("T")
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
+
+# One pool per kind of blocking call, so no call can wait on one that cannot start: a send waits
+# only for its receiver to read (the other side's RECV pool), a receive starts only once its
+# sender's call runs (``readable``, or a payload right after its frame), a dialling side's TLS
+# handshake waits for the listener's (ACCEPT). Were they one pool, two nodes whose threads all
+# sent to each other would stall until the timeout, with no thread left on either to read.
+SEND, RECV, CONNECT, ACCEPT = "send", "recv", "connect", "accept"
+POOL_THREADS = {SEND: 32, RECV: 32, CONNECT: 16, ACCEPT: 16}     # threads are started as needed
+_pools: dict[str, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
 
 
 class StalledError(ProtocolError):
     """The peer made no progress (sent or took no bytes) within the I/O timeout."""
 
 
-def _io_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="ckptd-peer-io")
-        return _pool
+def _io_pool(kind: str) -> ThreadPoolExecutor:
+    with _pools_lock:
+        if kind not in _pools:
+            _pools[kind] = ThreadPoolExecutor(POOL_THREADS[kind], thread_name_prefix=f"ckptd-peer-{kind}")
+        return _pools[kind]
 
 
 def _close_dialled(fut: asyncio.Future[socket.socket]) -> None:
@@ -88,7 +94,7 @@ class Channel:
             except BaseException:
                 sock.close()
                 raise
-        fut = asyncio.get_running_loop().run_in_executor(_io_pool(), dial)
+        fut = asyncio.get_running_loop().run_in_executor(_io_pool(CONNECT), dial)
         try:
             return cls(await asyncio.shield(fut), timeout)
         except asyncio.CancelledError:      # the dial is bounded by the timeout; its socket is closed after
@@ -97,12 +103,14 @@ class Channel:
 
     async def start_tls(self, tls: ssl.SSLContext) -> None:
         """The listening side's TLS handshake on an accepted connection (``ssl.SSLError`` if refused)."""
+        await self.readable()               # (the ClientHello: a silent dialler holds no thread)
+
         def handshake() -> ssl.SSLSocket:
             try:
                 return tls.wrap_socket(self.sock, server_side=True)
             except TimeoutError:
                 raise StalledError(f"peer stalled: no TLS handshake within {self.timeout:g} s") from None
-        self.sock = await self.run(handshake)
+        self.sock = await self.run(handshake, ACCEPT)
 
     def close(self) -> None:
         """Shut the connection down (a blocking call in flight returns at once); the socket is closed
@@ -144,14 +152,15 @@ class Channel:
         finally:
             loop.remove_reader(fd)
 
-    async def run(self, fn: Callable[[], T]) -> T:
-        """``fn`` (blocking I/O on this socket) on a pool thread; a cancelled caller shuts the socket
-        down and waits for the thread before the cancellation goes on."""
+    async def run(self, fn: Callable[[], T], kind: str) -> T:
+        """``fn`` (blocking I/O on this socket) on a thread of the ``kind`` pool (SEND, RECV: what ``fn``
+        waits for the peer to do); a cancelled caller shuts the socket down and waits for the thread
+        before the cancellation goes on."""
         with self._lock:
             if self._closed:
                 raise ProtocolError("peer connection is closed")
             self._busy += 1
-        fut = asyncio.get_running_loop().run_in_executor(_io_pool(), self._call, fn)
+        fut = asyncio.get_running_loop().run_in_executor(_io_pool(kind), self._call, fn)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:

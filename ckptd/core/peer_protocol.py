@@ -40,7 +40,7 @@ from typing import Any
 
 from .errors import ProtocolError
 from .names import is_hex
-from .peer_channel import Channel, StalledError
+from .peer_channel import RECV, SEND, Channel, StalledError
 
 PEER_VERSION = 1
 PEER_MAGIC = b"CP"
@@ -90,7 +90,7 @@ async def send(ch: Channel, msg: dict[str, Any], payload: Any = None,
                 if pace is not None:
                     pace(len(part))
                 ch.sendall(part)
-    await ch.run(frame)
+    await ch.run(frame, SEND)
 
 
 async def recv(ch: Channel, limit: int = 0, max_json: int = MAX_PEER_JSON, *,
@@ -117,7 +117,7 @@ async def recv(ch: Channel, limit: int = 0, max_json: int = MAX_PEER_JSON, *,
             return json.loads(body), int(plen)
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
             raise ProtocolError(f"peer frame is not JSON: {e}") from None
-    msg, plen = await ch.run(frame)
+    msg, plen = await ch.run(frame, RECV)
     if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
         raise ProtocolError("peer frame must be a JSON object with a string 'op'")
     return msg, plen
@@ -126,7 +126,7 @@ async def recv(ch: Channel, limit: int = 0, max_json: int = MAX_PEER_JSON, *,
 async def recv_payload(ch: Channel, out: memoryview) -> None:
     """Read exactly ``len(out)`` payload bytes into ``out`` on one of the channel's threads (the
     timeout bounds each wait for more bytes, not the whole payload)."""
-    await ch.run(lambda: ch.fill(out, "payload"))
+    await ch.run(lambda: ch.fill(out, "payload"), RECV)
 
 
 async def skip(ch: Channel, n: int) -> None:
@@ -139,7 +139,7 @@ async def skip(ch: Channel, n: int) -> None:
             ch.fill(scratch[:k], "payload")
             left -= k
     if n > 0:
-        await ch.run(drop)
+        await ch.run(drop, RECV)
 
 
 async def server_handshake(ch: Channel, secret: bytes) -> str:
