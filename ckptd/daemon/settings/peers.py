@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ckptd.core.peer_protocol import IO_TIMEOUT_S
 from ckptd.daemon.settings.spec import (
     Flag,
     integer,
@@ -79,7 +80,7 @@ class PeerSettings:
         1024**3, parse=parse_size, show=show_size, flags=(Flag("--peer-bandwidth"),),
         doc="Bytes per second this node sends to peers at most (token bucket); `0` is unlimited.")
     io_timeout: float = setting(
-        30.0, parse=_io_timeout, show=show_duration, flags=(Flag("--peer-io-timeout"),),
+        IO_TIMEOUT_S, parse=_io_timeout, show=show_duration, flags=(Flag("--peer-io-timeout"),),
         doc="Longest a peer may go without sending or taking a byte (connect, handshake, every read and "
             "write); past it that one copy or fetch fails, is logged with the peer's address and counted, "
             "and the other peers and storage go on. 0.1 s to 1 h.")
