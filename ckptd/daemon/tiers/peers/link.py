@@ -110,36 +110,45 @@ class PeerServer:
                  tls: ssl.SSLContext | None = None) -> None:
         self.store, self.secret, self.trim, self.refused = store, secret, trim, refused
         self.timeout, self.pieces, self.tls = timeout, pieces, tls
-        self.listener: socket.socket | None = None
-        self.accepting: asyncio.Task[None] | None = None
+        self.listeners: list[socket.socket] = []
+        self.accepting: list[asyncio.Task[None]] = []
         self.conns: dict[asyncio.Task[None], Channel] = {}
         self.address: tuple[str, int] | None = None
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
-        family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-        self.listener = socket.create_server((host, port), family=family, backlog=128)
-        self.listener.setblocking(False)
-        self.address = self.listener.getsockname()[:2]
-        self.accepting = asyncio.ensure_future(self._accept())
+        """Listen on every address ``host`` resolves to (as ``asyncio.start_server`` would: IPv6
+        sockets v6-only, addresses reusable at once after a restart); the first one's (host, port)."""
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        try:
+            for family, _, _, _, addr in dict.fromkeys((i[0], i[1], i[2], i[3], i[4]) for i in infos):
+                lsock = socket.create_server(addr, family=family, backlog=128)
+                self.listeners.append(lsock)
+                lsock.setblocking(False)
+        except BaseException:
+            for lsock in self.listeners:
+                lsock.close()
+            self.listeners.clear()
+            raise
+        self.address = self.listeners[0].getsockname()[:2]
+        self.accepting = [asyncio.ensure_future(self._accept(lsock)) for lsock in self.listeners]
         return self.address
 
     async def stop(self) -> None:
-        if self.accepting is not None:
-            self.accepting.cancel()
-            await asyncio.gather(self.accepting, return_exceptions=True)
-        if self.listener is not None:
-            self.listener.close()
+        for task in self.accepting:
+            task.cancel()
+        await asyncio.gather(*self.accepting, return_exceptions=True)
+        for lsock in self.listeners:
+            lsock.close()
         for task, ch in list(self.conns.items()):
             ch.close()
             task.cancel()
         await asyncio.gather(*self.conns, return_exceptions=True)
 
-    async def _accept(self) -> None:
-        assert self.listener is not None
+    async def _accept(self, lsock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                conn, remote = await loop.sock_accept(self.listener)
+                conn, remote = await loop.sock_accept(lsock)
             except OSError as e:            # EMFILE and the like: this connection is lost, not the listener
                 log.warning("peer accept failed", extra={"ctx": {"reason": describe_error(e)}})
                 await asyncio.sleep(0.1)
