@@ -98,7 +98,10 @@ def test_stalled_peer_fails_its_copy_and_the_rest_go_on(daemon_factory, tmp):
 
         # B is lost; its replacement asks A1 (its first target, silent) and A2 at once.
         b.kill()
-        b2 = daemon_factory(*peer_args(b_addr, peers, secret, *sender), name="b2")
+        # B2 waits longer on a silent peer than B did (6 s, not 2): A2's answer must not be taken after
+        # A1's timeout only because the machine is loaded, and 6 s leaves A2's fetch ample time.
+        b2 = daemon_factory(*peer_args(b_addr, peers, secret, "--peer-io-timeout", "6s", "--peer-replicas", "2"),
+                            name="b2")
         ck2 = ckptd_client.Checkpointer("stall", socket=str(b2.socket))
         target = zeros_like(states[3])
         assert ck2.restore(target) == 3
