@@ -8,9 +8,9 @@ what the receiver agreed to take (``limit``), checked before a byte of it is rea
 
 Frames move over a :class:`~ckptd.core.peer_channel.Channel`: blocking sockets on threads, each
 wait bounded by its ``timeout`` (the daemon's ``peers.io_timeout``): a peer that sends nothing, or
-takes nothing, for that long raises :class:`StalledError`, so a stopped or wedged peer fails the one
-exchange it is in and never blocks the caller for good. The bound is on progress, not on a whole
-transfer: a large shard on a slow link is fine while bytes keep moving.
+takes nothing, for that long raises :class:`~ckptd.core.peer_channel.StalledError`, so a stopped
+or wedged peer fails the one exchange it is in and never blocks the caller for good. The bound is
+on progress, not on a whole transfer: a large shard on a slow link is fine while bytes keep moving.
 
 Handshake, before anything else, both ways (a shared secret, never sent):
 
@@ -40,7 +40,7 @@ from typing import Any
 
 from .errors import ProtocolError
 from .names import is_hex
-from .peer_channel import RECV, SEND, Channel, StalledError
+from .peer_channel import RECV, SEND, Channel
 
 PEER_VERSION = 1
 PEER_MAGIC = b"CP"
@@ -50,8 +50,6 @@ MAX_HANDSHAKE_JSON = 4096           # what an unauthenticated side may send
 SEND_PIECE = 256 * 1024             # payload bytes written (and paced) at once
 IO_TIMEOUT_S = 30.0                 # the default of peers.io_timeout
 _CLIENT, _SERVER = b"ckptd-peer client", b"ckptd-peer server"
-__all__ = ["AuthError", "StalledError", "send", "recv", "recv_payload", "skip", "server_handshake",
-           "client_handshake"]
 
 
 class AuthError(ProtocolError):

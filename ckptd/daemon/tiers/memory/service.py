@@ -102,7 +102,7 @@ class MemoryService:
             self.parity = ParityNode(self.store, layout, self.secret, p.bandwidth, p.io_timeout, self._trim,
                                      tls=client_tls)
             self.rebuilder = Rebuilder(self.store, layout, self.secret, p.io_timeout, tls=client_tls)
-            self.holder = ParityHolder(self.store, layout, p.io_timeout, self.rebuilder.reduce)
+            self.holder = ParityHolder(self.store, layout, self.rebuilder.reduce)
         elif self.secret is not None and p.peers:
             self.replicator = Replicator(self.store, list(p.peers), p.name or p.listen or "", p.replicas, p.jump,
                                          self.secret, p.bandwidth, p.io_timeout, self._trim, tls=client_tls)

@@ -76,8 +76,8 @@ class ParityUnit:
 
 
 class ParityHolder:
-    def __init__(self, store: MemoryStore, layout: ParityLayout, timeout: float, reduce: Reducer) -> None:
-        self.store, self.layout, self.timeout, self.reduce = store, layout, timeout, reduce
+    def __init__(self, store: MemoryStore, layout: ParityLayout, reduce: Reducer) -> None:
+        self.store, self.layout, self.reduce = store, layout, reduce
         self.units: dict[tuple[str, int, int, int], ParityUnit] = {}
         self.lock = asyncio.Lock()
         self.served = 0          # bytes of pieces, parity and decoded pieces sent to other nodes
@@ -205,8 +205,7 @@ class ParityHolder:
         view = memoryview(unit.mm)[:unit.size]
         try:
             await pp.send(ch, {"op": "parity", "q": unit.q, "lane": unit.lane, "checksum": checksum(view),
-                                   "record": [x.to_wire() for x in unit.record.values()], "meta": f.meta},
-                          view)
+                               "record": [x.to_wire() for x in unit.record.values()], "meta": f.meta}, view)
             self.served += len(view)
         finally:
             view.release()
@@ -224,8 +223,7 @@ class ParityHolder:
                                                                 "stripe": unit.stripe, "reason": str(e)}})
             await pp.send(ch, {"op": "error", "reason": str(e)})
             return
-        await pp.send(ch, {"op": "piece", "checksum": checksum(piece), "member": f.member, "meta": f.meta},
-                      piece)
+        await pp.send(ch, {"op": "piece", "checksum": checksum(piece), "member": f.member, "meta": f.meta}, piece)
         self.served += len(piece)
 
     async def _get_piece(self, ch: Channel, msg: dict[str, Any]) -> None:
