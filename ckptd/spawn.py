@@ -9,12 +9,11 @@ Tied (Linux): the child sets ``PR_SET_PDEATHSIG`` (SIGTERM) and then execs the d
 spawning process that dies, even by SIGKILL, takes its daemon with it instead of leaving it
 holding the socket. The kernel sends the signal when the *thread* that spawned the child exits:
 spawn from the main thread (or one that lives as long as the process). The prctl runs after a
-fresh ``exec`` of this module (``python -m ckptd.spawn``), not in a ``preexec_fn``, which the
-subprocess docs call unsafe in a process with threads (a trainer has many).
+fresh ``exec`` of ``python -m ckptd.tie`` (standard library only: ckptd/tie.py), not in a
+``preexec_fn``, which the subprocess docs call unsafe in a process with threads (a trainer has many).
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import shutil
@@ -32,7 +31,6 @@ from ckptd.core.errors import ProtocolError
 
 logger = logging.getLogger("ckptd")
 
-PR_SET_PDEATHSIG = 1
 MAX_SOCKET_PATH = 100          # AF_UNIX paths: 108 bytes with the terminating NUL; keep a margin
 
 
@@ -121,7 +119,7 @@ def spawn_daemon(root: os.PathLike | str, sock: os.PathLike | str, *extra: str, 
     log_path = Path(log) if log else sock.with_suffix(".log")
     serve = [sys.executable, "-m", "ckptd", "serve", "--root", str(root), "--socket", str(sock),
              "--log-format", "plain", *extra]
-    args = [sys.executable, "-m", "ckptd.spawn", str(os.getpid()), *serve] if tied else serve
+    args = [sys.executable, "-m", "ckptd.tie", str(os.getpid()), *serve] if tied else serve
     if tied and threading.current_thread() is not threading.main_thread():
         logger.warning(
             "ckptd: daemon spawned from thread %r: it gets SIGTERM when that thread exits; spawn it from "
@@ -164,19 +162,3 @@ def spawn_private(root: os.PathLike | str, *extra: str, timeout: float = 60.0) -
         raise
     daemon.private_dir = d
     return daemon
-
-
-def tie_to_parent(parent: int) -> None:
-    """In the child, before the exec: SIGTERM when ``parent`` dies; exit if it already has."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-            err = ctypes.get_errno()
-            raise SystemExit(f"ckptd.spawn: prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
-    if os.getppid() != parent:      # the parent died before the prctl took effect: nobody to serve
-        raise SystemExit(f"ckptd.spawn: parent {parent} is gone; not starting the daemon")
-
-
-if __name__ == "__main__":       # python -m ckptd.spawn PARENT_PID ARGV...: tie, then become ARGV
-    tie_to_parent(int(sys.argv[1]))
-    os.execv(sys.argv[2], sys.argv[2:])

@@ -159,7 +159,7 @@ def test_spawn_needs_a_root_and_no_socket(tmp: Path) -> None:
 
 def test_a_child_whose_parent_is_already_gone_does_not_start() -> None:
     """The check after the prctl: the parent died before the tie took effect (here: a wrong pid)."""
-    out = subprocess.run([sys.executable, "-m", "ckptd.spawn", "1", sys.executable, "-c", "print('started')"],
+    out = subprocess.run([sys.executable, "-m", "ckptd.tie", "1", sys.executable, "-c", "print('started')"],
                          capture_output=True, text=True, env=ENV, timeout=60)
     assert out.returncode != 0 and "started" not in out.stdout and "parent 1 is gone" in out.stderr
 
