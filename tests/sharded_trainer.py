@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import math
 import os
@@ -49,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import zygote
 from ports import free_port
 from rank_exit import leave
 
@@ -59,31 +59,30 @@ RESTORE_ERROR_EXIT = 3
 
 
 
-def launch(world: int, *args: str, script: Path = HERE) -> list[subprocess.Popen[str]]:
+def launch(world: int, *args: str, script: Path = HERE) -> list[zygote.Proc]:
     """``world`` rank processes of this script (one group, fresh port); world 0 = one process, no group.
 
     The ranks share one process group of their own (led by rank 0), so ``kill_all`` signals them
     all at once, as a node failure would: no rank sees a peer die first and exits on its own."""
     port = free_port()
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[zygote.Proc] = []
     for rank in range(max(1, world)):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_PORT": str(port),
                "LOCAL_WORLD_SIZE": str(max(1, world)), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # as torchrun
         leader = procs[0].pid if procs else 0
-        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      preexec_fn=functools.partial(os.setpgid, 0, leader)))
+        procs.append(zygote.popen([sys.executable, str(script), *args], env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pgid=leader))
     return procs
 
 
-def kill_all(procs: list[subprocess.Popen[str]], sig: int = signal.SIGKILL) -> None:
+def kill_all(procs: list[zygote.Proc], sig: int = signal.SIGKILL) -> None:
     """``sig`` to every rank at once (their process group); returns when all have exited."""
     os.killpg(procs[0].pid, sig)
     for p in procs:
         p.wait(timeout=30)
 
 
-def kill_after_commit(procs: list[subprocess.Popen[str]], step: int) -> list[str]:
+def kill_after_commit(procs: list[zygote.Proc], step: int) -> list[str]:
     """Read rank 0's output until it reports step ``step`` (or a later one) committed, then SIGKILL
     every rank at once (``kill_all``, also when the read fails); the lines read."""
     seen: list[str] = []
@@ -98,7 +97,7 @@ def kill_after_commit(procs: list[subprocess.Popen[str]], step: int) -> list[str
     return seen
 
 
-def finish(procs: list[subprocess.Popen[str]], timeout: float = 180, expect_rc: int = 0) -> list[str]:
+def finish(procs: list[zygote.Proc], timeout: float = 180, expect_rc: int = 0) -> list[str]:
     """Every rank's output; each must exit with ``expect_rc`` (a hung group is killed)."""
     deadline = time.monotonic() + timeout
     outs: list[str] = []

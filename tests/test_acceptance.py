@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import zygote
 from ports import free_port
 from safetensors.torch import load_file
 
@@ -25,20 +26,20 @@ TRAINER = REPO / "tests" / "trainer.py"
 
 
 
-def launch(world: int, sockets: list[Path], job: str, out: Path, *extra: str) -> list[subprocess.Popen]:
+def launch(world: int, sockets: list[Path], job: str, out: Path, *extra: str) -> list[zygote.Proc]:
     port = free_port()
     procs = []
     for rank in range(world):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        procs.append(subprocess.Popen(
+        procs.append(zygote.popen(
             [sys.executable, str(TRAINER), "--sockets", ",".join(map(str, sockets)), "--job", job,
              "--out", str(out), *extra],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 
 
-def finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[str]:
+def finish(procs: list[zygote.Proc], timeout: float = 240) -> list[str]:
     outs = []
     for p in procs:
         out, _ = p.communicate(timeout=timeout)
@@ -55,7 +56,7 @@ def assert_same_tensors(a: Path, b: Path) -> None:
         assert ta[k].dtype == tb[k].dtype and torch.equal(ta[k], tb[k]), f"{k} differs"
 
 
-def kill_after_commit(procs: list[subprocess.Popen], step: int) -> None:
+def kill_after_commit(procs: list[zygote.Proc], step: int) -> None:
     """SIGKILL every rank once rank 0 reports step ``step`` (or a later one) committed."""
     seen = []
     for line in procs[0].stdout:
@@ -201,8 +202,8 @@ def test_many_ranks_one_daemon_local_commit(daemon, tmp):
         "t = {'w': torch.zeros(1000), 'r': -1}\n"
         "assert ck.restore(t) == 1 and t['r'] == r and torch.equal(t['w'], torch.full((1000,), float(r)))\n"
         "ck.close()\n")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(daemon.socket)],
-                              stderr=subprocess.PIPE, text=True) for r in range(8)]
+    procs = [zygote.popen([sys.executable, "-c", code, str(r), str(daemon.socket)],
+                          stderr=subprocess.PIPE, text=True) for r in range(8)]
     for p in procs:
         _, err = p.communicate(timeout=180)
         assert p.returncode == 0, err
@@ -237,8 +238,8 @@ def test_several_jobs_at_once(daemon):
         "hs = [ck.save(s, {'w': torch.randn(200_000), 'job': job}) for s in (1, 2, 3)]\n"
         "[h.wait(120) for h in hs]\n"
         "ck.close()\n")
-    procs = [subprocess.Popen([sys.executable, "-c", code, job, str(r), str(daemon.socket)],
-                              stderr=subprocess.PIPE, text=True) for job in ("job-a", "job-b") for r in range(2)]
+    procs = [zygote.popen([sys.executable, "-c", code, job, str(r), str(daemon.socket)],
+                          stderr=subprocess.PIPE, text=True) for job in ("job-a", "job-b") for r in range(2)]
     for p in procs:
         _, err = p.communicate(timeout=180)
         assert p.returncode == 0, err

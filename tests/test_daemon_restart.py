@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+import zygote
 from ports import free_port
 
 from ckptd.core import protocol
@@ -76,9 +77,9 @@ class Trainer:
     """One rank process; a thread collects its lines."""
 
     def __init__(self, sock: Path, job: str, rank: int, world: int, port: int, stop: Path) -> None:
-        self.p = subprocess.Popen([sys.executable, "-c", TRAINER, str(sock), job, str(rank), str(world), str(port),
-                                   str(stop)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.p = zygote.popen([sys.executable, "-c", TRAINER, str(sock), job, str(rank), str(world), str(port),
+                               str(stop)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import zygote
 
 import ckptd_client
 from ckptd.core import protocol
@@ -341,9 +342,9 @@ CHILD_SAVE = textwrap.dedent("""
 """)
 
 
-def spawn_saver(sock: Path, job: str, step: int, numel: int) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-c", CHILD_SAVE, str(sock), job, str(step), str(numel)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+def spawn_saver(sock: Path, job: str, step: int, numel: int) -> zygote.Proc:
+    p = zygote.popen([sys.executable, "-c", CHILD_SAVE, str(sock), job, str(step), str(numel)],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     line = p.stdout.readline()
     if line.strip() != "HANDED-OFF":
         p.kill()
@@ -448,9 +449,9 @@ CHILD_RANK = textwrap.dedent("""
 
 class Rank:
     def __init__(self, sock: Path, job: str, rank: int) -> None:
-        self.p = subprocess.Popen([sys.executable, "-c", CHILD_RANK, str(sock), job, str(rank)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True, cwd=REPO)
+        self.p = zygote.popen([sys.executable, "-c", CHILD_RANK, str(sock), job, str(rank)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=REPO)
 
     def __call__(self, command: str) -> dict:
         self.p.stdin.write(command + "\n")

@@ -9,7 +9,6 @@ mid-copy leaves no committed step and the previous one restores; malformed fills
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 import time
@@ -17,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+import zygote
 
 import ckptd_client
 from ckptd.core import protocol
@@ -97,7 +97,7 @@ def test_a_trainer_killed_mid_copy_leaves_no_step_and_the_last_one_restores(daem
         handoff.report = report
         ck.save(2, big_state(2))
     """)
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    p = zygote.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert p.returncode == -9, p.stderr
     end = time.monotonic() + 60
     while [w for w in status(d.socket)["saves"] if w["job"] == "die"]:     # the write of step 2 stops

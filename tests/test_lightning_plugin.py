@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+import zygote
 
 from ckptd_client.errors import CheckpointError
 from ckptd_client.lightning import CkptdCheckpointIO
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def run(*args: str, expect_rc: int = 0) -> dict[int, str]:
-    r = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True, timeout=180)
+    r = zygote.run([sys.executable, str(WORKER), *args], capture_output=True, text=True, timeout=180)
     assert r.returncode == expect_rc, r.stdout[-3000:] + r.stderr[-3000:]
     return {int(w[1]): w[2] for w in (line.split() for line in r.stdout.splitlines()) if w and w[0] == "LOSS"}
 

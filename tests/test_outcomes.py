@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
+import zygote
 from ports import free_port
 
 import ckptd_client
@@ -93,8 +94,8 @@ def test_rank0_killed_right_after_commit_leaves_no_false_failure(daemon, tmp):
     script.write_text(RANK)
     for trial in range(3):
         port = free_port()
-        procs = [subprocess.Popen([sys.executable, str(script), str(daemon.socket), str(r), str(port), str(trial + 2)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+        procs = [zygote.popen([sys.executable, str(script), str(daemon.socket), str(r), str(port), str(trial + 2)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
         outs = [p.communicate(timeout=180)[0] for p in procs]
         assert procs[0].returncode == -9, outs[0]
         last = trial + 2

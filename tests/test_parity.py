@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+import zygote
 
 import ckptd_client
 from ckptd.daemon.settings.config import ConfigError, load_settings
@@ -62,10 +63,10 @@ def start_group(daemon_factory, tmp: Path, memory: bool = False, n: int = WORLD,
     secret = secret_file(tmp / "secret", "s3cret-shared-by-every-node-0123456789")
     nodes = [daemon_factory(*peer_args(a, addrs, secret, *parity), name=f"n{i}") for i, a in enumerate(addrs)]
     port, world = free_port(), n * per_node
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(nodes[r // per_node].socket), JOB, str(r), str(world),
-                               str(Path(__file__).parent), str(port), str(STEP), "memory" if memory else "storage"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(world)]
+    procs = [zygote.popen([sys.executable, "-c", RANK, str(nodes[r // per_node].socket), JOB, str(r), str(world),
+                           str(Path(__file__).parent), str(port), str(STEP), "memory" if memory else "storage"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(world)]
     for p in procs:
         out, _ = p.communicate(timeout=240)
         assert p.returncode == 0 and "SAVED" in out, out + "".join(n.log_text() for n in nodes)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
+import zygote
 from ports import free_port
 
 import ckptd_client
@@ -59,14 +60,14 @@ sys.exit(0 if stopped is not None and preempt.error is None else 3)
 
 
 def start_trainer(tmp: Path, sock: Path, rank: int = 0, world: int = 1, port: int = 0, job: str = "pre",
-                  signame: str = "SIGTERM") -> subprocess.Popen:
+                  signame: str = "SIGTERM") -> zygote.Proc:
     script = tmp / "preempt_trainer.py"
     script.write_text(TRAINER)
-    return subprocess.Popen([sys.executable, str(script), str(sock), str(rank), str(world), str(port), job, signame],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return zygote.popen([sys.executable, str(script), str(sock), str(rank), str(world), str(port), job, signame],
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def read_until(proc: subprocess.Popen, prefix: str, lines: list[str]) -> str:
+def read_until(proc: zygote.Proc, prefix: str, lines: list[str]) -> str:
     for line in proc.stdout:
         lines.append(line.rstrip())
         if line.startswith(prefix):

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+import zygote
 from ports import free_port
 
 import ckptd_client
@@ -589,8 +590,8 @@ def run_group(world: int, *args: str, timeout: float = 150) -> list[str]:
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(HERE), *args], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        procs.append(zygote.popen([sys.executable, str(HERE), *args], env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outs = []
     try:
         for p in procs:

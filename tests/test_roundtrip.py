@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zygote
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ports import free_port
@@ -48,8 +49,8 @@ class Rank:
 
     def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
         self.log = log.open("w")
-        self.proc = subprocess.Popen([sys.executable, WORKER, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, env=env, cwd=REPO)
+        self.proc = zygote.popen([sys.executable, WORKER, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=self.log, text=True, env=env, cwd=REPO)
         self.replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import zygote
 from ports import free_port
 
 import ckptd_client
@@ -25,12 +26,12 @@ WORKER = Path(__file__).resolve().parent / "runs_worker.py"
 
 
 
-def _start(mode: str, spec: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(WORKER), mode, json.dumps(spec)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def _start(mode: str, spec: dict) -> zygote.Proc:
+    return zygote.popen([sys.executable, str(WORKER), mode, json.dumps(spec)], stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True)
 
 
-def _finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[list[str]]:
+def _finish(procs: list[zygote.Proc], timeout: float = 240) -> list[list[str]]:
     """Each rank's stdout lines, then (for the failure messages) its stderr's, apart: a log line
     written to a shared pipe can land in the middle of a printed one."""
     outs: list[list[str]] = []
@@ -46,7 +47,7 @@ def _finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[list[st
     return outs
 
 
-def _read_until(proc: subprocess.Popen, line: str, seen: list[str]) -> None:
+def _read_until(proc: zygote.Proc, line: str, seen: list[str]) -> None:
     for got in proc.stdout:
         seen.append(got.rstrip())
         if got.rstrip() == line:

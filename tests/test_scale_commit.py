@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+import zygote
 
 from ckptd.core.names import HEAD_NAME, INDEX_NAME, RANK_TABLE_NAME, step_dir
 from ckptd.core.reader import StepReader, verify_step
@@ -37,11 +38,11 @@ def run_ranks(store: Any, world: int, groups: list[tuple[int, int, str]], root: 
     The ranks of a process share one store connection (each rank's relay still clones its own
     for its blocking waits)."""
     env = {**os.environ, "LOCAL_WORLD_SIZE": str(per_node), "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "--store", f"127.0.0.1:{store.port}",
-                               "--world", str(world), "--ranks", f"{first}:{end}", "--socket", str(sock),
-                               "--root", str(root), "--steps", str(steps), "--timeout", str(timeout),
-                               "--share-store", *(["--restore"] if restore else [])],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    procs = [zygote.popen([sys.executable, str(WORKER), "--store", f"127.0.0.1:{store.port}",
+                           "--world", str(world), "--ranks", f"{first}:{end}", "--socket", str(sock),
+                           "--root", str(root), "--steps", str(steps), "--timeout", str(timeout),
+                           "--share-store", *(["--restore"] if restore else [])],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
             for first, end, sock in groups]
     out: dict[int, dict[str, Any]] = {}
     for p in procs:
@@ -125,8 +126,8 @@ def test_a_wait_on_a_store_whose_server_died_raises_and_so_does_every_later_one(
     every later one raise (the save is then left to the disk). A later wait used to clone() the
     dead store, which blocks for the store's whole timeout and again on its retry (a trainer hung
     past its test's guard this way)."""
-    server = subprocess.Popen([sys.executable, "-c", STORE_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)
+    server = zygote.popen([sys.executable, "-c", STORE_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True)
     try:
         assert server.stdout is not None
         port = int(server.stdout.readline())

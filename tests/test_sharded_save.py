@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import zygote
 from ports import free_port
 
 import ckptd_client
@@ -226,8 +227,8 @@ def run_ranks(tmp: Path, sock: Path, scenario: str, world: int = 2, timeout: flo
     for rank in range(world):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                    WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(script), scenario, str(sock), str(out)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(zygote.popen([sys.executable, str(script), scenario, str(sock), str(out)], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
     try:
         for p in procs:
@@ -391,7 +392,7 @@ def test_replicated_ownership_on_2x2_mesh(tmp):
     stages (a "pp" dimension no DTensor spans) each write their own parameters."""
     script = tmp / "mesh2x2.py"
     script.write_text(MESH_2X2)
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    res = zygote.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     if "fake_pg" in res.stderr and "ModuleNotFoundError" in res.stderr:
         pytest.skip("torch has no fake process group")
     assert res.returncode == 0, res.stderr[-3000:]

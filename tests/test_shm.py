@@ -7,11 +7,11 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import zygote
 
 from ckptd.daemon import shm
 
@@ -83,6 +83,6 @@ except OSError as e:
 else:
     print("ALLOCATED")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = zygote.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["ERRNO", str(errno.ENOMEM)]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import zygote
 
 import ckptd_client
 from ckptd.launch import spawn_daemon
@@ -78,9 +79,9 @@ def socket_dead(path: str) -> bool:
         s.close()
 
 
-def start_parent(script: str, *args: str) -> tuple[subprocess.Popen[str], int, str]:
+def start_parent(script: str, *args: str) -> tuple[zygote.Proc, int, str]:
     """The parent script running, and the (daemon pid, socket) it printed once its daemon served."""
-    proc = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True, env=ENV)
+    proc = zygote.popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True, env=ENV)
     assert proc.stdout is not None
     line = proc.stdout.readline()          # bounded: the script's own waits are; pytest's timeout backs them
     if not line:
@@ -90,7 +91,7 @@ def start_parent(script: str, *args: str) -> tuple[subprocess.Popen[str], int, s
     return proc, int(pid), sock
 
 
-def kill_parent_and_check(proc: subprocess.Popen[str], pid: int, sock: str) -> None:
+def kill_parent_and_check(proc: zygote.Proc, pid: int, sock: str) -> None:
     try:
         assert not gone(pid) and not socket_dead(sock), "the daemon should serve while its parent lives"
         proc.send_signal(signal.SIGKILL)
@@ -140,8 +141,8 @@ def test_spawn_round_trip_and_close_stops_the_daemon(tmp: Path) -> None:
 
 
 def test_interpreter_exit_waits_for_the_save_then_stops_the_daemon(tmp: Path) -> None:
-    proc = subprocess.run([sys.executable, "-c", EXIT_WITHOUT_CLOSE, str(tmp / "root")], capture_output=True,
-                          text=True, env=ENV, timeout=120)
+    proc = zygote.run([sys.executable, "-c", EXIT_WITHOUT_CLOSE, str(tmp / "root")], capture_output=True,
+                      text=True, env=ENV, timeout=120)
     assert proc.returncode == 0, proc.stderr
     pid, sock = proc.stdout.split()
     assert (tmp / "root" / "nb" / "step-000000000001" / "index.json").exists()

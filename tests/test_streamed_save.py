@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import zygote
 
 import ckptd_client
 
@@ -87,7 +88,7 @@ def test_a_streamed_save_whose_trainer_dies_mid_stream_never_commits(daemon_fact
         state["w"].add_(1)
         ck.save(2, state)
     """)
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    p = zygote.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert p.returncode == -9, p.stderr
     target = {"w": torch.zeros(6 * 2**20)}
     ck = ckptd_client.Checkpointer("die", socket=str(d.socket))
@@ -154,8 +155,8 @@ def test_two_gib_through_256_mib_of_slots_stays_under_512_mib_extra(tmp: Path) -
     bit-exact, and trainer + daemon never hold more than ~512 MiB beyond the state."""
     worker = tmp / "peak.py"
     worker.write_text(PEAK_WORKER)
-    p = subprocess.run([sys.executable, str(worker), str(tmp / "root"), str(tmp / "d.sock"), "2"],
-                       capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    p = zygote.run([sys.executable, str(worker), str(tmp / "root"), str(tmp / "d.sock"), "2"],
+                   capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["same"] is True
