@@ -128,7 +128,8 @@ class Process:
 
 
 class _Zygote:
-    """The zygote of this process: started on first use, tied to this process's life."""
+    """The zygote of this process: started on first use; it exits when this process's connection to it
+    closes (this process ended, whatever the way), leaving running children to finish as Popen's would."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -141,8 +142,7 @@ class _Zygote:
             self.dir = tempfile.mkdtemp(prefix="ckz-", dir="/tmp")
             path = os.path.join(self.dir, "z.sock")
             ready_r, ready_w = os.pipe()
-            self.proc = subprocess.Popen([sys.executable, "-m", "ckptd.tie", str(os.getpid()), sys.executable,
-                                          str(Path(__file__).resolve()), path, str(ready_w)],
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), path, str(ready_w)],
                                          stdin=subprocess.DEVNULL, pass_fds=(ready_w,))
             os.close(ready_w)
             try:
@@ -366,7 +366,9 @@ def serve(path: str, ready: int) -> None:
     conns: list[Any] = []
     status: dict[int, int] = {}          # child pid → the write end of its status pipe
     while True:
-        readable = select.select([listener, wake_r, *conns], [], [])[0]
+        readable = select.select([listener, wake_r, *conns], [], [], None if conns else 120)[0]
+        if not readable and not conns:
+            return             # nobody connected: the caller died before it could
         if wake_r in readable:
             os.read(wake_r, 4096)
         while status:
