@@ -58,3 +58,9 @@ def test_signals_groups_and_wait() -> None:
 def test_what_it_cannot_fork_runs_as_a_plain_subprocess() -> None:
     p = zygote.popen([PY, "-m", "json.tool", "--help"], stdout=subprocess.DEVNULL)
     assert isinstance(p, subprocess.Popen) and p.wait(60) == 0
+
+
+def test_children_draw_their_own_random_numbers() -> None:
+    code = "import random, numpy; print(random.random(), numpy.random.random())"
+    outs = {zygote.run([PY, "-c", code], capture_output=True, text=True, timeout=60).stdout for _ in range(3)}
+    assert len(outs) == 3, outs
