@@ -13,8 +13,9 @@ and how this file deals with it:
 
 - the zygote's imports are already done: a child's environment is set before its script runs, but
   what torch read at import (``OMP_NUM_THREADS``: set again with ``torch.set_num_threads``) does
-  not change; ``random`` and numpy's global generator are re-seeded (children would share the
-  zygote's state; torch's default generator starts from its fixed seed in both cases);
+  not change; random generators seeded from OS entropy draw their own numbers in each child
+  (``random`` re-seeds itself after a fork, ``numpy.random`` is re-seeded if the zygote loaded it;
+  torch's default generator starts from its fixed seed in both cases);
 - exit: non-daemon threads are joined and ``atexit`` handlers run, then ``os._exit`` with the
   script's code, as an interpreter's finalization would; an uncaught exception prints its
   traceback and exits 1;
@@ -292,10 +293,9 @@ def _child(request: dict[str, Any], fds: list[int], close: list[int]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        import random
-        random.seed()
-        if "numpy" in sys.modules:         # seeded from OS entropy at import, as random is
-            sys.modules["numpy"].random.seed()
+        # (random re-seeds itself after os.fork; numpy.random, seeded once at its import, would not)
+        if "numpy.random" in sys.modules:
+            sys.modules["numpy.random"].seed()
         import torch
         threads = os.environ.get("OMP_NUM_THREADS", "")
         if threads.isdigit() and int(threads) > 0:
