@@ -22,8 +22,9 @@ and how this file deals with it:
 - the child's parent is the zygote, not the test: its exit status comes back through a pipe the
   zygote writes when it reaps it (``Process.wait``), negative for a signal as ``subprocess`` does.
 
-Commands it cannot run this way (``-m``, other interpreter flags than ``-B``/``-u``, ``preexec_fn``)
-go to ``subprocess.Popen`` unchanged. ``CKPTD_TEST_NO_ZYGOTE=1`` sends every command there.
+Commands it cannot run this way (``-m``, other interpreter flags than ``-B``/``-u``, a stdin pipe)
+go to ``subprocess.Popen`` unchanged, and so does ``test_dtensor_bind``'s, which is about a fresh
+interpreter's import order. ``CKPTD_TEST_NO_ZYGOTE=1`` sends every command there.
 """
 from __future__ import annotations
 
@@ -137,12 +138,10 @@ class _Zygote:
         self.lock = threading.Lock()
         self.sock: socket.socket | None = None
         self.proc: subprocess.Popen[bytes] | None = None
-        self.dir = ""
 
     def connect(self) -> socket.socket:
         if self.sock is None or self.proc is None or self.proc.poll() is not None:
-            self.dir = tempfile.mkdtemp(prefix="ckz-", dir="/tmp")
-            path = os.path.join(self.dir, "z.sock")
+            path = os.path.join(tempfile.mkdtemp(prefix="ckz-", dir="/tmp"), "z.sock")   # (removed on connect)
             ready_r, ready_w = os.pipe()
             self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), path, str(ready_w)],
                                          stdin=subprocess.DEVNULL, pass_fds=(ready_w,))
@@ -387,6 +386,9 @@ def serve(path: str, ready: int) -> None:
                 os.close(fd)
         if listener in readable:
             conns.append(listener.accept()[0])
+            if os.path.exists(path):         # one caller: nobody else connects; leave nothing in /tmp
+                os.unlink(path)
+                os.rmdir(os.path.dirname(path))
         for conn in [c for c in conns if c in readable]:
             try:
                 request, fds = _receive(conn)
