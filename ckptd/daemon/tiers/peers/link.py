@@ -120,7 +120,7 @@ class PeerServer:
         sockets v6-only, addresses reusable at once after a restart); the first one's (host, port)."""
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         try:
-            for family, _, _, _, addr in dict.fromkeys((i[0], i[1], i[2], i[3], i[4]) for i in infos):
+            for family, _, _, _, addr in dict.fromkeys(infos):      # (each address once, in order)
                 lsock = socket.create_server(addr, family=family, backlog=128)
                 self.listeners.append(lsock)
                 lsock.setblocking(False)
