@@ -98,10 +98,13 @@ class Process:
             if t.is_alive():
                 raise subprocess.TimeoutExpired(self.args, timeout or 0)
         self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self._close_streams()
+        return outs.get("out"), outs.get("err")
+
+    def _close_streams(self) -> None:
         for f in (self.stdout, self.stderr):
             if f is not None:
                 f.close()
-        return outs.get("out"), outs.get("err")
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
@@ -120,9 +123,7 @@ class Process:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for f in (self.stdout, self.stderr):
-            if f is not None:
-                f.close()
+        self._close_streams()
         self.wait()
 
     def __del__(self) -> None:
@@ -141,6 +142,8 @@ class _Zygote:
 
     def connect(self) -> socket.socket:
         if self.sock is None or self.proc is None or self.proc.poll() is not None:
+            if self.sock is not None:          # its zygote is gone: a new one, a new connection
+                self.sock.close()
             path = os.path.join(tempfile.mkdtemp(prefix="ckz-", dir="/tmp"), "z.sock")   # (removed on connect)
             ready_r, ready_w = os.pipe()
             self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), path, str(ready_w)],
@@ -242,14 +245,12 @@ def popen(args: list[str], *, env: dict[str, str] | None = None, cwd: str | os.P
         for fd in theirs:
             os.close(fd)
 
-    def wrap(spec: Any, fd: int | None) -> IO[Any] | None:
-        if spec != subprocess.PIPE or fd is None:
-            return None
+    def wrap(fd: int) -> IO[Any]:
         raw = open(fd, "rb")
         return io.TextIOWrapper(raw, encoding="utf-8", errors="strict") if text else raw
-    it = iter(mine)
-    out = wrap(stdout, next(it) if stdout == subprocess.PIPE else None)
-    err = wrap(stderr, next(it) if stderr == subprocess.PIPE else None)
+    it = iter(mine)           # the caller's ends of the pipes, stdout's first
+    out = wrap(next(it)) if stdout == subprocess.PIPE else None
+    err = wrap(next(it)) if stderr == subprocess.PIPE else None
     return Process(pid, status, out, err, args)
 
 
