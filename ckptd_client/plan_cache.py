@@ -20,7 +20,9 @@ copy defers (parameters and optimizer state, unchanged until the fence; a DTenso
 shard) are compared by address only on the trainer's thread; their full keys are compared on the
 copy thread, before it copies (``Plan.pending``, a ``Recheck``). A plain tensor changed in place
 over the same bytes (reshaped, re-typed, transposed) is found there and that save re-laid out
-(``Recheck.run``); a DTensor so changed fails that save, saying why, and the next one plans anew.
+(``Recheck.run``); a DTensor so changed fails that save, saying why, and the next one plans anew,
+while a DTensor whose local shard moved with its layout unchanged (a sharded model's parameter
+re-pointed: its state dict holds the parameter itself, sharded_sd.py) is copied from where it is.
 Everything else (buffers, tensors the copy does not defer, DTensors this rank does not write) is
 compared in full on the trainer's thread. Such a save does not walk its modules and optimizers
 there either: the last walk's part of each is spliced in while a quick check holds, and the copy
@@ -209,7 +211,8 @@ class PlanCache:
     def relaid(self, changed: dict[int, torch.Tensor]) -> Plan:
         """(Copy thread, a lazy hit's ``Recheck``) the cached plan with the lazy tensors at walk
         indices ``changed`` taken as they are now, laid out anew; cached in its place. Names, tree,
-        placements and what is deferred stay: the structure and every address were equal."""
+        placements and what is deferred stay: the structure was equal, and each tensor changed lies over
+        the bytes it did or is a DTensor whose local shard moved, its layout unchanged."""
         last = self._last
         assert last is not None
         p = last.plan
@@ -217,7 +220,10 @@ class PlanCache:
         keys = list(last.keys)
         for i, t in changed.items():
             name, _ = tensors[last.flat_of[i]]
-            tensors[last.flat_of[i]] = (name, t.detach() if t.requires_grad else t)
+            if len(keys[i]) != _PLAIN_KEY:
+                tensors[last.flat_of[i]] = (name, dtensor.local_tensor(t))
+            else:
+                tensors[last.flat_of[i]] = (name, t.detach() if t.requires_grad else t)
             keys[i] = tensor_key(t)
         layout, nbytes = plan_layout(tensors, p.flat.placements)
         plan = Plan(p.flat._replace(tensors=tensors), layout, nbytes, [e.to_wire() for e in layout])
@@ -270,15 +276,16 @@ class Recheck:
         changed = {}
         for i in last.lazy:
             t = now[i] if i in now else walked[i]
-            if tensor_key(t) != last.keys[i]:
-                if i in now and t.data_ptr() != last.keys[i][0]:
+            key, was = tensor_key(t), last.keys[i]
+            if key != was:
+                if i in now and t.data_ptr() != was[0]:
                     self._stop("a parameter or optimizer state tensor moved to other memory (.data =, .to())")
-                changed[i] = t
-        if any(len(last.keys[i]) != _PLAIN_KEY for i in changed):
-            self._cache.clear()
-            raise CheckpointError("a DTensor of the state changed in place since the last save (its local shard's "
-                                  "shape, strides, dtype or its placements, over the same bytes): this save is "
-                                  "dropped; the next one plans the state anew")
+                if len(was) != _PLAIN_KEY and key[1:] != was[1:]:
+                    self._cache.clear()
+                    raise CheckpointError("a DTensor of the state changed since the last save (its local shard's "
+                                          "shape, strides or dtype, or its placements): this save is dropped; the "
+                                          "next one plans the state anew")
+                changed[i] = t          # a DTensor's local shard moved, the same layout: copied from where it is
         return self._cache.relaid(changed) if changed else None
 
     def _stop(self, why: str) -> NoReturn:

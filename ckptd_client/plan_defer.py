@@ -143,8 +143,15 @@ class Segment:
         return {"state": state, "param_groups": packed_groups(opt, [ids for _, ids in self.groups])}
 
     def same(self, tokens: list[Any]) -> bool:
-        """Whether a fresh walk of the object (its tokens after the object's own) has this structure."""
-        return tokens == self.tokens
+        """Whether a fresh walk of the object (its tokens after the object's own) has this structure.
+        A sharded model's optimizer's parameter addresses (its tokens after the state count) aside:
+        the model's state dict holds those parameters themselves, so a local shard that moved is
+        copied from where it is (sharded_sd.py, plan_cache.Recheck), and still counts as a
+        parameter's storage (what makes a tensor deferrable)."""
+        if self.fqns is None or len(tokens) != len(self.tokens):
+            return tokens == self.tokens
+        n = 1 + sum(len(params) for params, _ in self.groups)
+        return tokens[0] == self.tokens[0] and tokens[n:] == self.tokens[n:]
 
 
 def segments(spans: list[Span], tokens: list[Any], tensors: list[torch.Tensor], scalars: list[Any],

@@ -14,6 +14,15 @@ reused (a hook may return something else each time): it is taken every save, as 
 hook allowed is FSDP2's own pre-save hook, which puts a module's sharded parameters back in place
 (``FSDPParamGroup._to_sharded``): when they are in place, which the signature's parameter objects
 show, it does nothing.
+
+The model's state dict holds each DTensor parameter itself in place of the detached DTensor
+``get_model_state_dict`` gives for it (the same bytes, layout and name; plain modules' saves hold
+their parameters the same way, ``keep_vars``). So where a parameter's local shard lives is read
+when the save reads it, not fixed when the dict was taken: a shard re-pointed between saves
+(``.data =``, FSDP2's ``reset_sharded_param``) is found by the plan cache's address compare, on
+the copy thread for an overlapped save, and that save copies it from its new place
+(plan_cache.Recheck). The quick check below therefore leaves those parameters' addresses alone:
+reading 2,048 cold DTensors' local shards was 2 ms of an 8,192-tensor save's stall.
 """
 from __future__ import annotations
 
@@ -85,6 +94,27 @@ def _optimizer_signature(opt: torch.optim.Optimizer) -> list[Any] | None:
     return sig
 
 
+def _layout(t: Any) -> tuple[Any, ...]:
+    """A DTensor's local bytes' address and layout, its placements, mesh and global shape."""
+    local = t._local_tensor
+    return (local.data_ptr(), local.shape, local.stride(), local.dtype, local.device, tuple(t.placements),
+            id(t.device_mesh), t.shape)
+
+
+def _with_parameters(sd: dict[str, Any], model: torch.nn.Module) -> frozenset[int]:
+    """Put each DTensor parameter of ``model`` into ``sd`` (``get_model_state_dict``'s) in place of
+    the detached DTensor it holds under the parameter's name with the same bytes and layout; the
+    ids of the parameters put in. A name ``get_model_state_dict`` changed (a wrapper's prefix) keeps
+    its detached DTensor, whose address the quick check then compares (``_Frame``)."""
+    put = set()
+    for name, p in model.named_parameters():
+        v = sd.get(name)
+        if type(p) is dtensor.DTensor and type(v) is dtensor.DTensor and _layout(v) == _layout(p):
+            sd[name] = p
+            put.add(id(p))
+    return frozenset(put)
+
+
 _HOOKS = attrgetter("_state_dict_hooks", "_state_dict_pre_hooks")
 _LOCAL = attrgetter("_local_tensor")
 _PTR = torch.Tensor.data_ptr
@@ -101,11 +131,12 @@ class _Frame:
     that had entries (``del m.x``: an entry added is counted, so an empty one can only stay so);
     each parameter by identity (``m.p = None`` is the one registration torch reports to no hook);
     its state-dict hooks (their keys are handle ids, never reused: a hook added is a new key); its
-    non-persistent buffer names; and where each recorded parameter's and buffer's (local) bytes
-    start (``.data =``). FSDP2's own writes into ``m._parameters`` during forward and backward
-    (its unsharded parameters) show as a change: a save then finds the signature changed and
-    takes the state dict anew, as before. Not seen: a buffer or child module put into
-    ``m._buffers`` or ``m._modules`` directly, past torch's API."""
+    non-persistent buffer names; and where each recorded buffer's and parameter's (local) bytes
+    start (``.data =``), less the DTensor parameters the state dict holds themselves (``hold``: the
+    plan cache compares their addresses, module docstring). FSDP2's own writes into
+    ``m._parameters`` during forward and backward (its unsharded parameters) show as a change: a
+    save then finds the signature changed and takes the state dict anew, as before. Not seen: a
+    buffer or child module put into ``m._buffers`` or ``m._modules`` directly, past torch's API."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.mods = list(model.modules())
@@ -126,6 +157,12 @@ class _Frame:
         self.plain = [t for t in tensors if type(t) in _PLAIN]
         self.other = [t for t in tensors if type(t) is not dtensor.DTensor and type(t) not in _PLAIN]
         self.where = self._where()
+
+    def hold(self, held: frozenset[int]) -> None:
+        """Leave the addresses of the DTensors ``held`` (ids) to the plan cache from now on."""
+        if held:
+            self.dtensors = [t for t in self.dtensors if id(t) not in held]
+            self.where = self._where()
 
     def _param_values(self) -> list[Any]:
         return list(chain.from_iterable(map(dict.values, self.params)))
@@ -161,6 +198,7 @@ class StateDicts:
         self._optims: dict[int, tuple[torch.optim.Optimizer, list[Any], dict[str, Any]]] = {}
         self._now: list[Any] | None = None        # this save's signature of the sharded model
         self._frame: _Frame | None = None         # what ``_now`` was computed from
+        self._held: frozenset[int] = frozenset()  # the DTensor parameters the model's state dict holds
         self.reused = 0
         self.takes = 0                            # times the model's state dict was taken anew
         self.framed = 0                           # saves whose signature the last _Frame stood for
@@ -177,6 +215,8 @@ class StateDicts:
         self._now = _model_signature(model)
         self._frame = None if self._now is None else _Frame(model)
         if last is not None and last[0] is model and last[1] == self._now:
+            if self._frame is not None:          # (the signature holds each parameter's address: unmoved)
+                self._frame.hold(self._held)
             self._model = (model, self._now, last[2], self._frame)    # the same: compared faster next save
 
     def _same_model(self, model: torch.nn.Module) -> bool:
@@ -195,6 +235,9 @@ class StateDicts:
             return self._model[2]  # type: ignore[index]
         self.takes += 1
         sd = dtensor.model_state_dict(model)
+        self._held = _with_parameters(sd, model)
+        if self._frame is not None:
+            self._frame.hold(self._held)
         self._model = None if self._now is None else (model, self._now, sd, self._frame)
         self._optims.clear()            # keyed by the model's FQNs
         return sd

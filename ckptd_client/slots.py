@@ -324,8 +324,9 @@ class SlotCopy:
 
     def _relay(self, plan: Plan) -> None:
         """(Copy thread) a deferred tensor changed in place over the same bytes since the plan was
-        made: the bytes copied at save() move to ``plan``'s offsets and the deferred tensors (as
-        they are until the fence) are copied there; ``relaid`` is what the daemon is told."""
+        made, or a DTensor's local shard moved: the bytes copied at save() move to ``plan``'s offsets
+        and the deferred tensors (as they are until the fence) are copied there from where they now
+        are; ``relaid`` is what the daemon is told."""
         slot = self._slot
         if plan.nbytes > slot.size:
             raise CheckpointError(f"a tensor changed in place since the last save and the state now needs "

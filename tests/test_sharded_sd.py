@@ -1,14 +1,16 @@
 """The sharded model's state dicts reused while unchanged (ckptd_client/sharded_sd.py): what a save
 takes equals what ``get_model_state_dict`` / ``get_optimizer_state_dict`` return at that moment,
 through training steps, an LR change, a new param group, an optimizer reloaded, a buffer added,
-a buffer replaced, a state-dict hook added and removed, a module added and deleted, a shard
-re-pointed (``.data =``) and a parameter set to None; reused (not rebuilt) only when nothing of
-that changed. Two real gloo ranks on CPU, FSDP2 with a persistent buffer beside the sharded
-parameters. And a DTensor whose local shard changes in place over the same bytes (what only the
-copy thread's full key compare sees, plan_cache.Recheck): that save fails saying why, the
-trainer's fence does not raise, and the next save plans anew and restores bit-exact. And the
-FSDP2 optimizer's and model's walk spliced on the trainer's thread and checked on the copy thread
-(plan_defer.py)."""
+a buffer replaced or moved (``.data =``), a state-dict hook added and removed, a module added and
+deleted, a shard re-pointed (``.data =``, ``_local_tensor =``) and a parameter set to None; reused
+(not rebuilt) only when nothing of that changed, or only a shard moved (the dict holds the
+parameter itself, which shows its shard where it now is). Two real gloo ranks on CPU, FSDP2 with a
+persistent buffer beside the sharded parameters. And a DTensor whose local shard changes in place
+over the same bytes (what only the copy thread's full key compare sees, plan_cache.Recheck): that
+save fails saying why, the trainer's fence does not raise, and the next save plans anew and
+restores bit-exact. And the FSDP2 optimizer's and model's walk spliced on the trainer's thread and
+checked on the copy thread (plan_defer.py), and a shard moved between saves copied from where it
+is."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -119,6 +121,11 @@ check(0, 0)                      # a module deleted (delattr: no hook)
 check(1, 1)
 local = model[1].weight._local_tensor
 local.data = local.data.clone()  # a shard's bytes moved to other memory (.data =: no hook)
+check(1, 1)                      # reused: the dict holds the parameter itself, so it shows the new place
+assert memo.model(model)["1.weight"] is model[1].weight
+model[1].weight._local_tensor = model[1].weight._local_tensor.clone()    # re-pointed (as FSDP2's reset does)
+check(1, 1)
+model[0].seen.data = model[0].seen.data.clone()      # a buffer's bytes moved: its detached view would be stale
 check(0, 0)
 check(1, 1)
 model[1].__dict__["_state_dict_hooks"][10**9] = lambda *a: None      # a hook, under a handle id never used
@@ -164,7 +171,7 @@ try:
     h.wait(60)
     raise AssertionError("the save of a DTensor changed in place committed")
 except ckptd_client.CheckpointError as e:
-    assert "changed in place" in str(e), e
+    assert "changed since the last save (its local shard" in str(e), e
 want = w.to_local().clone()
 ck.save(3, state).wait(60)
 with torch.no_grad():
@@ -325,6 +332,86 @@ os._exit(0)
 '''
 
 
+SHARD_MOVED = r'''
+import os, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import ckptd_client
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+                        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 5))     # 5 rows: uneven shards
+for m in model:
+    fully_shard(m, mesh=mesh)
+fully_shard(model, mesh=mesh)
+opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def train():
+    opt.zero_grad()
+    model(torch.randn(4, 8)).square().mean().backward()
+    opt.step()                      # its pre-hook fences an overlapped save's copy first
+
+
+def snap():
+    """Every local shard of the model and optimizer, by FQN, cloned."""
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)["state"]}
+    out = {f"model/{k}": v.to_local().clone() for k, v in sd["model"].items()}
+    for fqn, st in sd["optim"].items():
+        out.update({f"optim/{fqn}/{k}": v.to_local().clone() for k, v in st.items() if k != "step"})
+    return out
+
+
+def equal(a, b):
+    assert list(a) == list(b), (list(a), list(b))
+    for k in a:
+        assert a[k].shape == b[k].shape and torch.equal(a[k], b[k]), k
+
+
+state = {"model": model, "optim": opt}
+ck = ckptd_client.Checkpointer("mv", socket=sys.argv[1])
+train()
+ck.save(1, state).wait(60)
+train()
+ck.save(2, state).wait(60)
+assert ck.plans.spliced == 1, (ck.plans.hits, ck.plans.misses, ck.plans.spliced)
+train()
+# Two shards moved to other memory, as no registration hook reports: ``.data =`` on one local
+# shard, the local shard itself replaced on another (what FSDP2's reset_sharded_param does); new
+# values in the new memory only.
+w, b = model[0].weight, model[1].bias
+w._local_tensor.data = w._local_tensor.data.clone()
+b._local_tensor = b._local_tensor.clone()
+with torch.no_grad():
+    w.to_local().add_(1.0)
+    b.to_local().mul_(-3.0)
+want3 = snap()
+misses = ck.plans.misses
+h = ck.save(3, state)               # spliced: the copy thread finds the shards moved and copies them from there
+assert (ck.plans.misses, ck.plans.spliced) == (misses, 2), (ck.plans.hits, ck.plans.misses, ck.plans.spliced)
+train()                             # the optimizer's step changes every shard after the copy
+h.wait(60)
+want4 = snap()
+h = ck.save(4, state)               # and the next save's plan has them where they are now
+assert (ck.plans.misses, ck.plans.spliced) == (misses, 3), (ck.plans.hits, ck.plans.misses, ck.plans.spliced)
+train()
+h.wait(60)
+for step, want in ((3, want3), (4, want4)):
+    assert ck.restore(state, step=step) == step
+    equal(snap(), want)
+ck.close()
+print("WORKER OK", flush=True)
+dist.destroy_process_group()
+os._exit(0)
+'''
+
+
 def run(script: Path, world: int, *args: str) -> None:
     """``world`` gloo ranks of ``script`` (sharded_trainer.run_group); each must print WORKER OK."""
     for r, out in enumerate(st.run_group(world, *args, script=script, timeout=180)):
@@ -355,3 +442,14 @@ def test_fsdp2_optimizer_walk_spliced_and_checked_on_the_copy_thread(tmp: Path, 
     assert (daemon.root / "fo" / "step-000000000002").is_dir()
     assert not (daemon.root / "fo" / "step-000000000003").exists()
     assert (daemon.root / "fk" / "step-000000000002").is_dir()
+
+
+def test_fsdp2_shard_moved_between_saves_is_copied_from_where_it_is(tmp: Path, daemon: Any) -> None:
+    """A sharded model's local shard moved to other memory between saves (``.data =``, or the local
+    tensor replaced, as FSDP2's reset_sharded_param does), unseen by the trainer's quick check: the
+    save stays spliced, its copy takes the shard from its new memory (never the old bytes), it
+    commits, and it and the next save restore bit-exact on 2 ranks with uneven shards."""
+    script = tmp / "mv_worker.py"
+    script.write_text(SHARD_MOVED)
+    run(script, 2, str(daemon.socket))
+    assert (daemon.root / "mv" / "step-000000000003").is_dir()
