@@ -220,6 +220,7 @@ SERVE_FLAGS = {"--root": "root", "--socket": "socket", "--socket-mode": "socket_
                "--socket-group": "socket_group", "--allow-user": "allowed_users",
                "--allow-group": "allowed_groups", "--slot-memory-limit": "slot_memory_limit",
                "--slot-memory-limit-mib": "slot_memory_limit", "--codec": "codec", "--codec-mode": "codec_mode",
+               "--direct-io": "direct_io",
                "--level": "level",
                "--chunk-mib": "chunk_size", "--threads": "threads", "--step-timeout": "step_timeout",
                "--drain-grace": "drain_grace", "--log-format": "log_format", "--log-level": "log_level",

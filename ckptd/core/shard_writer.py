@@ -21,7 +21,12 @@ would only take CPU from the writer, and chunks go raw. Each chunk names its cod
 readers need nothing new. A raw chunk's checksum is taken off the writer's thread too while the
 codec threads are idle: they hash untaken chunks ahead of it (newest first, like the encoding), so
 the writer's thread only writes — on a 2-core node the hash runs on the core the trainer's copy
-frees, beside the writes instead of between them.
+frees, beside the writes instead of between them. With ``direct`` (the daemon's ``direct_io``),
+raw chunks' whole blocks go around the page cache on a thread of their own (direct_write.py): no
+copy into the page cache, the device reads the slot. The writer's waits for the disk are then
+short (only the chunks' ends are in the page cache), so adaptive encoding stays off and every
+chunk is raw: an encoded chunk would put every later one off its block. Whether direct raw
+chunks beat encoded ones through the page cache is the daemon's measured choice (write_way.py).
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ from typing import Any
 
 from . import storage
 from .codec import ChunkMeta, choose_codec, chunk_ranges, encode_chunk
+from .direct_write import DirectWriter
 from .names import rank_data_name, rank_manifest_name
 from .schema import Manifest, TensorEntry, TensorLayout, digest_bytes, encode_json
 from .step_files import remove_rank_files
@@ -67,10 +73,10 @@ _CODEC, _WRITER, _HASH = 1, 2, 3      # who took a chunk of the window (_HASH: a
 
 
 class _Chunk:
-    __slots__ = ("entry", "view", "dtype", "codec", "taken", "encoded", "error", "done")
+    __slots__ = ("entry", "view", "src", "dtype", "codec", "taken", "encoded", "error", "done")
 
-    def __init__(self, entry: TensorEntry, view: memoryview, dtype: str, codec: str) -> None:
-        self.entry, self.view, self.dtype, self.codec = entry, view, dtype, codec
+    def __init__(self, entry: TensorEntry, view: memoryview, src: int, dtype: str, codec: str) -> None:
+        self.entry, self.view, self.src, self.dtype, self.codec = entry, view, src, dtype, codec
         self.taken = 0
         self.encoded: tuple[list[Any], ChunkMeta] | None = None
         self.error: BaseException | None = None
@@ -121,8 +127,9 @@ class _Window:
             finally:
                 chunk.done.set()
 
-    def pop_oldest(self) -> tuple[TensorEntry, list[Any], ChunkMeta]:
-        """The oldest chunk, encoded (waiting for its codec thread) or, adaptive and untaken, raw."""
+    def pop_oldest(self) -> tuple[TensorEntry, list[Any], ChunkMeta, int]:
+        """The oldest chunk, encoded (waiting for its codec thread) or, adaptive and untaken, raw; and
+        where its raw bytes start in the source (``_Chunk.src``)."""
         with self.lock:
             chunk = self.chunks[0]
             raw = self.adaptive and not chunk.taken
@@ -138,7 +145,7 @@ class _Window:
             parts, meta = chunk.encoded
         with self.lock:
             self.chunks.popleft()
-        return chunk.entry, parts, meta
+        return chunk.entry, parts, meta, chunk.src
 
     def close(self) -> None:
         """Stop: no codec task takes a chunk after this, and the ones encoding have finished (so no
@@ -160,6 +167,7 @@ class WrittenShard:
     manifest: Manifest
     digest: str
     seconds: float
+    direct_bytes: int = 0         # of the data file, the bytes written around the page cache (``direct``)
 
 
 @dataclass(frozen=True)
@@ -174,14 +182,17 @@ class ShardHooks:
 
 def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
                 tensors: Sequence[TensorLayout], read: ReadChunk, tree: Any, encoding: Encoding,
-                pool: Executor, ahead: int, hooks: ShardHooks = ShardHooks()) -> WrittenShard:
+                pool: Executor, ahead: int, hooks: ShardHooks = ShardHooks(), direct: bool = False) -> WrittenShard:
     """Encode ``tensors`` and write rank ``rank``'s data file and manifest durably into ``step_path``
     (created if missing), with up to ``ahead`` chunks read before the one being written; on any error
-    both files are removed and the error re-raised."""
+    both files are removed and the error re-raised. ``direct``: ``read(t, start, n)`` returns the
+    source's bytes at ``t.offset + start`` from a page-aligned start (a slot's mapping), and raw
+    chunks go around the page cache where the file system allows it (direct_write.py)."""
     t0 = time.monotonic()
     data_path = os.path.join(step_path, rank_data_name(rank))
     released = False
     fd = -1
+    around: DirectWriter | None = None
     window = _Window(encoding.level, encoding.adaptive)
 
     def release() -> None:
@@ -199,6 +210,8 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
             except FileNotFoundError:   # the cleanup of an ended attempt removed the (empty) directory just now
                 if attempt == 2:
                     raise
+        if direct:
+            around = DirectWriter.open(fd, data_path)
         entries: list[TensorEntry] = []
         pos = 0
         flushed = 0     # bytes already handed to writeback
@@ -209,8 +222,11 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
             nonlocal pos, flushed, paced, since
             if hooks.before_write is not None:     # first: a raise leaves no view of the source in its traceback
                 hooks.before_write()
-            entry, parts, meta = window.pop_oldest()
-            pos += storage.write_all(fd, parts)
+            entry, parts, meta, src = window.pop_oldest()
+            if around is None:
+                pos += storage.write_all(fd, parts)
+            else:
+                pos += around.write(parts, meta.codec == "none", src, pos)
             entry.chunks.append(meta)
             if hooks.written is not None:
                 hooks.written(meta.raw_len)
@@ -232,28 +248,33 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
             entry = TensorEntry(t.name, t.dtype, list(t.shape), -1, [], t.placement)
             entries.append(entry)
             for start, length in chunk_ranges(t.nbytes, encoding.chunk_bytes):
-                window.add(_Chunk(entry, read(t, start, length), t.dtype, codec))
+                window.add(_Chunk(entry, read(t, start, length), t.offset + start, t.dtype, codec))
                 pool.submit(window.encode_one)   # (a task finding none left untaken ends at once)
                 while len(window) > ahead:
                     drain_one()
         # Offsets are known only once earlier chunks are written; entries drain in order.
         while len(window):
             drain_one()
+        if around is not None:
+            around.finish()             # every direct write done (or its error raised): the source is free
         release()   # no chunk (no view of the source: a slot's mapping closes only once none is left) remains
         offset = 0
         for entry in entries:
             entry.offset = offset
             offset += entry.stored_bytes
-        os.fsync(fd)
+        os.fsync(fd)          # (the inode's: the direct writes' blocks and size too, and the device's cache)
         os.close(fd)
         fd = -1
         manifest = Manifest(job, step, rank, world_size, entries, tree,
                             sum(e.nbytes for e in entries), offset)
         data = encode_json(manifest.to_json())
         storage.atomic_write(os.path.join(step_path, rank_manifest_name(rank)), data)
-        return WrittenShard(manifest, digest_bytes(data), time.monotonic() - t0)
+        return WrittenShard(manifest, digest_bytes(data), time.monotonic() - t0,
+                            around.direct_bytes if around is not None else 0)
     except BaseException:
         window.close()
+        if around is not None and not released:
+            around.abort()              # before the source is released: no write reads it after
         if not released:
             release()
         if fd >= 0:
@@ -263,3 +284,4 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
         except OSError:
             pass  # e.g. EROFS: nothing could be written either; the original error says why
         raise
+

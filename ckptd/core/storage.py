@@ -6,6 +6,7 @@ Everything that must survive a crash goes through here so the ordering rules
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import stat
 from collections.abc import Callable, Iterable, Sequence
@@ -124,6 +125,37 @@ def write_files_durably(directory: str, files: Sequence[tuple[str, bytes]]) -> N
 
 def open_for_write(path: str) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
+
+
+# O_DIRECT: a direct write's source address, file offset and length are multiples of this (the
+# largest logical block size of common devices; 512-byte devices accept it too).
+DIRECT_BLOCK = 4096
+
+
+def open_direct(path: str) -> int:
+    """A second descriptor of the existing file ``path`` that writes around the page cache
+    (``O_DIRECT``), or -1 where the file system refuses it (tmpfs, some network file systems)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return -1
+    try:
+        return os.open(path, os.O_WRONLY | os.O_NOFOLLOW | flag)
+    except OSError as e:
+        if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return -1
+        raise
+
+
+def write_all_at(fd: int, parts: Iterable[bytes | bytearray | memoryview], offset: int) -> int:
+    """``write_all`` at ``offset`` (pwrite: the descriptor's position is neither used nor moved)."""
+    total = 0
+    for part in parts:
+        view = memoryview(part).cast("B")
+        while view:
+            n = os.pwrite(fd, view, offset + total)
+            total += n
+            view = view[n:]
+    return total
 
 
 def write_all(fd: int, parts: Iterable[bytes | bytearray | memoryview]) -> int:

@@ -38,6 +38,8 @@ _STAT_COUNTERS = {
                                  "loadable, but they may not survive a crash."),
     "bytes_raw": ("ckptd_bytes_raw", "Tensor bytes received in durable shards, before compression."),
     "bytes_stored": ("ckptd_bytes_stored", "Bytes written to data files for durable shards, after compression."),
+    "bytes_direct": ("ckptd_bytes_direct", "Of ckptd_bytes_stored, the bytes written around the page cache "
+                     "(O_DIRECT, direct_io)."),
 }
 
 

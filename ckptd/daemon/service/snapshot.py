@@ -23,9 +23,18 @@ class Counters:
     steps_committed_unsynced: int = 0    # index.json in place, then the directory's fsync failed
     bytes_raw: int = 0
     bytes_stored: int = 0
+    bytes_direct: int = 0                # of bytes_stored, written around the page cache (direct_io)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+    def durable(self, raw: int, stored: int, direct: int) -> None:
+        """A shard save became durable: ``raw`` tensor bytes, ``stored`` in its data file, ``direct`` of them
+        written around the page cache."""
+        self.saves_durable += 1
+        self.bytes_raw += raw
+        self.bytes_stored += stored
+        self.bytes_direct += direct
 
 
 @dataclass(frozen=True)

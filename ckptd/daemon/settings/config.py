@@ -61,7 +61,7 @@ from ckptd.daemon.settings.spec import (
     table,
     walk,
 )
-from ckptd.daemon.settings.write import CODEC_MODES, WriteSettings
+from ckptd.daemon.settings.write import CODEC_MODES, DIRECT_IO, WriteSettings
 
 DEFAULT_CONFIG_PATH = "/etc/ckptd/ckptd.toml"
 ENV_CONFIG = "CKPTD_CONFIG"
@@ -138,6 +138,8 @@ class Settings:
             "gets every chunk encoded, one that keeps up with the writer gets them raw (compression would only "
             "take the writer's CPU). `always`: every chunk with `codec`.")
     level: int = setting(_WRITE.level, parse=integer(1, 22), doc="zstd level, 1–22.")
+    direct_io: str = setting(_WRITE.direct_io, choices=DIRECT_IO, doc="Raw chunks around the page cache (`O_DIRECT`):"
+                             " `auto` keeps to the way measured faster (docs/operations.md), or `on`, `off`.")
     chunk_size: int = setting(
         _WRITE.chunk_bytes, parse=parse_size, show=show_size, flags=(Flag("--chunk-mib", unit=MiB, metavar="MIB"),),
         doc="Bytes per independently compressed and checksummed chunk, 64 KiB–1 GiB (the flag counts MiB).")
@@ -169,7 +171,7 @@ class Settings:
             root=self.root, socket_path=self.socket, socket_mode=self.socket_mode, socket_group=self.socket_group,
             threads=self.threads, step_timeout=self.step_timeout, slot_memory_limit=self.slot_memory_limit,
             write=WriteSettings(codec=self.codec, level=self.level, chunk_bytes=self.chunk_size,
-                                adaptive=self.codec_mode == "adaptive",
+                                adaptive=self.codec_mode == "adaptive", direct_io=self.direct_io,
                                 debug_write_delay=debug.write_delay, debug_commit_delay=debug.commit_delay),
             allowed_uids=frozenset(self.allowed_users) or None, allowed_gids=frozenset(self.allowed_groups) or None,
             drain_grace=self.drain_grace, retention=self.retention.policy(), metrics_address=self.metrics.address,
@@ -247,8 +249,7 @@ class Effective:
 
     def render(self) -> str:
         """The effective settings as a loadable TOML file, each with its source (``--check-config``)."""
-        lines = [f"# effective ckptd settings; config file: {self.config_path or '(none)'}"]
-        section = ""
+        lines, section = [f"# effective ckptd settings; config file: {self.config_path or '(none)'}"], ""
         for key in KEYS.values():
             tbl, _, name = key.name.rpartition(".")
             if tbl != section:
@@ -292,7 +293,6 @@ def read_config_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"config {path}: " + "; ".join(f"unknown key {k!r}{did_you_mean(k, KEYS)}" for k in unknown)
                           + " (every key is in docs/operations.md)")
     return flat
-
 
 
 def load_settings(config_path: str | None = None, env: Mapping[str, str] | None = None,

@@ -230,9 +230,7 @@ class StepCoordinator(Generic[W]):
                 self.table.write_over(st, shard)    # its files are gone: a retry told of the failure may start
                 await self._fail(st, reason)
                 return
-            totals.saves_durable += 1
-            totals.bytes_raw += result.raw_bytes
-            totals.bytes_stored += result.stored_bytes
+            totals.durable(result.raw_bytes, result.stored_bytes, result.direct_bytes)
             self._on_durable(result)
             shard.move(ShardState.DURABLE)
             shard.digest = result.digest

@@ -60,6 +60,7 @@ class ShardWritten:
     seconds: float
     record: RankRecord | None = None     # what the commit needs of this rank (rank_record.py), if known
     manifest: Manifest | None = None     # the manifest written, where a tier wrote one (its raw chunk checksums)
+    direct_bytes: int = 0                # of stored_bytes, those written around the page cache (O_DIRECT)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from ckptd.daemon.settings.write import WriteSettings
 from ckptd.daemon.tiers.base import ShardRef, ShardWritten, SlotLoan, StorageTier, StreamedData
 from ckptd.daemon.tiers.fs import retention
 from ckptd.daemon.tiers.fs.commit import CommitWithdrawn, PublishGate, write_index
+from ckptd.daemon.tiers.fs.write_way import WriteWay
 from ckptd.daemon.tiers.fs.writer import write_shard
 
 log = logging.getLogger("ckptd")
@@ -56,6 +57,7 @@ class FsTier(StorageTier):
         self.root = root
         self.settings = settings
         self.window = 2 * threads + 2          # chunks encoded ahead of the one being written
+        self.way = WriteWay(settings.direct_io)   # through the page cache or around it (write_way.py)
         self._codec_pool = ThreadPoolExecutor(threads, thread_name_prefix="ckptd-codec")
         self._write_pool = ThreadPoolExecutor(max(4, threads), thread_name_prefix="ckptd-write")
         self._io_pool = io_pool
@@ -74,11 +76,13 @@ class FsTier(StorageTier):
                           released: Callable[[], None], abandoned: Callable[[], bool],
                           loan: SlotLoan | None = None) -> ShardWritten:
         # ``loan`` is for tiers that keep shards resident: files are read from the slot, which is released.
+        direct = self.way.pick()
         result = await self._on(self._write_pool, write_shard, self.step_path(ref.job, ref.step), ref.job, ref.step,
                                 ref.rank, ref.world_size, data, list(layout), tree, self.settings, self._codec_pool,
-                                self.window, released, abandoned)
+                                self.window, released, abandoned, direct)
+        self.way.record(direct, result.manifest.raw_bytes, result.direct_bytes, result.seconds)
         return ShardWritten(result.manifest.raw_bytes, result.manifest.stored_bytes, result.digest, result.seconds,
-                            summarize(result.manifest, result.digest), result.manifest)
+                            summarize(result.manifest, result.digest), result.manifest, result.direct_bytes)
 
     def _gate(self) -> PublishGate:
         return PublishGate()

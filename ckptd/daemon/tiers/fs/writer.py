@@ -27,11 +27,14 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
                 slot: memoryview | StreamedData, tensors: list[TensorLayout], tree: Any,
                 settings: WriteSettings, pool: Executor, window: int,
                 on_slot_released: Callable[[], None],
-                abandoned: Callable[[], bool] | None = None) -> WrittenShard:
+                abandoned: Callable[[], bool] | None = None, direct: bool = False) -> WrittenShard:
     """Encode and write one rank's data file and manifest durably; on error remove both.
 
     ``abandoned`` (polled before each chunk is written): when it turns true, stop and raise
-    WriteAbandoned, so a dead client's step stops costing disk bandwidth."""
+    WriteAbandoned, so a dead client's step stops costing disk bandwidth. ``direct``: raw chunks
+    around the page cache where they can be (write_way.py): read from the slot, whole or
+    filling (``resident``), not from the reused slots of a streamed save, whose bytes do not sit at
+    their layout's offsets."""
     def read(t: TensorLayout, start: int, length: int) -> memoryview:
         if isinstance(slot, StreamedData):
             return slot.read(t, start, length, abandoned or (lambda: False))
@@ -45,4 +48,5 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
     return shard_writer.write_shard(step_path, job, step, rank, world_size, tensors, read, tree,
                                     Encoding(settings.codec, settings.level, settings.chunk_bytes, settings.adaptive),
                                     pool, window,
-                                    ShardHooks(released=on_slot_released, before_write=before_write))
+                                    ShardHooks(released=on_slot_released, before_write=before_write),
+                                    direct=direct and (not isinstance(slot, StreamedData) or slot.resident))

@@ -1,0 +1,188 @@
+"""Shards written around the page cache (``O_DIRECT``: ckptd/core/direct_write.py) are the same
+files as through it: the data file byte for byte and the manifest, for a slot whose layout lines
+up with the file and one that does not (a tensor whose size is no multiple of the slot's 64-byte
+alignment shifts every later chunk off its block), with adaptive encoding and with every chunk
+encoded, and on tmpfs (which refuses ``O_DIRECT`` before Linux 6.6). A direct
+write that fails fails the shard (its files removed) and frees the source first. And the daemon's
+choice of way (``direct_io``, tiers/fs/write_way.py)."""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptd.core import storage
+from ckptd.core.direct_write import DirectWriter
+from ckptd.core.names import rank_data_name, rank_manifest_name
+from ckptd.core.schema import TensorLayout
+from ckptd.core.shard_writer import Encoding, ShardHooks, WrittenShard, write_shard
+from ckptd.daemon.tiers.fs.write_way import MIN_BYTES, RETRY, WriteWay
+
+MiB = 1 << 20
+
+
+def slot_of(sizes: list[int]) -> tuple[mmap.mmap, list[TensorLayout]]:
+    """A page-aligned mapping (as a daemon's slot) holding float32 tensors of ``sizes`` bytes at
+    64-byte aligned offsets, filled with varied bytes."""
+    layout, off = [], 0
+    for i, n in enumerate(sizes):
+        layout.append(TensorLayout(f"t{i}", "float32", (n // 4,), off, n, None))
+        off += -(-n // 64) * 64
+    mm = mmap.mmap(-1, max(off, mmap.PAGESIZE))
+    pattern = os.urandom(1 << 16)
+    for at in range(0, off, len(pattern)):
+        mm[at:at + min(len(pattern), off - at)] = pattern[:min(len(pattern), off - at)]
+    return mm, layout
+
+
+def write(root: Path, mm: mmap.mmap, layout: list[TensorLayout], direct: bool, adaptive: bool = True,
+          hooks: ShardHooks | None = None) -> tuple[WrittenShard, bytes, bytes]:
+    view = memoryview(mm)
+    with ThreadPoolExecutor(2) as pool:
+        w = write_shard(str(root), "j", 1, 0, 1, layout, lambda t, s, n: view[t.offset + s:t.offset + s + n], None,
+                        Encoding("bplane", 1, MiB, adaptive), pool, 6, hooks or ShardHooks(), direct=direct)
+    return w, (root / rank_data_name(0)).read_bytes(), (root / rank_manifest_name(0)).read_bytes()
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+@pytest.mark.parametrize("sizes", [[4 * MiB, 3 * MiB + 4096, 2 * MiB], [4 * MiB + 4, 3 * MiB + 12, 5 * MiB + 4096]],
+                         ids=["aligned", "shifted"])
+def test_direct_shards_are_the_same_files(tmp_path: Path, sizes: list[int], adaptive: bool) -> None:
+    mm, layout = slot_of(sizes)
+    buffered, data, manifest = write(tmp_path / "buffered", mm, layout, direct=False, adaptive=adaptive)
+    direct, data_d, manifest_d = write(tmp_path / "direct", mm, layout, direct=True, adaptive=adaptive)
+    assert data_d == data and manifest_d == manifest
+    assert buffered.direct_bytes == 0
+    if not adaptive:
+        assert direct.direct_bytes == 0            # every chunk encoded: none is raw, none goes direct
+    elif sizes[0] % 64 == 0:
+        assert direct.direct_bytes >= sum(sizes) - 4 * 4096    # all but the chunks' ends
+    else:
+        # the first tensor's 60 bytes of padding put every later chunk off its block: only the first's
+        assert 0 < direct.direct_bytes <= sizes[0]
+
+
+def test_tmpfs_gets_the_same_files(tmp_path: Path) -> None:
+    """tmpfs refuses ``O_DIRECT`` (kernels before 6.6: the page cache way then) or takes it as buffered."""
+    shm = Path("/dev/shm")
+    assert shm.is_dir()
+    mm, layout = slot_of([4 * MiB, 2 * MiB])
+    root = shm / f"ckptd-direct-{os.getpid()}"
+    try:
+        w, data, _ = write(root, mm, layout, direct=True)
+        assert data == bytes(mm[:6 * MiB])
+    finally:
+        for p in root.glob("*"):
+            p.unlink()
+        root.rmdir()
+
+
+def test_a_failing_direct_write_fails_the_shard_and_frees_the_source_first(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device refusing a direct write (here: a descriptor opened read-only in its place) fails the
+    shard with that error, its files removed, and the source is released only once no write reads it."""
+    mm, layout = slot_of([8 * MiB, 8 * MiB])
+    order: list[str] = []
+    real = DirectWriter.open
+
+    def broken(fd: int, path: str) -> DirectWriter | None:
+        w = real(fd, path)
+        assert w is not None
+        os.close(w.dfd)
+        w.dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)      # EBADF on write
+        close = w._close
+
+        def closed() -> None:
+            close()
+            order.append("direct writes done")
+        w._close = closed                                       # type: ignore[method-assign]
+        return w
+    monkeypatch.setattr(DirectWriter, "open", staticmethod(broken))
+    with pytest.raises(OSError) as e:
+        write(tmp_path / "s", mm, layout, direct=True, hooks=ShardHooks(released=lambda: order.append("released")))
+    assert e.value.errno == 9                                   # EBADF
+    assert order == ["direct writes done", "released"]
+    assert not (tmp_path / "s" / rank_data_name(0)).exists()
+    assert not (tmp_path / "s" / rank_manifest_name(0)).exists()
+
+
+def test_write_all_at_leaves_the_position(tmp_path: Path) -> None:
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        assert storage.write_all_at(fd, [b"abc", memoryview(b"de")], 3) == 5
+        assert os.lseek(fd, 0, os.SEEK_CUR) == 0
+        assert os.pread(fd, 8, 0) == b"\0\0\0abcde"
+    finally:
+        os.close(fd)
+
+
+def test_auto_measures_each_way_then_keeps_to_the_faster() -> None:
+    way = WriteWay("auto")
+    assert way.pick() is False                       # buffered first
+    way.record(False, MIN_BYTES - 1, 0, 0.01)        # too small to tell the disk: not counted
+    assert way.pick() is False
+    way.record(False, 1 << 30, 0, 0.5)               # 2 GiB/s
+    assert way.pick() is True                        # then direct
+    way.record(True, 1 << 30, (1 << 29) - 1, 0.1)    # mostly through the page cache: says nothing of direct
+    assert way.pick() is True
+    way.record(True, 1 << 30, 1 << 30, 0.25)         # 4 GiB/s
+    picks = [way.pick() for _ in range(2 * RETRY)]
+    assert picks.count(False) == 2 and picks[RETRY - 1] is False and picks[2 * RETRY - 1] is False
+    way.record(False, 1 << 30, 0, 0.1)               # buffered tried again and faster now
+    assert way.pick() is False
+
+
+@pytest.mark.parametrize("mode,want", [("on", True), ("off", False)])
+def test_on_and_off_fix_the_way(mode: str, want: bool) -> None:
+    way = WriteWay(mode)
+    for _ in range(3):
+        assert way.pick() is want
+        way.record(want, 1 << 30, 1 << 30 if want else 0, 1.0)
+    assert way.rates() == {}
+
+
+def test_an_unknown_way_is_refused() -> None:
+    with pytest.raises(ValueError, match="direct_io must be one of auto, on, off"):
+        WriteWay("sideways")
+
+
+def test_a_daemon_writing_direct_commits_the_same_step(tmp: Path, daemon_factory: Any) -> None:
+    """Real daemons, one with ``--direct-io on`` and one ``off`` (raw chunks: ``--codec none``), save the
+    same state (a tensor of an odd size among them): the data files are the same bytes, the direct
+    one's ``ckptd status`` counts its bytes written direct, and the step restores bit-exact from the
+    direct daemon's files."""
+    import torch
+
+    import ckptd_client
+    g = torch.Generator().manual_seed(3)
+    state = {"a": torch.randn(4 << 20, generator=g), "b": torch.randn(1 << 20, generator=g).to(torch.bfloat16),
+             "c": torch.randn(12345, generator=g), "d": torch.randn(3 << 20, generator=g)}
+    roots = {}
+    for way in ("on", "off"):
+        d = daemon_factory("--codec", "none", "--direct-io", way, name=way, root=tmp / way)
+        ck = ckptd_client.Checkpointer("dio", socket=str(d.socket), commit="local")
+        ck.save(1, state).wait(60)
+        ck.close()
+        roots[way] = tmp / way / "dio" / "step-000000000001"
+        status = subprocess.run([sys.executable, "-m", "ckptd", "status", "--socket", str(d.socket), "--json"],
+                                capture_output=True, text=True, timeout=60, check=True)
+        stats = json.loads(status.stdout)["stats"]
+        size = (roots[way] / rank_data_name(0)).stat().st_size
+        if way == "on":      # all but the ends of chunks after the odd-sized "c" (16 MiB of 34)
+            assert size // 3 < stats["bytes_direct"] < size, (stats, size)
+        else:
+            assert stats["bytes_direct"] == 0, stats
+    assert (roots["on"] / rank_data_name(0)).read_bytes() == (roots["off"] / rank_data_name(0)).read_bytes()
+    d = daemon_factory("--codec", "none", "--direct-io", "on", name="on2", root=tmp / "on")
+    fresh = ckptd_client.Checkpointer("dio", socket=str(d.socket), memory=False)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert fresh.restore(out, step=1) == 1
+    fresh.close()
+    assert all(torch.equal(out[k], state[k]) for k in state)
