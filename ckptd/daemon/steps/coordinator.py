@@ -242,7 +242,7 @@ class StepCoordinator(Generic[W]):
                 await self._remove(st, (rank,))
                 return
             log.info("durable", extra={"ctx": {**ctx, "raw_bytes": result.raw_bytes,
-                                               "stored_bytes": result.stored_bytes,
+                                               "stored_bytes": result.stored_bytes, "direct_bytes": result.direct_bytes,
                                                "write_s": round(result.seconds, 6)}})
             self.table.write_over(st, shard)        # before any event: the client may act on it at once
             self._tell(shard, event(EventOp.DURABLE, step=st.step, rank=rank, digest=result.digest,
