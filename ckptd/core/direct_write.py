@@ -2,14 +2,17 @@
 
 Through the page cache a chunk costs the writer a copy (source → page cache) and the disk's
 writeback later; a direct write has the device read the source itself, but returns only once the
-device has the bytes. So the whole blocks of each raw chunk are queued to one I/O thread, up to
-``DEPTH`` chunks ahead, while the writer hashes and reads the next; the writer waits only when the
-queue is full (the disk is then the limit). Each chunk's ends (its bytes before
-the first and after the last block boundary of the file) are written through the page cache at
-once. A direct write needs its source address, file offset and length on block boundaries, so
-only a chunk whose source offset lies as far into a block as its file offset does (the source
-mapped from a page boundary: a slot) goes direct. The caller keeps the source mapped until
-``finish`` or ``abort`` returns.
+device has the bytes. A direct write's source address, file offset and length must lie on block
+boundaries. The data file holds raw chunks back to back, as a slot holds its tensors (64-byte
+aligned: back to back for tensors whose sizes are multiples of 64), so a run of raw chunks lying
+in the source as they lie in the file is written as one stretch of the source: its whole blocks
+direct, in writes of up to ``RUN`` bytes that cross chunk and tensor boundaries (on the
+benchmarks' VM a GiB took 0.35 s in the ~2.6 MiB writes a GPT-like state's chunks make alone and
+0.26 s in 32 MiB ones), its partial first and last blocks through the page cache. Writes are
+queued to one I/O thread, up to ``DEPTH`` ahead, while the writer hashes and reads on; a run is
+cut for the device early whenever the device is idle. Anything else (an encoded chunk, a chunk
+lying elsewhere in the source) goes through the page cache and ends the run. The caller keeps the
+source mapped until ``finish`` or ``abort`` returns.
 """
 from __future__ import annotations
 
@@ -20,55 +23,91 @@ from typing import Any
 
 from . import storage
 
-DEPTH = 4          # chunks queued ahead of the one the device is writing
+DEPTH = 4          # writes queued ahead of the one the device is writing
+RUN = 32 << 20     # bytes of a run written at once, at most
 
 
 class DirectWriter:
-    """One data file's direct writes (``dfd``) beside its writes through the page cache (``fd``)."""
+    """One data file's direct writes (``dfd``) beside its writes through the page cache (``fd``), of
+    bytes read from ``source`` (mapped from a page boundary)."""
 
-    def __init__(self, fd: int, dfd: int) -> None:
-        self.fd, self.dfd = fd, dfd
+    def __init__(self, fd: int, dfd: int, source: memoryview) -> None:
+        self.fd, self.dfd, self.source = fd, dfd, source.cast("B") if source.format != "B" else source
         self.direct_bytes = 0
-        self._q: queue.Queue[tuple[memoryview, int] | None] = queue.Queue(DEPTH)
+        # The open run: file bytes [_start, _end) are source bytes [_start + _delta, _end + _delta), not
+        # written yet; _start lies on a block boundary once the run's first partial block is written.
+        self._open = False
+        self._start = self._end = self._delta = 0
+        self._q: queue.Queue[tuple[int, int, int] | None] = queue.Queue(DEPTH)   # file [a, b), delta
+        self._busy = False                        # the I/O thread is writing
         self._error: BaseException | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="ckptd-direct", daemon=True)
         self._thread.start()
 
     @classmethod
-    def open(cls, fd: int, path: str) -> DirectWriter | None:
+    def open(cls, fd: int, path: str, source: memoryview) -> DirectWriter | None:
         """A writer for the file ``path`` that ``fd`` writes too, or None (no ``O_DIRECT`` there)."""
         dfd = storage.open_direct(path)
-        return None if dfd < 0 else cls(fd, dfd)
+        return None if dfd < 0 else cls(fd, dfd, source)
 
     def write(self, parts: list[Any], raw: bool, src: int, pos: int) -> int:
-        """Write a chunk at file offset ``pos`` whose raw bytes start at ``src`` in the source (bytes
-        written): its whole blocks queued for the device if ``raw`` and ``src`` lines up with
-        ``pos``, everything else through ``fd`` now."""
+        """A chunk for file offset ``pos`` whose raw bytes are the source's from ``src`` (bytes written
+        or taken into the run): a raw one continuing the run, or starting one, is left to it; anything
+        else ends the run and goes through ``fd`` now."""
         self._raise()
-        block = storage.DIRECT_BLOCK
-        if not raw or len(parts) != 1 or (src - pos) % block:
+        if not raw or len(parts) != 1 or (src - pos) % storage.DIRECT_BLOCK:
+            self._end_run()
             return storage.write_all_at(self.fd, parts, pos)
-        view = memoryview(parts[0]).cast("B")
-        n = len(view)
-        head = min(n, -pos % block)
-        end = head + (n - head) // block * block
-        if head:
-            storage.write_all_at(self.fd, [view[:head]], pos)
-        if end < n:
-            storage.write_all_at(self.fd, [view[end:]], pos + end)
-        if end > head:
-            self._q.put((view[head:end], pos + head))
+        n = len(memoryview(parts[0]).cast("B"))
+        if self._open and (pos != self._end or src - pos != self._delta):
+            self._end_run()
+        if not self._open:
+            self._open, self._start, self._end, self._delta = True, pos, pos, src - pos
+        self._end += n
+        if self._end - self._start >= RUN or not (self._busy or self._q.qsize()):
+            self._cut()                   # a whole write gathered, or the device idle: go now
         return n
 
+    def _cut(self) -> None:
+        """Write the open run up to its last block boundary (a partial first block through the page
+        cache now, the whole blocks queued); the rest, under a block, stays open."""
+        block = storage.DIRECT_BLOCK
+        a, b = self._start, self._end // block * block
+        if a % block:
+            first = min(-(-a // block) * block, self._end)
+            storage.write_all_at(self.fd, [self._bytes(a, first)], a)
+            a = first
+        if b > a:
+            self._q.put((a, b, self._delta))
+            a = b
+        self._start = a
+
+    def _end_run(self) -> None:
+        """Write the open run whole: its last partial block through the page cache."""
+        if self._open:
+            self._cut()
+            if self._start < self._end:
+                storage.write_all_at(self.fd, [self._bytes(self._start, self._end)], self._start)
+            self._open = False
+
+    def _bytes(self, a: int, b: int) -> memoryview:
+        """File bytes [a, b) of the open run, as the source holds them."""
+        return self.source[a + self._delta:b + self._delta]
+
     def finish(self) -> None:
-        """Wait for every queued write; raise the first error one met. The source is free after."""
-        self._close()
+        """Write what is left, wait for every queued write; raise the first error one met. The source
+        is free after."""
+        try:
+            self._end_run()
+        finally:
+            self._close()
         self._raise()
 
     def abort(self) -> None:
         """Drop what is queued, wait for the write under way (the source is free after); no error."""
         self._error = self._error or RuntimeError("aborted")
+        self._open = False
         while True:
             try:
                 self._q.get_nowait()
@@ -92,16 +131,17 @@ class DirectWriter:
         while (item := self._q.get()) is not None:
             if self._error is not None:
                 continue
-            view, pos = item
+            a, b, delta = item
+            self._busy = True
             try:
-                at = 0
-                while at < len(view):
-                    k = os.pwrite(self.dfd, view[at:], pos + at)
-                    if k <= 0 or k % block:      # cut short off a block boundary: the rest through the page cache
-                        at += max(k, 0)
-                        storage.write_all_at(self.fd, [view[at:]], pos + at)
-                        break
-                    at += k
+                while a < b:
+                    k = max(os.pwrite(self.dfd, self.source[a + delta:b + delta], a), 0)
                     self.direct_bytes += k
+                    a += k
+                    if k == 0 or k % block:     # cut short off a block boundary: the rest through the page cache
+                        storage.write_all_at(self.fd, [self.source[a + delta:b + delta]], a)
+                        break
             except BaseException as e:        # the writer raises it at its next chunk or at finish
                 self._error = e
+            finally:
+                self._busy = False

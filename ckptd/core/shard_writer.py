@@ -182,12 +182,14 @@ class ShardHooks:
 
 def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
                 tensors: Sequence[TensorLayout], read: ReadChunk, tree: Any, encoding: Encoding,
-                pool: Executor, ahead: int, hooks: ShardHooks = ShardHooks(), direct: bool = False) -> WrittenShard:
+                pool: Executor, ahead: int, hooks: ShardHooks = ShardHooks(),
+                direct: memoryview | None = None) -> WrittenShard:
     """Encode ``tensors`` and write rank ``rank``'s data file and manifest durably into ``step_path``
     (created if missing), with up to ``ahead`` chunks read before the one being written; on any error
-    both files are removed and the error re-raised. ``direct``: ``read(t, start, n)`` returns the
-    source's bytes at ``t.offset + start`` from a page-aligned start (a slot's mapping), and raw
-    chunks go around the page cache where the file system allows it (direct_write.py)."""
+    both files are removed and the error re-raised. ``direct``: the source, mapped from a page
+    boundary (a slot), whose bytes at ``t.offset + start`` are what ``read(t, start, n)`` returns
+    once it returned; raw chunks then go around the page cache where the file system allows it
+    (direct_write.py)."""
     t0 = time.monotonic()
     data_path = os.path.join(step_path, rank_data_name(rank))
     released = False
@@ -210,8 +212,8 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
             except FileNotFoundError:   # the cleanup of an ended attempt removed the (empty) directory just now
                 if attempt == 2:
                     raise
-        if direct:
-            around = DirectWriter.open(fd, data_path)
+        if direct is not None:
+            around = DirectWriter.open(fd, data_path, direct)
         entries: list[TensorEntry] = []
         pos = 0
         flushed = 0     # bytes already handed to writeback

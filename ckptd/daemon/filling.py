@@ -56,6 +56,9 @@ class FillingSlot(StreamedData):
         self._wait(min(a + length, self.total), stop)
         return self.view[a: a + length]
 
+    def mapped(self) -> memoryview:
+        return self.view
+
     def whole(self, stop: Callable[[], bool]) -> memoryview:
         self._wait(self.total, stop)
         return self.view

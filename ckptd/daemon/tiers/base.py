@@ -97,6 +97,11 @@ class StreamedData(ABC):
         """(A ``resident`` shard, any thread) the whole slot once every byte is in it; raises as ``read``."""
         raise TypeError("a shard streamed through reused slots is never whole in memory")
 
+    def mapped(self) -> memoryview | None:
+        """The slot's whole mapping, whose bytes at a layout's offsets are what ``read`` returned once it
+        returned (a ``resident`` shard's), or None (direct writes read the source from it)."""
+        return None
+
 
 class StorageTier(ABC):
     """A place checkpoints are written to; see the module docstring for the call order."""

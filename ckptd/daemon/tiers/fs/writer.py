@@ -33,8 +33,8 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
     ``abandoned`` (polled before each chunk is written): when it turns true, stop and raise
     WriteAbandoned, so a dead client's step stops costing disk bandwidth. ``direct``: raw chunks
     around the page cache where they can be (write_way.py): read from the slot, whole or
-    filling (``resident``), not from the reused slots of a streamed save, whose bytes do not sit at
-    their layout's offsets."""
+    filling (``StreamedData.mapped``), not from the reused slots of a streamed save, whose bytes do
+    not sit at their layout's offsets."""
     def read(t: TensorLayout, start: int, length: int) -> memoryview:
         if isinstance(slot, StreamedData):
             return slot.read(t, start, length, abandoned or (lambda: False))
@@ -45,8 +45,9 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
             time.sleep(settings.debug_write_delay)
         if abandoned is not None and abandoned():
             raise WriteAbandoned(f"step {step} was abandoned while rank {rank} was being written")
+    source = (slot if isinstance(slot, memoryview) else slot.mapped()) if direct else None
     return shard_writer.write_shard(step_path, job, step, rank, world_size, tensors, read, tree,
                                     Encoding(settings.codec, settings.level, settings.chunk_bytes, settings.adaptive),
                                     pool, window,
                                     ShardHooks(released=on_slot_released, before_write=before_write),
-                                    direct=direct and (not isinstance(slot, StreamedData) or slot.resident))
+                                    direct=source)
