@@ -159,6 +159,10 @@ def cmd_status(args: argparse.Namespace) -> int:
               f"(transparent_hugepage/shmem_enabled {mode}"
               + ("" if mode in HUGE_MODES else "; huge pages make restores from memory faster: docs/operations.md")
               + ")")
+    way = st.get("direct_io") or {}
+    if way:
+        rates = ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in sorted(way.get("bytes_per_s", {}).items()))
+        print(f"shard writes: direct_io {way.get('mode')}" + (f" (measured: {rates})" if rates else ""))
     print("stats " + " ".join(f"{k}={human_size(v).replace(' ', '') if k.startswith('bytes_') else v}"
                               for k, v in st["stats"].items()))
     sessions = sorted(st["sessions"], key=lambda s: (s["job"], s["rank"]))

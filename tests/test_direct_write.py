@@ -162,7 +162,8 @@ def test_a_daemon_writing_direct_commits_the_same_step(tmp: Path, daemon_factory
     """Real daemons, one with ``--direct-io on`` and one ``off`` (raw chunks: ``--codec none``), save the
     same state (a tensor of an odd size among them): the data files are the same bytes, the direct
     one's ``ckptd status`` counts its bytes written direct, and the step restores bit-exact from the
-    direct daemon's files."""
+    direct daemon's files. With ``auto`` (the default) a daemon writes its first large shard through
+    the page cache and the next direct, and shows both ways' measured rates."""
     import torch
 
     import ckptd_client
@@ -178,13 +179,29 @@ def test_a_daemon_writing_direct_commits_the_same_step(tmp: Path, daemon_factory
         roots[way] = tmp / way / "dio" / "step-000000000001"
         status = subprocess.run([sys.executable, "-m", "ckptd", "status", "--socket", str(d.socket), "--json"],
                                 capture_output=True, text=True, timeout=60, check=True)
-        stats = json.loads(status.stdout)["stats"]
+        st = json.loads(status.stdout)
+        stats = st["stats"]
+        assert st["direct_io"] == {"mode": way, "bytes_per_s": {}}, st["direct_io"]     # a fixed way measures nothing
+        human = subprocess.run([sys.executable, "-m", "ckptd", "status", "--socket", str(d.socket)],
+                               capture_output=True, text=True, timeout=60, check=True).stdout
+        assert f"shard writes: direct_io {way}\n" in human, human
         size = (roots[way] / rank_data_name(0)).stat().st_size
         if way == "on":      # all but the ends of chunks after the odd-sized "c" (16 MiB of 34)
             assert size // 3 < stats["bytes_direct"] < size, (stats, size)
         else:
             assert stats["bytes_direct"] == 0, stats
     assert (roots["on"] / rank_data_name(0)).read_bytes() == (roots["off"] / rank_data_name(0)).read_bytes()
+    # auto, a state of 64 MiB or more: the first shard through the page cache, the next direct, each measured
+    d = daemon_factory("--codec", "none", name="auto", root=tmp / "auto")
+    big = {"w": torch.randn(17 << 20, generator=g)}              # 68 MiB
+    ck = ckptd_client.Checkpointer("dio", socket=str(d.socket), commit="local")
+    for step in (1, 2):
+        ck.save(step, big).wait(60)
+    ck.close()
+    st = json.loads(subprocess.run([sys.executable, "-m", "ckptd", "status", "--socket", str(d.socket), "--json"],
+                                   capture_output=True, text=True, timeout=60, check=True).stdout)
+    assert st["direct_io"]["mode"] == "auto" and set(st["direct_io"]["bytes_per_s"]) == {"buffered", "direct"}, st
+    assert 0 < st["stats"]["bytes_direct"] <= 68 << 20, st["stats"]          # the second shard's
     d = daemon_factory("--codec", "none", "--direct-io", "on", name="on2", root=tmp / "on")
     fresh = ckptd_client.Checkpointer("dio", socket=str(d.socket), memory=False)
     out = {k: torch.zeros_like(v) for k, v in state.items()}

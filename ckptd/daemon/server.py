@@ -83,7 +83,7 @@ class Daemon:
             slot_bytes_in_use=self.slots.in_use, slot_memory_limit=self.slots.limit,
             last_committed=dict(self.steps.last_committed),
             metrics_address=f"{address[0]}:{address[1]}" if address else None, memory=self.memory.view(),
-            shmem_huge_pages=shm.node_mode())
+            shmem_huge_pages=shm.node_mode(), direct_io=self.tier.way.view())
 
     def _durable(self, result: ShardWritten) -> None:
         self.metrics.shard_durable(result.raw_bytes, result.stored_bytes, result.seconds)

@@ -100,6 +100,7 @@ class DaemonSnapshot:
     metrics_address: str | None = None
     memory: Any = None           # tiers.memory.service.MemoryView: the memory tier and peer copies
     shmem_huge_pages: str = "unknown"    # the node's shmem_enabled mode the daemon's memfds follow (shm.py)
+    direct_io: Mapping[str, Any] = field(default_factory=dict)   # the fs tier's write way (write_way.py)
 
     def status_line(self) -> str:
         """One line for systemd's STATUS= (``systemctl status``)."""
@@ -131,7 +132,7 @@ class DaemonSnapshot:
                 "steps": steps, "stats": self.counters.as_dict(), "slot_bytes_in_use": self.slot_bytes_in_use,
                 "slot_memory_limit": self.slot_memory_limit, "saves": saves, "last_committed": last,
                 "socket": self.socket, "draining": self.draining, "metrics": self.metrics_address,
-                "shmem_huge_pages": self.shmem_huge_pages,
+                "shmem_huge_pages": self.shmem_huge_pages, "direct_io": dict(self.direct_io),
                 "memory": self.memory.to_json() if self.memory is not None else None,
                 "host_bytes": self.host_bytes()}
 

@@ -57,6 +57,10 @@ class WriteWay:
             self._rate[direct] = nbytes / seconds
 
     def rates(self) -> dict[str, float]:
-        """Each way's last measured bytes per second (status output)."""
+        """Each way's last measured bytes per second."""
         with self._lock:
             return {("direct" if way else "buffered"): rate for way, rate in self._rate.items()}
+
+    def view(self) -> dict[str, object]:
+        """What ``ckptd status`` shows: the setting and each way's last measured raw bytes per second."""
+        return {"mode": self.mode, "bytes_per_s": self.rates()}
