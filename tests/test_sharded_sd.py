@@ -185,7 +185,9 @@ os._exit(0)
 '''
 
 
-OPTIMIZER_SPLICED = r'''
+# Two FSDP2 layers over the group's ranks (5 rows: uneven shards), AdamW, a training step, and ``snap`` /
+# ``equal``: every local shard's bytes and every scalar of the model and optimizer as saved.
+FSDP2_TRAINER = r'''
 import copy, os, sys
 import torch
 import torch.distributed as dist
@@ -241,6 +243,10 @@ def equal(a, b):
             assert x[:2] == y[:2] and torch.equal(x[2], y[2]), k
         else:
             assert x == y, (k, x, y)
+'''
+
+
+OPTIMIZER_SPLICED = FSDP2_TRAINER + r'''
 
 
 def spliced_save(ck, step, state):
@@ -332,46 +338,7 @@ os._exit(0)
 '''
 
 
-SHARD_MOVED = r'''
-import os, sys
-import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-
-import ckptd_client
-
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
-                        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 5))     # 5 rows: uneven shards
-for m in model:
-    fully_shard(m, mesh=mesh)
-fully_shard(model, mesh=mesh)
-opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-
-
-def train():
-    opt.zero_grad()
-    model(torch.randn(4, 8)).square().mean().backward()
-    opt.step()                      # its pre-hook fences an overlapped save's copy first
-
-
-def snap():
-    """Every local shard of the model and optimizer, by FQN, cloned."""
-    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)["state"]}
-    out = {f"model/{k}": v.to_local().clone() for k, v in sd["model"].items()}
-    for fqn, st in sd["optim"].items():
-        out.update({f"optim/{fqn}/{k}": v.to_local().clone() for k, v in st.items() if k != "step"})
-    return out
-
-
-def equal(a, b):
-    assert list(a) == list(b), (list(a), list(b))
-    for k in a:
-        assert a[k].shape == b[k].shape and torch.equal(a[k], b[k]), k
+SHARD_MOVED = FSDP2_TRAINER + r'''
 
 
 state = {"model": model, "optim": opt}
