@@ -165,15 +165,30 @@ def fsync_tree(directory: Path) -> None:
             os.close(fd)
 
 
-def write_file(path: Path, size: int, buf: memoryview, fsync: bool = True,
-               writeback: bool = False) -> tuple[float, float]:
+def write_file(path: Path, size: int, buf: memoryview, fsync: bool = True, writeback: bool = False,
+               direct: bool = False) -> tuple[float, float]:
     """``size`` bytes to a fresh file by plain os.write of ``buf``-sized pieces (``writeback``: starting
-    writeback of every WRITEBACK bytes as they are written), then os.fsync; the file is removed after.
-    Returns (seconds of the writes, seconds of the fsync)."""
+    writeback of every WRITEBACK bytes as they are written; ``direct``: its whole blocks first by
+    ``O_DIRECT`` writes of up to WRITEBACK bytes, ``buf`` page-aligned, around the page cache), then
+    os.fsync; the file is removed after. Returns (seconds of the writes, seconds of the fsync), or
+    (inf, inf) where the file system refuses ``O_DIRECT``."""
     t0 = time.monotonic()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        left, pos, flushed = size, 0, 0
+        pos = 0
+        if direct:
+            try:
+                dfd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+            except OSError:
+                return math.inf, math.inf
+            try:
+                body = size // storage.DIRECT_BLOCK * storage.DIRECT_BLOCK
+                while pos < body:
+                    pos += os.pwrite(dfd, buf[:min(body - pos, len(buf), WRITEBACK)], pos)
+            finally:
+                os.close(dfd)
+            os.lseek(fd, pos, os.SEEK_SET)
+        left, flushed = size - pos, pos
         while left:
             n = os.write(fd, buf[:min(left, len(buf), WRITEBACK)])
             left -= n
@@ -186,45 +201,17 @@ def write_file(path: Path, size: int, buf: memoryview, fsync: bool = True,
             os.fsync(fd)
     finally:
         os.close(fd)
-    t2 = time.monotonic()
-    path.unlink()
+        t2 = time.monotonic()
+        path.unlink()
     return t1 - t0, t2 - t1
 
 
-def disk_write(path: Path, size: int, buf: memoryview, writeback: bool = False) -> tuple[float, float]:
-    """Seconds to write ``size`` bytes to a fresh file with plain os.write, then fsync (the physical limit),
+def disk_write(path: Path, size: int, buf: memoryview, writeback: bool = False,
+               direct: bool = False) -> tuple[float, float]:
+    """Seconds to write ``size`` bytes to a fresh file (``write_file``), then fsync (the physical limit),
     and of them the writes alone (until the last write() returned, before the fsync)."""
-    writes, flush = write_file(path, size, buf, writeback=writeback)
+    writes, flush = write_file(path, size, buf, writeback=writeback, direct=direct)
     return writes + flush, writes
-
-
-def disk_write_direct(path: Path, size: int, abuf: memoryview) -> tuple[float, float]:
-    """``disk_write`` around the page cache: ``O_DIRECT`` writes of 32 MiB pieces of the page-aligned
-    ``abuf``, the last few bytes (under a block) through the page cache, then fsync; (inf, inf) where the
-    file system refuses ``O_DIRECT``."""
-    t0 = time.monotonic()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        try:
-            dfd = os.open(path, os.O_WRONLY | os.O_DIRECT)
-        except OSError:
-            return math.inf, math.inf
-        try:
-            body = size // storage.DIRECT_BLOCK * storage.DIRECT_BLOCK
-            pos = 0
-            while pos < body:
-                pos += os.pwrite(dfd, abuf[:min(body - pos, len(abuf), WRITEBACK)], pos)
-        finally:
-            os.close(dfd)
-        if size > body:
-            storage.write_all_at(fd, [abuf[:size - body]], body)
-        t1 = time.monotonic()
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    t2 = time.monotonic()
-    path.unlink()
-    return t2 - t0, t1 - t0
 
 
 class Quiesce:
@@ -262,12 +249,11 @@ def disk_round(directory: Path, stored: int, raw: int, buf: memoryview, abuf: me
     the three (the limit)."""
     out: dict[str, Any] = {"stored_size": stored, "raw_size": raw}
     for key, size in (("stored", stored), ("raw", raw)):
-        for how, wb in (("plain", False), ("writeback", True)):
+        for how, wb, direct in (("plain", False, False), ("writeback", True, False), ("direct", False, True)):
             quiesce()
-            out[f"{key}_{how}_s"], out[f"{key}_{how}_writes_s"] = disk_write(directory / "w.bin", size, buf,
-                                                                           writeback=wb)
-        quiesce()
-        out[f"{key}_direct_s"], _ = disk_write_direct(directory / "w.bin", size, abuf)
+            out[f"{key}_{how}_s"], out[f"{key}_{how}_writes_s"] = disk_write(directory / "w.bin", size,
+                                                                           abuf if direct else buf,
+                                                                           writeback=wb, direct=direct)
         out[f"{key}_s"] = min(out[f"{key}_plain_s"], out[f"{key}_writeback_s"], out[f"{key}_direct_s"])
     return out
 
