@@ -266,6 +266,19 @@ def storage_key(t: torch.Tensor) -> int:
     return local.data_ptr() if local.numel() else 0
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)      # tensor_key's types that are never DTensors
+
+
+def tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """Everything that decides which bytes a copy of ``t`` reads: address, shape, strides, dtype,
+    device, lazy conj/neg bits; a DTensor's placements, mesh and global shape too. Two tensors
+    with equal keys are the same bytes laid out the same way (plan_cache.py, sharded_sd.py)."""
+    if type(t) not in _PLAIN and is_dtensor(t):
+        return (*tensor_key(local_tensor(t)), tuple(t.placements), id(t.device_mesh),  # type: ignore[attr-defined]
+                t.shape)
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.is_conj(), t.is_neg())
+
+
 def has_dtensor_params(model: torch.nn.Module) -> bool:
     return any(is_dtensor(p) for p in model.parameters())
 

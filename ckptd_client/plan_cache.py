@@ -53,20 +53,12 @@ from .state import FlatState, flatten_state
 log = logging.getLogger("ckptd_client")
 _PLAIN = (torch.Tensor, torch.nn.Parameter)      # tensor_key's types that are never DTensors
 _PLAIN_KEY = 7                                    # a plain tensor's key length (a DTensor's is longer)
-
-
-def tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
-    """Everything that decides which bytes a tensor's copy reads, so the last plan's tensor (a
-    view of the same bytes while this is equal) is copied in its place: address, shape,
-    strides, dtype, device, lazy conj/neg bits; a DTensor's placements, mesh and global shape.
-    Copying the last plan's tensors, not this save's, leaves nothing of the walk alive after
-    ``plan()``: a module's state_dict() hands out new tensor objects each save, and keeping
-    those until the copy ends promotes them into CPython's oldest generation, whose collection
-    (0.2 s in a torch process) they then set off every few saves."""
-    if type(t) not in _PLAIN and dtensor.is_dtensor(t):
-        return (*tensor_key(dtensor.local_tensor(t)), tuple(t.placements), id(t.device_mesh),  # type: ignore[attr-defined]
-                t.shape)
-    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.is_conj(), t.is_neg())
+# A tensor's key (dtensor.tensor_key): while it is equal, the last plan's tensor (a view of the same
+# bytes) is copied in its place. Copying the last plan's tensors, not this save's, leaves nothing of
+# the walk alive after ``plan()``: a module's state_dict() hands out new tensor objects each save, and
+# keeping those until the copy ends promotes them into CPython's oldest generation, whose collection
+# (0.2 s in a torch process) they then set off every few saves.
+tensor_key = dtensor.tensor_key
 
 
 @dataclass(frozen=True)

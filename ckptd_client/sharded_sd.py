@@ -94,13 +94,6 @@ def _optimizer_signature(opt: torch.optim.Optimizer) -> list[Any] | None:
     return sig
 
 
-def _layout(t: Any) -> tuple[Any, ...]:
-    """A DTensor's local bytes' address and layout, its placements, mesh and global shape."""
-    local = t._local_tensor
-    return (local.data_ptr(), local.shape, local.stride(), local.dtype, local.device, tuple(t.placements),
-            id(t.device_mesh), t.shape)
-
-
 def _with_parameters(sd: dict[str, Any], model: torch.nn.Module) -> frozenset[int]:
     """Put each DTensor parameter of ``model`` into ``sd`` (``get_model_state_dict``'s) in place of
     the detached DTensor it holds under the parameter's name with the same bytes and layout; the
@@ -109,7 +102,7 @@ def _with_parameters(sd: dict[str, Any], model: torch.nn.Module) -> frozenset[in
     put = set()
     for name, p in model.named_parameters():
         v = sd.get(name)
-        if type(p) is dtensor.DTensor and type(v) is dtensor.DTensor and _layout(v) == _layout(p):
+        if type(p) is dtensor.DTensor and type(v) is dtensor.DTensor and dtensor.tensor_key(v) == dtensor.tensor_key(p):
             sd[name] = p
             put.add(id(p))
     return frozenset(put)

@@ -286,4 +286,3 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
         except OSError:
             pass  # e.g. EROFS: nothing could be written either; the original error says why
         raise
-
