@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/durable_bench.py [--size-mib 1024] [--rounds 5] [--warmup 2] [--dir DIR]
 
 One process, one rank. The state is a dict of plain tensors as a GPT-style model trained in bf16
-with AdamW leaves it: bf16 weights, fp32 master weights, fp32 ``exp_avg`` and ``exp_avg_sq``
-(``--size-mib`` in all). Round by round, in an order rotating each round, on the same disk:
+with AdamW leaves it: bf16 weights, then per parameter a 0-d fp32 ``step``, the fp32 master weight,
+``exp_avg`` and ``exp_avg_sq`` (``--size-mib`` in all). Round by round, in an order rotating each
+round, on the same disk:
 
 - ``disk``: the physical limit, measured in the same round: a fresh file in the same directory
   tree, ``S`` bytes written by plain ``os.write`` of 64 MiB buffers, then ``os.fsync`` — once
@@ -93,19 +94,22 @@ def gpt_shapes(size_mib: int) -> dict[str, tuple[int, ...]]:
 
 
 def make_state(size_mib: int) -> State:
-    master: dict[str, torch.Tensor] = {}
-    exp_avg: dict[str, torch.Tensor] = {}
-    exp_avg_sq: dict[str, torch.Tensor] = {}
+    """The model's bf16 weights, then per parameter what AdamW keeps of it (as ``optimizer.state_dict()``
+    orders it): a 0-d fp32 ``step`` first, then the fp32 master weight, ``exp_avg`` and ``exp_avg_sq``."""
+    model: dict[str, torch.Tensor] = {}
+    optim: dict[str, dict[str, torch.Tensor]] = {}
     for i, (name, shape) in enumerate(gpt_shapes(size_mib).items()):
         n = math.prod(shape)
         if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
-            master[name] = (1 + synthetic_weights(n, torch.float32, seed=3 * i)).reshape(shape)
+            master = (1 + synthetic_weights(n, torch.float32, seed=3 * i)).reshape(shape)
         else:
-            master[name] = synthetic_weights(n, torch.float32, seed=3 * i).reshape(shape)
-        exp_avg[name] = synthetic_weights(n, torch.float32, seed=3 * i + 1, scale=1e-3).reshape(shape)
-        exp_avg_sq[name] = synthetic_weights(n, torch.float32, seed=3 * i + 2, scale=1e-3).reshape(shape).square_()
-    return {"model": {k: v.to(torch.bfloat16) for k, v in master.items()}, "master": master,
-            "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+            master = synthetic_weights(n, torch.float32, seed=3 * i).reshape(shape)
+        model[name] = master.to(torch.bfloat16)
+        optim[f"optim.{name}"] = {
+            "step": torch.tensor(1000.0), "master": master,
+            "exp_avg": synthetic_weights(n, torch.float32, seed=3 * i + 1, scale=1e-3).reshape(shape),
+            "exp_avg_sq": synthetic_weights(n, torch.float32, seed=3 * i + 2, scale=1e-3).reshape(shape).square_()}
+    return {"model": model, **optim}
 
 
 def tensors(state: State) -> list[tuple[str, torch.Tensor]]:
@@ -633,8 +637,8 @@ def to_markdown(res: dict[str, Any]) -> str:
         f"({m['disk']['fstype']}), Linux {m['kernel']}, torch {m['versions']['torch']}, load average at start {la}.",
         "",
         f"State: {mib:.0f} MiB, {res['tensor_count']} plain tensors of a GPT-2-like model ({LAYERS} blocks, d = "
-        f"{shapes['wte.weight'][1]}, vocabulary {shapes['wte.weight'][0]}): bf16 weights, fp32 master weights, fp32 "
-        "Adam exp_avg and exp_avg_sq. ckptd stored "
+        f"{shapes['wte.weight'][1]}, vocabulary {shapes['wte.weight'][0]}): bf16 weights, then per parameter as "
+        "AdamW orders it a 0-d fp32 step, the fp32 master weight, exp_avg and exp_avg_sq. ckptd stored "
         f"{s['stored_bytes'] / 2**20:.0f} MiB ({s['stored_bytes'] / res['raw_bytes']:.3f} of raw, codec bplane, "
         "codec_mode adaptive: chunks the disk was ready for before a codec thread stored raw); with codec_mode "
         f"always {s['stored_bytes_always'] / 2**20:.0f} MiB ({s['stored_bytes_always'] / res['raw_bytes']:.3f}). "

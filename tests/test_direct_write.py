@@ -1,9 +1,9 @@
-"""Shards written around the page cache (``O_DIRECT``: ckptd/core/direct_write.py) are the same
-files as through it: the data file byte for byte and the manifest, for a slot whose layout lines
-up with the file and one that does not (a tensor whose size is no multiple of the slot's 64-byte
-alignment shifts every later chunk off its block; one whose tensors are multiples of 64 bytes is
-written in runs across tensors), with adaptive encoding and with every chunk
-encoded, and on tmpfs (which refuses ``O_DIRECT`` before Linux 6.6). A direct
+"""Shards written around the page cache (``O_DIRECT``: ckptd/core/direct_write.py) hold the same
+chunks as through it: the same files byte for byte where the slot's layout lines up with the file
+(tensors whose sizes are multiples of 64 bytes: written in runs across tensors), and where it does
+not (a tensor whose size is no multiple of the slot's 64-byte alignment) the same chunks with large
+tensors moved past gaps that line them up with the slot, with adaptive encoding and with every
+chunk encoded, and on tmpfs (which refuses ``O_DIRECT`` before Linux 6.6). A direct
 write that fails fails the shard (its files removed) and frees the source first. And the daemon's
 choice of way (``direct_io``, tiers/fs/write_way.py)."""
 from __future__ import annotations
@@ -53,25 +53,50 @@ def write(root: Path, mm: mmap.mmap, layout: list[TensorLayout], direct: bool, a
     return w, (root / rank_data_name(0)).read_bytes(), (root / rank_manifest_name(0)).read_bytes()
 
 
+def tensor_bytes(data: bytes, manifest: dict[str, Any]) -> list[bytes]:
+    """Each tensor's stored chunks, read at its offset."""
+    out = []
+    for t in manifest["tensors"]:
+        n = sum(c[2] for c in t["chunks"])
+        out.append(data[t["offset"]:t["offset"] + n])
+    return out
+
+
 @pytest.mark.parametrize("adaptive", [True, False])
 @pytest.mark.parametrize("sizes", [[4 * MiB, 3 * MiB + 4096, 2 * MiB], [4 * MiB + 64, 3 * MiB + 128, 2 * MiB + 960],
-                                   [4 * MiB + 4, 3 * MiB + 12, 5 * MiB + 4096]],
-                         ids=["blocks", "packed", "shifted"])
-def test_direct_shards_are_the_same_files(tmp_path: Path, sizes: list[int], adaptive: bool) -> None:
+                                   [4 * MiB + 4, 3 * MiB + 12, 5 * MiB + 4096],
+                                   [4 * MiB, 4, 3 * MiB, 4, 2 * MiB + 64, 8, 8]],
+                         ids=["blocks", "packed", "shifted", "steps"])
+def test_direct_shards_hold_the_same_chunks(tmp_path: Path, sizes: list[int], adaptive: bool) -> None:
+    """The same tensors and chunks, direct or buffered; a direct file may start a large tensor past a
+    gap of under a block (a hole: zeros) that lines it up with the slot, so that its chunks go direct
+    too after a tensor whose size is no multiple of the slot's 64 bytes (here: 4-byte optimizer steps)."""
     mm, layout = slot_of(sizes)
     buffered, data, manifest = write(tmp_path / "buffered", mm, layout, direct=False, adaptive=adaptive)
     direct, data_d, manifest_d = write(tmp_path / "direct", mm, layout, direct=True, adaptive=adaptive)
-    assert data_d == data and manifest_d == manifest
+    m, md = json.loads(manifest), json.loads(manifest_d)
+    assert (m["stored_bytes"], md["stored_bytes"]) == (len(data), len(data_d))
+    assert [{k: v for k, v in t.items() if k != "offset"} for t in md["tensors"]] == \
+        [{k: v for k, v in t.items() if k != "offset"} for t in m["tensors"]]
+    assert tensor_bytes(data_d, md) == tensor_bytes(data, m)
+    end = 0
+    for t in md["tensors"]:
+        assert 0 <= t["offset"] - end < 4096 and data_d[end:t["offset"]] == bytes(t["offset"] - end)
+        end = t["offset"] + sum(c[2] for c in t["chunks"])
+    assert end == len(data_d)
     assert buffered.direct_bytes == 0
     if not adaptive:
-        assert direct.direct_bytes == 0            # every chunk encoded: none is raw, none goes direct
-    elif sizes[0] % 64 == 0:
+        assert direct.direct_bytes == 0 and data_d == data     # every chunk encoded: none raw, none direct
+    elif all(n % 64 == 0 for n in sizes):
         # the slot holds them back to back, as the file: one run across chunks and tensors, only its
         # last partial block through the page cache
+        assert data_d == data
         assert direct.direct_bytes == sum(sizes) // 4096 * 4096
     else:
-        # the first tensor's 60 bytes of padding put every later chunk off its block: only the first's
-        assert 0 < direct.direct_bytes <= sizes[0]
+        # each large tensor lined up with the slot past a gap: all but its partial end blocks direct
+        large = [n for n in sizes if n >= MiB]
+        assert len(data_d) > len(data)
+        assert direct.direct_bytes >= sum(large) - 2 * 4096 * len(large)
 
 
 def test_tmpfs_gets_the_same_files(tmp_path: Path) -> None:
@@ -160,8 +185,9 @@ def test_an_unknown_way_is_refused() -> None:
 
 def test_a_daemon_writing_direct_commits_the_same_step(tmp: Path, daemon_factory: Any) -> None:
     """Real daemons, one with ``--direct-io on`` and one ``off`` (raw chunks: ``--codec none``), save the
-    same state (a tensor of an odd size among them): the data files are the same bytes, the direct
-    one's ``ckptd status`` counts its bytes written direct, and the step restores bit-exact from the
+    same state (a tensor of an odd size among them): the data files hold the same chunks (the direct
+    one's last tensor past a gap that lines it up with the slot), the direct one's ``ckptd status``
+    counts its bytes written direct (all but a few blocks), and the step restores bit-exact from the
     direct daemon's files. With ``auto`` (the default) a daemon writes its first large shard through
     the page cache and the next direct, and shows both ways' measured rates."""
     import torch
@@ -186,11 +212,15 @@ def test_a_daemon_writing_direct_commits_the_same_step(tmp: Path, daemon_factory
                                capture_output=True, text=True, timeout=60, check=True).stdout
         assert f"shard writes: direct_io {way}\n" in human, human
         size = (roots[way] / rank_data_name(0)).stat().st_size
-        if way == "on":      # all but the ends of chunks after the odd-sized "c" (16 MiB of 34)
-            assert size // 3 < stats["bytes_direct"] < size, (stats, size)
+        if way == "on":      # all but the partial blocks at the ends of runs ("d" past a gap after the odd "c")
+            assert size - 4 * 4096 < stats["bytes_direct"] < size, (stats, size)
         else:
             assert stats["bytes_direct"] == 0, stats
-    assert (roots["on"] / rank_data_name(0)).read_bytes() == (roots["off"] / rank_data_name(0)).read_bytes()
+    on, off = ({"m": json.loads((roots[w] / rank_manifest_name(0)).read_bytes()),
+                "d": (roots[w] / rank_data_name(0)).read_bytes()} for w in ("on", "off"))
+    assert tensor_bytes(on["d"], on["m"]) == tensor_bytes(off["d"], off["m"])
+    assert [t["offset"] for t in on["m"]["tensors"]][:3] == [t["offset"] for t in off["m"]["tensors"]][:3]
+    assert 0 < on["m"]["tensors"][3]["offset"] - off["m"]["tensors"][3]["offset"] < 4096     # "d", past its gap
     # auto, a state of 64 MiB or more: the first shard through the page cache, the next direct, each measured
     d = daemon_factory("--codec", "none", name="auto", root=tmp / "auto")
     big = {"w": torch.randn(17 << 20, generator=g)}              # 68 MiB

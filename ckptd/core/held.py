@@ -18,7 +18,7 @@ from typing import Any
 from .codec import HELD_CODEC, ChunkMeta, checksum, chunk_ranges
 from .errors import ChecksumError, FormatError
 from .names import is_checksum, is_digest, is_rank, validate_job_key
-from .schema import Manifest, TensorEntry, TensorLayout, parse_layout
+from .schema import Manifest, TensorEntry, TensorLayout, data_length, parse_layout
 
 MAX_HELD_BYTES = 1 << 40          # one rank's shard; anything larger on the wire is refused
 MIN_CHUNK, MAX_CHUNK = 64 * 1024, 1 << 30
@@ -139,5 +139,4 @@ def held_manifest(job: str, step: int, rank: int, world_size: int, layout: Seque
         chunks = [ChunkMeta(HELD_CODEC, n, n, sums[i], [[n, "r"]]) for i, (_, n) in
                   enumerate(chunk_ranges(t.nbytes, chunk_bytes))]
         entries.append(TensorEntry(t.name, t.dtype, list(t.shape), t.offset, chunks, t.placement))
-    raw = sum(t.nbytes for t in layout)
-    return Manifest(job, step, rank, world_size, entries, tree, raw, raw)
+    return Manifest(job, step, rank, world_size, entries, tree, sum(t.nbytes for t in layout), data_length(entries))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,6 +156,12 @@ class TensorEntry:
         return out
 
 
+def data_length(tensors: Sequence[TensorEntry]) -> int:
+    """The length of the data a manifest's chunks lie in (its ``stored_bytes``): the furthest end of
+    any tensor's chunks. Tensors may start past a gap (direct_write.py), so not the chunks' sum."""
+    return max((t.offset + t.stored_bytes for t in tensors), default=0)
+
+
 @dataclass
 class Manifest:
     job: str
@@ -165,7 +171,7 @@ class Manifest:
     tensors: list[TensorEntry]
     tree: Any
     raw_bytes: int
-    stored_bytes: int
+    stored_bytes: int       # the data file's length (data_length): its chunks, and any gaps between tensors
 
     def to_json(self) -> dict[str, Any]:
         return {"format_version": FORMAT_VERSION, "kind": "ckptd.rank-manifest", "job": self.job,
@@ -284,7 +290,7 @@ def parse_manifest(data: bytes, *, job: str, step: int, rank: int) -> Manifest:
     except ValueError as e:
         raise FormatError(f"manifest state tree: {e}") from None
     return Manifest(job, step, rank, ws, tensors, obj.get("tree"),
-                    sum(t.nbytes for t in tensors), sum(t.stored_bytes for t in tensors))
+                    sum(t.nbytes for t in tensors), data_length(tensors))
 
 
 def make_index(job: str, step: int, world_size: int, ranks: list[dict[str, Any]], created: float,

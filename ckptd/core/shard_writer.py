@@ -23,9 +23,9 @@ codec threads are idle: they hash untaken chunks ahead of it (newest first, like
 the writer's thread only writes — on a 2-core node the hash runs on the core the trainer's copy
 frees, beside the writes instead of between them. With ``direct`` (the daemon's ``direct_io``),
 raw chunks' whole blocks go around the page cache on a thread of their own (direct_write.py): no
-copy into the page cache, the device reads the slot. The writer's waits for the disk are then
-short (only the chunks' ends are in the page cache), so adaptive encoding stays off and every
-chunk is raw: an encoded chunk would put every later one off its block. Whether direct raw
+copy into the page cache, the device reads the slot. Adaptive encoding then stays off, whatever
+the writer's waits for the disk say: every chunk is raw (an encoded chunk would put the rest of
+its tensor off its block). Whether direct raw
 chunks beat encoded ones through the page cache is the daemon's measured choice (write_way.py).
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ from . import storage
 from .codec import ChunkMeta, choose_codec, chunk_ranges, encode_chunk
 from .direct_write import DirectWriter
 from .names import rank_data_name, rank_manifest_name
-from .schema import Manifest, TensorEntry, TensorLayout, digest_bytes, encode_json
+from .schema import Manifest, TensorEntry, TensorLayout, data_length, digest_bytes, encode_json
 from .step_files import remove_rank_files
 
 # (tensor, start, length) → those raw bytes of the tensor (``start`` counts from its first byte).
@@ -225,6 +225,10 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
             if hooks.before_write is not None:     # first: a raise leaves no view of the source in its traceback
                 hooks.before_write()
             entry, parts, meta, src = window.pop_oldest()
+            if not entry.chunks:          # the tensor's first chunk: the tensor starts here
+                if around is not None and meta.codec == "none":
+                    pos = around.place(pos, src, entry.nbytes)
+                entry.offset = pos
             if around is None:
                 pos += storage.write_all(fd, parts)
             else:
@@ -242,7 +246,8 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
                     now = time.monotonic()
                     # The writer blocked on the disk for a good part of the last batch: the disk is the
                     # limit, and encoding (fewer bytes to it) costs the writer nothing; else it would.
-                    window.disk_bound = now - waited > DISK_BOUND * (now - since)
+                    # Direct: never (an encoded chunk would put the rest of its tensor off its block).
+                    window.disk_bound = around is None and now - waited > DISK_BOUND * (now - since)
                     since = now
 
         for t in tensors:
@@ -260,15 +265,16 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
         if around is not None:
             around.finish()             # every direct write done (or its error raised): the source is free
         release()   # no chunk (no view of the source: a slot's mapping closes only once none is left) remains
-        offset = 0
+        end = 0
         for entry in entries:
-            entry.offset = offset
-            offset += entry.stored_bytes
+            if entry.offset < 0:          # an empty tensor: no chunk placed it
+                entry.offset = end
+            end = entry.offset + entry.stored_bytes
         os.fsync(fd)          # (the inode's: the direct writes' blocks and size too, and the device's cache)
         os.close(fd)
         fd = -1
         manifest = Manifest(job, step, rank, world_size, entries, tree,
-                            sum(e.nbytes for e in entries), offset)
+                            sum(e.nbytes for e in entries), data_length(entries))
         data = encode_json(manifest.to_json())
         storage.atomic_write(os.path.join(step_path, rank_manifest_name(rank)), data)
         return WrittenShard(manifest, digest_bytes(data), time.monotonic() - t0,
