@@ -1,6 +1,6 @@
 """Time to durable and restore of one rank's ~1 GiB GPT-like state against the disk's own limit, one run.
 
-    .venv/bin/python benchmarks/durable_bench.py [--size-mib 1024] [--rounds 5] [--warmup 2] [--dir DIR]
+    .venv/bin/python benchmarks/durable_bench.py [--size-mib 1024] [--rounds 5] [--warmup 4] [--dir DIR]
 
 One process, one rank. The state is a dict of plain tensors as a GPT-style model trained in bf16
 with AdamW leaves it: bf16 weights, then per parameter a 0-d fp32 ``step``, the fp32 master weight,
@@ -36,7 +36,8 @@ and cold (``os.sync()`` then ``posix_fadvise(DONTNEED)`` on every file of it): c
 torch_checkpointing ``CheckpointManager.load``. Every restore is checked bit-exact
 (``torch.equal`` on every tensor) outside the timing; then DCP's and torch_checkpointing's
 checkpoints are deleted (ckptd's daemon runs with ``--keep-last 1``). The first ``--warmup``
-rounds are not reported. Results: benchmarks/results/durable.md and durable.json.
+rounds are not reported (4: a daemon's ``direct_io = auto`` times two shards each way before it
+chooses). Results: benchmarks/results/durable.md and durable.json.
 """
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ def make_state(size_mib: int) -> State:
         else:
             master = synthetic_weights(n, torch.float32, seed=3 * i).reshape(shape)
         model[name] = master.to(torch.bfloat16)
-        optim[f"optim.{name}"] = {
+        optim[f"optim_{name.replace('.', '_')}"] = {      # (torch_checkpointing: top-level keys [A-Za-z0-9_-])
             "step": torch.tensor(1000.0), "master": master,
             "exp_avg": synthetic_weights(n, torch.float32, seed=3 * i + 1, scale=1e-3).reshape(shape),
             "exp_avg_sq": synthetic_weights(n, torch.float32, seed=3 * i + 2, scale=1e-3).reshape(shape).square_()}
@@ -707,7 +708,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mib", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=4)      # auto's two shards each way (write_way.py)
     ap.add_argument("--dir", default=None, help="scratch directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--out", default=str(RESULTS / "durable"))
     cfg = ap.parse_args()

@@ -24,7 +24,7 @@ from ckptd.core.direct_write import DirectWriter
 from ckptd.core.names import rank_data_name, rank_manifest_name
 from ckptd.core.schema import TensorLayout
 from ckptd.core.shard_writer import Encoding, ShardHooks, WrittenShard, write_shard
-from ckptd.daemon.tiers.fs.write_way import MIN_BYTES, RETRY, WriteWay
+from ckptd.daemon.tiers.fs.write_way import KEEP, MIN_BYTES, RETRY, WriteWay
 
 MiB = 1 << 20
 
@@ -154,19 +154,29 @@ def test_write_all_at_leaves_the_position(tmp_path: Path) -> None:
 
 
 def test_auto_measures_each_way_then_keeps_to_the_faster() -> None:
+    assert KEEP == 2
     way = WriteWay("auto")
     assert way.pick() is False                       # buffered first
     way.record(False, MIN_BYTES - 1, 0, 0.01)        # too small to tell the disk: not counted
     assert way.pick() is False
-    way.record(False, 1 << 30, 0, 0.5)               # 2 GiB/s
+    way.record(False, 1 << 30, 0, 2.0)               # 0.5 GiB/s: a slow first shard
     assert way.pick() is True                        # then direct
     way.record(True, 1 << 30, (1 << 29) - 1, 0.1)    # mostly through the page cache: says nothing of direct
     assert way.pick() is True
     way.record(True, 1 << 30, 1 << 30, 0.25)         # 4 GiB/s
+    assert way.pick() is False                       # a second sample of each before any choice
+    way.record(False, 1 << 30, 0, 0.2)               # 5 GiB/s: the slow first one was noise
+    assert way.pick() is True
+    way.record(True, 1 << 30, 1 << 30, 0.5)          # 2 GiB/s
+    assert way.rates() == {"buffered": 5 << 30, "direct": 4 << 30}     # each way's best of its last KEEP
     picks = [way.pick() for _ in range(2 * RETRY)]
-    assert picks.count(False) == 2 and picks[RETRY - 1] is False and picks[2 * RETRY - 1] is False
-    way.record(False, 1 << 30, 0, 0.1)               # buffered tried again and faster now
-    assert way.pick() is False
+    assert picks.count(True) == 2 and picks[RETRY - 1] is True and picks[2 * RETRY - 1] is True
+    way.record(True, 1 << 30, 1 << 30, 0.1)          # direct tried again and faster now
+    assert way.pick() is True
+    for _ in range(KEEP):                            # until buffered's fast samples are no longer its last
+        way.record(False, 1 << 30, 0, 1.0)
+    way.record(True, 1 << 30, 1 << 30, 0.5)
+    assert way.pick() is True and way.rates() == {"buffered": 1 << 30, "direct": 10 << 30}
 
 
 @pytest.mark.parametrize("mode,want", [("on", True), ("off", False)])

@@ -5,19 +5,24 @@ disk's writeback; a direct write has the disk read the slot itself, no copy, but
 for the device, and some devices are slower that way. Which is faster differs by disk and by day:
 on the 2-core VM the benchmarks run on, 1 GiB went to the disk in 0.25 s direct against 0.43 s
 buffered one day, and at 0.4 GB/s direct against 1 GB/s buffered the day before. So with
-``direct_io = "auto"`` the daemon measures: it writes the first shard buffered and the next
-direct, then keeps to the faster by each way's last throughput, and tries the other way again
-every ``RETRY`` shards. ``"on"`` / ``"off"`` fix the way. A file system that refuses
-``O_DIRECT`` (tmpfs) gets buffered writes whatever the setting (shard_writer.write_shard).
+``direct_io = "auto"`` the daemon measures: it writes shards buffered and direct in turn until it
+has ``KEEP`` of each, then keeps to the faster by each way's best of its last ``KEEP``
+throughputs, and tries the other way again every ``RETRY`` shards. One sample each was too few:
+on the benchmarks' VM a daemon's first large shard took 1.4 s where the next took 0.34 s, and
+that one slow start kept it on the other way for the next 16 shards. ``"on"`` / ``"off"`` fix
+the way. A file system that refuses ``O_DIRECT`` (tmpfs) gets buffered writes whatever the
+setting (shard_writer.write_shard).
 """
 from __future__ import annotations
 
+import collections
 import threading
 
 from ckptd.daemon.settings.write import DIRECT_IO
 
 RETRY = 16           # auto: shards between tries of the way measured slower
 MIN_BYTES = 64 << 20  # auto: a shard smaller than this tells too little of the disk to count
+KEEP = 2             # auto: samples kept per way; a way's rate is the best of them (a slow one is noise)
 
 
 class WriteWay:
@@ -28,7 +33,8 @@ class WriteWay:
             raise ValueError(f"direct_io must be one of {', '.join(DIRECT_IO)}, got {mode!r}")
         self.mode = mode
         self._lock = threading.Lock()
-        self._rate: dict[bool, float] = {}     # way (direct?) → its last measured bytes per second
+        # way (direct?) → its last KEEP measured bytes per second
+        self._rates: dict[bool, collections.deque[float]] = {w: collections.deque(maxlen=KEEP) for w in (False, True)}
         self._since = 0                         # shards since the slower way was last tried
 
     def pick(self) -> bool:
@@ -36,10 +42,10 @@ class WriteWay:
         if self.mode != "auto":
             return self.mode == "on"
         with self._lock:
-            for way in (False, True):
-                if way not in self._rate:
-                    return way
-            faster = self._rate[True] > self._rate[False]
+            counts = {way: len(r) for way, r in self._rates.items()}
+            if min(counts.values()) < KEEP:         # still measuring: the way with fewer samples, buffered first
+                return counts[True] < counts[False]
+            faster = max(self._rates[True]) > max(self._rates[False])
             self._since += 1
             if self._since >= RETRY:
                 self._since = 0
@@ -54,13 +60,13 @@ class WriteWay:
         if self.mode != "auto" or nbytes < MIN_BYTES or seconds <= 0 or (direct and 2 * direct_bytes < nbytes):
             return
         with self._lock:
-            self._rate[direct] = nbytes / seconds
+            self._rates[direct].append(nbytes / seconds)
 
     def rates(self) -> dict[str, float]:
-        """Each way's last measured bytes per second."""
+        """Each measured way's bytes per second: the best of its last ``KEEP`` samples."""
         with self._lock:
-            return {("direct" if way else "buffered"): rate for way, rate in self._rate.items()}
+            return {("direct" if way else "buffered"): max(r) for way, r in self._rates.items() if r}
 
     def view(self) -> dict[str, object]:
-        """What ``ckptd status`` shows: the setting and each way's last measured raw bytes per second."""
+        """What ``ckptd status`` shows: the setting and each way's measured raw bytes per second."""
         return {"mode": self.mode, "bytes_per_s": self.rates()}
