@@ -25,7 +25,7 @@ from . import storage
 
 DEPTH = 4          # writes queued ahead of the one the device is writing
 RUN = 32 << 20     # bytes of a run written at once, at most
-GAP_MIN = 1 << 20  # a tensor this large may start past a gap (``place``): under 0.4 % of its bytes
+GAP_SHARE = 64     # a tensor may start past a gap (``place``) of at most this share of its bytes
 
 
 class DirectWriter:
@@ -55,11 +55,12 @@ class DirectWriter:
     def place(self, pos: int, src: int, nbytes: int) -> int:
         """Where a tensor of ``nbytes`` whose raw bytes start at source offset ``src`` starts in the
         file: ``pos``, or past a gap of under a block that puts it on its source's block offsets, so
-        its raw chunks go direct, when it is at least ``GAP_MIN`` (a slot pads each tensor to 64
-        bytes and the file does not: one 4-byte tensor, an optimizer's step, would otherwise put
-        every later chunk off its block). The gap is never written: a hole, reading as zeros."""
+        its raw chunks go direct, when the gap is at most 1/``GAP_SHARE`` of the tensor (a slot pads
+        each tensor to 64 bytes and the file does not: one 4-byte tensor, an optimizer's step,
+        would otherwise put every later chunk off its block; the gap after it is 60 bytes). The gap
+        is never written: a hole, reading as zeros."""
         gap = (src - pos) % storage.DIRECT_BLOCK
-        return pos + gap if gap and nbytes >= GAP_MIN else pos
+        return pos + gap if gap and gap * GAP_SHARE <= nbytes else pos
 
     def write(self, parts: list[Any], raw: bool, src: int, pos: int) -> int:
         """A chunk for file offset ``pos`` whose raw bytes are the source's from ``src`` (bytes written
