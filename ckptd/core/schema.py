@@ -33,6 +33,8 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)     # format 1: no global placement, no tensor map in the index
 GRID_INDEX_VERSION = 3         # an index whose tensor map stores some sharded tensor as a grid
 INDEX_VERSIONS = (*READABLE_VERSIONS, GRID_INDEX_VERSION)
+GAP_MANIFEST_VERSION = 3       # a manifest whose tensors leave gaps in its data (data_length)
+MANIFEST_VERSIONS = (*READABLE_VERSIONS, GAP_MANIFEST_VERSION)
 MAX_INDEX_BYTES = 64 * 1024 * 1024
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_DATA_BYTES = 1 << 62       # no chunk of a rank's data file ends past this (off_t is signed 64-bit)
@@ -174,7 +176,11 @@ class Manifest:
     stored_bytes: int       # the data file's length (data_length): its chunks, and any gaps between tensors
 
     def to_json(self) -> dict[str, Any]:
-        return {"format_version": FORMAT_VERSION, "kind": "ckptd.rank-manifest", "job": self.job,
+        """Format 3 where the tensors leave gaps (a build reading format 2 takes the chunks' sum for the
+        file's length: it refuses the manifest rather than commit or read a step it would get wrong)."""
+        gaps = self.stored_bytes != sum(t.stored_bytes for t in self.tensors)
+        return {"format_version": GAP_MANIFEST_VERSION if gaps else FORMAT_VERSION,
+                "kind": "ckptd.rank-manifest", "job": self.job,
                 "step": self.step, "rank": self.rank, "world_size": self.world_size,
                 "data_file": rank_data_name(self.rank), "raw_bytes": self.raw_bytes,
                 "stored_bytes": self.stored_bytes,
@@ -249,9 +255,9 @@ def _check_chunks(entry: TensorEntry) -> None:
 def parse_manifest(data: bytes, *, job: str, step: int, rank: int) -> Manifest:
     obj = load_json(data, "manifest")
     require(isinstance(obj, dict), "manifest is not an object")
-    require(obj.get("format_version") in READABLE_VERSIONS,
+    require(obj.get("format_version") in MANIFEST_VERSIONS,
              f"unsupported manifest format_version {obj.get('format_version')!r} (this build reads "
-             f"{', '.join(map(str, READABLE_VERSIONS))})")
+             f"{', '.join(map(str, MANIFEST_VERSIONS))})")
     require(obj.get("kind") == "ckptd.rank-manifest", "not a rank manifest")
     require(obj.get("job") == job and obj.get("step") == step and obj.get("rank") == rank,
              f"manifest names job/step/rank {obj.get('job')!r}/{obj.get('step')!r}/{obj.get('rank')!r}, "
