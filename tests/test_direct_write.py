@@ -237,6 +237,9 @@ def test_a_daemon_writing_direct_commits_the_same_step(tmp: Path, daemon_factory
     assert tensor_bytes(on["d"], on["m"]) == tensor_bytes(off["d"], off["m"])
     assert [t["offset"] for t in on["m"]["tensors"]][:3] == [t["offset"] for t in off["m"]["tensors"]][:3]
     assert 0 < on["m"]["tensors"][3]["offset"] - off["m"]["tensors"][3]["offset"] < 4096     # "d", past its gap
+    verify = subprocess.run([sys.executable, "-m", "ckptd", "verify", str(roots["on"])], capture_output=True,
+                            text=True, timeout=60)
+    assert verify.returncode == 0 and verify.stdout.strip().endswith(": OK"), verify.stdout + verify.stderr
     # auto, a state of 64 MiB or more: the first shard through the page cache, the next direct, each measured
     d = daemon_factory("--codec", "none", name="auto", root=tmp / "auto")
     big = {"w": torch.randn(17 << 20, generator=g)}              # 68 MiB
