@@ -155,8 +155,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"slot memory {human_size(st['slot_bytes_in_use'])} of {human_size(st['slot_memory_limit'])}")
     mode = st.get("shmem_huge_pages")
     if mode is not None:
-        print(f"shared memory pages: {'huge where the kernel can' if mode in HUGE_MODES else '4 KiB'} "
-              f"(transparent_hugepage/shmem_enabled {mode}"
+        where = f"tmpfs {st['shm_dir']} huge={mode}" if st.get("shm_dir") else \
+            f"memfds, transparent_hugepage/shmem_enabled {mode}"
+        print(f"shared memory pages: {'huge where the kernel can' if mode in HUGE_MODES else '4 KiB'} ({where}"
               + ("" if mode in HUGE_MODES else "; huge pages make restores from memory faster: docs/operations.md")
               + ")")
     way = st.get("direct_io") or {}

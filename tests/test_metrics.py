@@ -171,7 +171,7 @@ def test_ckptd_status_shows_ranks_progress_and_last_committed(daemon_factory, ca
     mode = shm.node_mode()                            # this node's (the daemon reads the same file)
     assert js["shmem_huge_pages"] == mode
     assert f"shared memory pages: {'huge where the kernel can' if mode in shm.HUGE_MODES else '4 KiB'} " \
-        f"(transparent_hugepage/shmem_enabled {mode}" in out
+        f"(memfds, transparent_hugepage/shmem_enabled {mode}" in out
     ck.close()
     capsys.readouterr()
     assert main(["status", "--socket", str(d.socket) + ".nope"]) == 1

@@ -45,6 +45,7 @@ IDLE_TRIM_S = 0.5        # no shard became durable for this long: free heap page
 class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
+        shm.use_dir(config.memory.shm_dir)            # before any shared memory is made (RuntimeError: unfit)
         self.root = os.path.abspath(config.root)
         self.socket_path = config.socket_path         # the one served (socket activation may pass another)
         self.draining = False
@@ -83,7 +84,7 @@ class Daemon:
             slot_bytes_in_use=self.slots.in_use, slot_memory_limit=self.slots.limit,
             last_committed=dict(self.steps.last_committed),
             metrics_address=f"{address[0]}:{address[1]}" if address else None, memory=self.memory.view(),
-            shmem_huge_pages=shm.node_mode(), direct_io=self.tier.way.view())
+            shmem_huge_pages=shm.place().mode, shm_dir=shm.place().dir, direct_io=self.tier.way.view())
 
     def _durable(self, result: ShardWritten) -> None:
         self.metrics.shard_durable(result.raw_bytes, result.stored_bytes, result.seconds)
@@ -131,10 +132,12 @@ class Daemon:
         log.info("serving", extra={"ctx": {"socket": self.socket_path, "root": self.root,
                                           "threads": self.config.threads, "codec": self.config.write.codec,
                                           "socket_activated": listen_sock is not None, "pid": os.getpid(),
-                                          "shmem_huge_pages": shm.node_mode()}})
-        if shm.node_mode() not in shm.HUGE_MODES:
-            log.info("shared memory uses 4 KiB pages on this node (transparent_hugepage/shmem_enabled is %s): "
-                     "restores from memory copy faster with huge pages (docs/operations.md)", shm.node_mode())
+                                          "shmem_huge_pages": shm.place().mode, "shm_dir": shm.place().dir}})
+        where = shm.place()
+        if where.mode not in shm.HUGE_MODES:
+            log.info("shared memory uses 4 KiB pages (%s): restores from memory copy faster with huge pages "
+                     "(docs/operations.md)", f"transparent_hugepage/shmem_enabled is {where.mode}" if where.dir is None
+                     else f"shm_dir {where.dir}: its tmpfs is mounted huge={where.mode}")
         accept = self.tasks.spawn(self._accept_loop(sock), "accept loop")
         sweeper = self.tasks.spawn(self._sweep_loop(), "step timeout sweep")
         notifier = self.tasks.spawn(self._notify_loop(), "systemd notify loop")

@@ -99,7 +99,8 @@ class DaemonSnapshot:
     last_committed: Mapping[str, LastCommit] = field(default_factory=dict)
     metrics_address: str | None = None
     memory: Any = None           # tiers.memory.service.MemoryView: the memory tier and peer copies
-    shmem_huge_pages: str = "unknown"    # the node's shmem_enabled mode the daemon's memfds follow (shm.py)
+    shmem_huge_pages: str = "unknown"    # the huge page mode the daemon's shared memory follows (shm.py)
+    shm_dir: str | None = None           # the tmpfs directory it is made in; None: memfds
     direct_io: Mapping[str, Any] = field(default_factory=dict)   # the fs tier's write way (write_way.py)
 
     def status_line(self) -> str:
@@ -132,7 +133,7 @@ class DaemonSnapshot:
                 "steps": steps, "stats": self.counters.as_dict(), "slot_bytes_in_use": self.slot_bytes_in_use,
                 "slot_memory_limit": self.slot_memory_limit, "saves": saves, "last_committed": last,
                 "socket": self.socket, "draining": self.draining, "metrics": self.metrics_address,
-                "shmem_huge_pages": self.shmem_huge_pages, "direct_io": dict(self.direct_io),
+                "shmem_huge_pages": self.shmem_huge_pages, "shm_dir": self.shm_dir, "direct_io": dict(self.direct_io),
                 "memory": self.memory.to_json() if self.memory is not None else None,
                 "host_bytes": self.host_bytes()}
 

@@ -49,6 +49,12 @@ class MemorySettings:
         doc="Most bytes the memory tier holds on this node, own shards and peers' replicas together; the "
             "oldest shards are evicted first (never one a restore is reading), and a shard that cannot fit "
             "is not held (storage serves it).")
+    shm_dir: str | None = setting(
+        None, parse=optional_path, default_doc="memfds", flags=(Flag("--shm-dir"),),
+        doc="A directory on a tmpfs mount where the daemon makes its shared memory (slots, held shards, peers' "
+            "replicas) as unnamed files instead of memfds: mounted with `huge=within_size` it gives them 2 MiB "
+            "pages without changing the node's `shmem_enabled` (docs/operations.md). The daemon refuses to start "
+            "unless it is a tmpfs directory owned by root or its user that no one else may write.")
 
 
 @dataclass(frozen=True)

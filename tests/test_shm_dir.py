@@ -1,0 +1,111 @@
+"""``memory.shm_dir``: the daemon makes its shared memory (slots, held shards) as unnamed files on
+an operator's tmpfs mount instead of memfds. A mount with ``huge=within_size`` gives them 2 MiB
+pages although this node's ``shmem_enabled`` is ``never`` (ckptd/daemon/shm.py); saves and a
+restore from the daemon's memory work the same. A directory that is no fit (on a disk, writable by
+others, missing) stops the daemon at start with the fix named."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptd_client
+from ckptd.daemon import shm
+
+
+@pytest.fixture
+def huge_tmpfs(tmp: Path) -> Iterator[Path]:
+    """A tmpfs mounted with ``huge=within_size``, mode 0700 (a skip is a failure in CI: it runs as root)."""
+    path = tmp / "shm"
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "huge=within_size,size=512m,mode=0700", "ckptd-test-shm",
+                        str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def fd_targets(pid: int) -> list[str]:
+    out = []
+    for link in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            out.append(os.readlink(link))
+        except OSError:
+            continue
+    return out
+
+
+def pmd_mapped_kib(pid: int) -> int:
+    """KiB of shared memory the process maps with 2 MiB page table entries (huge pages)."""
+    total = 0
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith(("ShmemPmdMapped:", "FilePmdMapped:")):
+                total += int(line.split()[1])
+    return total
+
+
+def status(sock: Path) -> dict:
+    r = subprocess.run([sys.executable, "-m", "ckptd", "status", "--socket", str(sock), "--json"],
+                       capture_output=True, text=True, timeout=60, check=True)
+    return json.loads(r.stdout)
+
+
+def test_a_daemon_makes_its_shared_memory_in_shm_dir(huge_tmpfs: Path, daemon_factory) -> None:
+    d = daemon_factory("--shm-dir", str(huge_tmpfs), "--memory-steps", "1")
+    g = torch.Generator().manual_seed(7)
+    state = {"w": torch.randn(8 << 20, generator=g), "b": torch.randn(1001, generator=g).to(torch.bfloat16),
+             "step": torch.tensor(3.0)}
+    ck = ckptd_client.Checkpointer("shm", socket=str(d.socket))
+    ck.save(1, state).wait(60)
+    ck.close()
+    mine = [t for t in fd_targets(d.proc.pid) if t.startswith(f"{huge_tmpfs}/#")]
+    assert len(mine) >= 2, fd_targets(d.proc.pid)               # the slots (and the step held in one)
+    assert not [t for t in fd_targets(d.proc.pid) if t.startswith("/memfd:ckptd-")]
+    node = shm.node_mode()
+    want = "never" if node == "deny" else "always" if node == "force" else "within_size"
+    st = status(d.socket)
+    assert (st["shm_dir"], st["shmem_huge_pages"]) == (str(huge_tmpfs.resolve()), want), st
+    if want != "never":
+        assert pmd_mapped_kib(d.proc.pid) >= 2048               # its slots mapped in 2 MiB pages
+    human = subprocess.run([sys.executable, "-m", "ckptd", "status", "--socket", str(d.socket)],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    assert f"(tmpfs {huge_tmpfs.resolve()} huge={want}" in human, human
+
+    fresh = ckptd_client.Checkpointer("shm", socket=str(d.socket))
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert fresh.restore(out) == 1
+    assert fresh.last_restore is not None and fresh.last_restore.source == "memory", fresh.last_restore
+    fresh.close()
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
+def serve_fails(tmp: Path, shm_dir: Path) -> str:
+    """``ckptd serve --shm-dir`` that must not start: its stderr."""
+    r = subprocess.run([sys.executable, "-m", "ckptd", "serve", "--root", str(tmp / "root"), "--socket",
+                        str(tmp / "refused.sock"), "--shm-dir", str(shm_dir)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert not (tmp / "refused.sock").exists()
+    return r.stderr
+
+
+def test_an_unfit_shm_dir_stops_the_daemon_at_start(tmp: Path, huge_tmpfs: Path) -> None:
+    on_disk = tmp / "on-disk"
+    on_disk.mkdir(mode=0o700)
+    assert "not tmpfs" in serve_fails(tmp, on_disk)
+    assert "No such file or directory" in serve_fails(tmp, tmp / "missing")
+    shared = huge_tmpfs / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    assert "writable by no one else" in serve_fails(tmp, shared)
