@@ -25,8 +25,9 @@ frees, beside the writes instead of between them. With ``direct`` (the daemon's 
 raw chunks' whole blocks go around the page cache on a thread of their own (direct_write.py): no
 copy into the page cache, the device reads the slot. Adaptive encoding then stays off, whatever
 the writer's waits for the disk say: every chunk is raw (an encoded chunk would put the rest of
-its tensor off its block). Whether direct raw
-chunks beat encoded ones through the page cache is the daemon's measured choice (write_way.py).
+its tensor off its block; the next tensor is lined up again past a gap, ``DirectWriter.place``).
+Whether direct raw chunks beat encoded ones through the page cache is the daemon's measured
+choice (write_way.py).
 """
 from __future__ import annotations
 
