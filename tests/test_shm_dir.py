@@ -19,13 +19,11 @@ import ckptd_client
 from ckptd.daemon import shm
 
 
-@pytest.fixture
-def huge_tmpfs(tmp: Path) -> Iterator[Path]:
-    """A tmpfs mounted with ``huge=within_size``, mode 0700 (a skip is a failure in CI: it runs as root)."""
-    path = tmp / "shm"
+def mounted_tmpfs(path: Path, options: str) -> Iterator[Path]:
+    """A tmpfs mounted at ``path`` for the test (a skip is a failure in CI: it runs as root)."""
     path.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "huge=within_size,size=512m,mode=0700", "ckptd-test-shm",
-                        str(path)], capture_output=True, text=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "ckptd-test-shm", str(path)],
+                       capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
     try:
@@ -33,6 +31,18 @@ def huge_tmpfs(tmp: Path) -> Iterator[Path]:
     finally:
         if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.fixture
+def huge_tmpfs(tmp: Path) -> Iterator[Path]:
+    """A tmpfs mounted with ``huge=within_size``, mode 0700."""
+    yield from mounted_tmpfs(tmp / "shm", "huge=within_size,size=512m,mode=0700")
+
+
+@pytest.fixture
+def small_tmpfs(tmp: Path) -> Iterator[Path]:
+    """An 8 MiB tmpfs, mode 0700."""
+    yield from mounted_tmpfs(tmp / "small-shm", "size=8m,mode=0700")
 
 
 def fd_targets(pid: int) -> list[str]:
@@ -109,3 +119,20 @@ def test_an_unfit_shm_dir_stops_the_daemon_at_start(tmp: Path, huge_tmpfs: Path)
     shared.mkdir()
     shared.chmod(0o1777)
     assert "writable by no one else" in serve_fails(tmp, shared)
+
+
+def test_a_full_shm_dir_refuses_the_slots_and_names_it(small_tmpfs: Path, daemon_factory) -> None:
+    """Slots that do not fit the mount are refused at ``hello`` (the trainer's save raises, naming the
+    mount and the fix), as a node out of memory would; the daemon goes on serving saves that fit."""
+    d = daemon_factory("--shm-dir", str(small_tmpfs))
+    ck = ckptd_client.Checkpointer("big", socket=str(d.socket))
+    with pytest.raises(ckptd_client.CheckpointError, match=f"ENOSPC.*shm_dir {small_tmpfs.resolve()} is full"):
+        ck.save(1, {"w": torch.zeros(4 << 20)})                      # 2 slots x 16 MiB in 8 MiB
+    ck.close()
+    ck = ckptd_client.Checkpointer("small", socket=str(d.socket), memory=False)
+    state = {"w": torch.arange(1 << 18, dtype=torch.float32)}         # 2 slots x 1 MiB
+    ck.save(1, state).wait(60)
+    out = {"w": torch.zeros(1 << 18)}
+    assert ck.restore(out) == 1 and torch.equal(out["w"], state["w"])
+    ck.close()
+    assert d.proc.poll() is None

@@ -123,6 +123,14 @@ def mount_of(path: str, mountinfo: str = "/proc/self/mountinfo") -> tuple[str, l
     return found
 
 
+def shortage(e: OSError) -> str:
+    """What to do about a failed allocation, for its error message ("" when nothing to add)."""
+    where = place()
+    if where.dir is not None and e.errno == errno.ENOSPC:
+        return f" (shm_dir {where.dir} is full: mount its tmpfs with a larger size=)"
+    return ""
+
+
 def allocate(fd: int, size: int, mode: str | None = None) -> None:
     """Every page of memfd ``fd``'s first ``size`` bytes (its size already), in huge pages where
     ``mode`` (default: the node's) allows; OSError when the node cannot (out of memory)."""

@@ -16,7 +16,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 from ckptd.daemon.runtime import RequestError, describe_error
-from ckptd.daemon.shm import new_memfd
+from ckptd.daemon.shm import new_memfd, shortage
 
 log = logging.getLogger("ckptd")
 MAX_SLOTS = 8
@@ -122,7 +122,7 @@ class SlotPool:
             made = await asyncio.wrap_future(made_later)
         except OSError as e:
             self.in_use -= total
-            raise RequestError(f"cannot allocate shared-memory slots: {describe_error(e)}") from None
+            raise RequestError(f"cannot allocate shared-memory slots: {describe_error(e)}{shortage(e)}") from None
         except BaseException:             # cancelled (shutdown): the thread's slots are closed when it is done
             self.in_use -= total
             made_later.add_done_callback(_close_made)
