@@ -41,6 +41,7 @@ ReadAt = Callable[[int, int, int], bytes]
 """``(fd, offset, length) -> exactly length bytes``: how data files are read (``storage.read_at``)."""
 
 STAGING_BYTES = 256 * 1024 * 1024       # decoded bytes waiting for a strided copy, at most (one read may exceed it)
+BATCH = 4 << 20                         # small whole chunks read in one restore task, about this many bytes
 
 DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in vars(torch).values()
                                   if isinstance(d, torch.dtype)}
@@ -291,11 +292,14 @@ class _Runner:
             if id(r.need) not in self.flat:
                 u8 = r.need.out.detach().reshape(-1).view(torch.uint8)
                 self.flat[id(r.need)] = u8, memoryview(u8.numpy())  # type: ignore[arg-type]
+        self._batch: list[tuple[Any, ...]] = []
+        self._batched = 0
         try:
             for r in reads:
                 if self.error is not None:
                     break
                 self._submit(r)
+            self._flush()
         finally:
             self.pool.shutdown(wait=True)
         if self.error is not None:
@@ -312,7 +316,7 @@ class _Runner:
             for fp, rp, m in spans:
                 lo, hi = max(a, rp), min(b, rp + m.raw_len)
                 if (lo, hi) == (rp, rp + m.raw_len):          # the whole chunk is wanted: decode in place
-                    self.pool.submit(self._chunk, job, r, fp, m, out[o + rp - a: o + rp - a + m.raw_len], None)
+                    self._add(job, r, fp, m, out[o + rp - a: o + rp - a + m.raw_len])
                 else:                                          # a chunk straddling an end: via a buffer
                     self.pool.submit(self._chunk, job, r, fp, m, None, (out[o + lo - a: o + hi - a], lo - rp))
             return
@@ -333,6 +337,27 @@ class _Runner:
         job = _Job(len(spans), hi - lo, copy)
         for fp, rp, m in spans:
             self.pool.submit(self._chunk, job, r, fp, m, view[rp - lo: rp - lo + m.raw_len], None)
+
+    def _add(self, job: _Job, r: _Read, fp: int, m: ChunkMeta, dst: memoryview) -> None:
+        """A whole chunk decoded in place: small ones gathered into one task of about ``BATCH`` bytes
+        (a task costs ~15 µs to hand to the pool: a state of thousands of small tensors paid more for
+        its tasks than for its bytes)."""
+        if m.raw_len >= BATCH:
+            self.pool.submit(self._chunk, job, r, fp, m, dst, None)
+            return
+        self._batch.append((job, r, fp, m, dst, None))
+        self._batched += m.raw_len
+        if self._batched >= BATCH:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._batch:
+            self.pool.submit(self._chunks, self._batch)
+            self._batch, self._batched = [], 0
+
+    def _chunks(self, batch: list[tuple[Any, ...]]) -> None:
+        for args in batch:
+            self._chunk(*args)
 
     def _chunk(self, job: _Job, r: _Read, file_pos: int, meta: ChunkMeta, dst: memoryview | None,
                partial: tuple[memoryview, int] | None) -> None:
