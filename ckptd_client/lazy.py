@@ -12,8 +12,9 @@ from ckptd.core.global_index import LOCAL, GlobalTensor, Piece
 from ckptd.core.regions import Region
 
 from .errors import CheckpointError
+from .load_files import ReadAt, StepFiles
 from .read_stats import ReadStats
-from .reshard import DTYPES, Need, ReadAt, StepFiles, read_needs
+from .reshard import DTYPES, Need, read_needs
 
 
 def load_tensor(step_dir: str | os.PathLike[str], name: str, region: Any = None, *, rank: int | None = None,

@@ -1,6 +1,6 @@
 """What a load reads, and from where: ``ReadStats`` counts it; ``HeldShards`` stands for the saved
 ranks whose shards a daemon still holds in memory, read there instead of from their files
-(held_pieces.py implements it; reshard.StepFiles consults it)."""
+(held_pieces.py implements it; load_files.StepFiles consults it)."""
 from __future__ import annotations
 
 import threading

@@ -46,8 +46,9 @@ from . import store_keys
 from .dtensor import is_dtensor, local_region, local_tensor, sharded_model_of
 from .errors import CheckpointError
 from .live_state import fqn_keyed, live_tensors, rekey_by_position, tree_items
+from .load_files import ReadAt, StepFiles
 from .read_stats import HeldShards, ReadStats
-from .reshard import DTYPES, Need, ReadAt, StepFiles, decodable_into, read_needs, tensor_bytes
+from .reshard import DTYPES, Need, decodable_into, read_needs, tensor_bytes
 from .restore_check import Check, Outcome, check_plain, saved_leaves
 from .state import RNGState, apply_state
 from .store_io import read_once

@@ -20,7 +20,8 @@ from ckptd.core.regions import Region
 from ckptd.core.tree import decode_tree
 
 from .errors import CheckpointError
-from .reshard import DTYPES, Need, StepFiles, read_needs
+from .load_files import StepFiles
+from .reshard import DTYPES, Need, read_needs
 
 _BAD_SEGMENTS = ("", ".", "..")
 

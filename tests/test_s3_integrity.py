@@ -25,7 +25,7 @@ from ckptd.core.names import INDEX_NAME, STAGED_NAME
 from ckptd.s3_local import SeaweedServer
 from ckptd_client import bucket_restore
 from ckptd_client.errors import MissingData
-from ckptd_client.reshard import StepFiles
+from ckptd_client.load_files import StepFiles
 
 JOB = "spot"
 WORLD = 2
