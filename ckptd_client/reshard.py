@@ -180,6 +180,8 @@ class _Runner:
         self.cond = threading.Condition()
         self.staged = 0
         self.error: BaseException | None = None
+        self._batch: list[tuple[Any, ...]] = []     # small whole chunks gathered for one task (_add)
+        self._batched = 0                            # their raw bytes
 
     def run(self, reads: Sequence[_Read]) -> None:
         # Each destination's bytes, once per need (not per read), before any decoding thread runs.
@@ -188,8 +190,6 @@ class _Runner:
             if id(r.need) not in self.flat:
                 u8 = r.need.out.detach().reshape(-1).view(torch.uint8)
                 self.flat[id(r.need)] = u8, memoryview(u8.numpy())  # type: ignore[arg-type]
-        self._batch: list[tuple[Any, ...]] = []
-        self._batched = 0
         try:
             for r in reads:
                 if self.error is not None:

@@ -76,7 +76,7 @@ class Daemon:
     def snapshot(self) -> DaemonSnapshot:
         """What status and metrics show (also called from the metrics HTTP thread: copies only)."""
         views = [s.view() for s in list(self.sessions)]
-        address = self.metrics.address
+        address, where = self.metrics.address, shm.place()
         return DaemonSnapshot(
             root=self.root, socket=self.socket_path, pid=os.getpid(), version=__version__, draining=self.draining,
             counters=self.steps.counters(), sessions=tuple(v for v in views if v is not None),
@@ -84,7 +84,7 @@ class Daemon:
             slot_bytes_in_use=self.slots.in_use, slot_memory_limit=self.slots.limit,
             last_committed=dict(self.steps.last_committed),
             metrics_address=f"{address[0]}:{address[1]}" if address else None, memory=self.memory.view(),
-            shmem_huge_pages=shm.place().mode, shm_dir=shm.place().dir, direct_io=self.tier.way.view())
+            shmem_huge_pages=where.mode, shm_dir=where.dir, direct_io=self.tier.way.view())
 
     def _durable(self, result: ShardWritten) -> None:
         self.metrics.shard_durable(result.raw_bytes, result.stored_bytes, result.seconds)
@@ -129,11 +129,11 @@ class Daemon:
                 loop.add_signal_handler(sig, self.stop)
             except (RuntimeError, ValueError):
                 pass
+        where = shm.place()
         log.info("serving", extra={"ctx": {"socket": self.socket_path, "root": self.root,
                                           "threads": self.config.threads, "codec": self.config.write.codec,
                                           "socket_activated": listen_sock is not None, "pid": os.getpid(),
-                                          "shmem_huge_pages": shm.place().mode, "shm_dir": shm.place().dir}})
-        where = shm.place()
+                                          "shmem_huge_pages": where.mode, "shm_dir": where.dir}})
         if where.mode not in shm.HUGE_MODES:
             log.info("shared memory uses 4 KiB pages (%s): restores from memory copy faster with huge pages "
                      "(docs/operations.md)", f"transparent_hugepage/shmem_enabled is {where.mode}" if where.dir is None
