@@ -15,7 +15,7 @@ from ckptd.core.reader import latest_committed
 from ckptd.core.relay_record import RankOutcome
 
 from .bucket_restore import BucketStaging
-from .config import CheckpointerConfig, with_keywords
+from .config import CheckpointerConfig, join_window, with_keywords
 from .connection import DaemonConnection, ask
 from .disk import committed_on_disk
 from .dist import dist_info
@@ -55,12 +55,13 @@ class Checkpointer:
     def __init__(self, job: str, socket: str | None = None, root: str | None = None, *,
                  config: CheckpointerConfig | None = None, rank: int | None = None, world_size: int | None = None,
                  store: Any = None, num_slots: int | None = None, commit: CommitMode | str | None = None,
-                 commit_timeout: float | None = None, restore_threads: int | None = None,
-                 overlap: bool | str | None = None, when_busy: WhenBusy | str | None = None,
-                 memory: bool | None = None, local_world_size: int | None = None, spawn: bool | None = None,
-                 prepare: bool | None = None) -> None:
+                 commit_timeout: float | None = None, join_timeout: float | None = None,
+                 restore_threads: int | None = None, overlap: bool | str | None = None,
+                 when_busy: WhenBusy | str | None = None, memory: bool | None = None,
+                 local_world_size: int | None = None, spawn: bool | None = None, prepare: bool | None = None) -> None:
         self.config = c = with_keywords(config, socket=socket, root=root, rank=rank, world_size=world_size,
                                         store=store, num_slots=num_slots, commit=commit, commit_timeout=commit_timeout,
+                                        join_timeout=join_timeout,
                                         restore_threads=restore_threads, overlap=overlap, when_busy=when_busy,
                                         memory=memory, local_world_size=local_world_size, spawn=spawn,
                                         prepare=prepare)
@@ -76,7 +77,7 @@ class Checkpointer:
         self.commit_mode = resolve_commit_mode(c.commit, self.world_size, self.store is not None)
         self.commit_timeout = c.commit_timeout
         self._lines = CloneShelf()      # cloned store connections for blocking waits, shared (store_io.py)
-        self.run_scope = RunScope(self.store, self.job, self.rank, self.world_size, c.commit_timeout, self._lines) \
+        self.run_scope = RunScope(self.store, self.job, self.rank, self.world_size, join_window(c), self._lines) \
             if self.store is not None and (self.world_size > 1 or self.commit_mode is CommitMode.RELAY) else None
         # Ranks per node (one daemon each, sharing its CPUs): the relay's fan-in groups (relay.py), 8 if unknown.
         known = c.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)

@@ -38,6 +38,11 @@ class CheckpointerConfig:
     may span daemons), else ``local`` (the daemon counts ranks itself); ``relay`` needs a store."""
     commit_timeout: float = 600.0
     """Seconds a relayed save may take from ``save`` to its commit (the relay's waits derive from it)."""
+    join_timeout: float | None = None
+    """Seconds from this ``Checkpointer``'s start within which rank 0 must tell this rank the run id
+    (run_scope.py): the window in which a job's ranks may start apart. A restore, and the relay's
+    first save, wait for it at most this long. None: ``commit_timeout``, but at least 300 s (ranks
+    start minutes apart in a large job however short its saves' commits are)."""
     restore_threads: int | None = None
     """Threads that decode and copy on restore. None: the CPUs this process may run on, shared among
     the node's ranks (``local_world_size``, or ``LOCAL_WORLD_SIZE`` as torchrun sets it; else not shared),
@@ -68,11 +73,23 @@ class CheckpointerConfig:
         if self.spawn and self.socket:
             raise ValueError(f"spawn=True starts a private daemon on its own socket; drop socket={self.socket!r} "
                              "to spawn one, or drop spawn=True to use the daemon there")
+        if self.join_timeout is not None and not self.join_timeout > 0:
+            raise ValueError(f"join_timeout must be a positive number of seconds, got {self.join_timeout!r}")
         if self.commit != AUTO:
             try:
                 object.__setattr__(self, "commit", CommitMode(self.commit))
             except ValueError:
                 raise ValueError(f"commit must be 'auto', 'local' or 'relay', got {self.commit!r}") from None
+
+
+JOIN_TIMEOUT_FLOOR_S = 300.0      # join_timeout None: commit_timeout, but at least this
+
+
+def join_window(config: CheckpointerConfig) -> float:
+    """The join window ``config`` gives (``CheckpointerConfig.join_timeout``)."""
+    if config.join_timeout is not None:
+        return config.join_timeout
+    return max(config.commit_timeout, JOIN_TIMEOUT_FLOOR_S)
 
 
 FIELDS = tuple(f.name for f in fields(CheckpointerConfig))

@@ -53,7 +53,8 @@ class FixedRun:
 
 class RunScope:
     """This Checkpointer's run id, agreed with the job's other ranks through ``store`` within
-    ``timeout`` seconds of its start. ``current()`` never blocks; ``wait()`` does (bounded)."""
+    ``timeout`` seconds of its start (the Checkpointer's join window, ``config.join_window``).
+    ``current()`` never blocks; ``wait()`` does (bounded)."""
 
     def __init__(self, store: Any, job: str, rank: int, world_size: int, timeout: float,
                  shelf: CloneShelf | None = None) -> None:
@@ -104,7 +105,8 @@ class RunScope:
             self._waiter.forget()       # before anyone learns the run id: the relay takes this clone
             if not answered:
                 self.error = (f"rank 0 never told rank {self.rank} the run id of job {job!r} within "
-                              f"{self.timeout:g}s (is rank 0 running a Checkpointer of this job on this store?)")
+                              f"{self.timeout:g}s (join_timeout): is rank 0 running a Checkpointer of this job on this "
+                              f"store? Ranks that start further apart need a larger join_timeout")
                 return
             run = store.get(answer).decode()
             store.delete_key(answer)

@@ -10,6 +10,7 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -139,3 +140,41 @@ def test_each_rank_opens_one_connection_for_its_waits_shared_by_the_handshake_an
     finally:
         for ck in ckpts:
             ck.close(timeout=10)
+
+
+def test_the_join_window_is_its_own_not_the_commit_timeout(daemon):
+    """A job whose saves commit within 2 s (commit_timeout=2) still lets its ranks start further
+    apart: rank 1's Checkpointer starts 3.5 s after rank 0's and learns the same run id, and a
+    restore agreed through the store works on both. Before, the join window was commit_timeout:
+    rank 0 stopped answering after 2 s and rank 1's restore failed (a loaded CI run hit it with
+    the crash trials' 4 s). A window set short is kept: rank 1 alone, join_timeout=1.5, fails
+    naming the window."""
+    server = _server()
+    kw: dict[str, Any] = {"socket": str(daemon.socket), "root": str(daemon.root), "world_size": 2,
+                          "commit": "relay", "commit_timeout": 2, "overlap": False}
+    ck0 = ckptd_client.Checkpointer("window", rank=0, store=_client(server.port), **kw)
+    time.sleep(3.5)
+    ck1 = ckptd_client.Checkpointer("window", rank=1, store=_client(server.port), **kw)
+    try:
+        assert ck0.config.join_timeout is None
+        assert ck0.run_scope is not None and ck1.run_scope is not None
+        assert ck1.run_scope.wait(30) == ck0.run_scope.wait(30)
+        results: dict[int, Any] = {}
+        t = threading.Thread(target=lambda: results.__setitem__(1, ck1.restore({"w": torch.zeros(4)})))
+        t.start()
+        results[0] = ck0.restore({"w": torch.zeros(4)})
+        t.join(60)
+        assert results == {0: None, 1: None}       # nothing saved yet: both agree there is nothing
+    finally:
+        ck0.close(timeout=10)
+        ck1.close(timeout=10)
+
+    lone = ckptd_client.Checkpointer("window-alone", rank=1, store=_client(server.port), join_timeout=1.5, **kw)
+    try:
+        assert lone.run_scope is not None
+        with pytest.raises(ckptd_client.CheckpointError, match="within 1.5s"):
+            lone.run_scope.wait(30)
+    finally:
+        lone.close(timeout=10)
+    with pytest.raises(ValueError, match="join_timeout must be a positive"):
+        ckptd_client.CheckpointerConfig(join_timeout=0)
