@@ -1,14 +1,17 @@
 """Time to durable and restore of one rank's ~1 GiB GPT-like state against the disk's own limit, one run.
 
-    .venv/bin/python benchmarks/durable_bench.py [--size-mib 1024] [--rounds 8] [--warmup 4] [--dir DIR]
+    .venv/bin/python benchmarks/durable_bench.py [--size-mib 1024] [--rounds 10] [--warmup 4] [--dir DIR]
 
 One process, one rank. The state is a dict of plain tensors as a GPT-style model trained in bf16
 with AdamW leaves it: bf16 weights, then per parameter a 0-d fp32 ``step``, the fp32 master weight,
 ``exp_avg`` and ``exp_avg_sq`` (``--size-mib`` in all). Round by round, on the same disk, the
-disk's limit first, then the methods in an order rotating each round (so each follows the disk's
-6 GiB of writes in turn: on this VM the save right after them measured 0.36-0.41 s to durable
-against 0.31-0.35 s for ckptd, and its copy into the slot twice as slow; with the disk inside
-the rotation ckptd, next after it in the cycle, followed it in every round but those it opened):
+disk's limit and the four methods' saves in an order that changes each round (``williams``): over
+the 10 measured rounds each of the five comes right after each other one exactly twice, and first
+(after the last round's restores, which only read) twice. What came before matters on this VM: a
+save right after the disk test's 6 GiB of writes measured 0.36-0.41 s to durable against
+0.31-0.35 s otherwise. A rotation keeps each one's predecessor fixed (ckptd followed the disk test
+whenever the disk was in the cycle), and the disk test always first, as the run before this
+design had it, measured the limit on a rested disk and every method after someone's writes:
 
 - ``disk``: the physical limit, measured in the same round: a fresh file in the same directory
   tree, ``S`` bytes written by plain ``os.write`` of 64 MiB buffers, then ``os.fsync`` — once
@@ -70,7 +73,7 @@ from common import RESULTS, fmt, machine_info, median, synthetic_weights, table,
 JOB = "durable"
 LAYERS = 8
 BUF = 64 * 2**20
-SAVES = ("disk", "ckptd", "ckptd_always", "dcp", "tc")       # the disk first in each round, then the rest rotated
+SAVES = ("disk", "ckptd", "ckptd_always", "dcp", "tc")       # in a round's order: williams()
 RESTORES = ("ckptd", "ckptd_always", "dcp", "tc")
 LABELS = {"ckptd": "ckptd", "ckptd_always": "ckptd (codec_mode always)", "dcp": "DCP", "tc": "torch_checkpointing"}
 WRITEBACK = 32 * 2**20
@@ -79,6 +82,22 @@ State = dict[str, dict[str, torch.Tensor]]
 
 
 # ---- the state --------------------------------------------------------------------------------
+
+def williams(n: int) -> list[list[int]]:
+    """Orders of ``n`` items, one per round (a Williams design): across all of them each item comes
+    right after each other item equally often, and is first equally often (``2n`` orders for odd
+    ``n``, ``n`` for even). A rotation of one order keeps every item's predecessor the same."""
+    first = [0]
+    lo, hi = 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    orders = [[(x + i) % n for x in first] for i in range(n)]
+    return orders + [o[::-1] for o in orders] if n % 2 else orders
+
 
 def gpt_shapes(size_mib: int) -> dict[str, tuple[int, ...]]:
     """A GPT-2-like model (``LAYERS`` blocks of width d, a multiple of 64) whose bf16 weights, fp32
@@ -471,9 +490,8 @@ def run(cfg: argparse.Namespace, base: Path, state: State) -> dict[str, Any]:
             try:
                 for r in range(cfg.warmup + cfg.rounds):
                     step = r + 1
-                    rest = SAVES[1:]
-                    rot = r % len(rest)
-                    order = SAVES[:1] + rest[rot:] + rest[:rot]
+                    design = williams(len(SAVES))        # measured rounds start a whole design anew
+                    order = [SAVES[i] for i in design[(r if r < cfg.warmup else r - cfg.warmup) % len(design)]]
                     rec: dict[str, Any] = {"round": r, "warmup": r < cfg.warmup, "order": list(order)}
                     for name in order:
                         if name == "disk":
@@ -654,8 +672,10 @@ def to_markdown(res: dict[str, Any]) -> str:
         "codec_mode adaptive: chunks the disk was ready for before a codec thread stored raw); with codec_mode "
         f"always {s['stored_bytes_always'] / 2**20:.0f} MiB ({s['stored_bytes_always'] / res['raw_bytes']:.3f}). "
         f"{res['rounds']} measured rounds after {res['warmup']} warm-up; in each round the disk, ckptd (adaptive and "
-        "always), DCP and torch_checkpointing saves in an order rotating each round (the disk first, so each method "
-        "follows its writes in turn), then the restores (warm, "
+        "always), DCP and torch_checkpointing saves in an order changing each round so that over the measured rounds "
+        "each comes right after each other one, and first, equally often (a Williams design: the disk test "
+        "always first measured the limit on a rested disk and every method after someone's writes), then the "
+        "restores (warm, "
         "then cold) in a rotating order; medians, min and max over the measured rounds; every restore checked "
         "bit-exact.", "",
         "## Headline", "", table(["ratio", "value"], ratio_rows), "",
@@ -722,7 +742,7 @@ def to_markdown(res: dict[str, Any]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mib", type=int, default=1024)
-    ap.add_argument("--rounds", type=int, default=8)      # two cycles: each method follows the disk twice
+    ap.add_argument("--rounds", type=int, default=10)     # one whole Williams design of the five saves
     ap.add_argument("--warmup", type=int, default=4)      # auto's two shards each way (write_way.py)
     ap.add_argument("--dir", default=None, help="scratch directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--out", default=str(RESULTS / "durable"))
