@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ckptd.core import protocol
 from ckptd.daemon.shm import shmem_thp
 
 REPO = Path(__file__).resolve().parent.parent
@@ -91,6 +92,15 @@ def machine_info(path: str | os.PathLike = ".") -> dict[str, Any]:
                                                            "free_gib": round(disk.free / 2**30, 1)},
             "kernel": platform.release(), "loadavg_at_start": list(os.getloadavg()), "versions": versions,
             "shmem_huge_pages": shmem_thp()}
+
+
+def daemon_shared_memory(sock: str | Path) -> str:
+    """Where a running daemon makes its shared memory, as its status says: memfds, or a tmpfs of
+    ``memory.shm_dir``, with the huge-page mode each gives (restores from memory depend on it)."""
+    st = protocol.request_once(str(sock), {"op": "status"})
+    if st.get("shm_dir"):
+        return f"files in the tmpfs {st['shm_dir']} (memory.shm_dir), huge={st.get('shmem_huge_pages')}"
+    return f"memfds, huge pages {st.get('shmem_huge_pages')} (transparent_hugepage/shmem_enabled)"
 
 
 def free_port() -> int:

@@ -33,7 +33,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ckptd_client  # noqa: E402
 from ckptd.launch import spawn_daemon  # noqa: E402
 
-from common import RESULTS, fmt, machine_info, median, synthetic_weights, table, write_results  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS,
+    daemon_shared_memory,
+    fmt,
+    machine_info,
+    median,
+    synthetic_weights,
+    table,
+    write_results,
+)
 
 METHODS = ("memcpy", "ckptd memory", "ckptd storage", "ckptd storage (cold)", "DCP load")
 TARGET = 2.0           # the issue: memory-tier restore ≤ 2× a plain memcpy
@@ -74,6 +83,7 @@ def main() -> int:
     source = make_state(a.mib)
     live = {k: torch.zeros_like(v) for k, v in source.items()}
     daemon = spawn_daemon(base / "root", base / "d.sock", "--memory-budget", f"{2 * a.mib + 256}MiB")
+    info["daemon_shared_memory"] = daemon_shared_memory(daemon.socket)
     times: dict[str, list[float]] = {m: [] for m in METHODS}
     try:
         ck = ckptd_client.Checkpointer("bench", socket=str(daemon.socket))
@@ -140,7 +150,8 @@ def main() -> int:
         f"{info['cores_available']} cores available (a shared VM: other jobs ran on it), {info['ram_gib']} GiB RAM, "
         f"disk {info['disk']['device']} ({info['disk']['fstype']}), Linux {info['kernel']}, torch "
         f"{info['versions']['torch']}, load average at start {la}, shared memory's huge pages "
-        f"(transparent_hugepage/shmem_enabled) {info['shmem_huge_pages']}.",
+        f"(transparent_hugepage/shmem_enabled) {info['shmem_huge_pages']}; the daemon's shared memory: "
+        f"{info['daemon_shared_memory']}.",
         f"State: one rank's shard of {a.mib} MiB (8 fp32 tensors of GPT-style N(0, 0.02²) weights), restored in "
         f"place into the same tensors by every method. {a.rounds} measured rounds after 1 warm-up, methods "
         "interleaved in an order rotating each round; medians; every restore checked bit-exact.",

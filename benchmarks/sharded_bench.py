@@ -47,7 +47,16 @@ import xxhash
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ckptd.launch import spawn_daemon  # noqa: E402
 
-from common import RESULTS, fmt, free_port, machine_info, median, table, write_results  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS,
+    daemon_shared_memory,
+    fmt,
+    free_port,
+    machine_info,
+    median,
+    table,
+    write_results,
+)
 
 HERE = Path(__file__).resolve()
 SAVE_METHODS = ("ckptd", "dcp-async", "dcp-async-staged")
@@ -537,7 +546,8 @@ def to_markdown(res: dict[str, Any]) -> str:
         f"Machine: {m['cpu']}, {m['cores_available']} cores available, {m['ram_gib']} GiB RAM, "
         f"disk {m['disk']['device']} ({m['disk']['fstype']}), Linux {m['kernel']}, torch {m['versions']['torch']}, "
         f"load average at start {', '.join(f'{x:.2f}' for x in m['loadavg_at_start'])}, shared memory's huge pages "
-        f"(transparent_hugepage/shmem_enabled) {m['shmem_huge_pages']}.",
+        f"(transparent_hugepage/shmem_enabled) {m['shmem_huge_pages']}; the daemon's shared memory: "
+        f"{res.get('shared_memory', 'not recorded')}.",
         "",
         f"State: an MLP of {cfg['layers']} Linear({cfg['dim']}, {cfg['dim']}) layers "
         f"({res['save']['params'] / 1e6:.1f} M parameters) sharded with FSDP2 over {cfg['ranks']} gloo ranks "
@@ -666,6 +676,7 @@ def main() -> int:
           f"load {res['machine']['loadavg_at_start'][0]:.2f}", flush=True)
     extra = ["--keep-last", "2"] + (["--threads", str(a.daemon_threads)] if a.daemon_threads else [])
     daemon = spawn_daemon(base / "root", base / "d.sock", *extra, log=base / "daemon.log")
+    res["shared_memory"] = daemon_shared_memory(daemon.socket)
     spec: dict[str, Any] = {"dim": a.dim, "layers": a.layers, "rounds": a.rounds, "warmup": a.warmup,
                             "train_while_writing": a.train_while_writing, "socket": str(daemon.socket),
                             "root": str(daemon.root), "dcp_dir": str(base / "dcp"),
