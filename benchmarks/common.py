@@ -19,6 +19,7 @@ import torch
 
 from ckptd.core import protocol
 from ckptd.daemon.shm import shmem_thp
+from ckptd.status_text import shared_memory
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -95,12 +96,9 @@ def machine_info(path: str | os.PathLike = ".") -> dict[str, Any]:
 
 
 def daemon_shared_memory(sock: str | Path) -> str:
-    """Where a running daemon makes its shared memory, as its status says: memfds, or a tmpfs of
-    ``memory.shm_dir``, with the huge-page mode each gives (restores from memory depend on it)."""
-    st = protocol.request_once(str(sock), {"op": "status"})
-    if st.get("shm_dir"):
-        return f"files in the tmpfs {st['shm_dir']} (memory.shm_dir), huge={st.get('shmem_huge_pages')}"
-    return f"memfds, huge pages {st.get('shmem_huge_pages')} (transparent_hugepage/shmem_enabled)"
+    """Where a running daemon makes its shared memory and in which pages, as `ckptd status` says it
+    (status_text.shared_memory): restores from memory depend on it."""
+    return shared_memory(protocol.request_once(str(sock), {"op": "status"})) or "not reported"
 
 
 def free_port() -> int:

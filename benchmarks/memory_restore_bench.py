@@ -150,7 +150,7 @@ def main() -> int:
         f"{info['cores_available']} cores available (a shared VM: other jobs ran on it), {info['ram_gib']} GiB RAM, "
         f"disk {info['disk']['device']} ({info['disk']['fstype']}), Linux {info['kernel']}, torch "
         f"{info['versions']['torch']}, load average at start {la}, shared memory's huge pages "
-        f"(transparent_hugepage/shmem_enabled) {info['shmem_huge_pages']}; the daemon's shared memory: "
+        f"(transparent_hugepage/shmem_enabled) {info['shmem_huge_pages']}; the daemon's shared memory pages: "
         f"{info['daemon_shared_memory']}.",
         f"State: one rank's shard of {a.mib} MiB (8 fp32 tensors of GPT-style N(0, 0.02²) weights), restored in "
         f"place into the same tensors by every method. {a.rounds} measured rounds after 1 warm-up, methods "

@@ -546,7 +546,7 @@ def to_markdown(res: dict[str, Any]) -> str:
         f"Machine: {m['cpu']}, {m['cores_available']} cores available, {m['ram_gib']} GiB RAM, "
         f"disk {m['disk']['device']} ({m['disk']['fstype']}), Linux {m['kernel']}, torch {m['versions']['torch']}, "
         f"load average at start {', '.join(f'{x:.2f}' for x in m['loadavg_at_start'])}, shared memory's huge pages "
-        f"(transparent_hugepage/shmem_enabled) {m['shmem_huge_pages']}; the daemon's shared memory: "
+        f"(transparent_hugepage/shmem_enabled) {m['shmem_huge_pages']}; the daemon's shared memory pages: "
         f"{res.get('shared_memory', 'not recorded')}.",
         "",
         f"State: an MLP of {cfg['layers']} Linear({cfg['dim']}, {cfg['dim']}) layers "

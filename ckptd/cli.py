@@ -20,10 +20,9 @@ from ckptd.daemon.service.allocator import tune_allocator
 from ckptd.daemon.service.root_check import RootNotWritable, check_root
 from ckptd.daemon.settings.config import DEBUG_KEYS, DEFAULT_CONFIG_PATH, KEYS, ConfigError, load_settings
 from ckptd.daemon.settings.spec import Key
-from ckptd.daemon.shm import HUGE_MODES
 from ckptd.daemon.tiers.fs.retention import collect_root
 from ckptd.hf import commands as hf_commands
-from ckptd.status_text import group_lines, memory_lines
+from ckptd.status_text import group_lines, memory_lines, shared_memory
 
 # Flags derived from the settings' definition (config.py): serve takes them all, gc the retention ones.
 SERVE_KEYS = [*KEYS.values(), *DEBUG_KEYS.values()]
@@ -153,13 +152,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     if st.get("socket"):
         print(f"socket {st['socket']}" + (f"  metrics http://{st['metrics']}/metrics" if st.get("metrics") else ""))
     print(f"slot memory {human_size(st['slot_bytes_in_use'])} of {human_size(st['slot_memory_limit'])}")
-    mode = st.get("shmem_huge_pages")
-    if mode is not None:
-        where = f"tmpfs {st['shm_dir']} huge={mode}" if st.get("shm_dir") else \
-            f"memfds, transparent_hugepage/shmem_enabled {mode}"
-        print(f"shared memory pages: {'huge where the kernel can' if mode in HUGE_MODES else '4 KiB'} ({where}"
-              + ("" if mode in HUGE_MODES else "; huge pages make restores from memory faster: docs/operations.md")
-              + ")")
+    pages = shared_memory(st)
+    if pages is not None:
+        print(f"shared memory pages: {pages}")
     way = st.get("direct_io") or {}
     if way:
         rates = ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in sorted(way.get("bytes_per_s", {}).items()))

@@ -3,9 +3,24 @@ from __future__ import annotations
 
 from typing import Any
 
+from ckptd.daemon.shm import HUGE_MODES
+
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
+
+
+def shared_memory(st: dict[str, Any]) -> str | None:
+    """Where the daemon makes its shared memory and in which pages, from its status reply (memfds, or
+    ``memory.shm_dir``'s tmpfs); None for a reply without it (an older daemon)."""
+    mode = st.get("shmem_huge_pages")
+    if mode is None:
+        return None
+    where = f"tmpfs {st['shm_dir']} huge={mode}" if st.get("shm_dir") else \
+        f"memfds, transparent_hugepage/shmem_enabled {mode}"
+    huge = mode in HUGE_MODES
+    return f"{'huge where the kernel can' if huge else '4 KiB'} ({where}" \
+        + ("" if huge else "; huge pages make restores from memory faster: docs/operations.md") + ")"
 
 
 def memory_lines(mem: dict[str, Any] | None) -> list[str]:
