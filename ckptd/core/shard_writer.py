@@ -10,8 +10,8 @@ debug delay, or the importer's progress bar.
 
 The writer goes at the disk's pace: it has writeback started every ``WRITEBACK_BYTES`` (on a
 thread of its own, ``_Writeback``: submitting the writes is work the writer's copies need not
-wait for) and waits for the data more than ``PACE_LAG_BYTES`` behind it to reach the disk (dirty pages per shard
-stay bounded, and the final fsync only waits for the tail). With ``Encoding.adaptive`` the
+wait for) and waits for the data more than ``PACE_LAG_BYTES`` behind it to reach the disk
+(dirty pages per shard stay bounded, and the final fsync only waits for the tail). With ``Encoding.adaptive`` the
 disk never waits for the codec: codec threads take the *newest* chunk of the window, the
 writer the oldest, and a chunk the writer reaches before any codec thread has started on it
 is written raw (codec ``none``); and codec threads start on chunks only while the writer's
