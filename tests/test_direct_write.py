@@ -22,7 +22,8 @@ import pytest
 from ckptd.core import storage
 from ckptd.core.direct_write import DirectWriter
 from ckptd.core.names import rank_data_name, rank_manifest_name
-from ckptd.core.schema import TensorLayout
+from ckptd.core.rank_record import summarize
+from ckptd.core.schema import TensorLayout, digest_bytes, parse_manifest
 from ckptd.core.shard_writer import Encoding, ShardHooks, WrittenShard, write_shard
 from ckptd.daemon.tiers.fs.write_way import KEEP, MIN_BYTES, RETRY, WriteWay
 
@@ -147,6 +148,17 @@ def test_a_failing_direct_write_fails_the_shard_and_frees_the_source_first(tmp_p
     assert order == ["direct writes done", "released"]
     assert not (tmp_path / "s" / rank_data_name(0)).exists()
     assert not (tmp_path / "s" / rank_manifest_name(0)).exists()
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_the_record_returned_is_the_manifest_files(tmp_path: Path, direct: bool) -> None:
+    """The manifest, its digest and its record are built before the last writes finish: what the
+    write returns is what the manifest file on disk gives (the commit trusts the record)."""
+    mm, layout = slot_of([4 * MiB + 4, 4, 3 * MiB, 2 * MiB + 64, 0])
+    w, _, manifest = write(tmp_path / "s", mm, layout, direct=direct)
+    assert w.digest == digest_bytes(manifest)
+    assert w.record == summarize(parse_manifest(manifest, job="j", step=1, rank=0), w.digest)
+    assert [e.name for e in w.record.entries] == [t.name for t in layout]
 
 
 def test_write_all_at_leaves_the_position(tmp_path: Path) -> None:

@@ -18,7 +18,6 @@ from ckptd.core import storage
 from ckptd.core.codec import CODECS, DEFAULT_CHUNK_BYTES
 from ckptd.core.names import step_dir
 from ckptd.core.publish import publish_step
-from ckptd.core.rank_record import summarize
 from ckptd.core.schema import TensorLayout
 from ckptd.core.shard_writer import Encoding, ShardHooks, WrittenShard, write_shard
 from ckptd.core.step_files import is_committed
@@ -54,7 +53,7 @@ def import_hf(hf_dir: str | os.PathLike[str], root: str | os.PathLike[str], job:
     bar = Progress(f"import {job} step {step}", src.total_bytes, progress)
     try:
         shard = _write_rank(src, path, job, step, Encoding(codec, level, DEFAULT_CHUNK_BYTES), threads, bar)
-        publish_step(path, job, step, 1, [summarize(shard.manifest, shard.digest)])
+        publish_step(path, job, step, 1, [shard.record])
     except BaseException:
         shutil.rmtree(path, ignore_errors=True)
         raise

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from ckptd.core import step_files
 from ckptd.core.names import job_dir, rank_data_name, step_dir
-from ckptd.core.rank_record import RankRecord, summarize
+from ckptd.core.rank_record import RankRecord
 from ckptd.core.rank_table import SIDE_FILES
 from ckptd.core.reader import latest_committed
 from ckptd.core.schema import TensorLayout
@@ -82,7 +82,7 @@ class FsTier(StorageTier):
                                 self.window, released, abandoned, direct)
         self.way.record(direct, result.manifest.raw_bytes, result.direct_bytes, result.seconds)
         return ShardWritten(result.manifest.raw_bytes, result.manifest.stored_bytes, result.digest, result.seconds,
-                            summarize(result.manifest, result.digest), result.manifest, result.direct_bytes)
+                            result.record, result.manifest, result.direct_bytes)
 
     def _gate(self) -> PublishGate:
         return PublishGate()
