@@ -16,8 +16,11 @@ Round by round the methods take turns on the same state:
 Each save is waited for (committed / uploaded) before the next method's save, so no method's
 background work lands in another's stall; then the optimizer step (a slice of every tensor
 mutated, its step pre-hook fencing) runs. The first ``--warmup`` saves per method are reported
-apart. Then the first saves after ``restore()`` into a fresh model and optimizer (a resumed run)
-against the saves after them. Results: benchmarks/results/stall.md and stall.json.
+apart. Then a resumed run: ``restore()`` into a fresh model and optimizer, then a save every
+``--steps-before-save`` steps (idle, as above), its first save against the later ones: every one of
+them comes after the same gap, so their ratio is what the restore leaves undone (a save after 5 s
+idle costs this VM about twice one after 200 ms, whoever saves). Results: benchmarks/results/stall.md
+and stall.json.
 
 ``--fsdp2``: the same state with every block and the root under FSDP2 ``fully_shard`` (one gloo
 rank: DTensor parameters and AdamW state, as a sharded job's rank holds them). ckptd saves the
@@ -304,9 +307,11 @@ def run_count(count: int, cfg: argparse.Namespace, socket: str, root: str, base:
     t0 = time.perf_counter()
     ck2.ck.restore(state2)
     restore_s = time.perf_counter() - t0
-    time.sleep(cfg.steps_before_save * cfg.step_ms / 1000)   # the resumed run trains; restore() prepared its slots
     opt2.touch_only = True
-    after = measure(ck2, state2, opt2, step, cfg.after_restore, cfg.step_ms / 1000)
+    after: list[float] = []
+    for i in range(cfg.after_restore):     # a save every --steps-before-save steps, the first one too:
+        time.sleep(cfg.steps_before_save * cfg.step_ms / 1000)   # first / later compares saves after the same gap
+        after += measure(ck2, state2, opt2, step + i, 1, cfg.step_ms / 1000)
     first_setup = ck2.setups[0]
     ck2.close()
     del model, opt, state, model2, opt2, state2
@@ -349,9 +354,12 @@ def to_markdown(res: dict[str, Any]) -> str:
                     fmt(c["p99"] / d["p99"], 2, "×")]
         rows.append(row)
     lines.append(table(headers, rows))
-    lines += ["", "First saves after `restore()` into a fresh model and optimizer (a resumed run: restore, which "
-              f"prepares the slots in the background by default, {res.get('steps_before_save', 1)} steps of compute, "
-              "then saves), ckptd overlapped:", ""]
+    gap = res.get("steps_before_save", 1)
+    lines += ["", "A resumed run: `restore()` into a fresh model and optimizer (restore prepares the slots in the "
+              f"background by default), then a save every {gap} steps of {res['step_ms']} ms (idle), the first one "
+              f"too, ckptd overlapped. Every save of it comes after the same {gap} steps, so *first / later* is what "
+              "the restore leaves to the first save; the measured saves above come 200 ms apart (on this VM a save "
+              "after seconds of idle costs about twice one after 200 ms, whoever saves):", ""]
     rows = []
     for r in res["counts"]:
         a = r["after_restore_stall_s"]
@@ -360,8 +368,8 @@ def to_markdown(res: dict[str, Any]) -> str:
                      fmt(1e3 * r.get("after_restore_setup_s", float("nan")), 2), fmt(1e3 * later, 2),
                      fmt(a[0] / later, 2, "×"),
                      " / ".join(fmt(1e3 * x, 1) for x in r["ckptd"]["warmup_stall_s"])])
-    lines.append(table(["tensors", "restore", "first save after restore ms", "of it setup ms", "later saves p50 ms",
-                        "first / later",
+    lines.append(table(["tensors", "restore", "first save after restore ms", "of it setup ms",
+                        "later saves, same gap, p50 ms", "first / later",
                         "warm-up saves of the first run ms"], rows))
     lines += ["", f"Wall time {res['wall_s']:.0f} s."]
     return "\n".join(lines) + "\n"
@@ -373,10 +381,10 @@ def main() -> int:
     ap.add_argument("--counts", default="16,256,2048,8192")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--after-restore", type=int, default=4)
+    ap.add_argument("--after-restore", type=int, default=6)
     ap.add_argument("--step-ms", type=int, default=200)
     ap.add_argument("--steps-before-save", type=int, default=25,
-                    help="training steps a resumed run takes before its first save")
+                    help="training steps a resumed run takes before each of its saves")
     ap.add_argument("--fsdp2", action="store_true", help="the state under FSDP2 on one gloo rank (see above)")
     ap.add_argument("--out", default=None, help="results path without extension (default results/stall[_fsdp2])")
     cfg = ap.parse_args()
