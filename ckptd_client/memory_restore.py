@@ -20,7 +20,7 @@ nothing.
 from __future__ import annotations
 
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -85,21 +85,30 @@ def _read_into(held: HeldMap, t: TensorLayout, out: torch.Tensor, sums: tuple[st
 
 def _read_all(held: HeldMap, reads: list[tuple[TensorLayout, torch.Tensor, tuple[str, ...], int, int]], chunk: int,
               threads: int) -> None:
-    """Every ``_read_into`` of ``reads``: on ``threads`` restore threads, or in this one when it is 1."""
+    """Every ``_read_into`` of ``reads``: on ``threads`` restore threads, or in this one when it is 1.
+    Each thread takes the next read from one shared list until none is left (a task per read cost a
+    future and a hand-off each: ~4 ms of 13 for 108 MiB in 96 tensors); the first error stops them all."""
     if threads <= 1:
         for t, out, sums, first, last in reads:
             _read_into(held, t, out, sums, chunk, first, last)
         return
+    todo = iter(reads)              # (a list iterator hands each item to one thread: its next() holds the GIL)
+    failed: list[BaseException] = []
+
+    def work() -> None:
+        for t, out, sums, first, last in todo:
+            if failed:
+                return
+            try:
+                _read_into(held, t, out, sums, chunk, first, last)
+            except BaseException as e:
+                failed.append(e)
+                return
     with ThreadPoolExecutor(threads, thread_name_prefix="ckptd-memrestore") as pool:
-        futures: list[Future[None]] = []
-        try:
-            futures = [pool.submit(_read_into, held, t, out, sums, chunk, first, last)
-                       for t, out, sums, first, last in reads]
-            for f in futures:
-                f.result()
-        finally:
-            for f in futures:       # (on failure: the ones not started never run)
-                f.cancel()
+        for f in [pool.submit(work) for _ in range(min(threads, len(reads)))]:
+            f.result()
+    if failed:
+        raise failed[0]
 
 
 def fetch_held(socket_path: str, job: str, step: int, rank: int,

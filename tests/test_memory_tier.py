@@ -108,6 +108,28 @@ def test_corrupt_memory_is_detected_and_storage_used(daemon, num_slots):
     ck.close()
 
 
+def test_many_tensors_on_several_threads_exact_and_a_bad_one_named(daemon):
+    """Restore threads take the reads from one shared list: 64 tensors on 3 threads come back exact,
+    and a byte flipped in the 41st fails its checksum, named, whichever thread read it (storage serves)."""
+    ck = ckptd_client.Checkpointer("many", socket=str(daemon.socket), num_slots=1, restore_threads=3)
+    state = {f"t{i}": torch.full((16384 + i,), float(i + 1)) for i in range(64)}
+    ck.save(1, state).wait(60)
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert ck.restore(target) == 1 and ck.last_restore.source == "memory"
+    assert_equal(state, target)
+    with open(_memfd_of(daemon.proc.pid, "ckptd-mem-many-1-r0"), "r+b") as f:
+        body = f.read()
+        at = body.index(state["t40"].numpy().tobytes()) + 4 * 1000
+        f.seek(at)
+        f.write(bytes([body[at] ^ 0x01]))
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert ck.restore(target) == 1
+    assert ck.last_restore.source == "storage" and "'t40'" in ck.last_restore.fallback \
+        and "checksum" in ck.last_restore.fallback
+    assert_equal(state, target)
+    ck.close()
+
+
 def test_restore_needs_the_committed_step_and_same_world(daemon):
     """Memory serves only what index.json commits, at the same world size; otherwise storage, with the reason."""
     ck = ckptd_client.Checkpointer("world", socket=str(daemon.socket))
