@@ -197,6 +197,30 @@ def test_auto_measures_each_way_then_keeps_to_the_faster() -> None:
     assert way.pick() is True and way.rates() == {"buffered": 1 << 30, "direct": 10 << 30}
 
 
+def test_the_way_changes_only_on_a_retry_judged_by_its_own_sample() -> None:
+    """Samples of the way not in use are old (the disk of RETRY or more shards ago): the way in use
+    slowing below them changes nothing until the other way's retry, whose sample replaces them."""
+    way = WriteWay("auto")
+    for direct, seconds in ((False, 0.9), (True, 0.1), (False, 0.2), (True, 0.1)):  # buffered's best 5 GiB/s
+        assert way.pick() is direct
+        way.record(direct, 1 << 30, (1 << 30) if direct else 0, seconds)
+    assert way.pick() is True                         # direct, 10 GiB/s
+    for _ in range(KEEP):
+        way.record(True, 1 << 30, 1 << 30, 0.5)       # the disk slows: direct at 2 GiB/s
+    assert way.rates() == {"buffered": 5 << 30, "direct": 2 << 30}
+    picks = [way.pick() for _ in range(RETRY)]
+    assert picks.count(False) == 1                    # buffered's old 5 GiB/s switches nothing; it is retried
+    way.record(False, 1 << 30, 0, 1.0)                # the retry: 1 GiB/s, its old samples gone
+    assert way.rates() == {"buffered": 1 << 30, "direct": 2 << 30} and way.pick() is True
+    picks = [way.pick() for _ in range(RETRY)]
+    assert picks.count(False) == 1
+    way.record(False, 1 << 30, 0, 0.25)               # a retry at 4 GiB/s: the page cache is faster now
+    assert way.pick() is False
+    for _ in range(KEEP):
+        way.record(False, 1 << 30, 0, 2.0)            # the way in use below direct's samples: kept
+    assert way.rates() == {"buffered": 1 << 29, "direct": 2 << 30} and way.pick() is False
+
+
 @pytest.mark.parametrize("mode,want", [("on", True), ("off", False)])
 def test_on_and_off_fix_the_way(mode: str, want: bool) -> None:
     way = WriteWay(mode)
