@@ -13,9 +13,9 @@ that one slow start kept it on the other way for the next 16 shards. The way cha
 retry, judged by its own sample, which replaces the tried way's older ones: those were taken on
 the disk of ``RETRY`` or more shards ago. (Comparing them with the way in use let one from a
 daemon's first saves win two 1 GiB shards for the page cache on a day the disk had slowed: 1.09 s
-and 0.49 s to durable, where direct took 0.36-0.49 s in the rounds around them.) ``"on"`` / ``"off"`` fix
-the way. A file system that refuses ``O_DIRECT`` (tmpfs) gets buffered writes whatever the
-setting (shard_writer.write_shard).
+and 0.49 s to durable, where direct took 0.36-0.49 s in the rounds around them.) ``"on"`` /
+``"off"`` fix the way. A file system that refuses ``O_DIRECT`` (tmpfs) gets buffered writes
+whatever the setting (shard_writer.write_shard).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import threading
 
 from ckptd.daemon.settings.write import DIRECT_IO
 
-RETRY = 16           # auto: shards between tries of the way measured slower
+RETRY = 16           # auto: shards between tries of the way not in use
 MIN_BYTES = 64 << 20  # auto: a shard smaller than this tells too little of the disk to count
 KEEP = 2             # auto: samples kept per way; a way's rate is the best of them (a slow one is noise)
 
