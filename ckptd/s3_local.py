@@ -99,7 +99,11 @@ class SeaweedServer:
                f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3_grpc']}", f"-s3.config={config}",
                "-s3.port.iceberg=0", "-s3.port.lance=0",     # on by default, on fixed ports
                "-s3.autoCreateBucket=false",                 # a missing bucket stays missing, as on AWS
-               "-master.volumeSizeLimitMB=1024", "-volume.max=0", "-metricsPort=0",
+               # Volume slots counted, not derived from free disk: `-volume.max=0` made them free space
+               # ÷ the size limit, each bucket takes 7, and with 19 GB free the tests' buckets ran out
+               # ("No writable volumes and no free volumes left": uploads failed InternalError). Volumes
+               # are not preallocated; a disk that really fills still marks them read-only (minFreeSpace).
+               "-master.volumeSizeLimitMB=1024", "-volume.max=1000", "-metricsPort=0",
                # One master, one volume server: a restart on the same directory elects its master in ~1 s
                # (the default 10 s election timeout kept a restarted server from taking writes for ~20 s),
                # and a stop does not wait 10 s after the volume server's last heartbeat.
