@@ -487,10 +487,11 @@ def run(cfg: argparse.Namespace, base: Path, state: State) -> dict[str, Any]:
             methods["ckptd"].ck.prepare(state)
             methods["ckptd_always"].ck.prepare(state)
             threads = methods["ckptd"].reader.restore_threads
+            design = williams(len(SAVES))
             try:
                 for r in range(cfg.warmup + cfg.rounds):
                     step = r + 1
-                    design = williams(len(SAVES))        # measured rounds start a whole design anew
+                    # (measured rounds start a whole design anew)
                     order = [SAVES[i] for i in design[(r if r < cfg.warmup else r - cfg.warmup) % len(design)]]
                     rec: dict[str, Any] = {"round": r, "warmup": r < cfg.warmup, "order": list(order)}
                     for name in order:
