@@ -10,18 +10,18 @@ debug delay, or the importer's progress bar.
 
 The writer goes at the disk's pace: it has writeback started every ``WRITEBACK_BYTES`` (on a
 thread of its own, ``_Writeback``: submitting the writes is work the writer's copies need not
-wait for) and waits for the data more than ``PACE_LAG_BYTES`` behind it to reach the disk
-(dirty pages per shard stay bounded, and the final fsync only waits for the tail). With ``Encoding.adaptive`` the
-disk never waits for the codec: codec threads take the *newest* chunk of the window, the
-writer the oldest, and a chunk the writer reaches before any codec thread has started on it
-is written raw (codec ``none``); and codec threads start on chunks only while the writer's
-waits for the disk show that the disk sets the pace (``DISK_BOUND``). When the disk is the
-limit, encoding costs the writer nothing and fewer bytes reach the disk; when it is not (a
-disk as fast as the writer's own copies into the page cache: this 2-core VM's), the codec
-would only take CPU from the writer, and chunks go raw. Each chunk names its codec, so
-readers need nothing new. A raw chunk's checksum is taken off the writer's thread too while the
-codec threads are idle: they hash untaken chunks ahead of it (newest first, like the encoding), so
-the writer's thread only writes — on a 2-core node the hash runs on the core the trainer's copy
+wait for) and waits for the data more than ``PACE_LAG_BYTES`` behind it to reach the disk (dirty
+pages per shard stay bounded, and the final fsync only waits for the tail). With
+``Encoding.adaptive`` the disk never waits for the codec: codec threads take the *newest* chunk
+of the window, the writer the oldest, and a chunk the writer reaches before any codec thread has
+started on it is written raw (codec ``none``); and codec threads start on chunks only while the
+writer's waits for the disk show that the disk sets the pace (``DISK_BOUND``). When the disk is
+the limit, encoding costs the writer nothing and fewer bytes reach the disk; when it is not (a
+disk as fast as the writer's own copies into the page cache: this 2-core VM's), the codec would
+only take CPU from the writer, and chunks go raw. Each chunk names its codec, so readers need
+nothing new. A raw chunk's checksum is taken off the writer's thread too while the codec threads
+are idle: they hash untaken chunks ahead of it (newest first, like the encoding), so the
+writer's thread only writes — on a 2-core node the hash runs on the core the trainer's copy
 frees, beside the writes instead of between them. With ``direct`` (the daemon's ``direct_io``),
 raw chunks' whole blocks go around the page cache on a thread of their own (direct_write.py): no
 copy into the page cache, the device reads the slot. Adaptive encoding then stays off, whatever
