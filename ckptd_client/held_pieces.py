@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Collection, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from ckptd.core.codec import ChunkMeta
 from ckptd.core.held import HeldMeta, held_manifest
 from ckptd.core.schema import Manifest
 
-from .connection import DaemonConnection
+from .connection import Exchange
 from .held_map import HeldMap
 from .memory_restore import MemoryUnavailable, fetch_held
 from .read_stats import HeldShards, ReadStats
@@ -37,7 +37,7 @@ PREFETCH_THREADS = 8          # held shards asked for at once by one restoring r
 class _Held:
     """One fetched shard: its connection (which keeps it pinned), memfd (read by ``held_map``) and source."""
 
-    def __init__(self, conn: DaemonConnection, meta: HeldMeta, fd: int, source: str) -> None:
+    def __init__(self, conn: Exchange, meta: HeldMeta, fd: int, source: str) -> None:
         self.conn, self.meta, self.fd, self.source = conn, meta, fd, source
         size = os.fstat(fd).st_size
         if size < meta.nbytes:
@@ -57,12 +57,16 @@ class DaemonShards(HeldShards):
     — a memory-level step, which has no files — fails the restore). Close it (or use ``with``) once the restore
     has copied everything: the memfds go and the daemon may evict the shards again."""
 
-    def __init__(self, socket_path: str, job: str, step: int, world_size: int, *, required: bool = False) -> None:
+    def __init__(self, socket_path: str, job: str, step: int, world_size: int, *, required: bool = False,
+                 must: Collection[int] = ()) -> None:
         self.socket_path, self.job, self.step, self.world_size = socket_path, job, step, world_size
         self.required = required      # a rank no daemon holds is MemoryUnavailable, not read from its files
+        self.must = frozenset(must)   # ranks that are so whatever ``required`` says (a restoring rank's own)
         self.shards: dict[int, _Held] = {}
         self.refused: dict[int, str] = {}
         self._manifests: dict[int, Manifest] = {}
+        self._pending: dict[int, Future[Manifest | None]] = {}
+        self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
     def __enter__(self) -> DaemonShards:
@@ -72,14 +76,24 @@ class DaemonShards(HeldShards):
         self.close()
 
     def manifest(self, rank: int) -> Manifest | None:
-        if rank in self._manifests or rank in self.refused:
-            return self._manifests.get(rank)
+        """Saved rank ``rank``'s held shard as a manifest of raw chunks, fetched now unless ``prefetch``
+        already asked for it (then its answer is waited for); None: not held (read it from storage)."""
+        with self._lock:
+            pending = self._pending.get(rank)
+        if pending is not None:
+            pending.result()            # (raises as ``_fetch`` does)
+        elif rank not in self._manifests and rank not in self.refused:
+            self._fetch(rank)
+        if rank in self.refused and (self.required or rank in self.must):
+            raise MemoryUnavailable(f"saved rank {rank}: {self.refused[rank]}" if self.required else self.refused[rank])
+        return self._manifests.get(rank)
+
+    def _fetch(self, rank: int) -> Manifest | None:
         try:
             conn, meta, fd, source = fetch_held(self.socket_path, self.job, self.step, rank, self.world_size)
         except MemoryUnavailable as e:
-            self.refused[rank] = str(e)
-            if self.required:
-                raise MemoryUnavailable(f"saved rank {rank}: {e}") from None
+            with self._lock:
+                self.refused[rank] = str(e)
             return None
         try:
             shard = _Held(conn, meta, fd, source)
@@ -87,20 +101,26 @@ class DaemonShards(HeldShards):
             os.close(fd)
             conn.close()
             raise
+        m = held_manifest(meta.job, meta.step, meta.rank, meta.world_size, meta.layout, meta.checksums,
+                          meta.chunk_bytes, meta.tree)
         with self._lock:
             self.shards[rank] = shard
-        m = self._manifests[rank] = held_manifest(meta.job, meta.step, meta.rank, meta.world_size, meta.layout,
-                                                  meta.checksums, meta.chunk_bytes, meta.tree)
+            self._manifests[rank] = m
         return m
 
     def prefetch(self, ranks: Sequence[int]) -> None:
-        """Fetch the shards of ``ranks`` not asked for yet concurrently: each is a request to the daemon
-        (which may fetch from a peer first); ``manifest`` then answers from what came."""
-        todo = [r for r in ranks if r not in self._manifests and r not in self.refused]
-        if len(todo) < 2:
-            return
-        with ThreadPoolExecutor(min(len(todo), PREFETCH_THREADS), thread_name_prefix="ckptd-held-fetch") as pool:
-            list(pool.map(self.manifest, todo))      # (a refusal with ``required`` raises here, as it would later)
+        """Start fetching the shards of ``ranks`` not asked for yet, concurrently, and return: each is a
+        round trip to the daemon (which may fetch from a peer first) that the restore's own work (the
+        index, the plan) overlaps; ``manifest`` then waits for the one it needs."""
+        with self._lock:
+            todo = [r for r in dict.fromkeys(ranks)
+                    if r not in self._manifests and r not in self.refused and r not in self._pending]
+            if not todo:
+                return
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="ckptd-held-fetch")
+            for r in todo:
+                self._pending[r] = self._pool.submit(self._fetch, r)
 
     def read_chunk(self, rank: int, pos: int, meta: ChunkMeta, out: memoryview, stats: ReadStats | None) -> None:
         shard = self.shards[rank]
@@ -118,6 +138,9 @@ class DaemonShards(HeldShards):
             stats.add_chunk(n, shard.source)
 
     def close(self) -> None:
+        """Every fetch started is waited for (each bounded by its timeout), then every shard let go."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         with self._lock:
             shards, self.shards = list(self.shards.values()), {}
         for s in shards:

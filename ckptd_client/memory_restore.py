@@ -34,7 +34,7 @@ from ckptd.core.names import base_job, is_memory_job
 from ckptd.core.schema import TensorLayout
 from ckptd.core.tree import decode_tree
 
-from .connection import DaemonConnection
+from .connection import Exchange
 from .dtensor import is_dtensor, local_placement, local_tensor
 from .errors import CheckpointError, DaemonRefused, Unreachable
 from .held_map import HeldMap
@@ -112,28 +112,28 @@ def _read_all(held: HeldMap, reads: list[tuple[TensorLayout, torch.Tensor, tuple
 
 
 def fetch_held(socket_path: str, job: str, step: int, rank: int,
-           world_size: int) -> tuple[DaemonConnection, HeldMeta, int, str]:
-    """(connection, meta, memfd, source); the daemon keeps the shard pinned while the connection is open.
+               world_size: int) -> tuple[Exchange, HeldMeta, int, str]:
+    """(exchange, meta, memfd, source); the daemon keeps the shard pinned until the exchange is closed.
     ``job``: a job, or the job key of its memory-level steps (``names.memory_job``)."""
+    level = protocol.SaveLevel.MEMORY if is_memory_job(job) else protocol.SaveLevel.STORAGE
     try:
-        conn = DaemonConnection(socket_path, timeout=FETCH_TIMEOUT_S, connect_timeout=5.0)
+        x = Exchange(socket_path, protocol.MemoryFetch(base_job(job), rank, world_size, step, level.value),
+                     timeout=FETCH_TIMEOUT_S, connect_timeout=5.0)
     except Unreachable as e:
         raise MemoryUnavailable(str(e)) from None
-    fd = -1
+    except DaemonRefused as e:
+        raise MemoryUnavailable(e.reason[:500]) from None
+    except (CheckpointError, FormatError) as e:
+        raise MemoryUnavailable(f"memory fetch failed: {e}") from None
+    fd = x.reply["_fds"][0]
     try:
-        level = protocol.SaveLevel.MEMORY if is_memory_job(job) else protocol.SaveLevel.STORAGE
-        reply = conn.request(protocol.MemoryFetch(base_job(job), rank, world_size, step, level.value))
-        fd = reply["_fds"][0]
-        meta = HeldMeta.from_wire(reply)
+        meta = HeldMeta.from_wire(x.reply)
         if (meta.job, meta.step, meta.rank, meta.world_size) != (job, step, rank, world_size):
             raise MemoryUnavailable(f"the daemon answered with another shard ({meta.what})")
-        return conn, meta, fd, PEER if reply.get("source") == PEER else MEMORY
+        return x, meta, fd, PEER if x.reply.get("source") == PEER else MEMORY
     except BaseException as e:
-        if fd >= 0:
-            os.close(fd)
-        conn.close()
-        if isinstance(e, DaemonRefused):
-            raise MemoryUnavailable(e.reason[:500]) from None
+        os.close(fd)
+        x.close()
         if isinstance(e, (CheckpointError, FormatError)):
             raise MemoryUnavailable(f"memory fetch failed: {e}") from None
         raise

@@ -150,6 +150,12 @@ def _saved_rank(rule: PerRankRule, key: str, rank: int, saved: int, world: int) 
     return src
 
 
+def tree_source(rank: int, saved_world: int) -> int:
+    """The saved rank whose state tree (and plain-tensor copies) rank ``rank``'s non-per-rank entries
+    take: its own where the saved world had it, else rank 0's."""
+    return rank if rank < saved_world else 0
+
+
 def _restore_last(obj: Any) -> bool:
     """RNG state goes last, so nothing restored after it (a load that draws random numbers) moves it."""
     return isinstance(obj, RNGState) or getattr(obj, "ckptd_restore_last", False) is True
@@ -231,8 +237,7 @@ class _Restore:
         self.rank, self.world_size, self.threads, self.per_rank = rank, world_size, threads, per_rank
         self.saved = files.world_size
         self.changed = self.saved != world_size
-        # The saved rank whose tree (and plain-tensor copies) the state's non-per-rank entries take.
-        self.default_source = rank if rank < self.saved else 0
+        self.default_source = tree_source(rank, self.saved)
         self._partial: dict[tuple[Any, ...], bool] = {}
 
     def where(self) -> str:

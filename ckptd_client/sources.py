@@ -39,7 +39,7 @@ from .held_pieces import DaemonShards
 from .live_state import live_tensors
 from .memory_restore import MEMORY, PEER, MemoryUnavailable, restore_from_memory
 from .read_stats import ReadStats
-from .restore import PerRank, restore_state
+from .restore import PerRank, restore_state, tree_source
 from .restore_check import Outcome, listed
 
 STORAGE = "storage"
@@ -178,14 +178,15 @@ class DaemonMemory(Source):
         if saved is None:
             return Unavailable(self.name, f"step {step} of job {r.job!r} has no readable index under {r.root()}")
         stats = ReadStats()
-        with DaemonShards(r.socket_path, r.job, step, saved) as held:
-            # The saved ranks this rank's share of the tensors' first dimension came from (FSDP's
-            # Shard(0); at the same layout its own): fetched at once, in parallel (a fetch is a round
-            # trip to the daemon: 0.7 ms alone, ~4 ms with four ranks on 2 cores); the plan fetches any other.
-            first = r.rank * saved // r.world_size
-            held.prefetch(range(first, max(first + 1, (r.rank + 1) * saved // r.world_size)))
-            if held.manifest(first) is None:
-                return Unavailable(self.name, held.refused[first])
+        # The saved ranks this rank's share of the tensors' first dimension came from (FSDP's Shard(0);
+        # at the same layout its own), the first of which must be held, and the one whose state tree it
+        # takes: their fetches start now, in parallel, while the restore reads the index and plans (a
+        # fetch is a round trip to the daemon: 0.7 ms alone, ~4 ms with four ranks on 2 cores); the
+        # plan fetches any other.
+        first = r.rank * saved // r.world_size
+        with DaemonShards(r.socket_path, r.job, step, saved, must=(first,)) as held:
+            held.prefetch([tree_source(r.rank, saved), *range(first, max(first + 1, (r.rank + 1) * saved //
+                                                                          r.world_size))])
             try:
                 outcome = restore_state(path, state, rank=r.rank, world_size=r.world_size, threads=r.threads,
                                         per_rank=self.per_rank, strict=self.strict, stats=stats, held=held)
