@@ -16,6 +16,8 @@ import torch
 
 import ckptd_client
 from ckptd.core import protocol
+from ckptd_client.held_pieces import DaemonShards
+from ckptd_client.memory_restore import MemoryUnavailable
 
 from test_acceptance import assert_same_tensors, finish, kill_after_commit, launch
 
@@ -194,3 +196,40 @@ def test_budget_evicts_oldest_first_never_a_pinned_step(daemon_factory):
     assert ck.restore(target) == 5 and ck.last_restore.source == "memory" and ck.last_restore.step == 5
     assert_equal(states[5], target)
     ck.close()
+
+
+def test_held_shards_prefetched_and_the_own_rank_required(daemon):
+    """A sharded restore's fetches (held_pieces.DaemonShards) start at once and pin their shards until
+    it closes, which waits for every fetch it started; a saved rank the daemon cannot serve is left to
+    storage (None, the daemon's reason kept) unless it is one the restore must have from memory (its
+    own): then asking for it raises MemoryUnavailable with that reason."""
+    ck = ckptd_client.Checkpointer("pre", socket=str(daemon.socket), num_slots=1)
+    state = state_of(3)
+    ck.save(1, state).wait(60)
+    ck.close()
+
+    def pins() -> list[int]:
+        return [r["pinned"] for h in status(daemon.socket)["memory"]["held"] if h["job"] == "pre"
+                for r in h["ranks"].values()]
+    with DaemonShards(str(daemon.socket), "pre", 1, 1, must=(0,)) as held:
+        held.prefetch([0, 0])
+        m = held.manifest(0)
+        assert m is not None and pins() == [1]
+        w = next(e for e in m.tensors if e.name == "w")
+        got = bytearray(w.nbytes)
+        at = 0
+        for pos, _, meta in w.chunk_spans():
+            held.read_chunk(0, pos, meta, memoryview(got)[at:at + meta.raw_len], None)
+            at += meta.raw_len
+        assert bytes(got) == state["w"].numpy().tobytes()
+    assert pins() == [0]
+    with DaemonShards(str(daemon.socket), "pre", 1, 1) as unasked:
+        unasked.prefetch([0])         # closed at once: the fetch is waited for, then let go
+    assert pins() == [0] and unasked.shards == {}
+    with DaemonShards(str(daemon.socket), "pre", 7, 1) as held:       # step 7 was never committed
+        held.prefetch([0])
+        assert held.manifest(0) is None and "not committed" in held.refused[0]
+    with DaemonShards(str(daemon.socket), "pre", 7, 1, must=(0,)) as held:
+        held.prefetch([0])
+        with pytest.raises(MemoryUnavailable, match="not committed"):
+            held.manifest(0)
