@@ -29,13 +29,13 @@ class StepFiles:
     naming the file (and the tensor, where one is concerned). Close it (or use ``with``)."""
 
     def __init__(self, step_path: str, stats: ReadStats | None = None, read_at: ReadAt = storage.read_at,
-                 held: HeldShards | None = None) -> None:
+                 held: HeldShards | None = None, reader: StepReader | None = None) -> None:
         self.stats = stats
         self.read_at = read_at
         self.held = held
         self.held_ranks: set[int] = set()
-        try:
-            self.reader = StepReader(step_path)
+        try:                # (``reader``: the step's index already read, by the caller)
+            self.reader = reader if reader is not None else StepReader(step_path)
         except (FormatError, OSError) as e:
             raise CheckpointError(f"cannot restore from {step_path}: {e}") from None
         self.path = self.reader.path

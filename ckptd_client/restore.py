@@ -38,6 +38,7 @@ import torch
 from ckptd.core import storage
 from ckptd.core.errors import ChecksumError, FormatError
 from ckptd.core.global_index import LOCAL, GlobalTensor
+from ckptd.core.reader import StepReader
 from ckptd.core.regions import Region
 from ckptd.core.schema import Manifest
 from ckptd.core.tree import decode_tree
@@ -165,12 +166,14 @@ def _restore_last(obj: Any) -> bool:
 
 def restore_state(step_path: str, state: dict[str, Any], *, rank: int, world_size: int, threads: int,
                   per_rank: PerRank = None, strict: bool = True, stats: ReadStats | None = None,
-                  read_at: ReadAt = storage.read_at, held: HeldShards | None = None) -> Outcome:
+                  read_at: ReadAt = storage.read_at, held: HeldShards | None = None,
+                  reader: StepReader | None = None) -> Outcome:
     """Load committed step ``step_path`` into ``state`` in place, as rank ``rank`` of ``world_size``
     (see the module docstring and ``Checkpointer.restore``); every name, dtype and shape is checked
     first (restore_check.py). ``stats``/``read_at``: as for ``load_tensor``; ``held``: saved ranks
-    read from a daemon's memory instead of their files (held_pieces.py). Raises CheckpointError
-    (ValueError for a malformed ``per_rank``)."""
+    read from a daemon's memory instead of their files (held_pieces.py); ``reader``: the step's
+    index as the caller already read it. Raises CheckpointError (ValueError for a malformed
+    ``per_rank``)."""
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict of names to values, got {type(state).__name__}")
     if isinstance(per_rank, Mapping):
@@ -178,7 +181,7 @@ def restore_state(step_path: str, state: dict[str, Any], *, rank: int, world_siz
             _check_rule(str(key), rule)
     elif per_rank is not None:
         _check_rule("*", per_rank)
-    with StepFiles(step_path, stats, read_at, held) as files:
+    with StepFiles(step_path, stats, read_at, held, reader) as files:
         if files.tensors is None:
             files.held = None                # (a format-1 step is read from its files only)
             return _restore_v1(files, state, rank, world_size, threads, strict)
