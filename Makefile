@@ -67,10 +67,13 @@ bench-sharded: $(VENV)/.installed-bench
 bench-s3: $(VENV)/.installed-bench
 	flock /tmp/ckptd-bench.lock $(PY) benchmarks/s3_bench.py
 
-# Restore of a 1 GiB shard from the daemon's memory tier vs storage vs DCP load vs a plain memcpy;
-# writes benchmarks/results/memory_restore.md and .json.
+# Restore of a 1 GiB shard from the daemon's memory tier vs storage vs DCP load vs a plain memcpy
+# (benchmarks/results/memory_restore.md), then FSDP2 on 4 ranks over two peer daemons: restore from
+# memory at the same layout, and resharded 4 -> 2 on node A after node B is lost, vs ckptd's storage
+# restore and DCP load (benchmarks/results/sharded_peers.md).
 bench-memory: $(VENV)/.installed-bench
 	$(PY) benchmarks/memory_restore_bench.py
+	$(PY) benchmarks/sharded_bench.py --peers
 
 # Time to a protected checkpoint: save(level="memory") (held + replicated to a peer daemon) vs a storage
 # save vs DCP async_save, 2 ranks on 2 loopback "nodes"; writes benchmarks/results/memory_level.md and .json.

@@ -22,7 +22,14 @@ after ``--warmup`` rounds that are not counted), each save in an episode of its 
   into the dicts, each followed by
   ``set_state_dict``; the slowest rank's time. Every restore is checked bit-exact (local shards
   at the same world size; full tensors, gathered, at another).
-Results: benchmarks/results/sharded.md and sharded.json (``--out`` to change).
+
+``--peers`` (``make bench-memory``): two daemons instead of one, each a node of ``--ranks`` / 2
+ranks, peers of each other keeping K = 1 copy of the other's shards in memory. Before the
+resharding restores, node B's daemon is SIGKILLed: the ``--reshard-ranks`` ranks run on node A
+alone and its memory serves B's shards from the copies B sent it (issue 20's node loss).
+
+Results: benchmarks/results/sharded.md and sharded.json (``sharded_peers`` with ``--peers``;
+``--out`` to change).
 """
 from __future__ import annotations
 
@@ -188,7 +195,7 @@ class Savers:
 
         import ckptd_client
         self.spec, self.tr, self.state = spec, tr, state
-        self.ck = ckptd_client.Checkpointer(JOB, socket=spec["socket"], root=spec["root"])
+        self.ck = ckptd_client.Checkpointer(JOB, socket=my_socket(spec), root=spec["root"])
         self.ck.prepare(state)
         self.dcp_group = torch.distributed.new_group(backend="gloo")
         self.stagers = {
@@ -335,9 +342,9 @@ def drop_cache(directory: Path) -> None:
 def restore_rounds(spec: dict[str, Any], model: torch.nn.Module, opt: torch.optim.AdamW, state: dict[str, Any],
                    steps: dict[str, int], digests: dict[str, dict[str, str]], reshard: bool) -> dict[str, Any]:
     import ckptd_client
-    cks = {"ckptd": ckptd_client.Checkpointer(JOB, socket=spec["socket"], root=spec["root"], memory=False,
+    cks = {"ckptd": ckptd_client.Checkpointer(JOB, socket=my_socket(spec), root=spec["root"], memory=False,
                                               prepare=False),
-           "ckptd-memory": ckptd_client.Checkpointer(JOB, socket=spec["socket"], prepare=False), "dcp": None,
+           "ckptd-memory": ckptd_client.Checkpointer(JOB, socket=my_socket(spec), prepare=False), "dcp": None,
            "dcp-cold": None}
     times: dict[str, list[float]] = {m: [] for m in (*RESTORE_METHODS, "memcpy")}
     calls: dict[str, list[float]] = {m: [] for m in RESTORE_METHODS}
@@ -410,6 +417,11 @@ def say(spec: dict[str, Any], msg: str) -> None:
         print(f"    [{spec['phase']} x{torch.distributed.get_world_size()}] {msg}", flush=True)
 
 
+def my_socket(spec: dict[str, Any]) -> str:
+    """This rank's node's daemon: ranks are laid out node by node, ``node_size`` to a node."""
+    return str(spec["sockets"][torch.distributed.get_rank() // spec["node_size"]])
+
+
 def rank_main(spec: dict[str, Any]) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -465,7 +477,7 @@ def run_ranks(world: int, spec: dict[str, Any], base: Path, timeout: float) -> d
     path.write_text(json.dumps(spec))
     procs = [subprocess.Popen([sys.executable, str(HERE), "--rank-worker", str(path)],
                               env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
-                                   "LOCAL_WORLD_SIZE": str(world)})        # as torchrun sets them
+                                   "LOCAL_WORLD_SIZE": str(spec["node_size"])})     # as torchrun sets them
              for r in range(world)]
     deadline = time.monotonic() + timeout
     try:
@@ -631,16 +643,56 @@ def to_markdown(res: dict[str, Any]) -> str:
         "- Restore from memory: the daemon holds the newest committed step's shards (its memory tier); each rank"
         " reads (`preadv`) the held shards it needs (its own at the same layout; every saved rank whose pieces"
         " it needs after a reshard) and copies their regions, checksummed, into the live shards: no file read,"
-        " no decode. One"
-        " daemon stands for every node here, so a reshard reads shards the daemon holds itself, as node A does"
-        " for node B's replicas after B is lost (tests/test_sharded_memory.py); a copy fetched from a peer at"
-        " restore time adds a loopback transfer. Against the floor (a plain copy of the local shards) the restore"
+        " no decode. " + (
+            f"Two daemons stand for two nodes ({cfg['ranks'] // 2} ranks each, one shared root), peers of each other"
+            " keeping K = 1 copy of the other's held shards (sent after each commit, authenticated). Before the"
+            " resharding restores node B's daemon is SIGKILLed: the ranks run on node A alone, which serves B's"
+            " shards from the copies B sent it (issue 20's node loss; ckptd's saves here include that replication)."
+            if cfg.get("peers") else
+            "One daemon stands for every node here, so a reshard reads shards the daemon holds itself, as node A"
+            " does for node B's replicas after B is lost (`--peers` runs that: results/sharded_peers.md); a copy"
+            " fetched from a peer at restore time adds a loopback transfer.") +
+        " Against the floor (a plain copy of the local shards) the restore"
         " call is compared, without the `set_state_dict` every method is followed by.",
         "- The ranks are processes on one machine sharing its cores (and the daemon shares them too); the machine"
         " is shared with other work, so compare rows of one run, not figures across runs.",
         "",
     ]
     return "\n".join(lines)
+
+
+def spawn_nodes(base: Path, extra: list[str], peers: bool) -> list[Any]:
+    """One daemon; with ``peers`` two (nodes A and B, one shared root) that keep a copy of each other's
+    held shards (K = 1, authenticated with a shared secret)."""
+    if not peers:
+        return [spawn_daemon(base / "root", base / "d.sock", *extra, log=base / "daemon.log")]
+    addrs = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    secret = base / "peer-secret"
+    secret.write_text("sharded-bench-" + os.urandom(16).hex())
+    secret.chmod(0o600)
+    daemons = []
+    for name, addr in zip("ab", addrs, strict=True):
+        args = ["--peer-listen", addr, "--peer-secret-file", str(secret), "--peer-replicas", "1",
+                *[x for a in addrs for x in ("--peer", a)]]
+        daemons.append(spawn_daemon(base / "root", base / f"{name}.sock", *extra, *args, log=base / f"{name}.log"))
+    return daemons
+
+
+def wait_held(sock: Path, step: int, ranks: int, timeout: float = 120.0) -> None:
+    """Until the daemon at ``sock`` holds every one of ``ranks`` saved ranks of ``step`` (its own and the
+    copies its peer sent): RuntimeError after ``timeout``."""
+    from ckptd.core import protocol
+    deadline = time.monotonic() + timeout
+    while True:
+        held = protocol.request_once(str(sock), {"op": "status"})["memory"]["held"]
+        have = {int(r) for h in held if h["job"] == JOB and h["step"] == step and h["level"] == "storage"
+                for r in h["ranks"]}
+        if have >= set(range(ranks)):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"node A holds ranks {sorted(have)} of step {step} after {timeout:.0f} s, "
+                               f"not all {ranks}")
+        time.sleep(0.1)
 
 
 def main() -> int:
@@ -655,7 +707,10 @@ def main() -> int:
     p.add_argument("--train-while-writing", type=int, default=4, help="training steps at most while a save is written")
     p.add_argument("--daemon-threads", type=int, default=None)
     p.add_argument("--dir", type=Path, default=None, help="where checkpoints are written (default: a temp dir)")
-    p.add_argument("--out", type=Path, default=RESULTS / "sharded", help="results path without extension")
+    p.add_argument("--peers", action="store_true",
+                   help="two daemons (nodes) keeping a copy of each other's shards; node B lost before the reshard")
+    p.add_argument("--out", type=Path, default=None,
+                   help="results path without extension (default: results/sharded, or sharded_peers with --peers)")
     p.add_argument("--timeout", type=float, default=1500)
     p.add_argument("--profile", action="store_true",
                    help="cProfile rank 0's ckptd restore calls (<out>-profile-<method>-<layout>.txt)")
@@ -674,23 +729,36 @@ def main() -> int:
                                       if k != "rank_worker"}}
     print(f"sharded benchmark in {base}: {res['machine']['cpu']}, {res['machine']['cores_available']} cores, "
           f"load {res['machine']['loadavg_at_start'][0]:.2f}", flush=True)
+    a.out = a.out or RESULTS / ("sharded_peers" if a.peers else "sharded")
     extra = ["--keep-last", "2"] + (["--threads", str(a.daemon_threads)] if a.daemon_threads else [])
-    daemon = spawn_daemon(base / "root", base / "d.sock", *extra, log=base / "daemon.log")
-    res["shared_memory"] = daemon_shared_memory(daemon.socket)
+    if a.peers and (a.ranks % 2 or a.reshard_ranks > a.ranks // 2):
+        p.error("--peers needs an even --ranks and --reshard-ranks at most half of it (node A alone)")
+    daemons = spawn_nodes(base, extra, a.peers)
+    res["shared_memory"] = daemon_shared_memory(daemons[0].socket)
     spec: dict[str, Any] = {"dim": a.dim, "layers": a.layers, "rounds": a.rounds, "warmup": a.warmup,
-                            "train_while_writing": a.train_while_writing, "socket": str(daemon.socket),
-                            "root": str(daemon.root), "dcp_dir": str(base / "dcp"),
+                            "train_while_writing": a.train_while_writing,
+                            "sockets": [str(d.socket) for d in daemons], "node_size": a.ranks // len(daemons),
+                            "root": str(daemons[0].root), "dcp_dir": str(base / "dcp"),
                             "ckptd_reshard_kwargs": {}, "profile": a.profile, "out": str(a.out)}
     (base / "dcp").mkdir()
     try:
         print(f"  {a.ranks} ranks: save rounds, then restore rounds at the same world size …", flush=True)
         res["save"] = run_ranks(a.ranks, {**spec, "phase": "save"}, base, a.timeout)
-        res["daemon_peak_rss_bytes"] = daemon.peak_rss()
+        res["daemon_peak_rss_bytes"] = max((d.peak_rss() or 0 for d in daemons), default=0) or None
+        if a.peers:         # node B lost: its shards of the step are the copies node A holds
+            step = res["save"]["steps"]["ckptd"]
+            wait_held(daemons[0].socket, step, a.ranks)
+            daemons[1].proc.kill()
+            daemons[1].proc.wait()
+            print(f"  node B's daemon SIGKILLed; node A holds all {a.ranks} ranks of step {step}", flush=True)
         print(f"  {a.reshard_ranks} ranks: resharding restore rounds …", flush=True)
         res["reshard"] = run_ranks(a.reshard_ranks, {**spec, "phase": "reshard", "steps": res["save"]["steps"],
-                                                     "digests": res["save"]["digests"]}, base, a.timeout)
+                                                     "digests": res["save"]["digests"],
+                                                     "sockets": spec["sockets"][:1], "node_size": a.reshard_ranks},
+                                   base, a.timeout)
     finally:
-        daemon.stop()
+        for d in daemons:
+            d.stop()
         shutil.rmtree(base, ignore_errors=True)
     res["wall_s"] = time.time() - t_start
     res["summary"] = summarize(res)
