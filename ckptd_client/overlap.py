@@ -1,6 +1,8 @@
 """Copies that outlive ``save()``: the copy thread, CUDA side streams, optimizer fences."""
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +47,13 @@ def _hand_off(copy: SlotCopy, send: Callable[[], object], failed: Callable[[Base
         failed(e)
 
 
+def _batch() -> None:
+    """(The copy thread, once) scheduled as batch work: woken by ``save()``, it does not preempt the
+    trainer's thread that woke it (SCHED_BATCH: no wakeup preemption), which then returns first."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+
+
 class OverlapCopies:
     """What a Checkpointer keeps across overlapped saves. At most one copy is unfenced at a
     time: the next save, a restore, close, or an optimizer's step pre-hook calls ``fence``
@@ -60,7 +69,7 @@ class OverlapCopies:
     def pool(self) -> ThreadPoolExecutor:
         """The copy thread: background CPU copies and the hand-offs that wait for them."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-client-copy")
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-client-copy", initializer=_batch)
         return self._pool
 
     @staticmethod
