@@ -70,10 +70,15 @@ bench-s3: $(VENV)/.installed-bench
 # Restore of a 1 GiB shard from the daemon's memory tier vs storage vs DCP load vs a plain memcpy
 # (benchmarks/results/memory_restore.md), then FSDP2 on 4 ranks over two peer daemons: restore from
 # memory at the same layout, and resharded 4 -> 2 on node A after node B is lost, vs ckptd's storage
-# restore and DCP load (benchmarks/results/sharded_peers.md).
+# restore and DCP load, at 30 MiB a rank (benchmarks/results/sharded_peers.md) and at 192 MiB a rank
+# (sharded_peers_192mib.md). SHM_DIR=/dir (a tmpfs mounted huge=within_size, docs/operations.md): the
+# daemons' memory.shm_dir for the sharded runs, results written as *_shm.md.
+SHM_DIR ?=
 bench-memory: $(VENV)/.installed-bench
 	$(PY) benchmarks/memory_restore_bench.py
-	$(PY) benchmarks/sharded_bench.py --peers
+	$(PY) benchmarks/sharded_bench.py --peers $(if $(SHM_DIR),--shm-dir $(SHM_DIR) --out benchmarks/results/sharded_peers_shm)
+	$(PY) benchmarks/sharded_bench.py --peers --dim 2048 --layers 16 \
+		$(if $(SHM_DIR),--shm-dir $(SHM_DIR)) --out benchmarks/results/sharded_peers_192mib$(if $(SHM_DIR),_shm)
 
 # Time to a protected checkpoint: save(level="memory") (held + replicated to a peer daemon) vs a storage
 # save vs DCP async_save, 2 ranks on 2 loopback "nodes"; writes benchmarks/results/memory_level.md and .json.

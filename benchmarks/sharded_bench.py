@@ -367,21 +367,24 @@ def restore_rounds(spec: dict[str, Any], model: torch.nn.Module, opt: torch.opti
             say(spec, f"restore{' (reshard)' if reshard else ''} round {r}: {m} {took:.3f} s, bit-exact {ok}")
         if not reshard and r >= spec["warmup"]:
             times["memcpy"].append(copy_shard(state))
-            times.setdefault("memfd", []).append(read_memfd(state))
+            times.setdefault("memfd", []).append(read_memfd(state, spec.get("shm_dir")))
     for ck in cks.values():
         if ck is not None:
             ck.close()
     return {"times": times, "calls": calls, "bit_exact": exact}
 
 
-def read_memfd(state: dict[str, Any]) -> float:
-    """The floor of reading shared memory: this rank's local shards read (``preadv``) from a memfd
-    holding their bytes into the live tensors — a daemon's slot is a memfd, and its 4 KiB pages
-    cost the kernel more per byte than a copy between two resident buffers (the slowest rank's)."""
+def read_memfd(state: dict[str, Any], shm_dir: str | None = None) -> float:
+    """The floor of reading shared memory: this rank's local shards read (``preadv``) into the live
+    tensors from shared memory like the daemon's — a memfd, or an unnamed file in ``shm_dir`` (its
+    ``memory.shm_dir``, a huge-page tmpfs) — whose pages (4 KiB in a memfd unless the node's
+    ``shmem_enabled`` allows huge ones) cost the kernel more per byte than a copy between two resident
+    buffers (the slowest rank's)."""
     tensors = [t for _, t in local_tensors(state)]
     views = [memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()) for t in tensors]  # type: ignore[arg-type]
-    fd = os.memfd_create("ckptd-bench-floor")
+    fd = os.open(shm_dir, os.O_RDWR | os.O_TMPFILE, 0o600) if shm_dir else os.memfd_create("ckptd-bench-floor")
     try:
+        os.ftruncate(fd, sum(len(v) for v in views))      # within_size: huge pages only inside the file's size
         pos = 0
         for v in views:
             os.pwrite(fd, v, pos)
@@ -549,6 +552,7 @@ def verdict(x: float, target: float) -> str:
 
 def to_markdown(res: dict[str, Any]) -> str:
     m, cfg, s = res["machine"], res["config"], res["summary"]
+    shm = f"a file in {cfg['shm_dir']}" if cfg.get("shm_dir") else "a memfd"
     sv, rs, rr, ra = s["save"], s["restore_same"], s["restore_reshard"], s["ratios"]
     mib = res["save"]["raw_bytes"] / 2**20
     lines = [
@@ -592,7 +596,8 @@ def to_markdown(res: dict[str, Any]) -> str:
              verdict(ra["restore_reshard_vs_dcp"], TARGET_RESTORE_RESHARD)],
             [f"restore from memory p50, same layout, ÷ DCP load (its restore call ÷ copying the shard: "
              f"{fmt(ra['memory_same_vs_memcpy'], 2, '×')}, target ≤ {TARGET_MEMORY_VS_MEMCPY}×: "
-             f"{verdict(ra['memory_same_vs_memcpy'], TARGET_MEMORY_VS_MEMCPY)}; ÷ reading the shard from a memfd: "
+             f"{verdict(ra['memory_same_vs_memcpy'], TARGET_MEMORY_VS_MEMCPY)}; ÷ reading the shard from shared "
+             "memory like the daemon's: "
              f"{fmt(ra['memory_same_vs_memfd'], 2, '×')})",
              fmt(ra["memory_same_vs_dcp"], 3, "×"), "—", ""],
             [f"restore from memory p50, resharding {cfg['ranks']} → {cfg['reshard_ranks']} ranks",
@@ -626,7 +631,8 @@ def to_markdown(res: dict[str, Any]) -> str:
                 rr[k]["bit_exact"]] for k in RESTORE_METHODS]
               + [["copying each rank's local shards from resident memory (torch copy_, the floor)", "",
                   fmt(s["memcpy_p50"], 4, " s"), "", "", "", "", "", ""],
-                 ["reading each rank's local shards from a memfd (preadv, the floor for shared memory)", "",
+                 [f"reading each rank's local shards from {shm} (preadv, the floor for the daemon's shared memory)",
+                  "",
                   fmt(s["memfd_p50"], 4, " s"), "", "", "", "", "", ""]]),
         "",
         "## Notes",
@@ -712,6 +718,9 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=None,
                    help="results path without extension (default: results/sharded, or sharded_peers with --peers)")
     p.add_argument("--timeout", type=float, default=1500)
+    p.add_argument("--shm-dir", default=None,
+                   help="the daemons' memory.shm_dir (a tmpfs directory, e.g. mounted huge=within_size: "
+                        "docs/operations.md); the shared-memory floor is read from a file there too")
     p.add_argument("--profile", action="store_true",
                    help="cProfile rank 0's ckptd restore calls (<out>-profile-<method>-<layout>.txt)")
     p.add_argument("--rank-worker", help=argparse.SUPPRESS)
@@ -730,7 +739,8 @@ def main() -> int:
     print(f"sharded benchmark in {base}: {res['machine']['cpu']}, {res['machine']['cores_available']} cores, "
           f"load {res['machine']['loadavg_at_start'][0]:.2f}", flush=True)
     a.out = a.out or RESULTS / ("sharded_peers" if a.peers else "sharded")
-    extra = ["--keep-last", "2"] + (["--threads", str(a.daemon_threads)] if a.daemon_threads else [])
+    extra = ["--keep-last", "2"] + (["--threads", str(a.daemon_threads)] if a.daemon_threads else []) \
+        + (["--shm-dir", a.shm_dir] if a.shm_dir else [])
     if a.peers and (a.ranks % 2 or a.reshard_ranks > a.ranks // 2):
         p.error("--peers needs an even --ranks and --reshard-ranks at most half of it (node A alone)")
     daemons = spawn_nodes(base, extra, a.peers)
@@ -739,7 +749,8 @@ def main() -> int:
                             "train_while_writing": a.train_while_writing,
                             "sockets": [str(d.socket) for d in daemons], "node_size": a.ranks // len(daemons),
                             "root": str(daemons[0].root), "dcp_dir": str(base / "dcp"),
-                            "ckptd_reshard_kwargs": {}, "profile": a.profile, "out": str(a.out)}
+                            "ckptd_reshard_kwargs": {}, "profile": a.profile, "out": str(a.out),
+                            "shm_dir": a.shm_dir}
     (base / "dcp").mkdir()
     try:
         print(f"  {a.ranks} ranks: save rounds, then restore rounds at the same world size …", flush=True)
