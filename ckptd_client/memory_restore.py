@@ -173,13 +173,13 @@ def _check(meta: HeldMeta, layout: dict[str, tuple[TensorLayout, Any]], state: d
         if t is None:      # (a replica another rank wrote: a sharded restore reads it from that rank's shard)
             raise MemoryUnavailable(f"tensor {name!r} of the held state tree is not in its layout", pieces=True)
         target = live.get(name)
-        if t.placement is not None and tuple(t.placement.global_shape) != tuple(t.shape):
+        if is_dtensor(target):        # its local shard must be exactly the held piece (a 1-rank mesh's: all of it)
             local = _same_piece(target, t)
             if local is None:
-                raise MemoryUnavailable(f"tensor {name!r} is held as a piece of a sharded tensor", pieces=True)
+                raise MemoryUnavailable(f"tensor {name!r}: the held piece is not this rank's local shard", pieces=True)
             in_place[name] = local
-        elif is_dtensor(target):
-            raise MemoryUnavailable(f"tensor {name!r} is a DTensor, held whole", pieces=True)
+        elif t.placement is not None and tuple(t.placement.global_shape) != tuple(t.shape):
+            raise MemoryUnavailable(f"tensor {name!r} is held as a piece of a sharded tensor", pieces=True)
     if any(is_dtensor(v) for path, v in live.items() if path not in in_place):
         raise MemoryUnavailable("a DTensor of the state is not a held piece of this rank", pieces=True)
 

@@ -144,3 +144,26 @@ def test_same_layout_held_shard_read_whole_into_dtensors(daemon_factory: Any, tm
             want, got = load(out / f"saved.rank{rank}.pt"), load(out / f"{spelling}.rank{rank}.pt")
             assert got["placements"] == want["placements"], f"rank {rank}: the layout changed"
             assert_bit_identical(got["local"], want["local"], f"{spelling} rank {rank} local shard")
+
+
+def test_one_rank_mesh_held_shard_read_whole(daemon_factory: Any, tmp: Path) -> None:
+    """FSDP2 on a 1-rank mesh (a single-GPU run of an FSDP2 script): every DTensor's local shard is
+    the whole tensor, held as the whole tensor. It is read in place like any held piece
+    (``RestoreInfo.whole``) from memory, data files deleted, bit-identical — not refused and then
+    fetched and planned again as pieces."""
+    daemon = daemon_factory(name="n0")
+    out = tmp / "out"
+    out.mkdir()
+    saved = st.run_group(1, "save", "--layout", "fsdp", "--job", "one", "--socket", str(daemon.socket),
+                         "--out", str(out), "--steps", str(SAVED_STEP))
+    assert f"COMMITTED {SAVED_STEP}" in saved[0], saved[0]
+    wait_for(lambda: any(s["step"] == SAVED_STEP and s["committed"] and s["job"] == "one-dicts"
+                         for s in held_steps(daemon.socket)), "step held")
+    assert remove_data_files(daemon.root, "one-dicts") == 1
+    (o,) = st.run_group(1, "restore", "--layout", "fsdp", "--spelling", "dicts", "--job", "one-dicts",
+                        "--socket", str(daemon.socket), "--out", str(out), "--tag", "dicts")
+    assert restore_info(o)[0] == "memory" and restore_info(o)[3] == 0, o
+    assert st.lines(o, "RESTORE-WHOLE") == [["True"]], o
+    want, got = load(out / "saved.rank0.pt"), load(out / "dicts.rank0.pt")
+    assert got["placements"] == want["placements"]
+    assert_bit_identical(got["local"], want["local"], "1-rank FSDP2 parameters and AdamW state")
