@@ -112,9 +112,10 @@ def test_corrupt_memory_is_detected_and_storage_used(daemon, num_slots):
 
 def test_many_tensors_on_several_threads_exact_and_a_bad_one_named(daemon):
     """Restore threads take the reads from one shared list: 64 tensors on 3 threads come back exact,
-    and a byte flipped in the 41st fails its checksum, named, whichever thread read it (storage serves)."""
+    and a byte flipped in the 41st fails its checksum, named, whichever thread read it (storage serves).
+    (Each tensor over 256 KiB: smaller reads run on one thread, memory_restore.SMALL_READS.)"""
     ck = ckptd_client.Checkpointer("many", socket=str(daemon.socket), num_slots=1, restore_threads=3)
-    state = {f"t{i}": torch.full((16384 + i,), float(i + 1)) for i in range(64)}
+    state = {f"t{i}": torch.full((65536 + i + 1,), float(i + 1)) for i in range(64)}
     ck.save(1, state).wait(60)
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     assert ck.restore(target) == 1 and ck.last_restore.source == "memory"
