@@ -202,7 +202,8 @@ class Exchange:
     memfds in ``reply["_fds"]``, the caller's to close). No reader thread is started and joined: with
     four ranks fetching held shards at once on a 2-core VM that was ~0.5 ms of each fetch's 2.4 ms.
     The connection stays open until ``close`` (or the ``with`` block's end): a ``memory_fetch``'s
-    shard stays pinned meanwhile. Events the daemon sends before the reply are dropped. Raises as
+    shard stays pinned meanwhile. Events the daemon sends before the reply are dropped; a fatal error
+    (a protocol error, req 0) is ConnectionLost with its reason, as for a ``DaemonConnection``. Raises as
     ``DaemonConnection.request`` does (Unreachable when no daemon listens); every wait ends by
     ``timeout``."""
 
@@ -242,6 +243,9 @@ class Exchange:
                                          "daemon closed the connection")
                 if reply.get("op") in ("ok", "error") and reply.get("req") == 1:
                     break
+                if reply.get("op") == "error" and reply.get("fatal"):   # the daemon ends the connection: say why
+                    raise ConnectionLost(f"connection to ckptd at {socket_path} lost before it answered {op}: "
+                                         f"daemon error: {reply.get('reason')}")
             if reply["op"] == "ok" and op in FD_OPS:
                 try:
                     reply["_fds"] = rx.take_fds(reply_fds(op, reply))

@@ -72,6 +72,15 @@ def test_the_reply_comes_after_events_with_its_memfd(server: Callable[[Serve], s
     os.close(fd)
 
 
+def test_a_fatal_error_for_no_request_ends_it_with_the_reason(server: Callable[[Serve], str]) -> None:
+    """The daemon's answer to a frame it could not parse (req 0, fatal) and its close: ConnectionLost
+    naming the daemon's reason, not just "closed"."""
+    path = server(lambda conn, msg: send_frame(conn, {"op": "error", "req": 0, "code": "refused", "fatal": True,
+                                                      "reason": "protocol error: bad frame"}))
+    with pytest.raises(ConnectionLost, match="daemon error: protocol error: bad frame"):
+        ask(path, protocol.Info(), timeout=10)
+
+
 def test_an_error_reply_raises_its_code_and_reason(server: Callable[[Serve], str]) -> None:
     path = server(lambda conn, msg: send_frame(conn, {"op": "error", "req": 1, "code": "refused",
                                                       "reason": "not in memory here"}))
