@@ -25,6 +25,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from ckptd.core.errors import FormatError
@@ -208,18 +209,13 @@ class _Index:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._reader: StepReader | None = None
-        self._read = False
 
-    @property
+    @cached_property
     def reader(self) -> StepReader | None:
-        if not self._read:
-            self._read = True
-            try:
-                self._reader = StepReader(self.path)
-            except (FormatError, OSError):
-                self._reader = None
-        return self._reader
+        try:
+            return StepReader(self.path)
+        except (FormatError, OSError):
+            return None
 
     @property
     def world(self) -> int | None:
