@@ -48,6 +48,7 @@ from .dtensor import is_dtensor, local_region, local_tensor, sharded_model_of
 from .errors import CheckpointError
 from .live_state import fqn_keyed, live_tensors, rekey_by_position, tree_items
 from .load_files import ReadAt, StepFiles
+from .model_load import load_model
 from .read_stats import HeldShards, ReadStats
 from .reshard import DTYPES, Need, decodable_into, read_needs, tensor_bytes
 from .restore_check import Check, Outcome, check_plain, saved_leaves
@@ -207,10 +208,12 @@ def _restore_v1(files: StepFiles, state: dict[str, Any], rank: int, world_size: 
 
 
 def apply_loaded(state: dict[str, Any], loaded: dict[Any, Any], model: torch.nn.Module | None,
-                 strict: bool = True) -> None:
+                 strict: bool = True, live_model: Mapping[str, Any] | None = None) -> None:
     """Apply ``loaded``'s top-level entries to ``state``; RNG state last; FQN-keyed objects through
-    torch's ``set_*_state_dict`` when ``model`` is set. ``strict``: as ``restore``'s, for modules.
-    (Shared by the storage and memory restores, after restore_check found nothing wrong.)"""
+    torch's ``set_*_state_dict`` when ``model`` is set (the model's skipped when the restore read
+    into ``live_model``, its ``get_model_state_dict``, in place: model_load.py). ``strict``: as
+    ``restore``'s, for modules. (Shared by the storage and memory restores, after restore_check
+    found nothing wrong.)"""
     later = [k for k in loaded if k in state and _restore_last(state[k])]
     for k in [k for k in loaded if k not in later] + later:
         v = loaded[k]
@@ -220,8 +223,7 @@ def apply_loaded(state: dict[str, Any], loaded: dict[Any, Any], model: torch.nn.
         target = state[k]
         try:
             if model is not None and target is model:
-                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-                set_model_state_dict(model, v, options=StateDictOptions(strict=strict))
+                load_model(model, v, live_model, strict)
             elif model is not None and isinstance(target, torch.optim.Optimizer):
                 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
                 set_optimizer_state_dict(model, target, v)
@@ -342,7 +344,8 @@ class _Restore:
             except (FormatError, KeyError) as e:
                 raise CheckpointError(f"{self.where()}: bad state tree under {str(k)!r} in rank {src}'s "
                                       f"manifest: {e}") from None
-        apply_loaded(self.state, loaded, model, self.strict)
+        live_model = next((live_values[k] for k in subtrees if self.state[k] is model), None)
+        apply_loaded(self.state, loaded, model, self.strict, live_model)
         return outcome
 
     def need(self, path: str, name: str, src: int, live: torch.Tensor | None,

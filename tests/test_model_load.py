@@ -1,0 +1,132 @@
+"""The model's ``set_model_state_dict`` at the end of a restore is skipped when the restore wrote every
+tensor of ``get_model_state_dict`` in place (ckptd_client/model_load.py), and still made when a module
+loads in a way of its own. Two real gloo ranks, FSDP2 with uneven shards and a persistent buffer, a
+fresh model and fresh AdamW restored from storage and from the daemon's memory: bit-exact either way;
+a load hook of the user's still runs; a BatchNorm module or a value that is not the live tensor is
+never skipped."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import sharded_trainer as st
+
+WORKER = r'''
+import os, sys
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as tsd
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+import ckptd_client
+from ckptd_client.model_load import loaded_in_place
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+                        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+calls = []
+real_set = tsd.set_model_state_dict
+
+
+def counted(*args, **kwargs):         # torch's own, counted
+    calls.append(1)
+    return real_set(*args, **kwargs)
+
+
+tsd.set_model_state_dict = counted
+
+
+def build(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 5))     # 5 rows: uneven shards
+    model[0].register_buffer("seen", torch.full((3,), float(seed)))
+    for m in model:
+        fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def snap(model, opt):
+    out = {}
+
+    def walk(x, path):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, f"{path}/{k}")
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(v, f"{path}/{i}")
+        elif isinstance(x, torch.Tensor):
+            local = x.to_local() if isinstance(x, DTensor) else x
+            out[path] = (local.dtype, tuple(local.shape), local.detach().clone())
+        else:
+            out[path] = x
+    walk({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, "")
+    return out
+
+
+def equal(a, b):
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    for k in a:
+        if isinstance(a[k], tuple):
+            assert a[k][:2] == b[k][:2] and torch.equal(a[k][2], b[k][2]), k
+        else:
+            assert a[k] == b[k], (k, a[k], b[k])
+
+
+model, opt = build(0)
+for _ in range(2):
+    opt.zero_grad()
+    model(torch.randn(4, 8)).square().mean().backward()
+    opt.step()
+with torch.no_grad():
+    model[0].seen.add_(5)
+want = snap(model, opt)
+ck = ckptd_client.Checkpointer("ml", socket=sys.argv[1])
+ck.save(1, {"model": model, "optim": opt}).wait(60)
+ck.close()
+
+# The live model's own state dict, read in place: nothing to load. A copy of it, or a model with a
+# module that loads in its own way (BatchNorm's _load_from_state_dict), is loaded.
+sd = get_model_state_dict(model)
+assert loaded_in_place(model, sd, sd)
+assert not loaded_in_place(model, {k: v.clone() for k, v in sd.items()}, sd)
+bn = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+bn_sd = bn.state_dict()
+assert not loaded_in_place(bn, bn_sd, bn_sd)
+
+for memory in (False, True):
+    fresh, fresh_opt = build(1)
+    del calls[:]
+    ck = ckptd_client.Checkpointer("ml", socket=sys.argv[1], memory=memory)
+    assert ck.restore({"model": fresh, "optim": fresh_opt}) == 1
+    assert ck.last_restore.source == ("memory" if memory else "storage"), ck.last_restore
+    assert calls == [], f"memory={memory}: set_model_state_dict ran {len(calls)} times after an in-place read"
+    equal(snap(fresh, fresh_opt), want)
+    ck.close()
+
+# A load hook of the user's: the model is loaded through torch, so the hook runs, and it restores exactly.
+hooked, hooked_opt = build(2)
+ran = []
+hooked[1].register_load_state_dict_post_hook(lambda module, keys: ran.append(len(keys.missing_keys)))
+del calls[:]
+ck = ckptd_client.Checkpointer("ml", socket=sys.argv[1], memory=False)
+assert ck.restore({"model": hooked, "optim": hooked_opt}) == 1
+assert calls == [1] and ran == [0], (calls, ran)
+equal(snap(hooked, hooked_opt), want)
+ck.close()
+print("WORKER OK", flush=True)
+dist.destroy_process_group()
+os._exit(0)
+'''
+
+
+def test_model_load_skipped_after_in_place_read_and_made_for_hooks(tmp: Path, daemon: Any) -> None:
+    script = tmp / "ml_worker.py"
+    script.write_text(WORKER)
+    for r, out in enumerate(st.run_group(2, str(daemon.socket), script=script, timeout=180)):
+        assert "WORKER OK" in out, f"rank {r}:\n{out[-4000:]}"
+    assert (daemon.root / "ml" / "step-000000000001" / "index.json").is_file()
