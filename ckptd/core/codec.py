@@ -339,6 +339,12 @@ def decode_chunk(stored: Any, meta: ChunkMeta, dtype: str, out: memoryview) -> N
         raise ChecksumError("decoded chunk does not match its raw checksum")
 
 
+def chunk_count(nbytes: int, chunk_bytes: int) -> int:
+    """``len(chunk_ranges(nbytes, chunk_bytes))``, without the list."""
+    chunk_bytes = max(8, chunk_bytes - chunk_bytes % 8)
+    return max(1, -(-nbytes // chunk_bytes))
+
+
 def chunk_ranges(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
     """(start, length) of each chunk of a tensor; an empty tensor has one empty chunk."""
     chunk_bytes = max(8, chunk_bytes - chunk_bytes % 8)

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .codec import HELD_CODEC, ChunkMeta, checksum, chunk_ranges
+from .codec import HELD_CODEC, ChunkMeta, checksum, chunk_count, chunk_ranges
 from .errors import ChecksumError, FormatError
-from .names import is_checksum, is_digest, is_rank, validate_job_key
+from .names import are_checksums, is_digest, is_rank, validate_job_key
 from .schema import Manifest, TensorEntry, TensorLayout, data_length, parse_layout
 
 MAX_HELD_BYTES = 1 << 40          # one rank's shard; anything larger on the wire is refused
@@ -117,8 +117,8 @@ class HeldMeta:
         except ValueError as e:
             raise FormatError(f"held shard: {e}") from None
         if not (isinstance(sums, list) and len(sums) == len(layout) and all(
-                isinstance(c, list) and len(c) == len(chunk_ranges(t.nbytes, chunk))
-                and all(is_checksum(x) for x in c) for c, t in zip(sums, layout, strict=True))):
+                isinstance(c, list) and len(c) == chunk_count(t.nbytes, chunk) and are_checksums(c)
+                for c, t in zip(sums, layout, strict=True))):
             raise FormatError("held shard: checksums do not match its tensors")
         return cls(job, step, rank, world, digest, nbytes, chunk, tuple(tuple(c) for c in sums), tuple(layout),
                    msg.get("tree"))

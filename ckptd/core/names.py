@@ -107,6 +107,14 @@ def is_checksum(v: Any) -> TypeGuard[str]:
     return is_hex(v, 16)
 
 
+def are_checksums(values: list[Any]) -> bool:
+    """Every item of ``values`` ``is_checksum`` (one pass over their concatenation: a held shard
+    has one per chunk of every tensor)."""
+    if not all(type(v) is str and len(v) == 16 for v in values):
+        return False
+    return _HEX_RE.match("".join(values)) is not None
+
+
 def check_digest(v: Any, what: str) -> str:
     """``v`` if it is a manifest digest, else FormatError naming ``what``."""
     if not is_digest(v):
@@ -159,7 +167,9 @@ def validate_tensor_name(name: object) -> str:
                          f"{MAX_TENSOR_NAME} chars")
     if "\x00" in name or "\\" in name or name.startswith("/"):
         raise ValueError(f"invalid tensor name {short(name)}: NUL, backslash or leading '/' not allowed")
-    if any(part in ("", ".", "..") for part in name.split("/")):
+    # (A segment is empty, "." or ".." only where one of these shows: the split is made only then.)
+    if ("/." in name or "//" in name or name[0] == "." or name[-1] == "/") \
+            and any(part in ("", ".", "..") for part in name.split("/")):
         raise ValueError(f"invalid tensor name {short(name)}: empty, '.' or '..' path segment")
     return name
 

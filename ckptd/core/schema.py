@@ -83,14 +83,18 @@ class TensorLayout:
         return out
 
 
+_PLACEMENT_KEYS = frozenset(("shape", "offsets", "key"))
+
+
 def parse_placement(obj: Any, shape: list[int], what: str) -> Placement:
     """A piece's ``global`` object (manifest or wire), checked against the piece's shape."""
-    if not (isinstance(obj, dict) and set(obj) <= {"shape", "offsets", "key"}):
+    if not (isinstance(obj, dict) and obj.keys() <= _PLACEMENT_KEYS):
         raise FormatError(f"{what}: bad global placement")
     gshape, offsets = obj.get("shape"), obj.get("offsets")
+    # (each offset an integer >= 0 and each extent within the global one, which is then one too)
     if not (isinstance(gshape, list) and isinstance(offsets, list) and len(gshape) == len(offsets) == len(shape)
-            and all(is_uint(x) for x in gshape + offsets)
-            and all(o + n <= g for o, n, g in zip(offsets, shape, gshape, strict=True))):
+            and all(type(o) is int and type(g) is int and 0 <= o and o + n <= g
+                    for o, n, g in zip(offsets, shape, gshape, strict=True))):
         raise FormatError(f"{what}: global placement {str(obj)[:120]} does not fit its shape {shape}")
     key = obj.get("key")
     if key is not None:
