@@ -15,7 +15,9 @@ a live DTensor's local shard (held_pieces.py serves those), a checksum mismatch 
 :class:`MemoryUnavailable` with the reason, which the source answers as its "cannot serve, because".
 A DTensor state at its saved layout is read here too: each held piece straight into the local shard
 it is (``_same_piece``), and the DTensor itself goes into the loaded tree, so applying it copies
-nothing.
+nothing. A sharded model and its optimizers given as objects are read through their FQN state dicts
+(``restore.read_into``, as a restore from storage reads them: AdamW's state is created first, as
+DTensors like the parameters) and loaded back through torch's ``set_*_state_dict``.
 """
 from __future__ import annotations
 
@@ -35,10 +37,11 @@ from ckptd.core.schema import TensorLayout
 from ckptd.core.tree import decode_tree
 
 from .connection import Exchange
-from .dtensor import is_dtensor, local_placement, local_tensor
+from .dtensor import is_dtensor, local_placement, local_tensor, sharded_model_of
 from .errors import CheckpointError, DaemonRefused, Unreachable
+from .fqn_load import model_values, read_into
 from .held_map import HeldMap
-from .live_state import live_tensors, tree_items
+from .live_state import fqn_keyed, live_tensors, tree_items
 from .reshard import DTYPES, decodable_into, tensor_bytes
 from .restore import apply_loaded
 from .restore_check import Outcome, check_plain, saved_leaves
@@ -162,16 +165,21 @@ def _same_piece(live: Any, t: TensorLayout) -> torch.Tensor | None:
     return local
 
 
-def _check(meta: HeldMeta, layout: dict[str, tuple[TensorLayout, Any]], state: dict[str, Any],
-           strict: bool) -> tuple[dict[Any, Any], list[str], dict[str, torch.Tensor], dict[str, torch.Tensor], Outcome]:
+def _check(meta: HeldMeta, layout: dict[str, tuple[TensorLayout, Any]], state: dict[str, Any], strict: bool,
+           model: torch.nn.Module | None
+           ) -> tuple[dict[Any, Any], list[str], dict[str, torch.Tensor], dict[str, torch.Tensor], Outcome, Any]:
     """(The held subtree of each entry of ``state``, the tensor names to copy, the live DTensors'
     local tensors that are held pieces read in place — a sharded state at its saved layout — the live
-    tensors by name, and the Outcome.)"""
+    tensors by name, the Outcome, and the sharded ``model``'s ``get_model_state_dict`` read into, if any.)"""
     items = tree_items(meta.tree)
     if items is None:
         raise MemoryUnavailable("the held state tree is not a dict")
     held = {k: sub for k, sub in items if k in state}
-    live, lazy = live_tensors({k: state[k] for k in held})
+    if model is not None and any(isinstance(state[k], torch.optim.Optimizer) and not fqn_keyed(sub)
+                                 for k, sub in held.items()):
+        raise MemoryUnavailable("an optimizer saved keyed by index is re-keyed for the sharded model", pieces=True)
+    values = read_into(state, held, model)       # beside a sharded model: its FQN state dicts (dtensor.py)
+    live, lazy = live_tensors(values)
     leaves = saved_leaves(held)
     names = [name for found in leaves.values() for _, name in found]
     in_place: dict[str, torch.Tensor] = {}
@@ -196,7 +204,7 @@ def _check(meta: HeldMeta, layout: dict[str, tuple[TensorLayout, Any]], state: d
             else t
     subtrees, outcome = check_plain(state, items, saved, f"step {meta.step} (held in the daemon's memory)", strict,
                                     (live, lazy, leaves))
-    return subtrees, list(dict.fromkeys(names)), in_place, live, outcome
+    return subtrees, list(dict.fromkeys(names)), in_place, live, outcome, model_values(state, values, model)
 
 
 def restore_from_memory(socket_path: str, job: str, step: int, rank: int, world_size: int,
@@ -206,7 +214,8 @@ def restore_from_memory(socket_path: str, job: str, step: int, rank: int, world_
     conn, meta, fd, source = fetch_held(socket_path, job, step, rank, world_size)
     try:
         layout = {t.name: (t, sums) for t, sums in zip(meta.layout, meta.checksums, strict=True)}
-        wanted, names, in_place, live, outcome = _check(meta, layout, state, strict)
+        model = sharded_model_of(state)
+        wanted, names, in_place, live, outcome, model_sd = _check(meta, layout, state, strict, model)
         tensors: dict[str, torch.Tensor] = {}
         chunk = max(8, meta.chunk_bytes - meta.chunk_bytes % 8)     # as codec.chunk_ranges cuts them
         size = os.fstat(fd).st_size
@@ -236,5 +245,5 @@ def restore_from_memory(socket_path: str, job: str, step: int, rank: int, world_
     finally:
         os.close(fd)
         conn.close()                 # unpins the shard on the daemon
-    apply_loaded(state, loaded, None, strict)
+    apply_loaded(state, loaded, model, strict, model_sd)
     return MemoryCopy(source, sum(t.nbytes for t in meta.layout), outcome)

@@ -46,9 +46,9 @@ from ckptd.core.tree import decode_tree
 from . import store_keys
 from .dtensor import is_dtensor, local_region, local_tensor, sharded_model_of
 from .errors import CheckpointError
+from .fqn_load import load_model, model_values, read_into
 from .live_state import fqn_keyed, live_tensors, rekey_by_position, tree_items
 from .load_files import ReadAt, StepFiles
-from .model_load import load_model
 from .read_stats import HeldShards, ReadStats
 from .reshard import DTYPES, Need, decodable_into, read_needs, tensor_bytes
 from .restore_check import Check, Outcome, check_plain, saved_leaves
@@ -67,8 +67,8 @@ world did not have stays fresh), or ``f(rank, saved_world_size, world_size) -> s
 PerRank = PerRankRule | Mapping[str, PerRankRule] | None
 """``restore``'s ``per_rank``: one rule for every per-rank entry, or a rule per top-level key."""
 
-__all__ = ["agree_step", "apply_loaded", "load_shard", "restore_state", "tensor_bytes", "FRESH", "RANK0",
-           "SAME_RANK", "PerRank", "PerRankRule", "ReadStats"]
+__all__ = ["agree_step", "apply_loaded", "load_shard", "restore_state", "tensor_bytes",
+           "FRESH", "RANK0", "SAME_RANK", "PerRank", "PerRankRule", "ReadStats"]
 
 
 def agree_step(store: Any, scope: str, n: int, rank: int, world_size: int, step: int | None) -> int | None:
@@ -211,7 +211,7 @@ def apply_loaded(state: dict[str, Any], loaded: dict[Any, Any], model: torch.nn.
                  strict: bool = True, live_model: Mapping[str, Any] | None = None) -> None:
     """Apply ``loaded``'s top-level entries to ``state``; RNG state last; FQN-keyed objects through
     torch's ``set_*_state_dict`` when ``model`` is set (the model's skipped when the restore read
-    into ``live_model``, its ``get_model_state_dict``, in place: model_load.py). ``strict``: as
+    into ``live_model``, its ``get_model_state_dict``, in place: fqn_load.py). ``strict``: as
     ``restore``'s, for modules. (Shared by the storage and memory restores, after restore_check
     found nothing wrong.)"""
     later = [k for k in loaded if k in state and _restore_last(state[k])]
@@ -297,25 +297,11 @@ class _Restore:
         if model is None and any(fqn_keyed(subtrees[k][1]) for k in optims):
             modules = [v for v in self.state.values() if isinstance(v, torch.nn.Module)]
             model = modules[0] if len(modules) == 1 else None      # a plain model from a sharded checkpoint
-        live_values: dict[Any, Any] = {}
+        live_values = read_into(self.state, subtrees, model)
         for k, (src, sub) in subtrees.items():
-            v = self.state[k]
-            try:
-                if model is not None and v is model:
-                    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-                    live_values[k] = get_model_state_dict(model)
-                elif model is not None and isinstance(v, torch.optim.Optimizer):
-                    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-                    live_values[k] = osd = get_optimizer_state_dict(model, v)
-                    if not fqn_keyed(sub):
-                        subtrees[k] = (src, rekey_by_position(sub, osd, str(k)))
-                else:
-                    live_values[k] = v
-            except CheckpointError:
-                raise
-            except Exception as e:
-                raise CheckpointError(f"restore {str(k)!r}: cannot build its state dict: "
-                                      f"{type(e).__name__}: {e}") from e
+            if live_values[k] is not self.state[k] and isinstance(self.state[k], torch.optim.Optimizer) \
+                    and not fqn_keyed(sub):
+                subtrees[k] = (src, rekey_by_position(sub, live_values[k], str(k)))
         live, lazy = live_tensors(live_values)
 
         needs: list[Need] = []
@@ -344,8 +330,7 @@ class _Restore:
             except (FormatError, KeyError) as e:
                 raise CheckpointError(f"{self.where()}: bad state tree under {str(k)!r} in rank {src}'s "
                                       f"manifest: {e}") from None
-        live_model = next((live_values[k] for k in subtrees if self.state[k] is model), None)
-        apply_loaded(self.state, loaded, model, self.strict, live_model)
+        apply_loaded(self.state, loaded, model, self.strict, model_values(self.state, live_values, model))
         return outcome
 
     def need(self, path: str, name: str, src: int, live: torch.Tensor | None,

@@ -312,7 +312,7 @@ def mode_save(a: argparse.Namespace) -> None:
         handles.append(ck.save(a.steps, state, **kwargs))
         print(f"SAVED {a.steps} {spelling}", flush=True)
     for step in range(a.steps + 1, a.steps + 3):    # mutate everything while the saves are in flight
-        train_step(model, opt, sched, *batch(step, dp_rank))
+        print(f"LOSS-AFTER {step} {train_step(model, opt, sched, *batch(step, dp_rank))!r}", flush=True)
     for h in handles:
         h.wait(120)
     print(f"COMMITTED {a.steps}", flush=True)
@@ -349,13 +349,15 @@ def restore_into(a: argparse.Namespace, ck: Any, spelling: str, model: Net, opt:
 
 def mode_restore(a: argparse.Namespace) -> None:
     init_group()
-    model, _, _ = build(a.layout, seed=2)
+    model, dp_rank, _ = build(a.layout, seed=2)
     opt, sched = make_optim(model, t_max=20)
     meta: dict[str, Any] = {"epoch": -1, "step": -1, "note": "fresh"}
     ck = checkpointer(a, a.job)
     step = restore_into(a, ck, a.spelling, model, opt, sched, meta)
     print(f"RESTORED {step}", flush=True)
     snapshot(Path(a.out), a.tag, model, opt, sched, meta, {"step": step})
+    if a.then_step and step is not None:   # the next training step, as the saving run took it (LOSS-AFTER)
+        print(f"LOSS-AFTER {step + 1} {train_step(model, opt, sched, *batch(step + 1, dp_rank))!r}", flush=True)
     ck.close()
 
 
@@ -460,6 +462,7 @@ def main() -> int:
     p.add_argument("--root")
     p.add_argument("--layout", default="fsdp", choices=("fsdp", "fsdp-shard1", "tp", "plain", "ddp"))
     p.add_argument("--spelling", default="objects", choices=("dicts", "objects"))
+    p.add_argument("--then-step", action="store_true", help="restore: then take the next training step")
     p.add_argument("--tag", default="restored")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--every", type=int, default=4)

@@ -121,8 +121,8 @@ def test_same_layout_held_shard_read_whole_into_dtensors(daemon_factory: Any, tm
     held shard is copied whole into its DTensors' local shards (``RestoreInfo.whole``, no region
     planning), 0 bytes from storage (every data file deleted), every local shard and AdamW tensor
     bit-identical; under TP the ranks that did not write the replicated biases (tp coordinate 1) read
-    those from the writers' shards, as pieces. The objects spelling, whose fresh optimizer has no state
-    yet, is read as pieces everywhere."""
+    those from the writers' shards, as pieces. The objects spelling (a fresh model and AdamW) the same
+    way: the restore reads into their FQN state dicts, AdamW's state created first as torch does."""
     daemon = daemon_factory(name="n0")
     out = tmp / "out"
     out.mkdir()
@@ -139,31 +139,38 @@ def test_same_layout_held_shard_read_whole_into_dtensors(daemon_factory: Any, tm
                             "--socket", str(daemon.socket), "--out", str(out), "--tag", spelling)
         for rank, o in enumerate(outs):
             assert restore_info(o)[0] == "memory" and restore_info(o)[3] == 0, o
-            whole = spelling == "dicts" and rank in writers
+            whole = rank in writers
             assert st.lines(o, "RESTORE-WHOLE") == [[str(whole)]], o
             want, got = load(out / f"saved.rank{rank}.pt"), load(out / f"{spelling}.rank{rank}.pt")
             assert got["placements"] == want["placements"], f"rank {rank}: the layout changed"
             assert_bit_identical(got["local"], want["local"], f"{spelling} rank {rank} local shard")
 
 
-def test_one_rank_mesh_held_shard_read_whole(daemon_factory: Any, tmp: Path) -> None:
+@pytest.mark.parametrize("spelling", ["dicts", "objects"])
+def test_one_rank_mesh_held_shard_read_whole(daemon_factory: Any, tmp: Path, spelling: str) -> None:
     """FSDP2 on a 1-rank mesh (a single-GPU run of an FSDP2 script): every DTensor's local shard is
     the whole tensor, held as the whole tensor. It is read in place like any held piece
     (``RestoreInfo.whole``) from memory, data files deleted, bit-identical — not refused and then
-    fetched and planned again as pieces."""
+    fetched and planned again as pieces — and the next training step's loss is the saving run's. In
+    the objects spelling (a fresh model and AdamW) the optimizer's state is DTensors, as torch's
+    ``set_optimizer_state_dict`` makes it (plain tensors beside DTensor parameters made that step fail)."""
     daemon = daemon_factory(name="n0")
     out = tmp / "out"
     out.mkdir()
     saved = st.run_group(1, "save", "--layout", "fsdp", "--job", "one", "--socket", str(daemon.socket),
                          "--out", str(out), "--steps", str(SAVED_STEP))
     assert f"COMMITTED {SAVED_STEP}" in saved[0], saved[0]
-    wait_for(lambda: any(s["step"] == SAVED_STEP and s["committed"] and s["job"] == "one-dicts"
+    job = f"one-{spelling}"
+    wait_for(lambda: any(s["step"] == SAVED_STEP and s["committed"] and s["job"] == job
                          for s in held_steps(daemon.socket)), "step held")
-    assert remove_data_files(daemon.root, "one-dicts") == 1
-    (o,) = st.run_group(1, "restore", "--layout", "fsdp", "--spelling", "dicts", "--job", "one-dicts",
-                        "--socket", str(daemon.socket), "--out", str(out), "--tag", "dicts")
+    assert remove_data_files(daemon.root, job) == 1
+    (o,) = st.run_group(1, "restore", "--layout", "fsdp", "--spelling", spelling, "--job", job, "--then-step",
+                        "--socket", str(daemon.socket), "--out", str(out), "--tag", spelling)
     assert restore_info(o)[0] == "memory" and restore_info(o)[3] == 0, o
     assert st.lines(o, "RESTORE-WHOLE") == [["True"]], o
-    want, got = load(out / "saved.rank0.pt"), load(out / "dicts.rank0.pt")
+    want, got = load(out / "saved.rank0.pt"), load(out / f"{spelling}.rank0.pt")
     assert got["placements"] == want["placements"]
     assert_bit_identical(got["local"], want["local"], "1-rank FSDP2 parameters and AdamW state")
+    next_step = str(SAVED_STEP + 1)
+    assert [x for x in st.lines(o, "LOSS-AFTER") if x[0] == next_step] == \
+        [x for x in st.lines(saved[0], "LOSS-AFTER") if x[0] == next_step] != [], (o, saved[0])

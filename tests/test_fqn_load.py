@@ -1,5 +1,5 @@
 """The model's ``set_model_state_dict`` at the end of a restore is skipped when the restore wrote every
-tensor of ``get_model_state_dict`` in place (ckptd_client/model_load.py), and still made when a module
+tensor of ``get_model_state_dict`` in place (ckptd_client/fqn_load.py), and still made when a module
 loads in a way of its own. Two real gloo ranks, FSDP2 with uneven shards and a persistent buffer, a
 fresh model and fresh AdamW restored from storage and from the daemon's memory: bit-exact either way;
 a load hook of the user's still runs; a BatchNorm module or a value that is not the live tensor is
@@ -22,7 +22,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import ckptd_client
-from ckptd_client.model_load import loaded_in_place
+from ckptd_client.fqn_load import loaded_in_place
 
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
                         rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
