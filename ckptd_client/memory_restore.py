@@ -16,7 +16,7 @@ a live DTensor's local shard (held_pieces.py serves those), a checksum mismatch 
 A DTensor state at its saved layout is read here too: each held piece straight into the local shard
 it is (``_same_piece``), and the DTensor itself goes into the loaded tree, so applying it copies
 nothing. A sharded model and its optimizers given as objects are read through their FQN state dicts
-(``restore.read_into``, as a restore from storage reads them: AdamW's state is created first, as
+(``fqn_load.read_into``, as a restore from storage reads them: AdamW's state is created first, as
 DTensors like the parameters) and loaded back through torch's ``set_*_state_dict``.
 """
 from __future__ import annotations
