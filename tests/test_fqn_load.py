@@ -3,7 +3,10 @@ tensor of ``get_model_state_dict`` in place (ckptd_client/fqn_load.py), and stil
 loads in a way of its own. Two real gloo ranks, FSDP2 with uneven shards and a persistent buffer, a
 fresh model and fresh AdamW restored from storage and from the daemon's memory: bit-exact either way;
 a load hook of the user's still runs; a BatchNorm module or a value that is not the live tensor is
-never skipped."""
+never skipped. And FSDP2 on a one-rank mesh with AdamW, SGD with momentum or Adam with amsgrad, a
+fresh model and optimizer restored from memory and from storage: the optimizer's state is created
+as torch creates it (DTensors: plain tensors beside DTensor parameters made the next step raise),
+and the next step's loss is the saving run's."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -130,3 +133,69 @@ def test_model_load_skipped_after_in_place_read_and_made_for_hooks(tmp: Path, da
     for r, out in enumerate(st.run_group(2, str(daemon.socket), script=script, timeout=180)):
         assert "WORKER OK" in out, f"rank {r}:\n{out[-4000:]}"
     assert (daemon.root / "ml" / "step-000000000001" / "index.json").is_file()
+
+
+NEXT_STEP = r'''
+import os, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import ckptd_client
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+OPTIMIZERS = {"adamw": lambda p: torch.optim.AdamW(p, lr=1e-2),
+              "sgd": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+              "amsgrad": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True)}
+
+
+def build(seed, name):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    for m in model:
+        fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = OPTIMIZERS[name](model.parameters())
+    return model, opt, torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+
+
+def step(model, opt, sched, i):
+    g = torch.Generator().manual_seed(i)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step()
+    return loss.item()
+
+
+for name in OPTIMIZERS:
+    model, opt, sched = build(0, name)
+    for i in range(3):
+        step(model, opt, sched, i)
+    ck = ckptd_client.Checkpointer(name, socket=sys.argv[1], commit="local")
+    ck.save(3, {"model": model, "optim": opt, "sched": sched}).wait(60)
+    ck.close()
+    want = step(model, opt, sched, 3)
+    for memory in (True, False):
+        fresh, fresh_opt, fresh_sched = build(1, name)
+        ck = ckptd_client.Checkpointer(name, socket=sys.argv[1], commit="local", memory=memory)
+        assert ck.restore({"model": fresh, "optim": fresh_opt, "sched": fresh_sched}) == 3
+        assert ck.last_restore.source == ("memory" if memory else "storage"), ck.last_restore
+        got = step(fresh, fresh_opt, fresh_sched, 3)
+        assert got == want, (name, memory, got, want)
+        ck.close()
+print("WORKER OK", flush=True)
+dist.destroy_process_group()
+os._exit(0)
+'''
+
+
+def test_one_rank_fsdp2_fresh_optimizers_restore_and_train_on(tmp: Path, daemon: Any) -> None:
+    script = tmp / "ns_worker.py"
+    script.write_text(NEXT_STEP)
+    (out,) = st.run_group(1, str(daemon.socket), script=script, timeout=180)
+    assert "WORKER OK" in out, out[-4000:]
