@@ -67,10 +67,12 @@ from common import (  # noqa: E402
 
 HERE = Path(__file__).resolve()
 SAVE_METHODS = ("ckptd", "dcp-async", "dcp-async-staged")
-RESTORE_METHODS = ("ckptd-memory", "ckptd", "dcp", "dcp-cold")
+RESTORE_METHODS = ("ckptd-memory", "ckptd-memory-objects", "ckptd", "dcp", "dcp-cold")
 LABELS = {"ckptd": "ckptd save(fence_on=optim), overlapped",
           "ckptd-restore": "ckptd Checkpointer.restore from storage (memory=False)",
           "ckptd-memory": "ckptd Checkpointer.restore from the daemon's memory",
+          "ckptd-memory-objects": "ckptd Checkpointer.restore from the daemon's memory, into the model and "
+                                  "optimizer objects (no get_state_dict dicts)",
           "dcp-async": "DCP async_save (shm stager, staging in the call)",
           "dcp-async-staged": "DCP async_save (shm stager, async staging)",
           "dcp": "DCP load",
@@ -288,9 +290,11 @@ def restore_once(method: str, spec: dict[str, Any], ck: Any, model: torch.nn.Mod
         drop_cache(Path(path))
     torch.distributed.barrier()
     t0 = time.perf_counter()
-    if method in ("ckptd", "ckptd-memory"):
+    objects = method == "ckptd-memory-objects"      # (the dicts share the objects' tensors: checked the same)
+    if method in ("ckptd", "ckptd-memory") or objects:
         prof = _profiler(spec, method, reshard)
-        got = ck.restore(state, step=step, **(spec["ckptd_reshard_kwargs"] if reshard else {}))
+        got = ck.restore({"model": model, "optim": opt} if objects else state, step=step,
+                         **(spec["ckptd_reshard_kwargs"] if reshard else {}))
         if prof is not None:
             prof.disable()
         assert got == step, (got, step)
@@ -300,7 +304,8 @@ def restore_once(method: str, spec: dict[str, Any], ck: Any, model: torch.nn.Mod
     else:
         dcp.load(state, checkpoint_id=path)
     call = time.perf_counter() - t0
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if not objects:                # (the objects restore loaded them through set_*_state_dict itself)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     took, call = slowest(time.perf_counter() - t0, call)
     return took, call
 
@@ -344,18 +349,19 @@ def restore_rounds(spec: dict[str, Any], model: torch.nn.Module, opt: torch.opti
     import ckptd_client
     cks = {"ckptd": ckptd_client.Checkpointer(JOB, socket=my_socket(spec), root=spec["root"], memory=False,
                                               prepare=False),
-           "ckptd-memory": ckptd_client.Checkpointer(JOB, socket=my_socket(spec), prepare=False), "dcp": None,
-           "dcp-cold": None}
+           "ckptd-memory": ckptd_client.Checkpointer(JOB, socket=my_socket(spec), prepare=False),
+           "ckptd-memory-objects": ckptd_client.Checkpointer(JOB, socket=my_socket(spec), prepare=False),
+           "dcp": None, "dcp-cold": None}
     times: dict[str, list[float]] = {m: [] for m in (*RESTORE_METHODS, "memcpy")}
     calls: dict[str, list[float]] = {m: [] for m in RESTORE_METHODS}
     exact: dict[str, bool] = {m: True for m in RESTORE_METHODS}
     dcp_path = str(Path(spec["dcp_dir"]) / f"dcp-async-step{steps['dcp']}")
-    paths = {"ckptd": "", "ckptd-memory": "", "dcp": dcp_path, "dcp-cold": dcp_path}
+    paths = {"ckptd": "", "ckptd-memory": "", "ckptd-memory-objects": "", "dcp": dcp_path, "dcp-cold": dcp_path}
     n = len(RESTORE_METHODS)
     for r in range(spec["warmup"] + spec["rounds"]):
         order = RESTORE_METHODS[r % n:] + RESTORE_METHODS[:r % n]
         for m in order:
-            src = {"ckptd-memory": "ckptd", "dcp-cold": "dcp"}.get(m, m)
+            src = {"ckptd-memory": "ckptd", "ckptd-memory-objects": "ckptd", "dcp-cold": "dcp"}.get(m, m)
             took, call = restore_once(m, spec, cks[m], model, opt, state, steps[src], paths[m], reshard)
             ok = (full_digest(state) if reshard else local_digest(state)) == \
                 digests[src]["full" if reshard else "local"]
@@ -535,6 +541,8 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         "restore_same_vs_dcp": rs["ckptd"]["p50"] / rs["dcp"]["p50"],
         "restore_reshard_vs_dcp": rr["ckptd"]["p50"] / rr["dcp"]["p50"],
         "memory_same_vs_memcpy": rs["ckptd-memory"]["call_p50"] / out["memcpy_p50"],
+        "memory_objects_same_vs_dcp": rs["ckptd-memory-objects"]["p50"] / rs["dcp"]["p50"],
+        "memory_objects_reshard_vs_dcp": rr["ckptd-memory-objects"]["p50"] / rr["dcp"]["p50"],
         "memory_same_vs_memfd": rs["ckptd-memory"]["call_p50"] / out["memfd_p50"],
         "memory_same_vs_dcp": rs["ckptd-memory"]["p50"] / rs["dcp"]["p50"],
         "memory_same_vs_storage": rs["ckptd-memory"]["p50"] / rs["ckptd"]["p50"],
@@ -609,6 +617,10 @@ def to_markdown(res: dict[str, Any]) -> str:
              "cold page cache (as on a node that did not write the lost node's files)",
              fmt(ra["memory_reshard_vs_dcp_cold"], 3, "×"), f"≤ {TARGET_MEMORY_RESHARD}×",
              verdict(ra["memory_reshard_vs_dcp_cold"], TARGET_MEMORY_RESHARD)],
+            ["restore from memory into the model and optimizer objects p50, same layout (DCP: load + set_state_dict)",
+             fmt(ra.get("memory_objects_same_vs_dcp"), 3, "×"), "—", ""],
+            [f"restore from memory into the objects p50, resharding {cfg['ranks']} → {cfg['reshard_ranks']} ranks",
+             fmt(ra.get("memory_objects_reshard_vs_dcp"), 3, "×"), "—", ""],
         ]),
         "",
         "## Save",
@@ -659,7 +671,9 @@ def to_markdown(res: dict[str, Any]) -> str:
             " does for node B's replicas after B is lost (`--peers` runs that: results/sharded_peers.md); a copy"
             " fetched from a peer at restore time adds a loopback transfer.") +
         " Against the floor (a plain copy of the local shards) the restore"
-        " call is compared, without the `set_state_dict` every method is followed by.",
+        " call is compared, without the `set_state_dict` every other method is followed by. The objects row"
+        " restores `{\"model\": model, \"optim\": optimizer}` as a training script passes them (ckptd reads into"
+        " their FQN state dicts and loads them itself), from the same step.",
         "- The ranks are processes on one machine sharing its cores (and the daemon shares them too); the machine"
         " is shared with other work, so compare rows of one run, not figures across runs.",
         "",
