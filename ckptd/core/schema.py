@@ -87,7 +87,8 @@ _PLACEMENT_KEYS = frozenset(("shape", "offsets", "key"))
 
 
 def parse_placement(obj: Any, shape: list[int], what: str) -> Placement:
-    """A piece's ``global`` object (manifest or wire), checked against the piece's shape."""
+    """A piece's ``global`` object (manifest or wire), checked against the piece's ``shape`` (which
+    every caller has checked first: its extents are integers >= 0)."""
     if not (isinstance(obj, dict) and obj.keys() <= _PLACEMENT_KEYS):
         raise FormatError(f"{what}: bad global placement")
     gshape, offsets = obj.get("shape"), obj.get("offsets")
