@@ -78,8 +78,7 @@ def read_into(state: dict[Any, Any], keys: Iterable[Any], model: torch.nn.Module
         v = state[k]
         try:
             if model is not None and v is model:
-                from torch.distributed.checkpoint.state_dict import get_model_state_dict
-                out[k] = get_model_state_dict(model)
+                out[k] = dtensor.model_state_dict(model)
             elif model is not None and isinstance(v, torch.optim.Optimizer):
                 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
                 out[k] = get_optimizer_state_dict(model, v)

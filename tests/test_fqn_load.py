@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import sharded_trainer as st
+from test_sharded_sd import SNAP, run
 
 WORKER = r'''
 import os, sys
@@ -52,32 +52,7 @@ def build(seed):
     return model, torch.optim.AdamW(model.parameters(), lr=0.1)
 
 
-def snap(model, opt):
-    out = {}
-
-    def walk(x, path):
-        if isinstance(x, dict):
-            for k, v in x.items():
-                walk(v, f"{path}/{k}")
-        elif isinstance(x, (list, tuple)):
-            for i, v in enumerate(x):
-                walk(v, f"{path}/{i}")
-        elif isinstance(x, torch.Tensor):
-            local = x.to_local() if isinstance(x, DTensor) else x
-            out[path] = (local.dtype, tuple(local.shape), local.detach().clone())
-        else:
-            out[path] = x
-    walk({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, "")
-    return out
-
-
-def equal(a, b):
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    for k in a:
-        if isinstance(a[k], tuple):
-            assert a[k][:2] == b[k][:2] and torch.equal(a[k][2], b[k][2]), k
-        else:
-            assert a[k] == b[k], (k, a[k], b[k])
+''' + SNAP + r'''
 
 
 model, opt = build(0)
@@ -130,8 +105,7 @@ os._exit(0)
 def test_model_load_skipped_after_in_place_read_and_made_for_hooks(tmp: Path, daemon: Any) -> None:
     script = tmp / "ml_worker.py"
     script.write_text(WORKER)
-    for r, out in enumerate(st.run_group(2, str(daemon.socket), script=script, timeout=180)):
-        assert "WORKER OK" in out, f"rank {r}:\n{out[-4000:]}"
+    run(script, 2, str(daemon.socket))
     assert (daemon.root / "ml" / "step-000000000001" / "index.json").is_file()
 
 
@@ -197,5 +171,4 @@ os._exit(0)
 def test_one_rank_fsdp2_fresh_optimizers_restore_and_train_on(tmp: Path, daemon: Any) -> None:
     script = tmp / "ns_worker.py"
     script.write_text(NEXT_STEP)
-    (out,) = st.run_group(1, str(daemon.socket), script=script, timeout=180)
-    assert "WORKER OK" in out, out[-4000:]
+    run(script, 1, str(daemon.socket))

@@ -185,38 +185,13 @@ os._exit(0)
 '''
 
 
-# Two FSDP2 layers over the group's ranks (5 rows: uneven shards), AdamW, a training step, and ``snap`` /
-# ``equal``: every local shard's bytes and every scalar of the model and optimizer as saved.
-FSDP2_TRAINER = r'''
-import copy, os, sys
-import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+# A worker's ``snap(model, opt)`` / ``equal``: every local shard's bytes and every scalar of a sharded
+# model and its optimizer as saved, compared in order (its source needs torch, DTensor and the
+# get_*_state_dict functions imported).
+SNAP = r'''
 
-import ckptd_client
-
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
-                        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 5))     # 5 rows: uneven shards
-for m in model:
-    fully_shard(m, mesh=mesh)
-fully_shard(model, mesh=mesh)
-opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-
-
-def train():
-    opt.zero_grad()
-    model(torch.randn(4, 8)).square().mean().backward()
-    opt.step()                      # its pre-hook fences an overlapped save's copy first
-
-
-def snap():
-    """Every local shard's bytes and every scalar of the model and optimizer, keyed as saved."""
+def snap(model, opt):
+    """Every local shard's bytes and every scalar of ``model`` and ``opt``, keyed as saved."""
     out = {}
 
     def walk(x, path):
@@ -245,6 +220,38 @@ def equal(a, b):
             assert x == y, (k, x, y)
 '''
 
+# Two FSDP2 layers over the group's ranks (5 rows: uneven shards), AdamW, a training step, and ``snap`` /
+# ``equal`` (SNAP).
+FSDP2_TRAINER = r'''
+import copy, os, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+import ckptd_client
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+                        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 5))     # 5 rows: uneven shards
+for m in model:
+    fully_shard(m, mesh=mesh)
+fully_shard(model, mesh=mesh)
+opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def train():
+    opt.zero_grad()
+    model(torch.randn(4, 8)).square().mean().backward()
+    opt.step()                      # its pre-hook fences an overlapped save's copy first
+
+
+''' + SNAP
+
 
 OPTIMIZER_SPLICED = FSDP2_TRAINER + r'''
 
@@ -254,7 +261,7 @@ def spliced_save(ck, step, state):
     h = ck.save(step, state)
     assert ck.plans.spliced == spliced_save.count + 1, (ck.plans.hits, ck.plans.misses, ck.plans.spliced)
     spliced_save.count += 1
-    seen = snap()
+    seen = snap(model, opt)
     train()                         # the optimizer's step changes every state tensor after the copy
     h.wait(60)
     return seen
@@ -262,14 +269,14 @@ def spliced_save(ck, step, state):
 
 def then_spliced(ck, h, state):
     """Save 2 (``h``, in flight) as save() saw it, then save 3 spliced; both restore bit-exact."""
-    want2 = snap()
+    want2 = snap(model, opt)
     train()
     h.wait(60)
     train()
     want3 = spliced_save(ck, 3, state)
     for step, want in ((2, want2), (3, want3)):
         assert ck.restore(state, step=step) == step
-        equal(snap(), want)
+        equal(snap(model, opt), want)
     ck.close()
 
 
@@ -295,15 +302,15 @@ except ckptd_client.CheckpointError as e:
 assert ck.plans.deferring is False
 train()
 ck.save(4, state).wait(60)
-want4 = snap()
+want4 = snap(model, opt)
 train()
 ck.save(5, state).wait(60)
 counts = (ck.plans.hits, ck.plans.misses, ck.plans.spliced)
 assert counts == (3, 2, 2), counts       # 2 and 3 spliced (3 failed on the copy thread); 5 a hit walked here
 assert ck.restore(state, step=2) == 2
-equal(snap(), want2)
+equal(snap(model, opt), want2)
 assert ck.restore(state, step=4) == 4
-equal(snap(), want4)
+equal(snap(model, opt), want4)
 ck.close()
 
 # An optimizer reloaded between saves (load_state_dict of a deep copy: new per-parameter dicts and
@@ -358,20 +365,20 @@ b._local_tensor = b._local_tensor.clone()
 with torch.no_grad():
     w.to_local().add_(1.0)
     b.to_local().mul_(-3.0)
-want3 = snap()
+want3 = snap(model, opt)
 misses = ck.plans.misses
 h = ck.save(3, state)               # spliced: the copy thread finds the shards moved and copies them from there
 assert (ck.plans.misses, ck.plans.spliced) == (misses, 2), (ck.plans.hits, ck.plans.misses, ck.plans.spliced)
 train()                             # the optimizer's step changes every shard after the copy
 h.wait(60)
-want4 = snap()
+want4 = snap(model, opt)
 h = ck.save(4, state)               # and the next save's plan has them where they are now
 assert (ck.plans.misses, ck.plans.spliced) == (misses, 3), (ck.plans.hits, ck.plans.misses, ck.plans.spliced)
 train()
 h.wait(60)
 for step, want in ((3, want3), (4, want4)):
     assert ck.restore(state, step=step) == step
-    equal(snap(), want)
+    equal(snap(model, opt), want)
 ck.close()
 print("WORKER OK", flush=True)
 dist.destroy_process_group()
