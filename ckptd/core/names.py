@@ -35,6 +35,7 @@ MAX_TENSOR_NAME = 1024
 MAX_TREE_DEPTH = 256
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}\Z")    # a manifest's digest (schema.digest_bytes)
 _HEX_RE = re.compile(r"^[0-9a-f]*\Z")
+_DIGESTS_RE = re.compile(r"^(?:sha256:[0-9a-f]{64})*\Z")    # digests end to end (each 71 characters)
 
 
 def short(value: object, limit: int = 80) -> str:
@@ -113,6 +114,14 @@ def are_checksums(values: list[Any]) -> bool:
     if not all(type(v) is str and len(v) == 16 for v in values):
         return False
     return _HEX_RE.match("".join(values)) is not None
+
+
+def are_digests(values: list[Any]) -> bool:
+    """Every item of ``values`` ``is_digest`` (one pass over their concatenation: a COMMIT has one per
+    rank)."""
+    if not all(type(v) is str and len(v) == 71 for v in values):
+        return False
+    return _DIGESTS_RE.match("".join(values)) is not None
 
 
 def check_digest(v: Any, what: str) -> str:

@@ -23,14 +23,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from .errors import FormatError
 from .gc_pause import gc_paused
-from .names import is_checksum, is_digest, is_uint, validate_tensor_name
+from .names import are_checksums, are_digests, is_checksum, is_digest, is_uint, validate_tensor_name
 from .regions import Region
 from .schema import Manifest, Placement, TensorEntry, parse_placement, validate_shape
 
@@ -46,9 +45,11 @@ def short_hash(obj: Any) -> str:
     return hashlib.blake2b(data, digest_size=8).hexdigest()
 
 
-@dataclass(frozen=True)
-class RecordEntry:
-    """One tensor entry of a rank's manifest, as the tensor map needs it."""
+class RecordEntry(msgspec.Struct, frozen=True, gc=False):
+    """One tensor entry of a rank's manifest, as the tensor map needs it. (A msgspec struct, as
+    ``RankRecord``: made in C, 12x faster than a frozen dataclass, and untracked by the cyclic
+    collector, as it holds only strings, numbers and tuples of them: a 32,768-rank COMMIT makes
+    65,536 of these and 32,768 records, 85 of its parse's 270 ms as dataclasses.)"""
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -61,8 +62,8 @@ class RecordEntry:
         return Region(self.offsets, self.shape) if self.offsets is not None else Region.whole(self.shape)
 
 
-@dataclass(frozen=True)
-class RankRecord:
+class RankRecord(msgspec.Struct, frozen=True, gc=False):
+    """What the commit needs of one durable rank (see the module's docstring)."""
     rank: int
     digest: str                                # sha256 of the rank's manifest file
     raw_bytes: int
@@ -184,15 +185,25 @@ def _entry(name: str, dtype: Any, shape: Any, key: Any, gshape: Any, offsets: An
 
 
 def _placed(name: str, dtype: str, shape: tuple[int, ...], key: Any, place: Placement | None, offsets: Any,
-            fp: Any, bad: Any) -> RecordEntry:
-    """The entry of a checked dtype, shape and placement (None: a plain tensor), its fingerprint and key checked."""
+            fp: Any, bad: Any, fps: list[str] | None = None) -> RecordEntry:
+    """The entry of a checked dtype, shape and placement (None: a plain tensor), its fingerprint and key
+    checked; with ``fps``, a fingerprint that is a string is appended there for the caller to check
+    (``are_checksums``) instead."""
     if place is not None:
-        if not (fp is None or is_checksum(fp)):
+        if not (fp is None or _fingerprint_ok(fp, fps)):
             raise bad("bad fingerprint")
         return RecordEntry(name, dtype, shape, key or name, place.global_shape, place.offsets, fp)
-    if not (key is None and offsets is None and is_checksum(fp)):
+    if not (key is None and offsets is None and _fingerprint_ok(fp, fps)):
         raise bad(f"plain tensor {name!r} needs a fingerprint and no placement")
     return RecordEntry(name, dtype, shape, name, None, None, fp)
+
+
+def _fingerprint_ok(fp: Any, fps: list[str] | None) -> bool:
+    """``is_checksum(fp)``, or with ``fps`` a string fingerprint appended there, to be checked later."""
+    if fps is not None and type(fp) is str:
+        fps.append(fp)
+        return True
+    return is_checksum(fp)
 
 
 def _forms(items: Any, cache: dict[Any, Any], bad: Any) -> tuple[tuple[str, str], ...]:
@@ -239,7 +250,8 @@ def _typed_forms(items: tuple[tuple[str, str], ...], cache: dict[Any, Any], bad:
     return items
 
 
-def _typed_entry(t: tuple[Any, ...], rank: int, cache: dict[Any, Any], bad: Any) -> RecordEntry:
+def _typed_entry(t: tuple[Any, ...], rank: int, cache: dict[Any, Any], bad: Any,
+                 fps: list[str] | None = None) -> RecordEntry:
     """A typed entry not seen yet, checked as ``_entry`` checks a JSON one, but its dtype and shape, and its
     placement, once per distinct value (the ranks of a sharded tensor share them; typed values are exact
     ints, so they can key the cache: 15 % of a 32,768-rank COMMIT's parse); cached."""
@@ -260,7 +272,7 @@ def _typed_entry(t: tuple[Any, ...], rank: int, cache: dict[Any, Any], bad: Any)
             place = cache[("p", shape, gshape, offsets)] = parse_placement(
                 {"shape": list(gshape), "offsets": None if offsets is None else list(offsets)}, list(shape),
                 f"rank {rank} record: tensor {name!r}")
-    entry = cache[t] = _placed(name, dtype, shape, key, place, offsets, fp, bad)
+    entry = cache[t] = _placed(name, dtype, shape, key, place, offsets, fp, bad, fps)
     return entry
 
 
@@ -282,7 +294,36 @@ def _entry_key(t: list[Any]) -> tuple[Any, ...] | None:
 
 def parse_records(objs: list[Any]) -> list[RankRecord]:
     """Every rank's record, in rank order (a COMMIT's; collection paused: see gc_pause); each
-    distinct tensor entry validated once (``parse_record``'s ``seen_entries``)."""
-    seen: dict[Any, Any] = {}
+    distinct tensor entry validated once (``parse_record``'s ``seen_entries``). Typed records are
+    checked in one pass first (``_typed_all``); records that fail it, or are not all typed, are
+    parsed one by one, which names the first fault."""
     with gc_paused():
+        if all(type(o) is RecordWire for o in objs):
+            fast = _typed_all(objs)
+            if fast is not None:
+                return fast
+        seen: dict[Any, Any] = {}
         return [parse_record(obj, r, seen) for r, obj in enumerate(objs)]
+
+
+def _typed_all(objs: list[RecordWire]) -> list[RankRecord] | None:
+    """``parse_record`` of every typed record in one loop, their digests and new entries' fingerprints
+    each checked in one pass over all of them at the end (at 32,768 ranks: 157 -> 100 ms); None when
+    any check fails (nothing of it is kept: the caller's second parse, one by one, finds the fault)."""
+    if not are_digests([o.digest for o in objs]):
+        return None
+    cache: dict[Any, Any] = {}
+    fps: list[str] = []
+    get = cache.get
+    out = []
+    try:
+        for r, o in enumerate(objs):
+            if o.rank != r or o.raw < 0 or o.stored < 0:
+                return None
+            entries = tuple([get(t) or _typed_entry(t, r, cache, FormatError, fps) for t in o.t])
+            if len(entries) > 1 and len({e.name for e in entries}) != len(entries):
+                return None
+            out.append(RankRecord(r, o.digest, o.raw, o.stored, entries, _typed_forms(o.k, cache, FormatError)))
+    except FormatError:
+        return None
+    return out if are_checksums(fps) else None
