@@ -181,7 +181,7 @@ def read_limited(path: str, limit: int) -> bytes:
         size = st.st_size
         if size > limit:
             raise ValueError(f"{path}: {size} bytes exceeds the {limit}-byte limit for this file")
-        return read_at(fd, 0, size)
+        return _read_exact(fd, 0, size)          # (its size just taken: read_at would fstat again)
     finally:
         os.close(fd)
 
@@ -203,6 +203,11 @@ def read_at(fd: int, offset: int, length: int) -> bytes:
     (checked first, so a corrupt length cannot make this allocate more than the file holds)."""
     if length > 0 and offset + length > os.fstat(fd).st_size:
         raise EOFError(f"file ends at {os.fstat(fd).st_size}, expected {length} bytes at {offset}")
+    return _read_exact(fd, offset, length)
+
+
+def _read_exact(fd: int, offset: int, length: int) -> bytes:
+    """``length`` bytes at ``offset`` of a file known to hold them; a file that ends early is EOFError."""
     chunks = []
     got = 0
     while got < length:
