@@ -238,6 +238,21 @@ def test_a_scalar_equal_in_python_is_not_equal_in_the_tree(old, new):
     assert type(got) is type(new) and repr(got) == repr(new)
 
 
+@pytest.mark.parametrize(("old", "new"), [(1, True), (0.0, -0.0), (2.0, 2), (1, 1.0), (None, "x"), (3, 4)])
+@pytest.mark.parametrize("container", [list, tuple])
+def test_a_scalar_in_a_sequence_of_leaves_keeps_its_type_in_the_tree(old, new, container):
+    """A list or tuple of leaves only (an optimizer's param group of FQNs) is walked in one step:
+    one of its scalars changing to one equal in Python must still give the tree the new one."""
+    cache = PlanCache()
+    state: dict[str, Any] = {"w": torch.ones(3), "s": container([5, old, "z"]), "n": [[1, 2], (3, old)]}
+    cache.plan(state)
+    state["s"] = container([5, new, "z"])
+    state["n"][1] = (3, new)
+    got = cache.plan(state).flat.tree
+    assert repr(got) == repr(PlanCache().plan(state).flat.tree)
+    assert repr(new) in repr(got["d"][1][1]) and repr(new) in repr(got["d"][2][1])
+
+
 def test_changed_key_type_and_container_type_invalidate():
     """Keys 1 and 1.0 (or True) are equal in Python, not in the tree; a list is not a tuple."""
     cache = PlanCache()
