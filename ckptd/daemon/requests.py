@@ -175,11 +175,8 @@ class Requests:
 
     async def commit(self, session: Session, c: Commit) -> Reply:
         job = self._job_key(session, c.level)
+        digests = commit_digests(c.digests)
         st = self.d.steps.leader_step(job, c.step, session.rank)
-        try:
-            digests = {int(r): d for r, d in c.digests.items() if isinstance(d, str)}
-        except ValueError:
-            raise RequestError("digests must map rank numbers to strings") from None
         check = None
         if c.check is not None:
             if not (isinstance(c.check, list) and all(type(r) is int and 0 <= r < st.world_size for r in c.check)):
@@ -221,3 +218,19 @@ class Requests:
                                            "stall_s": stall, "fence_s": fence}})
         return {"step": r.step}, []
 
+
+def commit_digests(wire: dict[str, Any]) -> dict[int, str]:
+    """A COMMIT's ``digests``: rank numbers as JSON writes them (decimal, no sign, no leading zero,
+    nothing around) to manifest digests, as ints to strings; RequestError for anything else, before
+    the step is looked up. (``int()`` alone takes " 1", "1_0" and "01" as ranks: two spellings of one
+    rank would collapse into one entry.)"""
+    keys = list(wire)
+    try:
+        ranks = list(map(int, keys))
+    except ValueError:
+        ranks = None
+    if ranks is None or list(map(str, ranks)) != keys or min(ranks, default=0) < 0 \
+            or not names.are_digests(list(wire.values())):
+        raise RequestError("digests must map rank numbers (decimal JSON keys) to manifest digests "
+                           "(sha256: and 64 lower-case hex digits)")
+    return dict(zip(ranks, wire.values(), strict=True))
