@@ -109,19 +109,21 @@ def is_checksum(v: Any) -> TypeGuard[str]:
 
 
 def are_checksums(values: list[Any]) -> bool:
-    """Every item of ``values`` ``is_checksum`` (one pass over their concatenation: a held shard
-    has one per chunk of every tensor)."""
-    if not all(type(v) is str and len(v) == 16 for v in values):
-        return False
-    return _HEX_RE.match("".join(values)) is not None
+    """Every item of ``values`` ``is_checksum`` (a held shard has one per chunk of every tensor)."""
+    return _all_of_length(values, 16, _HEX_RE)
 
 
 def are_digests(values: list[Any]) -> bool:
-    """Every item of ``values`` ``is_digest`` (one pass over their concatenation: a COMMIT has one per
-    rank)."""
-    if not all(type(v) is str and len(v) == 71 for v in values):
+    """Every item of ``values`` ``is_digest`` (a COMMIT has one per rank)."""
+    return _all_of_length(values, 71, _DIGESTS_RE)
+
+
+def _all_of_length(values: list[Any], length: int, pattern: re.Pattern[str]) -> bool:
+    """Every item a string of ``length`` characters and their concatenation matched by ``pattern`` in
+    one pass: with every item that long, the pattern's repeats fall exactly on the items."""
+    if not all(type(v) is str and len(v) == length for v in values):
         return False
-    return _DIGESTS_RE.match("".join(values)) is not None
+    return pattern.match("".join(values)) is not None
 
 
 def check_digest(v: Any, what: str) -> str:
