@@ -57,6 +57,7 @@ assert isinstance(got, DTensor) and torch.equal(got.to_local(), want), got
 assert torch.equal(state["b"], torch.ones(3))
 ck.close()
 print("BIND OK", flush=True)
+dist.barrier()      # rank 0 hosts the store: nobody leaves while a rank still reads it
 dist.destroy_process_group()
 '''
 

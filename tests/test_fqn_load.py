@@ -97,6 +97,7 @@ assert calls == [1] and ran == [0], (calls, ran)
 equal(snap(hooked, hooked_opt), want)
 ck.close()
 print("WORKER OK", flush=True)
+dist.barrier()      # rank 0 hosts the store: nobody leaves while a rank still reads it
 dist.destroy_process_group()
 os._exit(0)
 '''
@@ -163,6 +164,7 @@ for name in OPTIMIZERS:
         assert got == want, (name, memory, got, want)
         ck.close()
 print("WORKER OK", flush=True)
+dist.barrier()      # rank 0 hosts the store: nobody leaves while a rank still reads it
 dist.destroy_process_group()
 os._exit(0)
 '''

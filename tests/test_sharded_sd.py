@@ -180,6 +180,7 @@ assert ck.restore(state, step=3) == 3
 assert torch.equal(w.to_local(), want) and w.to_local().stride() == want.stride()
 ck.close()
 print("WORKER OK", flush=True)
+dist.barrier()      # rank 0 hosts the store: nobody leaves while a rank still reads it
 dist.destroy_process_group()
 os._exit(0)
 '''
@@ -381,6 +382,7 @@ for step, want in ((3, want3), (4, want4)):
     equal(snap(model, opt), want)
 ck.close()
 print("WORKER OK", flush=True)
+dist.barrier()      # rank 0 hosts the store: nobody leaves while a rank still reads it
 dist.destroy_process_group()
 os._exit(0)
 '''
