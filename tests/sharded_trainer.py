@@ -359,6 +359,8 @@ def mode_restore(a: argparse.Namespace) -> None:
     if a.then_step and step is not None:   # the next training step, as the saving run took it (LOSS-AFTER)
         print(f"LOSS-AFTER {step + 1} {train_step(model, opt, sched, *batch(step + 1, dp_rank))!r}", flush=True)
     ck.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()    # rank 0 hosts the store: nobody leaves while a rank still reads it
 
 
 class RankLoader:
