@@ -330,7 +330,7 @@ class Checkpointer:
             chain = restore_chain(reader, staging, memory=self.memory, per_rank=per_rank, strict=strict)
             info = run_chain(chain, step, state, skipped=info)
         self.last_restore = info
-        if (warmed := self.plans.warm(state)) is not None and self.config.prepare:
+        if self.config.prepare and (warmed := self.plans.warm(state)) is not None:
             nbytes, split = warmed                 # the first save then costs what the others do:
             self._session.prepare_soon(nbytes, lambda slots: [s.views(split.later_cpu) for s in slots])
             self._copies.pool().submit(time.sleep, 0)   # and finds its copy thread started

@@ -57,8 +57,9 @@ class CheckpointerConfig:
     local_world_size: int | None = None
     """Ranks per node (one daemon each), the relay's fan-in group. None: ``$LOCAL_WORLD_SIZE``, else 8."""
     prepare: bool = True
-    """After ``restore``, connect and allocate the slots for the restored state in the background, so
-    the first save costs what the others do. False: a process that only restores (evaluation)."""
+    """After ``restore``, plan the restored state's next save (on the caller's thread) and connect
+    and allocate its slots (in the background), so the first save costs what the others do. False: a
+    process that only restores (evaluation) does neither."""
     spawn: bool = False
     """Start a private daemon for this one process (one GPU, a notebook): default settings, writing
     to ``root`` (required), on a socket in a temporary directory; stopped by ``close()`` once the saves

@@ -55,4 +55,5 @@ def test_prepare_false_leaves_a_restore_only_process_without_slots(daemon) -> No
     assert reader.restore(zeros_like(state)) == 1
     time.sleep(0.5)
     assert sessions_of(daemon.socket, "noprep") == [] and reader.slots == []
+    assert (reader.plans.misses, reader.plans.hits) == (0, 0)      # nor planned a save it will not make
     reader.close()
