@@ -243,6 +243,46 @@ def test_bad_tensor_names_refused_on_the_wire(daemon, name):
     assert not (daemon.root / "names").exists()
 
 
+def test_a_layout_is_checked_in_full_after_a_valid_one_on_the_same_connection(daemon):
+    """The daemon reuses a session's last parsed layout for an equal tensor list (session.LayoutMemo):
+    a list of the same length that differs is still checked, and refused."""
+    s = protocol.connect(str(daemon.socket))
+    rx = protocol.FrameReceiver(s)
+    try:
+        protocol.send_frame(s, {"op": "hello", "req": 1, "job": "memo", "rank": 0, "world_size": 1,
+                                "pid": os.getpid(), "slot_bytes": 4096, "num_slots": 2})
+        assert rx.read()["op"] == "ok"
+        for fd in rx.take_fds(2):
+            os.close(fd)
+        good = [["w", "float32", [1], 0, 4], ["v", "float32", [2], 8, 8]]
+        protocol.send_frame(s, {"op": "save", "req": 2, "step": 1, "slot": 0, "commit": "local", "tree": {},
+                                "tensors": good})
+        assert _reply(rx, 2)["op"] == "ok"
+        for req, (bad, needle) in enumerate([([["w", "float32", [1], 0, 4], ["../v", "float32", [2], 8, 8]],
+                                              "invalid tensor name"),
+                                             ([["w", "float32", [1], 0, 4], ["v", "float32", [2], 4090, 8]],
+                                              "outside the slot"),
+                                             ([["w", "float32", [1], 0, 4], ["w", "float32", [2], 8, 8]],
+                                              "duplicate")], start=3):
+            protocol.send_frame(s, {"op": "save", "req": req, "step": req, "slot": 1, "commit": "local",
+                                    "tree": {}, "tensors": bad})
+            reply = _reply(rx, req)
+            assert reply["op"] == "error" and needle in reply["reason"], reply
+    finally:
+        s.close()
+    for step in (3, 4, 5):
+        assert not (daemon.root / "memo" / f"step-{step:012d}").exists()
+
+
+def _reply(rx: protocol.FrameReceiver, req: int) -> dict:
+    """The reply to request ``req`` (events the daemon sends meanwhile are passed over)."""
+    while True:
+        msg = rx.read()
+        assert msg is not None, "daemon closed the connection"
+        if msg.get("req") == req:
+            return msg
+
+
 def test_oversized_frame_refused(daemon):
     s = protocol.connect(str(daemon.socket))
     try:

@@ -20,7 +20,6 @@ from ckptd.core.gc_pause import gc_paused
 from ckptd.core.held import span
 from ckptd.core.protocol import Abort, Commit, CommitMode, Hello, Info, MemoryFetch, Report, Resize, Save, Status
 from ckptd.core.rank_record import parse_records
-from ckptd.core.schema import parse_layout
 from ckptd.daemon.filling import FillingSlot
 from ckptd.daemon.runtime import RequestError, bounded, describe_error
 from ckptd.daemon.session import Session
@@ -143,7 +142,7 @@ class Requests:
         stream: StreamedShard | FillingSlot | None = None if s.stream is None else StreamedShard(   # save_part
             *check_stream(s.stream, slot.size), slot, session.slot_free, asyncio.get_running_loop(),
             self.d.config.step_timeout)
-        layout = parse_layout(s.tensors, slot.size if stream is None else stream.total)
+        layout = session.layouts.parse(s.tensors, slot.size if stream is None else stream.total)
         names.check_tree_depth(s.tree)
         if s.filling:            # the slot's bytes come as save_filled says (filling.py)
             stream = FillingSlot(slot.view, span(layout), self.d.config.step_timeout)

@@ -19,6 +19,7 @@ from typing import Any
 from ckptd.core import protocol
 from ckptd.core.errors import ProtocolError
 from ckptd.core.protocol import EventOp
+from ckptd.core.schema import TensorLayout, parse_layout
 from ckptd.daemon.filling import FillingSlot
 from ckptd.daemon.runtime import RequestError, TaskSet, bounded
 from ckptd.daemon.service.snapshot import SessionView
@@ -63,6 +64,29 @@ def peer_allowed(peer: Peer, allowed_uids: frozenset[int] | None, allowed_gids: 
            (allowed_gids is not None and (peer.gid in allowed_gids or not allowed_gids.isdisjoint(peer.groups)))
 
 
+class LayoutMemo:
+    """A session's last SAVE layout: the tensor list as it came off the wire, the slot bound it was
+    checked against, and what ``schema.parse_layout`` made of it. A trainer's saves send the same
+    list save after save (its plan is reused while its state's structure holds), and parsing it
+    runs on the daemon's event loop: 50-80 ms a SAVE at 8,192 tensors on the benchmarks' VM, a rank
+    at a time, where comparing it with the last one takes 3 ms. A list equal to the last one (``==``,
+    as decoded JSON: the same names and dtypes, numbers equal as numbers, so the same layout) gets
+    the last one's layout; any other is parsed and checked in full."""
+
+    def __init__(self) -> None:
+        self._last: tuple[Any, int, list[TensorLayout]] | None = None
+
+    def parse(self, tensors: Any, bound: int) -> list[TensorLayout]:
+        """``parse_layout(tensors, bound)`` (ValueError as it raises it), reused for an equal input."""
+        last = self._last
+        if last is not None and last[1] == bound and type(tensors) is list and last[0] == tensors:
+            return list(last[2])
+        self._last = None
+        layout = parse_layout(tensors, bound)
+        self._last = (tensors, bound, layout)
+        return list(layout)
+
+
 Handler = Callable[["Session", dict[str, Any]], Awaitable[None]]
 
 
@@ -80,6 +104,7 @@ class Session:
         self.filling: dict[int, FillingSlot] = {}       # step → a save whose slot is still being filled
         self.saves = 0
         self.last_report: dict[str, Any] | None = None     # the client's latest {step, stall_s, fence_s}
+        self.layouts = LayoutMemo()
         self.closed = False
         self._serving = False              # the frame loop runs (and closes the socket when it ends)
         self._tasks = tasks
