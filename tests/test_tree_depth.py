@@ -1,0 +1,76 @@
+# mypy: disable-error-code="index"
+"""The state-tree depth check (ckptd/core/names.py ``check_tree_depth``), which the daemon runs on every
+SAVE's tree and every manifest read runs on its tree: it refuses exactly the trees that nest deeper than
+the limit, over generated JSON trees; and a real daemon refuses a SAVE whose tree does, writing nothing."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckptd.core import protocol
+from ckptd.core.names import MAX_TREE_DEPTH, check_tree_depth
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=3),
+                    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=3), kids, max_size=4),
+                    max_leaves=40)
+
+
+def depth(x: Any) -> int:
+    """Containers on the longest path from the root (a scalar: 0), by recursion: the rule as stated."""
+    if isinstance(x, dict):
+        return 1 + max(map(depth, x.values()), default=0)
+    if isinstance(x, list):
+        return 1 + max(map(depth, x), default=0)
+    return 0
+
+
+def refused(tree: Any, limit: int) -> bool:
+    try:
+        check_tree_depth(tree, limit)
+    except ValueError as e:
+        assert f"deeper than {limit} levels" in str(e)
+        return True
+    return False
+
+
+@settings(max_examples=1500, deadline=None, database=None)
+@given(JSON, st.integers(0, 7))
+def test_refuses_exactly_the_trees_deeper_than_the_limit(tree: Any, limit: int) -> None:
+    assert refused(tree, limit) == (depth(tree) > limit), (depth(tree), limit, tree)
+
+
+def nested(levels: int) -> Any:
+    """``levels`` containers deep, dicts and lists in turn, a leaf dict at the bottom."""
+    tree: Any = {"T": "w"}
+    for i in range(levels - 1):
+        tree = {"k": tree, "n": 1} if i % 2 else [1, tree]
+    return tree
+
+
+@pytest.mark.parametrize("levels", [MAX_TREE_DEPTH, MAX_TREE_DEPTH + 1, 3 * MAX_TREE_DEPTH])
+def test_the_limit_itself(levels: int) -> None:
+    if levels < 400:            # (deeper, the recursive rule itself would exceed Python's recursion limit)
+        assert depth(nested(levels)) == levels
+    assert refused(nested(levels), MAX_TREE_DEPTH) == (levels > MAX_TREE_DEPTH)
+
+
+def test_a_save_whose_tree_nests_too_deep_is_refused_on_the_wire(daemon: Any) -> None:
+    s = protocol.connect(str(daemon.socket))
+    rx = protocol.FrameReceiver(s)
+    try:
+        protocol.send_frame(s, {"op": "hello", "req": 1, "job": "deep", "rank": 0, "world_size": 1,
+                                "pid": os.getpid(), "slot_bytes": 4096, "num_slots": 1})
+        assert rx.read()["op"] == "ok"
+        for fd in rx.take_fds(1):
+            os.close(fd)
+        protocol.send_frame(s, {"op": "save", "req": 2, "step": 1, "slot": 0, "commit": "local",
+                                "tree": nested(MAX_TREE_DEPTH + 1), "tensors": [["w", "float32", [1], 0, 4]]})
+        reply = rx.read()
+        assert reply["op"] == "error" and "nests deeper" in reply["reason"], reply
+    finally:
+        s.close()
+    assert not (daemon.root / "deep" / f"step-{1:012d}").exists()
