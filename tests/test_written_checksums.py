@@ -4,15 +4,19 @@ the slot gives (``held.layout_checksums``), for raw and encoded chunks alike, an
 manifest's chunks are not the memory tier's pieces."""
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ckptd.core import shard_writer
+from ckptd.core.codec import ChunkMeta, chunk_ranges
 from ckptd.core.held import layout_checksums, written_checksums
-from ckptd.core.schema import TensorLayout
+from ckptd.core.schema import Manifest, TensorEntry, TensorLayout
 from ckptd.core.shard_writer import Encoding
 
 CHUNK = 64 * 1024
@@ -47,3 +51,66 @@ def test_written_checksums_are_the_slots(tmp_path: Path, adaptive: bool) -> None
     assert written_checksums(written.manifest, layout, CHUNK) == layout_checksums(data, layout, CHUNK)
     assert written_checksums(written.manifest, layout, CHUNK * 2) is None       # other pieces: hashed again
     assert written_checksums(written.manifest, layout[:-1], CHUNK) is None
+
+
+def by_the_rule(manifest, layout, chunk_bytes):
+    """``written_checksums`` as its docstring states it, tensor by tensor over ``chunk_ranges`` (the
+    code takes a one-chunk tensor in one step)."""
+    if len(manifest.tensors) != len(layout):
+        return None
+    out = []
+    for entry, t in zip(manifest.tensors, layout, strict=True):
+        sizes = [n for _, n in chunk_ranges(t.nbytes, chunk_bytes)]
+        if entry.name != t.name or [c.raw_len for c in entry.chunks] != sizes:
+            return None
+        sums = tuple(c.raw_checksum or (c.checksum if c.codec == "none" else "") for c in entry.chunks)
+        if not all(sums):
+            return None
+        out.append(sums)
+    return tuple(out)
+
+
+SPOILS = ["none", "raw length", "no raw checksum", "a chunk more", "a chunk less", "another name", "a tensor less"]
+
+
+@st.composite
+def written(draw):
+    """A layout, and a manifest whose chunks are the rule's pieces of it with raw checksums, but for
+    at most one spoil: one chunk's raw length, its raw checksum gone (encoded, none given; or raw with
+    no stored one), a chunk more or less, a tensor renamed or missing."""
+    chunk = draw(st.integers(1, 100))
+    layout, entries = [], []
+    for i in range(draw(st.integers(1, 5))):
+        n = draw(st.integers(0, 300))
+        layout.append(TensorLayout(f"t{i}", "uint8", (n,), 0, n))
+        encoded = draw(st.integers(0, 0xFFFF))          # bit j % 16: chunk j encoded (else stored raw)
+        entries.append(TensorEntry(f"t{i}", "uint8", [n], 0, [
+            ChunkMeta("zstd", k, k, f"{j:016x}", [], f"{j + 1000:016x}") if encoded >> (j % 16) & 1 else
+            ChunkMeta("none", k, k, f"{j:016x}", []) for j, (_, k) in enumerate(chunk_ranges(n, chunk))]))
+    spoil = draw(st.sampled_from(SPOILS))
+    e = entries[draw(st.integers(0, len(entries) - 1))]
+    j = draw(st.integers(0, len(e.chunks) - 1))
+    c = e.chunks[j]
+    if spoil == "raw length":
+        e.chunks[j] = dataclasses.replace(c, raw_len=c.raw_len + draw(st.sampled_from([-1, 1])))
+    elif spoil == "no raw checksum":
+        e.chunks[j] = dataclasses.replace(c, codec="zstd", raw_checksum=None) if draw(st.booleans()) else \
+            dataclasses.replace(c, codec="none", checksum="", raw_checksum=None)
+    elif spoil == "a chunk more":
+        e.chunks.insert(j, c)
+    elif spoil == "a chunk less":
+        e.chunks.pop(j)
+    elif spoil == "another name":
+        e.name = "x"
+    elif spoil == "a tensor less":
+        entries.remove(e)
+    return Manifest("j", 1, 0, 1, entries, {}, 0, 0), layout, chunk, spoil
+
+
+@settings(max_examples=1500, deadline=None, database=None)
+@given(written())
+def test_the_one_chunk_step_decides_as_the_rule(case) -> None:
+    manifest, layout, chunk, spoil = case
+    got = written_checksums(manifest, layout, chunk)
+    assert got == by_the_rule(manifest, layout, chunk)
+    assert (got is not None) == (spoil == "none"), spoil
