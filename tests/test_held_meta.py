@@ -109,3 +109,11 @@ def test_layout_refusal_names_the_tensor() -> None:
     tensors[1][2] = [8]
     with pytest.raises(ValueError, match="'model/b'"):
         parse_layout(tensors, 1 << 20)
+
+
+def test_to_wire_is_the_callers_own_dict() -> None:
+    """(Its lists are built once per shard and shared between calls: a caller adds keys of its own.)"""
+    meta = HeldMeta.from_wire(wire())
+    first = meta.to_wire()
+    first["source"], first["step"] = "peer", 99
+    assert meta.to_wire() == wire()
