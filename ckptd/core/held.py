@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import chain
 from typing import Any
 
 from .codec import HELD_CODEC, ChunkMeta, checksum, chunk_count, chunk_ranges
@@ -135,9 +136,10 @@ class HeldMeta:
             layout = parse_layout(tensors, nbytes)
         except ValueError as e:
             raise FormatError(f"held shard: {e}") from None
-        if not (isinstance(sums, list) and len(sums) == len(layout) and all(
-                isinstance(c, list) and len(c) == chunk_count(t.nbytes, chunk) and are_checksums(c)
-                for c, t in zip(sums, layout, strict=True))):
+        # (each tensor's list of its chunk count, then every checksum in one pass: are_checksums)
+        if not (isinstance(sums, list) and len(sums) == len(layout) and all(isinstance(c, list) for c in sums)
+                and list(map(len, sums)) == [chunk_count(t.nbytes, chunk) for t in layout]
+                and are_checksums(list(chain.from_iterable(sums)))):
             raise FormatError("held shard: checksums do not match its tensors")
         return cls(job, step, rank, world, digest, nbytes, chunk, tuple(tuple(c) for c in sums), tuple(layout),
                    msg.get("tree"))
