@@ -65,3 +65,14 @@ def test_children_draw_their_own_random_numbers() -> None:
     code = "import random, numpy; print(random.random(), numpy.random.random())"
     draws = [zygote.run([PY, "-c", code], capture_output=True, text=True, timeout=60).stdout.split() for _ in range(3)]
     assert len({d[0] for d in draws}) == 3 and len({d[1] for d in draws}) == 3, draws
+
+
+def test_output_read_before_a_communicate_timeout_is_kept() -> None:
+    """A hung rank group is killed and its output dumped (sharded_trainer.finish): the second
+    ``communicate`` must return what the first read before it timed out, as ``subprocess.Popen``'s does."""
+    p = zygote.popen([PY, "-c", "import time; print('got this far', flush=True); time.sleep(60)"], text=True,
+                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    with pytest.raises(subprocess.TimeoutExpired):
+        p.communicate(timeout=3)
+    p.kill()
+    assert p.communicate(timeout=30)[0] == "got this far\n"

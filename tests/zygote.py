@@ -63,6 +63,8 @@ class Process:
         self.stdout, self.stderr = stdout, stderr
         self.returncode: int | None = None
         self._status = status_fd
+        self._outs: dict[str, Any] = {}
+        self._readers: list[threading.Thread] | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None and select.select([self._status], [], [], 0)[0]:
@@ -88,18 +90,19 @@ class Process:
         if input is not None:
             raise ValueError("zygote processes take no stdin input")
         deadline = None if timeout is None else time.monotonic() + timeout
-        outs: dict[str, Any] = {}
-        readers = [threading.Thread(target=lambda k=k, f=f: outs.__setitem__(k, f.read()), daemon=True)
-                   for k, f in (("out", self.stdout), ("err", self.stderr)) if f is not None]
-        for t in readers:
-            t.start()
-        for t in readers:
+        if self._readers is None:       # once: a call after a timeout goes on with the same readers, so
+            outs = self._outs           # what they read before it is kept (as subprocess.Popen keeps it)
+            self._readers = [threading.Thread(target=lambda k=k, f=f: outs.__setitem__(k, f.read()), daemon=True)
+                             for k, f in (("out", self.stdout), ("err", self.stderr)) if f is not None]
+            for t in self._readers:
+                t.start()
+        for t in self._readers:
             t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if t.is_alive():
                 raise subprocess.TimeoutExpired(self.args, timeout or 0)
         self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._close_streams()
-        return outs.get("out"), outs.get("err")
+        return self._outs.get("out"), self._outs.get("err")
 
     def _close_streams(self) -> None:
         for f in (self.stdout, self.stderr):
