@@ -42,6 +42,12 @@ def counted(*args, **kwargs):         # torch's own, counted
 tsd.set_model_state_dict = counted
 
 
+# Successive Checkpointers of one job agree on a run id through the job's store (run_scope.py). With
+# nothing collective between them, rank 0 could run a whole Checkpointer ahead and rank 1 join that next
+# run, whose restores agree on other keys: a training job's collectives keep its ranks in step, and so
+# do this worker's barriers.
+
+
 def build(seed):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 5))     # 5 rows: uneven shards
@@ -66,6 +72,7 @@ want = snap(model, opt)
 ck = ckptd_client.Checkpointer("ml", socket=sys.argv[1])
 ck.save(1, {"model": model, "optim": opt}).wait(60)
 ck.close()
+dist.barrier()      # ranks in step between Checkpointers (see the note above build)
 
 # The live model's own state dict, read in place: nothing to load. A copy of it, or a model with a
 # module that loads in its own way (BatchNorm's _load_from_state_dict), is loaded.
@@ -85,6 +92,7 @@ for memory in (False, True):
     assert calls == [], f"memory={memory}: set_model_state_dict ran {len(calls)} times after an in-place read"
     equal(snap(fresh, fresh_opt), want)
     ck.close()
+    dist.barrier()      # ranks in step between Checkpointers (see the note above build)
 
 # A load hook of the user's: the model is loaded through torch, so the hook runs, and it restores exactly.
 hooked, hooked_opt = build(2)
