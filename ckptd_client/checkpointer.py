@@ -349,7 +349,8 @@ class Checkpointer:
         """Every rank restores rank 0's choice of step (agree_step), numbered by this run's restores."""
         if self.world_size > 1 and self.run_scope is not None:
             self._restores += 1
-            step = agree_step(self.store, self.run_scope.scope(), self._restores, self.rank, self.world_size, step)
+            step = agree_step(self.store, self.run_scope.scope(), self._restores, self.rank, self.world_size, step,
+                              self.run_scope.timeout, self._lines)
         return step
 
     # ---- lifetime ----------------------------------------------------------

@@ -53,7 +53,7 @@ from .read_stats import HeldShards, ReadStats
 from .reshard import DTYPES, Need, decodable_into, read_needs, tensor_bytes
 from .restore_check import Check, Outcome, check_plain, saved_leaves
 from .state import RNGState, apply_state
-from .store_io import read_once
+from .store_io import CloneShelf, StoreWaiter, read_once
 
 FRESH, RANK0, SAME_RANK = "fresh", "rank0", "same-rank"
 PER_RANK_RULES = (FRESH, RANK0, SAME_RANK)
@@ -71,14 +71,27 @@ __all__ = ["agree_step", "apply_loaded", "load_shard", "restore_state", "tensor_
            "FRESH", "RANK0", "SAME_RANK", "PerRank", "PerRankRule", "ReadStats"]
 
 
-def agree_step(store: Any, scope: str, n: int, rank: int, world_size: int, step: int | None) -> int | None:
+def agree_step(store: Any, scope: str, n: int, rank: int, world_size: int, step: int | None,
+               timeout: float, shelf: CloneShelf | None = None) -> int | None:
     """All ranks restore rank 0's choice, so a commit racing the listing cannot split them.
     ``scope``: the run's key prefix (an earlier run's choice is never read); ``n`` numbers the
-    run's restores: each agreement has its own key, deleted by the last rank to read it."""
+    run's restores: each agreement has its own key, deleted by the last rank to read it. Another
+    rank waits ``timeout`` seconds at most (the store's own timeout, 30 min by torch's default, is no
+    bound a user chose): then CheckpointError."""
     key = store_keys.restore_choice(scope, n)
     if rank == 0:
         store.set(key, str(-1 if step is None else step))
         return step
+    waiter = StoreWaiter(store, shelf=shelf)
+    try:
+        if not waiter.wait([key], timeout):
+            raise CheckpointError(f"restore: rank {rank} had no word from rank 0 of which step to restore within "
+                                  f"{timeout:g}s (join_timeout): is rank 0 restoring too? Ranks that make one "
+                                  "Checkpointer after another must stay in step (a collective between them)")
+    except RuntimeError as e:            # the store is gone
+        raise CheckpointError(f"restore: rank {rank} cannot learn rank 0's choice of step: {e}") from None
+    finally:
+        waiter.forget()
     value = int(store.get(key).decode())
     read_once(store, key, world_size - 1)
     return None if value < 0 else value
