@@ -84,14 +84,15 @@ def agree_step(store: Any, scope: str, n: int, rank: int, world_size: int, step:
         return step
     waiter = StoreWaiter(store, shelf=shelf)
     try:
-        if not waiter.wait([key], timeout):
-            raise CheckpointError(f"restore: rank {rank} had no word from rank 0 of which step to restore within "
-                                  f"{timeout:g}s (join_timeout): is rank 0 restoring too? Ranks that make one "
-                                  "Checkpointer after another must stay in step (a collective between them)")
+        chosen = waiter.wait([key], timeout)
     except RuntimeError as e:            # the store is gone
         raise CheckpointError(f"restore: rank {rank} cannot learn rank 0's choice of step: {e}") from None
     finally:
         waiter.forget()
+    if not chosen:
+        raise CheckpointError(f"restore: rank {rank} had no word from rank 0 of which step to restore within "
+                              f"{timeout:g}s (join_timeout): is rank 0 restoring too? Ranks that make one "
+                              "Checkpointer after another must stay in step (a collective between them)")
     value = int(store.get(key).decode())
     read_once(store, key, world_size - 1)
     return None if value < 0 else value
