@@ -207,11 +207,16 @@ def test_crafted_data_file_path_rejected(step):
 
 # ---- the wire: names and sizes --------------------------------------------------------------
 
-def _hello(s: socket.socket, rx: protocol.FrameReceiver, job: str, slot_bytes: int = 0) -> dict:
+def hello(s: socket.socket, rx: protocol.FrameReceiver, job: str, slot_bytes: int = 0, num_slots: int = 1) -> dict:
+    """A raw HELLO as rank 0 of 1 (``num_slots`` slots of ``slot_bytes``, none without); its reply. The
+    slots' memfds it lends are closed at once: the wire tests write none of them."""
     protocol.send_frame(s, {"op": "hello", "req": 1, "job": job, "rank": 0, "world_size": 1, "pid": os.getpid(),
-                            "slot_bytes": slot_bytes, "num_slots": 1 if slot_bytes else 0})
+                            "slot_bytes": slot_bytes, "num_slots": num_slots if slot_bytes else 0})
     reply = rx.read()
     assert reply is not None, "daemon closed the connection"
+    if reply["op"] == "ok":
+        for fd in rx.take_fds(len(reply.get("slots", []))):
+            os.close(fd)
     return reply
 
 
@@ -219,7 +224,7 @@ def _hello(s: socket.socket, rx: protocol.FrameReceiver, job: str, slot_bytes: i
 def test_bad_job_names_refused_on_the_wire(daemon, job):
     s = protocol.connect(str(daemon.socket))
     try:
-        reply = _hello(s, protocol.FrameReceiver(s), job)
+        reply = hello(s, protocol.FrameReceiver(s), job)
         assert reply["op"] == "error" and "invalid job name" in reply["reason"]
     finally:
         s.close()
@@ -231,9 +236,7 @@ def test_bad_tensor_names_refused_on_the_wire(daemon, name):
     s = protocol.connect(str(daemon.socket))
     rx = protocol.FrameReceiver(s)
     try:
-        assert _hello(s, rx, "names", slot_bytes=4096)["op"] == "ok"
-        for fd in rx.take_fds(1):
-            os.close(fd)
+        assert hello(s, rx, "names", slot_bytes=4096)["op"] == "ok"
         protocol.send_frame(s, {"op": "save", "req": 2, "step": 1, "slot": 0, "commit": "local", "tree": {},
                                 "tensors": [[name, "float32", [1], 0, 4]]})
         reply = rx.read()
@@ -249,11 +252,7 @@ def test_a_layout_is_checked_in_full_after_a_valid_one_on_the_same_connection(da
     s = protocol.connect(str(daemon.socket))
     rx = protocol.FrameReceiver(s)
     try:
-        protocol.send_frame(s, {"op": "hello", "req": 1, "job": "memo", "rank": 0, "world_size": 1,
-                                "pid": os.getpid(), "slot_bytes": 4096, "num_slots": 2})
-        assert rx.read()["op"] == "ok"
-        for fd in rx.take_fds(2):
-            os.close(fd)
+        assert hello(s, rx, "memo", slot_bytes=4096, num_slots=2)["op"] == "ok"
         good = [["w", "float32", [1], 0, 4], ["v", "float32", [2], 8, 8]]
         protocol.send_frame(s, {"op": "save", "req": 2, "step": 1, "slot": 0, "commit": "local", "tree": {},
                                 "tensors": good})
@@ -325,7 +324,7 @@ def _connect_as(path: Path, uid: int, gid: int, groups: list[int], use_client: b
                 else:
                     s = protocol.connect(str(path))
                     rx = protocol.FrameReceiver(s)
-                    result = _hello(s, rx, "peer")
+                    result = hello(s, rx, "peer")
             except ckptd_client.CheckpointError as e:
                 result = {"op": "CheckpointError", "reason": str(e)}
             except Exception as e:

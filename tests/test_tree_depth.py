@@ -4,12 +4,12 @@ SAVE's tree and every manifest read runs on its tree: it refuses exactly the tre
 the limit, over generated JSON trees; and a real daemon refuses a SAVE whose tree does, writing nothing."""
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_security import hello
 
 from ckptd.core import protocol
 from ckptd.core.names import MAX_TREE_DEPTH, check_tree_depth
@@ -62,11 +62,7 @@ def test_a_save_whose_tree_nests_too_deep_is_refused_on_the_wire(daemon: Any) ->
     s = protocol.connect(str(daemon.socket))
     rx = protocol.FrameReceiver(s)
     try:
-        protocol.send_frame(s, {"op": "hello", "req": 1, "job": "deep", "rank": 0, "world_size": 1,
-                                "pid": os.getpid(), "slot_bytes": 4096, "num_slots": 1})
-        assert rx.read()["op"] == "ok"
-        for fd in rx.take_fds(1):
-            os.close(fd)
+        assert hello(s, rx, "deep", slot_bytes=4096)["op"] == "ok"
         protocol.send_frame(s, {"op": "save", "req": 2, "step": 1, "slot": 0, "commit": "local",
                                 "tree": nested(MAX_TREE_DEPTH + 1), "tensors": [["w", "float32", [1], 0, 4]]})
         reply = rx.read()
