@@ -144,10 +144,14 @@ def main() -> int:
             except Exception as e:
                 out[r]["restore"] = {"ok": False, "error": str(e)}
         barrier("restore")
-        # Rank 0 first: the others' blocking get of its choice must not hold a shared connection.
-        if first == 0:
-            restore(0)
+        # Rank 0 on a thread of its own: its restore returns only once every rank read its choice, and
+        # the pool's threads may all be other ranks waiting for that choice.
+        lead = threading.Thread(target=restore, args=(0,)) if first == 0 else None
+        if lead is not None:
+            lead.start()
         list(pool.map(restore, [r for r in ranks if r != 0]))
+        if lead is not None:
+            lead.join()
     phases["restore_s"], t = time.monotonic() - t, time.monotonic()
     list(pool.map(lambda ck: ck.close(timeout=10), ckpts.values()))
     phases["close_s"] = time.monotonic() - t

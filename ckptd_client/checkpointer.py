@@ -14,6 +14,7 @@ from ckptd.core.protocol import CommitMode, EventOp, SaveLevel
 from ckptd.core.reader import latest_committed
 from ckptd.core.relay_record import RankOutcome
 
+from .agreement import RestoreAgreements
 from .bucket_restore import BucketStaging
 from .config import CheckpointerConfig, join_window, with_keywords
 from .connection import DaemonConnection, ask
@@ -22,13 +23,13 @@ from .dist import dist_info
 from .errors import CheckpointError, NotDelivered
 from .handle import CloseReport, SaveHandle, wait_all
 from .handoff import hand_over
-from .memory_level import all_ranks_ok, is_held_step, newest_held_step, restore_held
+from .memory_level import is_held_step, newest_held_step, restore_held
 from .modes import WhenBusy, parse_level, parse_when_busy, resolve_commit_mode
 from .overlap import OverlapCopies, fence_list, parse_overlap
 from .own_daemon import OwnDaemon
 from .plan_cache import PlanCache
 from .relay import StoreRelay
-from .restore import PerRank, agree_step
+from .restore import PerRank
 from .run_scope import RunScope
 from .session import DaemonSession
 from .slots import ClientSlot
@@ -98,7 +99,8 @@ class Checkpointer:
         self.plans = PlanCache()                      # the last save's plan, while the structure holds
         self._handles: dict[int, SaveHandle] = {}      # step → handle (one save per step in flight)
         self._seq = 0
-        self._restores = 0
+        self._agreements = RestoreAgreements(self.store, self.run_scope, self.rank, self.world_size,
+                                             self.commit_timeout, self._lines)
         self._relay: StoreRelay | None = None
         self._closed = False
         self.memory = c.memory                         # restore asks the daemon's memory tier first
@@ -311,19 +313,28 @@ class Checkpointer:
         memory (memory_level.py); the daemon's memory (``memory=True``: held shards, this node's or a peer's,
         checksummed, resharded as from storage); the files under the root (a daemon with a bucket stages them
         first); every rank's files staged from the bucket. ``last_restore`` says which served, why each before it
-        could not, and the bytes from each."""
+        could not, and the bytes from each.
+
+        With more than one rank, every rank calls it (it agrees on the step through the job's store), and
+        rank 0's returns only once every rank has read that agreement: its process may host the store."""
         self.fence()
+        try:
+            return self._restore(state, step, per_rank, strict)
+        finally:
+            self._agreements.settle()
+
+    def _restore(self, state: dict[str, Any], step: int | None, per_rank: PerRank, strict: bool) -> int | None:
         staging = BucketStaging(self.socket_path, self.job, self.rank, self.world_size)
         reader = Reader(self.socket_path, self.job, self.rank, self.world_size, self.restore_threads,
                         self.resolve_root)
         held = None            # a memory-level step to try first (memory_level.py)
         if step is None:                # the newest committed step, here or in the bucket
-            step = self._agree(staging.newest(self.latest_step))
+            step = self._agreements.step(staging.newest(self.latest_step))
             if self.memory:
-                held = self._agree(newest_held_step(self.resolve_root(), self.job, step))
+                held = self._agreements.step(newest_held_step(self.resolve_root(), self.job, step))
         elif self.memory and is_held_step(self.resolve_root(), self.job, step):
             held = step
-        info = None if held is None else restore_held(reader, held, state, per_rank, strict, self._all_ok)
+        info = None if held is None else restore_held(reader, held, state, per_rank, strict, self._agreements.all_ok)
         if not isinstance(info, RestoreInfo):
             if step is None:
                 return None
@@ -336,22 +347,6 @@ class Checkpointer:
             self._copies.pool().submit(time.sleep, 0)   # and finds its copy thread started
         log.info("ckptd: %s", info)
         return info.step
-
-    def _all_ok(self, ok: bool) -> bool:
-        """Whether every rank restored the memory-level step (just this one's answer without a store)."""
-        if self.world_size == 1 or self.run_scope is None:
-            return ok
-        self._restores += 1
-        return all_ranks_ok(self.store, self.run_scope.scope(), self._restores, self.world_size, ok,
-                            self.commit_timeout, self._lines)
-
-    def _agree(self, step: int | None) -> int | None:
-        """Every rank restores rank 0's choice of step (agree_step), numbered by this run's restores."""
-        if self.world_size > 1 and self.run_scope is not None:
-            self._restores += 1
-            step = agree_step(self.store, self.run_scope.scope(), self._restores, self.rank, self.world_size, step,
-                              self.run_scope.timeout, self._lines)
-        return step
 
     # ---- lifetime ----------------------------------------------------------
 

@@ -7,7 +7,7 @@ bytes exist only in the daemons' memory (the saving node's and K peers'). ``Chec
 without a step restores the newest memory-level step newer than the newest storage step when every
 rank can read all it needs of it from memory or peers (:func:`restore_held`, each saved rank's shard
 through ``memory_fetch``, resharded as from storage), and otherwise the storage step, saying why in
-``RestoreInfo.passed``. "Every rank" is agreed through the job's store (:func:`all_ranks_ok`): one
+``RestoreInfo.passed``. "Every rank" is agreed through the job's store (agreement.py): one
 rank that cannot read its pieces (its daemon and the shard's peers gone) sends every rank to storage,
 so no run resumes from two different steps.
 """
@@ -22,14 +22,11 @@ from ckptd.core.gc_pause import gc_paused
 from ckptd.core.names import job_dir, memory_job, step_dir
 from ckptd.core.reader import list_steps
 
-from . import store_keys
-from .errors import CheckpointError
 from .held_pieces import DaemonShards
 from .memory_restore import MEMORY, PEER, MemoryUnavailable
 from .read_stats import ReadStats
 from .restore import PerRank, restore_state
 from .sources import Reader, RestoreInfo, Served, Unavailable, saved_world
-from .store_io import CloneShelf, StoreWaiter
 
 MEMORY_LEVEL = "memory-level"
 
@@ -85,25 +82,3 @@ def restore_held(reader: Reader, step: int, state: dict[str, Any], per_rank: Per
     if not everyone:
         return Unavailable(MEMORY_LEVEL, f"memory-level step {step}: another rank could not restore it from memory")
     return RestoreInfo.of(step, got, started, level="memory")
-
-
-def all_ranks_ok(store: Any, scope: str, n: int, world_size: int, ok: bool, timeout: float,
-                 shelf: CloneShelf | None = None) -> bool:
-    """Whether every rank answered ``ok`` in the run's ``n``-th restore agreement: one counter of
-    failures, one of arrivals, a key the last arrival sets; the last reader deletes them."""
-    failed, arrived, done, read = store_keys.restore_votes(scope, n)
-    if not ok:
-        store.add(failed, 1)
-    if store.add(arrived, 1) >= world_size:
-        store.set(done, "1")
-    waiter = StoreWaiter(store, shelf=shelf)
-    ok_all = waiter.wait([done], timeout)
-    waiter.forget()
-    if not ok_all:
-        raise CheckpointError(f"restore: not every rank said within {timeout:g}s whether it restored the "
-                              "memory-level step (a rank died or hangs)")
-    bad = int(store.add(failed, 0))
-    if store.add(read, 1) >= world_size:
-        for key in (failed, arrived, done, read):
-            store.delete_key(key)
-    return bad == 0

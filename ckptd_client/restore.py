@@ -43,7 +43,6 @@ from ckptd.core.regions import Region
 from ckptd.core.schema import Manifest
 from ckptd.core.tree import decode_tree
 
-from . import store_keys
 from .dtensor import is_dtensor, local_region, local_tensor, sharded_model_of
 from .errors import CheckpointError
 from .fqn_load import load_model, model_values, read_into
@@ -53,7 +52,6 @@ from .read_stats import HeldShards, ReadStats
 from .reshard import DTYPES, Need, decodable_into, read_needs, tensor_bytes
 from .restore_check import Check, Outcome, check_plain, saved_leaves
 from .state import RNGState, apply_state
-from .store_io import CloneShelf, StoreWaiter, read_once
 
 FRESH, RANK0, SAME_RANK = "fresh", "rank0", "same-rank"
 PER_RANK_RULES = (FRESH, RANK0, SAME_RANK)
@@ -67,35 +65,8 @@ world did not have stays fresh), or ``f(rank, saved_world_size, world_size) -> s
 PerRank = PerRankRule | Mapping[str, PerRankRule] | None
 """``restore``'s ``per_rank``: one rule for every per-rank entry, or a rule per top-level key."""
 
-__all__ = ["agree_step", "apply_loaded", "load_shard", "restore_state", "tensor_bytes",
+__all__ = ["apply_loaded", "load_shard", "restore_state", "tensor_bytes",
            "FRESH", "RANK0", "SAME_RANK", "PerRank", "PerRankRule", "ReadStats"]
-
-
-def agree_step(store: Any, scope: str, n: int, rank: int, world_size: int, step: int | None,
-               timeout: float, shelf: CloneShelf | None = None) -> int | None:
-    """All ranks restore rank 0's choice, so a commit racing the listing cannot split them.
-    ``scope``: the run's key prefix (an earlier run's choice is never read); ``n`` numbers the
-    run's restores: each agreement has its own key, deleted by the last rank to read it. Another
-    rank waits ``timeout`` seconds at most (the store's own timeout, 30 min by torch's default, is no
-    bound a user chose): then CheckpointError."""
-    key = store_keys.restore_choice(scope, n)
-    if rank == 0:
-        store.set(key, str(-1 if step is None else step))
-        return step
-    waiter = StoreWaiter(store, shelf=shelf)
-    try:
-        chosen = waiter.wait([key], timeout)
-    except RuntimeError as e:            # the store is gone
-        raise CheckpointError(f"restore: rank {rank} cannot learn rank 0's choice of step: {e}") from None
-    finally:
-        waiter.forget()
-    if not chosen:
-        raise CheckpointError(f"restore: rank {rank} had no word from rank 0 of which step to restore within "
-                              f"{timeout:g}s (join_timeout): is rank 0 restoring too? Ranks that make one "
-                              "Checkpointer after another must stay in step (a collective between them)")
-    value = int(store.get(key).decode())
-    read_once(store, key, world_size - 1)
-    return None if value < 0 else value
 
 
 def load_shard(files: StepFiles, manifest: Manifest, rank: int, threads: int,

@@ -110,16 +110,36 @@ def _clone(store: Any) -> Any:
         return None
 
 
-def read_once(store: Any, key: str, readers: int) -> None:
+def read_once(store: Any, key: str, readers: int, mark: str | None = None) -> None:
     """This rank has read ``key``, one of ``readers`` that will: the last of them deletes it (and
-    its count), so a run leaves none of its broadcasts behind. Best effort (the store may be gone)."""
+    its count), so a run leaves none of its broadcasts behind, and sets ``mark`` (if given) for the
+    writer to wait on (``wait_all_read``). Best effort (the store may be gone)."""
     count = store_keys.readers(key)
     try:
         if store.add(count, 1) >= readers:
             store.delete_key(key)
             store.delete_key(count)
+            if mark is not None:
+                store.set(mark, "1")
     except Exception:
         pass
+
+
+def wait_all_read(store: Any, marks: Sequence[str], timeout: float, shelf: CloneShelf | None = None) -> bool:
+    """(The writer of broadcasts) Whether every reader of each broadcast set its mark within ``timeout``
+    seconds; the marks are then deleted. Why wait: the store's server may live in this process (rank 0's,
+    with ``init_method="tcp://..."`` and no launcher), and a reader still reading when it exits fails.
+    False also when the store is gone."""
+    waiter = StoreWaiter(store, shelf=shelf)
+    try:
+        done = waiter.wait(marks, timeout)
+        for mark in marks if done else ():
+            store.delete_key(mark)
+        return done
+    except Exception:
+        return False
+    finally:
+        waiter.forget()
 
 
 def multi_get(store: Any, keys: Sequence[str]) -> list[bytes]:

@@ -44,7 +44,12 @@ how many times it called ``save``; a step is saved at most once per run in ``rel
     the ranks that read it (``add``), and the last of them deletes both.
 ``ckptd/<job>/<run>/restore/<n>``
     the step rank 0 chose for the run's ``n``-th restore (``-1``: none), so every rank loads the
-    same step even if a commit lands while they list the directory; ``.../read`` as above.
+    same step even if a commit lands while they list the directory; ``.../read`` as above, and the
+    last reader also sets ``.../all-read``, which rank 0 waits for before its restore returns (the
+    store's server may be rank 0's process: it must not exit while a rank still reads) and deletes.
+``ckptd/<job>/<run>/restore/<n>/vote/...``
+    the agreement on whether every rank restored a memory-level step: counters of failures,
+    arrivals and readers, ``done`` once all arrived, ``all-read`` as above.
 ``ckptd/<job>/<run>/preempt-step``
     the step all ranks stop at after a preemption signal (first proposal wins, compare_set);
     ``.../read`` counts the ranks that know it (all of them), and the last deletes both.
@@ -119,9 +124,14 @@ def restore_choice(scope: str, n: int) -> str:
 
 def restore_votes(scope: str, n: int) -> tuple[str, str, str, str]:
     """The run's ``n``-th restore agreement on a memory-level step: (failures, arrivals, all
-    arrived, readers) counters and flag."""
-    base = f"{scope}/restore/{n}/vote"
+    arrived, readers) counters and flag; ``all_read(restore_vote(scope, n))`` is its last reader's mark."""
+    base = restore_vote(scope, n)
     return f"{base}/failed", f"{base}/arrived", f"{base}/done", f"{base}/read"
+
+
+def restore_vote(scope: str, n: int) -> str:
+    """The prefix of the run's ``n``-th restore agreement on a memory-level step."""
+    return f"{scope}/restore/{n}/vote"
 
 
 def preempt_step(scope: str) -> str:
@@ -132,3 +142,8 @@ def preempt_step(scope: str) -> str:
 def readers(key: str) -> str:
     """The count of ranks that read ``key`` (a result, a restore choice, the preemption step)."""
     return f"{key}/read"
+
+
+def all_read(key: str) -> str:
+    """Set by the last reader of a restore's ``key`` (its choice of step, its vote); rank 0 waits for it."""
+    return f"{key}/all-read"

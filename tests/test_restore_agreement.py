@@ -1,11 +1,17 @@
-"""A restore's choice of step is rank 0's (``restore.agree_step``): another rank waits for it within the
+"""A restore's choice of step is rank 0's (``agreement.RestoreAgreements.step``): another rank waits for it within the
 Checkpointer's join window, not the store's own timeout (30 min by torch's default), and then fails
 saying why. Two real gloo ranks on one daemon: rank 0 makes its Checkpointer and never restores;
-rank 1's restore fails within the window, and both ranks then leave cleanly."""
+rank 1's restore fails within the window, and both ranks then leave cleanly.
+
+And rank 0, whose process hosts the store (``init_method="tcp://..."``, no launcher), returns from a
+restore only once every rank has read its agreements: a script whose restore is the last thing it does
+before it exits (an evaluation, a conversion) would otherwise take the store from a slower rank."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 import sharded_trainer as st
 
@@ -42,3 +48,46 @@ def test_a_restore_waits_for_rank_0s_choice_within_the_join_window(tmp: Path, da
     outs = st.finish(st.launch(2, str(daemon.socket), script=script), timeout=120)
     assert all("WORKER OK" in out for out in outs), outs
     assert "REFUSED in" in outs[1] and "join_timeout" in outs[1], outs[1]
+
+
+LEAVER = r"""
+import os, sys, time
+import torch
+import torch.distributed as dist
+import ckptd_client
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+                        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+rank, level = dist.get_rank(), sys.argv[2]
+ck = ckptd_client.Checkpointer("leave", socket=sys.argv[1], join_timeout=20, memory=level == "memory")
+saved = {"w": torch.arange(6, dtype=torch.float32) * (rank + 1), "b": torch.full((rank + 2,), 7, dtype=torch.int16)}
+ck.save(1, saved, level=level).wait(60)
+ck.close()
+dist.barrier()
+ck = ckptd_client.Checkpointer("leave", socket=sys.argv[1], join_timeout=20, memory=level == "memory")
+ck.run_scope.wait()     # rank 1 has the run id: what is tested is the restore's agreement alone
+dist.barrier()
+if rank == 1:
+    time.sleep(4)       # slower to reach its restore than rank 0 is to finish its own
+live = {"w": torch.zeros(6), "b": torch.zeros(rank + 2, dtype=torch.int16)}
+got = ck.restore(live)
+assert got == 1 and all(torch.equal(live[k], saved[k]) for k in saved), (got, live)
+print(f"RESTORED {got} at the {ck.last_restore.level} level", flush=True)
+ck.close()
+sys.stdout.flush(); sys.stderr.flush()
+os._exit(0)             # no barrier, no destroy: rank 0's store goes with it
+"""
+
+
+@pytest.mark.parametrize("level", ["storage", "memory"])
+def test_rank_0_outlasts_a_slower_ranks_reading_of_the_restore_agreement(tmp: Path, daemon: Any,
+                                                                          level: str) -> None:
+    """Rank 0 restores and exits at once, rank 1 reaches its restore 4 s later: rank 1 still restores
+    (rank 0 waited for it to read the step chosen, and at the memory level the vote too), and rank 0
+    never waited out the join window for a mark a reader failed to set."""
+    script = tmp / "leaver.py"
+    script.write_text(LEAVER)
+    outs = st.finish(st.launch(2, str(daemon.socket), level, script=script), timeout=120)
+    for out in outs:
+        assert f"RESTORED 1 at the {level} level" in out, out
+        assert "did not restore" not in out, out

@@ -106,7 +106,8 @@ def test_256_ranks_over_4_daemons_commit_and_restore(tmp: Path, daemon_factory, 
         keys += [store_keys.node_record(scope, saved, n) for n in range(4)]
         keys += [store_keys.save_result(scope, saved), store_keys.readers(store_keys.save_result(scope, saved))]
         assert not any(store.check([k]) for k in keys), saved
-    keys = [store_keys.joined(scope), store_keys.restore_choice(scope, 1)]
+    choice = store_keys.restore_choice(scope, 1)
+    keys = [store_keys.joined(scope), choice, store_keys.readers(choice), store_keys.all_read(choice)]
     keys += [store_keys.join_request("scale", t) for t in range(1, 256)]
     assert not any(store.check([k]) for k in keys)
 

@@ -1,0 +1,108 @@
+"""What the ranks of a run agree on, through the job's store, for each restore: the step (rank 0's
+choice, so a commit landing while they list the directory cannot split them) and, for a
+memory-level step, whether every rank restored it (one rank that could not sends all to storage).
+
+Every agreement has keys of its own, numbered by the run's restores (store_keys.py); the last rank to
+read one deletes it and sets its ``all-read`` mark, which rank 0 waits for before its restore returns
+(:meth:`RestoreAgreements.settle`): without a launcher the store's server is rank 0's process, and a
+script whose restore is its last collective (an evaluation, a conversion) would otherwise exit under
+a slower rank still reading it ("the job's store is gone"). Every wait is bounded.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from . import store_keys
+from .errors import CheckpointError
+from .run_scope import RunScope
+from .store_io import CloneShelf, StoreWaiter, read_once, wait_all_read
+
+log = logging.getLogger("ckptd_client")
+
+__all__ = ["RestoreAgreements"]
+
+
+class RestoreAgreements:
+    """One Checkpointer's restore agreements. Call order, per restore: :meth:`step` and
+    :meth:`all_ok`, as often as the restore needs, on every rank in the same order; then
+    :meth:`settle` (in a ``finally``). Without a run (one rank, or no store) each returns this rank's
+    own answer."""
+
+    def __init__(self, store: Any, run: RunScope | None, rank: int, world_size: int, vote_timeout: float,
+                 shelf: CloneShelf) -> None:
+        self.store, self.run, self.rank, self.world_size = store, run, rank, world_size
+        self.vote_timeout = vote_timeout    # the memory-level vote's (the commit timeout: ranks restore first)
+        self.shelf = shelf
+        self._n = 0                         # the run's agreements so far: each one's keys are its own
+        self._owed: list[str] = []          # rank 0: this restore's marks, set once every rank read them
+
+    def step(self, step: int | None) -> int | None:
+        """Rank 0's choice of step (its ``step``; None: nothing to restore). Another rank waits for it
+        at most the join window (the store's own timeout, 30 min by torch's default, is no bound a user
+        chose): then CheckpointError."""
+        if self.world_size == 1 or self.run is None:
+            return step
+        key = store_keys.restore_choice(self._next(), self._n)
+        if self.rank == 0:
+            self.store.set(key, str(-1 if step is None else step))
+            self._owed.append(store_keys.all_read(key))
+            return step
+        waiter = StoreWaiter(self.store, shelf=self.shelf)
+        try:
+            chosen = waiter.wait([key], self.run.timeout)
+        except RuntimeError as e:            # the store is gone
+            raise CheckpointError(f"restore: rank {self.rank} cannot learn rank 0's choice of step: {e}") from None
+        finally:
+            waiter.forget()
+        if not chosen:
+            raise CheckpointError(f"restore: rank {self.rank} had no word from rank 0 of which step to restore "
+                                  f"within {self.run.timeout:g}s (join_timeout): is rank 0 restoring too? Ranks "
+                                  "that make one Checkpointer after another must stay in step (a collective "
+                                  "between them)")
+        value = int(self.store.get(key).decode())
+        read_once(self.store, key, self.world_size - 1, store_keys.all_read(key))
+        return None if value < 0 else value
+
+    def all_ok(self, ok: bool) -> bool:
+        """Whether every rank answered ``ok`` (restored the memory-level step): one counter of failures,
+        one of arrivals, a key the last arrival sets; the last reader deletes them and sets the mark."""
+        if self.world_size == 1 or self.run is None:
+            return ok
+        scope = self._next()
+        failed, arrived, done, read = store_keys.restore_votes(scope, self._n)
+        mark = store_keys.all_read(store_keys.restore_vote(scope, self._n))
+        if self.rank == 0:
+            self._owed.append(mark)
+        if not ok:
+            self.store.add(failed, 1)
+        if self.store.add(arrived, 1) >= self.world_size:
+            self.store.set(done, "1")
+        waiter = StoreWaiter(self.store, shelf=self.shelf)
+        ok_all = waiter.wait([done], self.vote_timeout)
+        waiter.forget()
+        if not ok_all:
+            raise CheckpointError(f"restore: not every rank said within {self.vote_timeout:g}s whether it restored "
+                                  "the memory-level step (a rank died or hangs)")
+        bad = int(self.store.add(failed, 0))
+        if self.store.add(read, 1) >= self.world_size:
+            for key in (failed, arrived, done, read):
+                self.store.delete_key(key)
+            self.store.set(mark, "1")
+        return bad == 0
+
+    def settle(self) -> None:
+        """(Rank 0; a no-op elsewhere) Wait until every rank has read this restore's agreements. Rank 0's
+        load overlapped their reads, so this waits only for the slowest rank to reach its restore, as
+        the next collective would; bounded by the join window, then a warning (this restore stands)."""
+        owed, self._owed = self._owed, []
+        if owed and self.run is not None and not wait_all_read(self.store, owed, self.run.timeout, self.shelf):
+            log.warning("ckptd: not every rank read this restore's agreement within %gs (join_timeout); "
+                        "a rank died or did not restore", self.run.timeout)
+
+    def _next(self) -> str:
+        """The run's key prefix (waits for the run id, bounded), and the next agreement's number."""
+        assert self.run is not None
+        scope = self.run.scope()
+        self._n += 1
+        return scope
