@@ -91,3 +91,43 @@ def test_rank_0_outlasts_a_slower_ranks_reading_of_the_restore_agreement(tmp: Pa
     for out in outs:
         assert f"RESTORED 1 at the {level} level" in out, out
         assert "did not restore" not in out, out
+
+
+DRIFTER = r"""
+import os, sys, time
+import torch
+import torch.distributed as dist
+import ckptd_client
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+                        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+rank = dist.get_rank()
+saved = {"w": torch.arange(5, dtype=torch.float64) + 10 * rank}
+ck = ckptd_client.Checkpointer("drift", socket=sys.argv[1], join_timeout=20)
+ck.save(3, saved).wait(60)
+ck.close()
+# Nothing collective from here on. Rank 1 comes late to each Checkpointer; rank 0's restores agree once
+# (memory=False) or twice (memory=True), so a rank 1 that joined a later run of rank 0's would wait on
+# another agreement's key.
+for memory in (False, True, False, True):
+    if rank == 1:
+        time.sleep(1.5)
+    ck = ckptd_client.Checkpointer("drift", socket=sys.argv[1], join_timeout=20, memory=memory)
+    live = {"w": torch.zeros(5, dtype=torch.float64)}
+    assert ck.restore(live) == 3 and torch.equal(live["w"], saved["w"]), live
+    ck.close()
+print("IN STEP", flush=True)
+sys.stdout.flush(); sys.stderr.flush()
+os._exit(0)
+"""
+
+
+def test_successive_checkpointers_with_nothing_collective_between_them_stay_paired(tmp: Path, daemon: Any) -> None:
+    """A script that makes one Checkpointer after another and restores in each, with no collective
+    between them (an evaluation over steps): rank 0's restore waits for rank 1 to read its choice, so
+    rank 0 cannot run a Checkpointer ahead and rank 1 join its later run (whose agreements are numbered
+    otherwise). Before, rank 1 waited on a key rank 0 never set, then failed."""
+    script = tmp / "drifter.py"
+    script.write_text(DRIFTER)
+    outs = st.finish(st.launch(2, str(daemon.socket), script=script), timeout=150)
+    assert all("IN STEP" in out for out in outs), outs
