@@ -1,5 +1,6 @@
-"""Store primitives the relay and the run handshake share: waits without polling, chunked reads,
-a non-blocking peek, and a broadcast's last reader deleting it."""
+"""Store primitives the relay, the run handshake and the restore's agreements share: waits without
+polling, chunked reads, a non-blocking peek, a broadcast's last reader deleting it (and marking it
+read, for a writer that must outlast its readers)."""
 from __future__ import annotations
 
 import random
