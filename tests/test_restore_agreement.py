@@ -131,3 +131,41 @@ def test_successive_checkpointers_with_nothing_collective_between_them_stay_pair
     script.write_text(DRIFTER)
     outs = st.finish(st.launch(2, str(daemon.socket), script=script), timeout=150)
     assert all("IN STEP" in out for out in outs), outs
+
+
+ALONE = r"""
+import os, sys, time
+import torch
+import torch.distributed as dist
+import ckptd_client
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+                        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+rank = dist.get_rank()
+ck = ckptd_client.Checkpointer("alone", socket=sys.argv[1], join_timeout=30)
+saved = {"w": torch.arange(4, dtype=torch.int32) * (rank + 1)}
+ck.save(2, saved).wait(60)
+ck.close()
+dist.barrier()
+ck = ckptd_client.Checkpointer("alone", socket=sys.argv[1], join_timeout=4)
+if rank == 0:           # rank 1 never restores: rank 0 waits for its read at most the join window
+    live = {"w": torch.zeros(4, dtype=torch.int32)}
+    t0 = time.monotonic()
+    got = ck.restore(live)
+    assert got == 2 and torch.equal(live["w"], saved["w"]), (got, live)
+    print(f"RESTORED {got} in {time.monotonic() - t0:.1f}s", flush=True)
+dist.barrier()
+ck.close()
+sys.stdout.flush(); sys.stderr.flush()
+os._exit(0)
+"""
+
+
+def test_rank_0s_wait_for_readers_is_bounded_and_its_restore_stands(tmp: Path, daemon: Any) -> None:
+    """Rank 1 never restores: rank 0's restore still returns its step, restored, after the join window,
+    with a warning saying a rank did not read its choice."""
+    script = tmp / "alone.py"
+    script.write_text(ALONE)
+    outs = st.finish(st.launch(2, str(daemon.socket), script=script), timeout=120)
+    assert "RESTORED 2 in" in outs[0], outs[0]
+    assert "not every rank read this restore's agreement within 4s (join_timeout)" in outs[0], outs[0]
