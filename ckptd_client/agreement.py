@@ -26,8 +26,8 @@ __all__ = ["RestoreAgreements"]
 class RestoreAgreements:
     """One Checkpointer's restore agreements. Call order, per restore: :meth:`step` and
     :meth:`all_ok`, as often as the restore needs, on every rank in the same order; then
-    :meth:`settle` (in a ``finally``). Without a run (one rank, or no store) each returns this rank's
-    own answer."""
+    :meth:`settle` (``wait=False`` when the restore failed). Without a run (one rank, or no store)
+    each returns this rank's own answer."""
 
     def __init__(self, store: Any, run: RunScope | None, rank: int, world_size: int, vote_timeout: float,
                  shelf: CloneShelf) -> None:
@@ -72,8 +72,6 @@ class RestoreAgreements:
         scope = self._next()
         failed, arrived, done, read = store_keys.restore_votes(scope, self._n)
         mark = store_keys.all_read(store_keys.restore_vote(scope, self._n))
-        if self.rank == 0:
-            self._owed.append(mark)
         if not ok:
             self.store.add(failed, 1)
         if self.store.add(arrived, 1) >= self.world_size:
@@ -84,6 +82,8 @@ class RestoreAgreements:
         if not ok_all:
             raise CheckpointError(f"restore: not every rank said within {self.vote_timeout:g}s whether it restored "
                                   "the memory-level step (a rank died or hangs)")
+        if self.rank == 0:
+            self._owed.append(mark)
         bad = int(self.store.add(failed, 0))
         if self.store.add(read, 1) >= self.world_size:
             for key in (failed, arrived, done, read):
@@ -91,12 +91,14 @@ class RestoreAgreements:
             self.store.set(mark, "1")
         return bad == 0
 
-    def settle(self) -> None:
+    def settle(self, wait: bool = True) -> None:
         """(Rank 0; a no-op elsewhere) Wait until every rank has read this restore's agreements. Rank 0's
         load overlapped their reads, so this waits only for the slowest rank to reach its restore, as
-        the next collective would; bounded by the join window, then a warning (this restore stands)."""
+        the next collective would; bounded by the join window, then a warning (this restore stands).
+        ``wait=False`` (the restore failed): forget them, so that the error is raised at once."""
         owed, self._owed = self._owed, []
-        if owed and self.run is not None and not wait_all_read(self.store, owed, self.run.timeout, self.shelf):
+        if wait and owed and self.run is not None and \
+                not wait_all_read(self.store, owed, self.run.timeout, self.shelf):
             log.warning("ckptd: not every rank read this restore's agreement within %gs (join_timeout); "
                         "a rank died or did not restore", self.run.timeout)
 

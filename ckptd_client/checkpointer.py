@@ -319,9 +319,12 @@ class Checkpointer:
         rank 0's returns only once every rank has read that agreement: its process may host the store."""
         self.fence()
         try:
-            return self._restore(state, step, per_rank, strict)
-        finally:
-            self._agreements.settle()
+            got = self._restore(state, step, per_rank, strict)
+        except BaseException:
+            self._agreements.settle(wait=False)     # a failed restore fails the job: say so now
+            raise
+        self._agreements.settle()
+        return got
 
     def _restore(self, state: dict[str, Any], step: int | None, per_rank: PerRank, strict: bool) -> int | None:
         staging = BucketStaging(self.socket_path, self.job, self.rank, self.world_size)

@@ -147,13 +147,21 @@ saved = {"w": torch.arange(4, dtype=torch.int32) * (rank + 1)}
 ck.save(2, saved).wait(60)
 ck.close()
 dist.barrier()
-ck = ckptd_client.Checkpointer("alone", socket=sys.argv[1], join_timeout=4)
-if rank == 0:           # rank 1 never restores: rank 0 waits for its read at most the join window
+fail = sys.argv[2] == "fail"
+ck = ckptd_client.Checkpointer("alone", socket=sys.argv[1], join_timeout=600 if fail else 4)
+if rank == 0 and not fail:      # rank 1 never restores: rank 0 waits for its read at most the join window
     live = {"w": torch.zeros(4, dtype=torch.int32)}
     t0 = time.monotonic()
     got = ck.restore(live)
     assert got == 2 and torch.equal(live["w"], saved["w"]), (got, live)
     print(f"RESTORED {got} in {time.monotonic() - t0:.1f}s", flush=True)
+if rank == 0 and fail:          # a restore that fails (an entry the step lacks) raises without that wait
+    try:
+        ck.restore({"w": torch.zeros(4, dtype=torch.int32), "extra": torch.zeros(1)})
+        raise AssertionError("restored an entry the step lacks")
+    except ckptd_client.CheckpointError as e:
+        assert "extra" in str(e), e
+        print("REFUSED at once", flush=True)
 dist.barrier()
 ck.close()
 sys.stdout.flush(); sys.stderr.flush()
@@ -166,6 +174,15 @@ def test_rank_0s_wait_for_readers_is_bounded_and_its_restore_stands(tmp: Path, d
     with a warning saying a rank did not read its choice."""
     script = tmp / "alone.py"
     script.write_text(ALONE)
-    outs = st.finish(st.launch(2, str(daemon.socket), script=script), timeout=120)
+    outs = st.finish(st.launch(2, str(daemon.socket), "ok", script=script), timeout=120)
     assert "RESTORED 2 in" in outs[0], outs[0]
     assert "not every rank read this restore's agreement within 4s (join_timeout)" in outs[0], outs[0]
+
+
+def test_a_failed_restore_on_rank_0_raises_without_waiting_for_readers(tmp: Path, daemon: Any) -> None:
+    """Rank 0's restore fails after it published its choice (an entry the step lacks) and rank 1 never
+    reads it: the error comes at once, not after the join window (600 s here, past the test's bound)."""
+    script = tmp / "alone.py"
+    script.write_text(ALONE)
+    outs = st.finish(st.launch(2, str(daemon.socket), "fail", script=script), timeout=120)
+    assert "REFUSED at once" in outs[0], outs[0]
