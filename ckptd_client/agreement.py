@@ -103,7 +103,7 @@ class RestoreAgreements:
                         "a rank died or did not restore", self.run.timeout)
 
     def _next(self) -> str:
-        """The run's key prefix (waits for the run id, bounded), and the next agreement's number."""
+        """The run's key prefix (waits for the run id, bounded); numbers the next agreement (``_n``)."""
         assert self.run is not None
         scope = self.run.scope()
         self._n += 1
