@@ -41,8 +41,9 @@ class CheckpointerConfig:
     join_timeout: float | None = None
     """Seconds from this ``Checkpointer``'s start within which rank 0 must tell this rank the run id
     (run_scope.py): the window in which a job's ranks may start apart. A restore, and the relay's
-    first save, wait for it at most this long. None: ``commit_timeout``, but at least 300 s (ranks
-    start minutes apart in a large job however short its saves' commits are)."""
+    first save, wait for it at most this long; so does a rank's restore for rank 0's choice of step,
+    and rank 0's restore for every rank to read it. None: ``commit_timeout``, but at least 300 s
+    (ranks start minutes apart in a large job however short its saves' commits are)."""
     restore_threads: int | None = None
     """Threads that decode and copy on restore. None: the CPUs this process may run on, shared among
     the node's ranks (``local_world_size``, or ``LOCAL_WORLD_SIZE`` as torchrun sets it; else not shared),
