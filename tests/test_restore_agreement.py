@@ -15,7 +15,8 @@ import pytest
 
 import sharded_trainer as st
 
-WORKER = r'''
+# Every worker below: two gloo ranks whose group (and store) rank 0's process hosts, no launcher.
+PREAMBLE = r'''
 import os, sys, time
 import torch
 import torch.distributed as dist
@@ -23,6 +24,9 @@ import ckptd_client
 
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
                         rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+'''
+
+WORKER = PREAMBLE + r'''
 ck = ckptd_client.Checkpointer("agree", socket=sys.argv[1], join_timeout=10)
 if dist.get_rank() == 1:
     t0 = time.monotonic()
@@ -50,14 +54,7 @@ def test_a_restore_waits_for_rank_0s_choice_within_the_join_window(tmp: Path, da
     assert "REFUSED in" in outs[1] and "join_timeout" in outs[1], outs[1]
 
 
-LEAVER = r"""
-import os, sys, time
-import torch
-import torch.distributed as dist
-import ckptd_client
-
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
-                        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+LEAVER = PREAMBLE + r"""
 rank, level = dist.get_rank(), sys.argv[2]
 ck = ckptd_client.Checkpointer("leave", socket=sys.argv[1], join_timeout=20, memory=level == "memory")
 saved = {"w": torch.arange(6, dtype=torch.float32) * (rank + 1), "b": torch.full((rank + 2,), 7, dtype=torch.int16)}
@@ -93,14 +90,7 @@ def test_rank_0_outlasts_a_slower_ranks_reading_of_the_restore_agreement(tmp: Pa
         assert "did not restore" not in out, out
 
 
-DRIFTER = r"""
-import os, sys, time
-import torch
-import torch.distributed as dist
-import ckptd_client
-
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
-                        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+DRIFTER = PREAMBLE + r"""
 rank = dist.get_rank()
 saved = {"w": torch.arange(5, dtype=torch.float64) + 10 * rank}
 ck = ckptd_client.Checkpointer("drift", socket=sys.argv[1], join_timeout=20)
@@ -133,14 +123,7 @@ def test_successive_checkpointers_with_nothing_collective_between_them_stay_pair
     assert all("IN STEP" in out for out in outs), outs
 
 
-ALONE = r"""
-import os, sys, time
-import torch
-import torch.distributed as dist
-import ckptd_client
-
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
-                        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+ALONE = PREAMBLE + r"""
 rank = dist.get_rank()
 ck = ckptd_client.Checkpointer("alone", socket=sys.argv[1], join_timeout=30)
 saved = {"w": torch.arange(4, dtype=torch.int32) * (rank + 1)}
