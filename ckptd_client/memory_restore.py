@@ -39,7 +39,7 @@ from ckptd.core.tree import decode_tree
 from .connection import Exchange
 from .dtensor import is_dtensor, local_placement, local_tensor, sharded_model_of
 from .errors import CheckpointError, DaemonRefused, Unreachable
-from .fqn_load import model_values, read_into
+from .fqn_load import read_into
 from .held_map import HeldMap
 from .live_state import fqn_keyed, live_tensors, tree_items
 from .reshard import DTYPES, decodable_into, tensor_bytes
@@ -170,7 +170,7 @@ def _check(meta: HeldMeta, layout: dict[str, tuple[TensorLayout, Any]], state: d
            ) -> tuple[dict[Any, Any], list[str], dict[str, torch.Tensor], dict[str, torch.Tensor], Outcome, Any]:
     """(The held subtree of each entry of ``state``, the tensor names to copy, the live DTensors'
     local tensors that are held pieces read in place — a sharded state at its saved layout — the live
-    tensors by name, the Outcome, and the sharded ``model``'s ``get_model_state_dict`` read into, if any.)"""
+    tensors by name, the Outcome, and ``read_into``'s values: beside a sharded ``model`` its state dicts read into.)"""
     items = tree_items(meta.tree)
     if items is None:
         raise MemoryUnavailable("the held state tree is not a dict")
@@ -204,7 +204,7 @@ def _check(meta: HeldMeta, layout: dict[str, tuple[TensorLayout, Any]], state: d
             else t
     subtrees, outcome = check_plain(state, items, saved, f"step {meta.step} (held in the daemon's memory)", strict,
                                     (live, lazy, leaves))
-    return subtrees, list(dict.fromkeys(names)), in_place, live, outcome, model_values(state, values, model)
+    return subtrees, list(dict.fromkeys(names)), in_place, live, outcome, values
 
 
 def restore_from_memory(socket_path: str, job: str, step: int, rank: int, world_size: int,
@@ -215,7 +215,7 @@ def restore_from_memory(socket_path: str, job: str, step: int, rank: int, world_
     try:
         layout = {t.name: (t, sums) for t, sums in zip(meta.layout, meta.checksums, strict=True)}
         model = sharded_model_of(state)
-        wanted, names, in_place, live, outcome, model_sd = _check(meta, layout, state, strict, model)
+        wanted, names, in_place, live, outcome, values = _check(meta, layout, state, strict, model)
         tensors: dict[str, torch.Tensor] = {}
         chunk = max(8, meta.chunk_bytes - meta.chunk_bytes % 8)     # as codec.chunk_ranges cuts them
         size = os.fstat(fd).st_size
@@ -245,5 +245,5 @@ def restore_from_memory(socket_path: str, job: str, step: int, rank: int, world_
     finally:
         os.close(fd)
         conn.close()                 # unpins the shard on the daemon
-    apply_loaded(state, loaded, model, strict, model_sd)
+    apply_loaded(state, loaded, model, strict, values)
     return MemoryCopy(source, sum(t.nbytes for t in meta.layout), outcome)

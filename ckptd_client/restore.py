@@ -45,7 +45,7 @@ from ckptd.core.tree import decode_tree
 
 from .dtensor import is_dtensor, local_region, local_tensor, sharded_model_of
 from .errors import CheckpointError
-from .fqn_load import load_model, model_values, read_into
+from .fqn_load import load_model, load_optimizer, read_into
 from .live_state import fqn_keyed, live_tensors, rekey_by_position, tree_items
 from .load_files import ReadAt, StepFiles
 from .read_stats import HeldShards, ReadStats
@@ -193,12 +193,12 @@ def _restore_v1(files: StepFiles, state: dict[str, Any], rank: int, world_size: 
 
 
 def apply_loaded(state: dict[str, Any], loaded: dict[Any, Any], model: torch.nn.Module | None,
-                 strict: bool = True, live_model: Mapping[str, Any] | None = None) -> None:
+                 strict: bool = True, live: Mapping[Any, Any] | None = None) -> None:
     """Apply ``loaded``'s top-level entries to ``state``; RNG state last; FQN-keyed objects through
-    torch's ``set_*_state_dict`` when ``model`` is set (the model's skipped when the restore read
-    into ``live_model``, its ``get_model_state_dict``, in place: fqn_load.py). ``strict``: as
-    ``restore``'s, for modules. (Shared by the storage and memory restores, after restore_check
-    found nothing wrong.)"""
+    torch's ``set_*_state_dict`` when ``model`` is set (skipped, or for an optimizer all but its param
+    groups' settings, when the restore read into ``live``, ``fqn_load.read_into``'s state dicts, in
+    place: fqn_load.py). ``strict``: as ``restore``'s, for modules. (Shared by the storage and memory
+    restores, after restore_check found nothing wrong.)"""
     later = [k for k in loaded if k in state and _restore_last(state[k])]
     for k in [k for k in loaded if k not in later] + later:
         v = loaded[k]
@@ -208,10 +208,9 @@ def apply_loaded(state: dict[str, Any], loaded: dict[Any, Any], model: torch.nn.
         target = state[k]
         try:
             if model is not None and target is model:
-                load_model(model, v, live_model, strict)
+                load_model(model, v, live.get(k) if live is not None else None, strict)
             elif model is not None and isinstance(target, torch.optim.Optimizer):
-                from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-                set_optimizer_state_dict(model, target, v)
+                load_optimizer(model, target, v, live.get(k) if live is not None else None)
             else:
                 state[k] = apply_state(target, v, str(k), strict)
         except CheckpointError:
@@ -315,7 +314,7 @@ class _Restore:
             except (FormatError, KeyError) as e:
                 raise CheckpointError(f"{self.where()}: bad state tree under {str(k)!r} in rank {src}'s "
                                       f"manifest: {e}") from None
-        apply_loaded(self.state, loaded, model, self.strict, model_values(self.state, live_values, model))
+        apply_loaded(self.state, loaded, model, self.strict, live_values)
         return outcome
 
     def need(self, path: str, name: str, src: int, live: torch.Tensor | None,

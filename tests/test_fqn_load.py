@@ -1,12 +1,14 @@
 """The model's ``set_model_state_dict`` at the end of a restore is skipped when the restore wrote every
 tensor of ``get_model_state_dict`` in place (ckptd_client/fqn_load.py), and still made when a module
-loads in a way of its own. Two real gloo ranks, FSDP2 with uneven shards and a persistent buffer, a
-fresh model and fresh AdamW restored from storage and from the daemon's memory: bit-exact either way;
-a load hook of the user's still runs; a BatchNorm module or a value that is not the live tensor is
-never skipped. And FSDP2 on a one-rank mesh with AdamW, SGD with momentum or Adam with amsgrad, a
-fresh model and optimizer restored from memory and from storage: the optimizer's state is created
-as torch creates it (DTensors: plain tensors beside DTensor parameters made the next step raise),
-and the next step's loss is the saving run's."""
+loads in a way of its own; the optimizer's ``set_optimizer_state_dict`` likewise (its param groups'
+settings set directly), and still made for an optimizer with a load hook or state torch would cast.
+Two real gloo ranks, FSDP2 with uneven shards and a persistent buffer, a fresh model and fresh AdamW
+restored from storage and from the daemon's memory: bit-exact either way; a load hook of the user's
+still runs; a BatchNorm module or a value that is not the live tensor is never skipped. And FSDP2 on a
+one-rank mesh with AdamW, SGD with momentum or Adam with amsgrad, a fresh model and optimizer restored
+from memory and from storage: the optimizer's state is created as torch creates it (DTensors: plain
+tensors beside DTensor parameters made the next step raise), and the next step's loss is the saving
+run's."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,7 +27,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import ckptd_client
-from ckptd_client.fqn_load import loaded_in_place
+from ckptd_client.fqn_load import loaded_in_place, optimizer_loaded_in_place
 
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
                         rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
@@ -40,6 +42,16 @@ def counted(*args, **kwargs):         # torch's own, counted
 
 
 tsd.set_model_state_dict = counted
+opt_calls = []
+real_set_opt = tsd.set_optimizer_state_dict
+
+
+def counted_opt(*args, **kwargs):     # torch's own, counted
+    opt_calls.append(1)
+    return real_set_opt(*args, **kwargs)
+
+
+tsd.set_optimizer_state_dict = counted_opt
 
 
 # Successive Checkpointers of one job agree on a run id through the job's store (run_scope.py). With
@@ -83,25 +95,52 @@ bn = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
 bn_sd = bn.state_dict()
 assert not loaded_in_place(bn, bn_sd, bn_sd)
 
+# The optimizer's own state dict is loaded in place; a copy of its state is not, nor a moment of
+# another dtype than its parameter's (torch's load casts it), nor state under a key the load drops.
+osd = get_optimizer_state_dict(model, opt)
+assert optimizer_loaded_in_place(model, opt, osd, osd)
+copied = {"state": {k: {n: v.clone() for n, v in per.items()} for k, per in osd["state"].items()},
+          "param_groups": osd["param_groups"]}
+assert not optimizer_loaded_in_place(model, opt, copied, osd)
+other, other_opt = build(3)
+other_opt.zero_grad()
+other(torch.randn(4, 8)).square().mean().backward()
+other_opt.step()
+first = other_opt.param_groups[0]["params"][0]
+other_opt.state[first]["exp_avg"] = other_opt.state[first]["exp_avg"].to(torch.bfloat16)
+other_sd = get_optimizer_state_dict(other, other_opt)
+assert not optimizer_loaded_in_place(other, other_opt, other_sd, other_sd)
+other_opt.state[first]["exp_avg"] = other_opt.state[first]["exp_avg"].float()
+assert optimizer_loaded_in_place(other, other_opt, other_sd, other_sd)   # (its dicts are the optimizer's)
+fewer = {"state": {k: {n: v for n, v in per.items() if n != "exp_avg_sq"} for k, per in other_sd["state"].items()},
+         "param_groups": other_sd["param_groups"]}
+assert not optimizer_loaded_in_place(other, other_opt, fewer, fewer)
+
 for memory in (False, True):
     fresh, fresh_opt = build(1)
-    del calls[:]
+    fresh_opt.param_groups[0]["lr"] = 0.5          # the saved settings must come back
+    del calls[:], opt_calls[:]
     ck = ckptd_client.Checkpointer("ml", socket=sys.argv[1], memory=memory)
     assert ck.restore({"model": fresh, "optim": fresh_opt}) == 1
     assert ck.last_restore.source == ("memory" if memory else "storage"), ck.last_restore
     assert calls == [], f"memory={memory}: set_model_state_dict ran {len(calls)} times after an in-place read"
+    assert opt_calls == [], f"memory={memory}: set_optimizer_state_dict ran {len(opt_calls)} times"
+    assert fresh_opt.param_groups[0]["lr"] == 0.1, fresh_opt.param_groups[0]["lr"]
     equal(snap(fresh, fresh_opt), want)
     ck.close()
     dist.barrier()      # ranks in step between Checkpointers (see the note above build)
 
-# A load hook of the user's: the model is loaded through torch, so the hook runs, and it restores exactly.
+# Load hooks of the user's: the model and optimizer are loaded through torch, so the hooks run, and it
+# restores exactly.
 hooked, hooked_opt = build(2)
-ran = []
+ran, ran_opt = [], []
 hooked[1].register_load_state_dict_post_hook(lambda module, keys: ran.append(len(keys.missing_keys)))
-del calls[:]
+hooked_opt.register_load_state_dict_post_hook(lambda optimizer: ran_opt.append(len(optimizer.state)))
+del calls[:], opt_calls[:]
 ck = ckptd_client.Checkpointer("ml", socket=sys.argv[1], memory=False)
 assert ck.restore({"model": hooked, "optim": hooked_opt}) == 1
 assert calls == [1] and ran == [0], (calls, ran)
+assert opt_calls == [1] and ran_opt == [4], (opt_calls, ran_opt)
 equal(snap(hooked, hooked_opt), want)
 ck.close()
 print("WORKER OK", flush=True)
