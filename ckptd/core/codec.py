@@ -132,13 +132,16 @@ class ChunkMeta:
             raise ValueError(f"bad chunk codec or checksum: {codec!r}")
         if raw_digest is not None and (codec in ("none", HELD_CODEC) or not isinstance(raw_digest, str)):
             raise ValueError(f"a {codec!r} chunk's raw checksum must be a string, and only an encoded chunk has one")
-        if not all(type(v) is int and v >= 0 for v in (raw_len, stored_len)):
+        if not (type(raw_len) is int and raw_len >= 0 and type(stored_len) is int and stored_len >= 0):
             raise ValueError("chunk lengths must be non-negative integers")
-        if not isinstance(segments, list) or not all(
-                isinstance(s, list) and len(s) == 2 and type(s[0]) is int and s[0] >= 0 and s[1] in ("z", "r")
-                for s in segments):
+        if not isinstance(segments, list):
             raise ValueError("bad chunk segments")
-        if sum(s[0] for s in segments) != stored_len:
+        total = 0           # (a loop, not generators: a restore parses one entry per chunk, 8,192+ of them)
+        for s in segments:
+            if not (isinstance(s, list) and len(s) == 2 and type(s[0]) is int and s[0] >= 0 and s[1] in ("z", "r")):
+                raise ValueError("bad chunk segments")
+            total += s[0]
+        if total != stored_len:
             raise ValueError("chunk segments do not add up to its stored length")
         return cls(codec, raw_len, stored_len, digest, segments, raw_digest)
 

@@ -242,19 +242,21 @@ def load_json(data: bytes, what: str) -> Any:
 
 
 def _check_chunks(entry: TensorEntry) -> None:
-    """Chunk metadata consistent with the codec and dtype, so decoding cannot trip over it."""
+    """Chunk metadata consistent with the codec and dtype, so decoding cannot trip over it. (Each
+    message built only on failure: this runs for every chunk of a manifest a restore parses.)"""
     for c in entry.chunks:
-        require(c.stored_len <= c.raw_len, f"tensor {entry.name!r}: a chunk stores more bytes than it holds")
+        if c.stored_len > c.raw_len:
+            raise FormatError(f"tensor {entry.name!r}: a chunk stores more bytes than it holds")
         if c.codec == "bplane":
             itemsize = FLOAT_ITEMSIZE.get(entry.dtype, 0)
-            require(itemsize > 0 and c.raw_len % itemsize == 0 and len(c.segments) == itemsize,
-                     f"tensor {entry.name!r}: bplane chunk does not fit dtype {entry.dtype}")
-            require(all(n == c.raw_len // itemsize for n, kind in c.segments if kind == "r"),
-                     f"tensor {entry.name!r}: bplane raw plane of the wrong length")
-        else:
-            require(len(c.segments) == 1, f"tensor {entry.name!r}: {c.codec} chunk must have one segment")
-            require(c.codec not in ("none", "held") or (c.segments[0][1] == "r" and c.stored_len == c.raw_len),
-                     f"tensor {entry.name!r}: uncompressed chunk with compressed segment or wrong length")
+            if not (itemsize > 0 and c.raw_len % itemsize == 0 and len(c.segments) == itemsize):
+                raise FormatError(f"tensor {entry.name!r}: bplane chunk does not fit dtype {entry.dtype}")
+            if not all(n == c.raw_len // itemsize for n, kind in c.segments if kind == "r"):
+                raise FormatError(f"tensor {entry.name!r}: bplane raw plane of the wrong length")
+        elif len(c.segments) != 1:
+            raise FormatError(f"tensor {entry.name!r}: {c.codec} chunk must have one segment")
+        elif c.codec in ("none", "held") and not (c.segments[0][1] == "r" and c.stored_len == c.raw_len):
+            raise FormatError(f"tensor {entry.name!r}: uncompressed chunk with compressed segment or wrong length")
 
 
 def parse_manifest(data: bytes, *, job: str, step: int, rank: int) -> Manifest:
@@ -274,34 +276,51 @@ def parse_manifest(data: bytes, *, job: str, step: int, rank: int) -> Manifest:
              f"manifest data_file {str(obj.get('data_file'))[:80]!r} is not {rank_data_name(rank)!r}")
     raw_list = obj.get("tensors")
     require(isinstance(raw_list, list), "manifest has no tensor list")
-    tensors, seen = [], set()
+    # (Every message below is built only on failure: a restore parses its rank's manifest, 8,192+
+    # entries for a large model, and eager f-strings were a third of that.)
+    tensors: list[TensorEntry] = []
+    seen: set[str] = set()
+    chunk_meta = ChunkMeta.from_json
+    raw_total = end = 0
     for t in raw_list:
-        require(isinstance(t, dict), "tensor entry is not an object")
+        if not isinstance(t, dict):
+            raise FormatError("tensor entry is not an object")
         try:
             name = validate_tensor_name(t.get("name"))
-            if not isinstance(t.get("chunks"), list):
+            raw_chunks = t.get("chunks")
+            if not isinstance(raw_chunks, list):
                 raise ValueError("chunks must be a list")
-            chunks = [ChunkMeta.from_json(c) for c in t["chunks"]]
+            chunks = [chunk_meta(c) for c in raw_chunks]
         except ValueError as e:
             raise FormatError(f"tensor {t.get('name')!r}: {e}") from None
-        require(name not in seen, f"duplicate tensor {name!r}")
+        if name in seen:
+            raise FormatError(f"duplicate tensor {name!r}")
         seen.add(name)
-        validate_shape(t.get("dtype"), t.get("shape"))
-        require(is_uint(t.get("offset")), f"tensor {name!r}: bad offset")
-        placement = parse_placement(t["global"], t["shape"], f"tensor {name!r}") if "global" in t else None
-        entry = TensorEntry(name, t["dtype"], t["shape"], t["offset"], chunks, placement)
-        require(sum(c.raw_len for c in chunks) == entry.nbytes,
-                 f"tensor {name!r}: chunks hold {sum(c.raw_len for c in chunks)} bytes, shape needs {entry.nbytes}")
-        require(entry.offset + entry.stored_bytes <= MAX_DATA_BYTES,     # a file offset the OS can seek to
-                 f"tensor {name!r}: its chunks end past byte {MAX_DATA_BYTES} of the data file")
+        dtype: Any = t.get("dtype")
+        shape: Any = t.get("shape")
+        offset: Any = t.get("offset")
+        validate_shape(dtype, shape)
+        if not is_uint(offset):
+            raise FormatError(f"tensor {name!r}: bad offset")
+        placement = parse_placement(t["global"], shape, f"tensor {name!r}") if "global" in t else None
+        entry = TensorEntry(name, dtype, shape, offset, chunks, placement)
+        raw = stored = 0
+        for c in chunks:
+            raw += c.raw_len
+            stored += c.stored_len
+        if raw != entry.nbytes:
+            raise FormatError(f"tensor {name!r}: chunks hold {raw} bytes, shape needs {entry.nbytes}")
+        if offset + stored > MAX_DATA_BYTES:     # a file offset the OS can seek to
+            raise FormatError(f"tensor {name!r}: its chunks end past byte {MAX_DATA_BYTES} of the data file")
         _check_chunks(entry)
         tensors.append(entry)
+        raw_total += raw
+        end = max(end, offset + stored)        # data_length: tensors may start past a gap
     try:
         check_tree_depth(obj.get("tree"), MAX_TREE_DEPTH)
     except ValueError as e:
         raise FormatError(f"manifest state tree: {e}") from None
-    return Manifest(job, step, rank, ws, tensors, obj.get("tree"),
-                    sum(t.nbytes for t in tensors), data_length(tensors))
+    return Manifest(job, step, rank, ws, tensors, obj.get("tree"), raw_total, end)
 
 
 def make_index(job: str, step: int, world_size: int, ranks: list[dict[str, Any]], created: float,
