@@ -37,6 +37,8 @@ class Region:
 
     def intersect(self, other: Region) -> Region | None:
         """The common region, or None when they share no element (empty regions share none)."""
+        if self == other:          # a restore at the saved layout: every piece is the region it needs
+            return self if all(self.sizes) else None
         lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets, strict=True))
         hi = tuple(min(a, b) for a, b in zip(self.ends, other.ends, strict=True))
         if any(h <= lo_ for lo_, h in zip(lo, hi, strict=True)):
@@ -58,6 +60,8 @@ def row_span(piece: Region, part: Region, itemsize: int) -> tuple[int, int]:
     the first dimension costs its own bytes, a slice along a later one costs the rows it crosses."""
     if part.numel == 0:
         return 0, 0
+    if part == piece:              # the whole piece (a restore at the saved layout)
+        return 0, part.numel * itemsize
     rel = part.relative_to(piece)
     strides = _strides(piece.sizes, itemsize)
     first = sum(o * s for o, s in zip(rel.offsets, strides, strict=True))
