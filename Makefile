@@ -13,7 +13,7 @@ CHECKED := ckptd ckptd_client tests benchmarks examples
 # TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: demo demo-s3 test lint bench bench-sharded bench-s3 bench-memory bench-memory-level bench-memory-footprint bench-scale bench-stall bench-durable bench-dcp bench-parity install install-test clean
+.PHONY: demo demo-s3 test lint bench bench-sharded bench-s3 bench-memory bench-memory-level bench-memory-footprint bench-scale bench-stall bench-restore-count bench-durable bench-dcp bench-parity install install-test clean
 
 # Daemon + client (the client extra brings torch; the daemon alone needs only `pip install ckptd`).
 $(VENV)/.installed: pyproject.toml
@@ -96,6 +96,12 @@ bench-memory-footprint: $(VENV)/.installed-bench
 # FSDP2 on one gloo rank (results/stall_fsdp2.md).
 bench-stall: $(VENV)/.installed-bench
 	$(PY) benchmarks/stall_bench.py $(ARGS)
+
+# Restore time over the same tensor counts, FSDP2 on one gloo rank: ckptd from the daemon's memory and
+# from storage vs DCP load vs torch_checkpointing's load (get_state_dict / set_state_dict around theirs),
+# interleaved, each checked bit-exact; writes benchmarks/results/restore_count.md and .json.
+bench-restore-count: $(VENV)/.installed-bench
+	$(PY) benchmarks/restore_count_bench.py $(ARGS)
 
 # One rank's ~1 GiB GPT-like state: ckptd's time to durable vs the disk's own write + fsync of the same
 # bytes in the same run, vs DCP async_save and torch_checkpointing (page cache only: it never fsyncs),
