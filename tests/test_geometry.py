@@ -535,6 +535,16 @@ def test_empty_dimensions() -> None:
     assert out == ["rank 0: region {'offsets': [1, 0], 'sizes': [0, 4]} is outside the global shape [0, 4]"]
 
 
+def test_one_piece_whole_or_shifted() -> None:
+    """A one-rank mesh saves each tensor as one piece that is all of it (tiling_faults answers that at
+    once); the same sizes one column over are out of bounds."""
+    assert tiling_faults(sharded((8, 4), ((0, 0), (8, 4))), 1) == []
+    assert tiling_faults(sharded((8, 4), ((0, 1), (8, 4))), 1) == [
+        "rank 0: region {'offsets': [0, 1], 'sizes': [8, 4]} is outside the global shape [8, 4]"]
+    assert tiling_faults(sharded((8, 4), ((0, 0), (8, 3))), 1) == [
+        "regions cover 24 of 32 elements: a piece is missing; no piece holds cols 3:4 of 4"]
+
+
 def test_out_of_bounds() -> None:
     assert tiling_faults(sharded((8,), ((0,), (4,)), ((4,), (5,))), 2) == [
         "rank 1: region {'offsets': [4], 'sizes': [5]} is outside the global shape [8]"]

@@ -94,6 +94,8 @@ def tiling_faults(t: GlobalTensor, world_size: int) -> list[str]:
     """What keeps a sharded tensor's pieces from tiling it exactly (empty for a local tensor)."""
     if t.kind != SHARDED or t.grid is not None:     # a grid read from disk was checked to tile it
         return []
+    if len(t.pieces) == 1 and t.pieces[0].region.sizes == t.shape and not any(t.pieces[0].region.offsets):
+        return []           # one piece that is the whole tensor (a one-rank mesh): nothing to sweep
     # The same region saved by several replicas (data-parallel copies a rank cannot tell from others
     # without asking them) is one piece held several times: readers read it once, and MapCheck
     # requires the copies to be byte-identical. Distinct regions must tile the tensor.
