@@ -32,26 +32,21 @@ from ckptd_client.fqn_load import loaded_in_place, optimizer_loaded_in_place
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
                         rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-calls = []
-real_set = tsd.set_model_state_dict
 
 
-def counted(*args, **kwargs):         # torch's own, counted
-    calls.append(1)
-    return real_set(*args, **kwargs)
+def counting(name):
+    """torch's own ``tsd.<name>``, each call counted in the list returned."""
+    real, seen = getattr(tsd, name), []
+
+    def counted(*args, **kwargs):
+        seen.append(1)
+        return real(*args, **kwargs)
+    setattr(tsd, name, counted)
+    return seen
 
 
-tsd.set_model_state_dict = counted
-opt_calls = []
-real_set_opt = tsd.set_optimizer_state_dict
-
-
-def counted_opt(*args, **kwargs):     # torch's own, counted
-    opt_calls.append(1)
-    return real_set_opt(*args, **kwargs)
-
-
-tsd.set_optimizer_state_dict = counted_opt
+calls = counting("set_model_state_dict")
+opt_calls = counting("set_optimizer_state_dict")
 
 
 # Successive Checkpointers of one job agree on a run id through the job's store (run_scope.py). With
