@@ -9,6 +9,7 @@ a while. ``restart`` starts it again on the same directory and ports (its data s
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -44,21 +45,23 @@ def free_ports(n: int, span: tuple[int, int] = PORT_SPAN) -> list[int]:
     """``n`` distinct loopback ports free now, at random in ``span`` (below Linux's ephemeral range,
     so that no outgoing connection takes one while the server is down for a restart on the same
     ports; tests running side by side give each worker a span of its own)."""
-    rng = random.Random()
-    ports: list[int] = []
     lo, hi = span
     if hi - lo < 2 * n:
         raise ValueError(f"port span {lo}..{hi} is too narrow for {n} ports")
-    while len(ports) < n:
-        port = rng.randrange(lo, hi)
-        if port in ports:
-            continue
+    candidates = list(range(lo, hi))
+    random.Random().shuffle(candidates)
+    ports: list[int] = []
+    for port in candidates:          # each tried once: a span with too few free ports is an error, not a spin
+        if len(ports) == n:
+            break
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
         ports.append(port)
+    if len(ports) < n:
+        raise OSError(errno.EADDRINUSE, f"only {len(ports)} of the {n} loopback ports asked for are free in {lo}..{hi}")
     return ports
 
 

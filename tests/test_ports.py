@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import socket
 
+import pytest
 from ports import SPAN, free_port, worker_span
 
 from ckptd.s3_local import PORT_SPAN, free_ports
@@ -41,3 +42,22 @@ def test_a_bound_port_is_never_picked():
         for _ in range(20):
             picked = free_ports(3, (bound, bound + 6))
             assert bound not in picked and len(set(picked)) == 3
+
+
+def test_a_span_without_enough_free_ports_raises_instead_of_spinning():
+    lo = free_ports(1, (SPAN[0], SPAN[1] - 6))[0]
+    held = []
+    for port in range(lo, lo + 6):              # every port of the span taken (a few may be already)
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            s.close()
+            continue
+        held.append(s)
+    try:
+        with pytest.raises(OSError, match="only 0 of the 3 loopback ports asked for are free"):
+            free_ports(3, (lo, lo + 6))
+    finally:
+        for s in held:
+            s.close()
