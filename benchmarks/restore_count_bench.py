@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,38 +31,31 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stall_bench import build, local, torch_checkpointing_status  # noqa: E402
+from sharded_bench import local_digest, scramble  # noqa: E402
+from stall_bench import build, one_rank_group, over_counts, torch_checkpointing_status  # noqa: E402
 
-from ckptd.launch import spawn_daemon  # noqa: E402
-
-from common import RESULTS, fmt, machine_info, percentile, table, write_results  # noqa: E402
+from common import RESULTS, fmt, percentile, table, write_results  # noqa: E402
 
 METHODS = ("ckptd-memory", "ckptd-storage", "dcp", "tc")
 LABELS = {"ckptd-memory": "ckptd from memory", "ckptd-storage": "ckptd from storage", "dcp": "DCP load",
           "tc": "torch_checkpointing load"}
 
 
-def live_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Every local tensor of the model and the optimizer's state, in a fixed order."""
-    out = [local(p) for p in model.parameters()]
-    for p in model.parameters():
-        out += [local(t) for t in opt.state[p].values()]
-    return out
+def objects(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The parameters and the optimizer's state by FQN, as sharded_bench's digest and scramble walk them."""
+    named = dict(model.named_parameters())
+    return {"model": named, "optim": {k: opt.state[p] for k, p in named.items()}}
 
 
 def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
-    h = hashlib.sha256()
-    for t in live_tensors(model, opt):
-        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    h.update(repr([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]).encode())
-    return h.hexdigest()
+    """Every local tensor's bytes (sharded_bench.local_digest) and every param group setting."""
+    return local_digest(objects(model, opt)) + repr([{k: v for k, v in g.items() if k != "params"}
+                                                     for g in opt.param_groups])
 
 
-def scramble(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+def scramble_all(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     """Overwrite every tensor and a param group setting, so that a restore that misses one is seen."""
-    with torch.no_grad():
-        for t in live_tensors(model, opt):
-            t.fill_(7)
+    scramble(objects(model, opt))
     for g in opt.param_groups:
         g["lr"] = 0.5
 
@@ -137,7 +127,7 @@ def run_count(count: int, cfg: argparse.Namespace, socket: str, root: str, base:
     try:
         for r in range(cfg.warmup + cfg.rounds):
             for m in names[r % len(names):] + names[:r % len(names)]:
-                scramble(model, opt)
+                scramble_all(model, opt)
                 gc.collect()
                 t0 = time.perf_counter()
                 methods[m]()
@@ -199,21 +189,12 @@ def main() -> int:
     ap.add_argument("--out", default=str(RESULTS / "restore_count"), help="results path without extension")
     cfg = ap.parse_args()
     torch.set_num_threads(1)
-    import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp(prefix='ckptd-restore-pg-')}",
-                            rank=0, world_size=1)
-    t_start = time.perf_counter()
-    base = Path(tempfile.mkdtemp(prefix="ckptd-restore-count-", dir="/tmp"))
+    one_rank_group("ckptd-restore-pg-")
     res: dict[str, Any] = {"size_mib": cfg.size_mib, "rounds": cfg.rounds, "warmup": cfg.warmup,
-                           "machine": machine_info(base), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                           "torch_checkpointing": torch_checkpointing_status(), "counts": []}
-    try:
-        with spawn_daemon(base / "root", base / "d.sock", "--memory-budget", "2GiB") as d:
-            for count in (int(x) for x in cfg.counts.split(",")):
-                res["counts"].append(run_count(count, cfg, str(d.socket), str(base / "root"), base))
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-    res["wall_s"] = time.perf_counter() - t_start
+                           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                           "torch_checkpointing": torch_checkpointing_status()}
+    over_counts(res, cfg.counts, "ckptd-restore-count-", ("--memory-budget", "2GiB"),
+                lambda count, socket, root, base: run_count(count, cfg, socket, root, base))
     write_results(Path(cfg.out), res, to_markdown(res))
     return 0 if all(v["bit_exact"] for c in res["counts"] for v in c["methods"].values()) else 1
 

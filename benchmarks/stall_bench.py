@@ -37,7 +37,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -325,6 +325,29 @@ def run_count(count: int, cfg: argparse.Namespace, socket: str, root: str, base:
     return res
 
 
+def one_rank_group(prefix: str) -> None:
+    """One gloo rank (for FSDP2 on a one-rank mesh), meeting itself through a file."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp(prefix=prefix)}", rank=0, world_size=1)
+
+
+def over_counts(res: dict[str, Any], counts: str, prefix: str, daemon_args: Sequence[str],
+                run: Callable[[int, str, str, Path], dict[str, Any]]) -> None:
+    """``run(count, socket, root, scratch)`` for each count of ``counts`` ("16,256,…"), against one daemon
+    (``daemon_args``) in a scratch directory under /tmp, removed after: ``res`` gets the machine, each
+    count's result and the wall time."""
+    t_start = time.perf_counter()
+    base = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    res["machine"], res["counts"] = machine_info(base), []
+    try:
+        with spawn_daemon(base / "root", base / "d.sock", *daemon_args) as d:
+            for count in (int(x) for x in counts.split(",")):
+                res["counts"].append(run(count, str(d.socket), str(base / "root"), base))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    res["wall_s"] = time.perf_counter() - t_start
+
+
 def to_markdown(res: dict[str, Any]) -> str:
     m = res["machine"]
     lines = ["# Stall per save vs tensor count" + (", FSDP2" if res.get("fsdp2") else ""), "",
@@ -391,23 +414,13 @@ def main() -> int:
     cfg.out = cfg.out or str(RESULTS / ("stall_fsdp2" if cfg.fsdp2 else "stall"))
     torch.set_num_threads(1)
     if cfg.fsdp2:
-        import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp(prefix='ckptd-stall-pg-')}",
-                                rank=0, world_size=1)
-    t_start = time.perf_counter()
-    base = Path(tempfile.mkdtemp(prefix="ckptd-stall-", dir="/tmp"))
+        one_rank_group("ckptd-stall-pg-")
     res: dict[str, Any] = {"size_mib": cfg.size_mib, "rounds": cfg.rounds, "warmup": cfg.warmup, "fsdp2": cfg.fsdp2,
                            "step_ms": cfg.step_ms, "steps_before_save": cfg.steps_before_save,
-                           "machine": machine_info(base),
-                           "torch_checkpointing": torch_checkpointing_status(), "counts": []}
+                           "torch_checkpointing": torch_checkpointing_status()}
     print(f"torch_checkpointing: {res['torch_checkpointing'] or 'measured'}", flush=True)
-    try:
-        with spawn_daemon(base / "root", base / "d.sock", "--keep-last", "2") as d:
-            for count in (int(x) for x in cfg.counts.split(",")):
-                res["counts"].append(run_count(count, cfg, str(d.socket), str(base / "root"), base))
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-    res["wall_s"] = time.perf_counter() - t_start
+    over_counts(res, cfg.counts, "ckptd-stall-", ("--keep-last", "2"),
+                lambda count, socket, root, base: run_count(count, cfg, socket, root, base))
     write_results(Path(cfg.out), res, to_markdown(res))
     return 0
 
