@@ -4,7 +4,9 @@ and shared memory that never appears in /dev/shm."""
 # (replies and pipes are Optional in their types; a None there fails the test, as it should)
 from __future__ import annotations
 
+import fcntl
 import json
+import mmap
 import os
 import shutil
 import socket
@@ -400,3 +402,64 @@ def test_slots_are_anonymous_memfds_never_in_dev_shm(daemon):
         assert not [n for n in new if "ckptd" in n or "shm-r0" in n], new
     finally:
         ck.close()
+
+
+def _hello_and_commit(sock: str, job: str, data: bytes) -> tuple[socket.socket, int]:
+    """A raw client's hello (one slot of len(data) bytes), the slot filled with ``data`` and saved and
+    committed as step 1; (its connection, its slot's descriptor)."""
+    c = protocol.connect(sock)
+    rx = protocol.FrameReceiver(c)
+    c.settimeout(30)
+    protocol.send_frame(c, {"op": "hello", "req": 1, "job": job, "rank": 0, "world_size": 1, "pid": os.getpid(),
+                            "slot_bytes": len(data), "num_slots": 1})
+    assert rx.read()["op"] == "ok"
+    slot = rx.take_fds(1)[0]
+    with mmap.mmap(slot, len(data)) as mm:
+        mm[:] = data
+    protocol.send_frame(c, {"op": "save", "req": 2, "step": 1, "slot": 0, "commit": "local", "tree": {"T": "w"},
+                            "tensors": [["w", "uint8", [len(data)], 0, len(data)]]})
+    while True:
+        m = rx.read()
+        if m["op"] == "durable":
+            protocol.send_frame(c, {"op": "commit", "req": 3, "step": 1, "digests": {"0": m["digest"]}})
+        if m["op"] in ("committed", "failed"):
+            assert m["op"] == "committed", m
+            return c, slot
+
+
+def test_a_client_cannot_resize_its_slot_or_write_a_held_shard(daemon_factory):
+    """A slot is passed read-write, but its size is sealed: a client that shrank its slot would have the
+    daemon's writer read past the end and die of SIGBUS (every user's saves with it). A held shard is
+    passed read-only to a restoring client: it can neither write into nor resize what other restores read."""
+    d = daemon_factory("--memory-steps", "1", "--memory-budget", str(64 << 20))
+    data = os.urandom(1 << 20)
+    c, slot = _hello_and_commit(str(d.socket), "sealed", data)
+    with pytest.raises(PermissionError):
+        os.ftruncate(slot, 0)
+    with pytest.raises(PermissionError):
+        os.ftruncate(slot, 2 << 20)
+    assert os.fstat(slot).st_size == 1 << 20
+    e = protocol.connect(str(d.socket))
+    erx = protocol.FrameReceiver(e)
+    e.settimeout(30)
+    protocol.send_frame(e, {"op": "memory_fetch", "req": 1, "job": "sealed", "rank": 0, "world_size": 1, "step": 1})
+    assert erx.read()["op"] == "ok"
+    held = erx.take_fds(1)[0]
+    assert fcntl.fcntl(held, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+    with pytest.raises(OSError):
+        os.ftruncate(held, 0)
+    with pytest.raises(OSError):
+        os.pwrite(held, b"x", 0)
+    assert os.pread(held, len(data), 0) == data
+    for fd in (slot, held):
+        os.close(fd)
+    e.close()
+    c.close()
+    # The daemon is alive and serves: a real save and restore through it.
+    ck = ckptd_client.Checkpointer("after", socket=str(d.socket))
+    w = torch.randn(64, 64)
+    ck.save(1, {"w": w}).wait(60)
+    out = {"w": torch.zeros(64, 64)}
+    ck.restore(out, 1)
+    ck.close()
+    assert torch.equal(out["w"], w) and d.proc.poll() is None

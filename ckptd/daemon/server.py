@@ -134,6 +134,10 @@ class Daemon:
                                           "threads": self.config.threads, "codec": self.config.write.codec,
                                           "socket_activated": listen_sock is not None, "pid": os.getpid(),
                                           "shmem_huge_pages": where.mode, "shm_dir": where.dir}})
+        if not shm.sealed():
+            log.warning("shm_dir %s: its files cannot be sealed against resizing: a permitted user who shrinks a "
+                        "slot it was given can crash this daemon (SIGBUS); use shm_dir only where every permitted "
+                        "user is trusted, or memfds (no shm_dir)", where.dir)
         if where.mode not in shm.HUGE_MODES:
             log.info("shared memory uses 4 KiB pages (%s): restores from memory copy faster with huge pages "
                      "(docs/operations.md)", f"transparent_hugepage/shmem_enabled is {where.mode}" if where.dir is None

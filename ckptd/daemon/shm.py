@@ -23,10 +23,17 @@ with ``O_TMPFILE``: like memfds they have no name and are freed with their last 
 Either way every page exists before the memfd is used: a node out of memory (or a mount out of
 space) fails the allocation (an OSError the caller reports), never a trainer's copy with SIGBUS
 later. docs/operations.md says which mode to choose.
+
+A memfd's size is sealed once allocated (``F_SEAL_SHRINK | F_SEAL_GROW``): a client is handed
+slots read-write, and a slot it shrank with ``ftruncate`` would kill the daemon with SIGBUS when
+its writer read a page past the new end. Files in ``shm_dir`` cannot be sealed (only memfds can),
+so there a permitted user can still do that; ``sealed`` tells which, and the daemon warns at start.
+A held shard is passed to a restoring client read-only (``read_only``).
 """
 from __future__ import annotations
 
 import errno
+import fcntl
 import functools
 import mmap
 import os
@@ -153,14 +160,27 @@ def new_memfd(name: str, size: int, prot: int = mmap.PROT_READ | mmap.PROT_WRITE
     (``use_dir``) an unnamed file there stands for the memfd (``name`` is then not shown in /proc)."""
     where = place()
     if where.dir is None:
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     else:
         fd = os.open(where.dir, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
     try:
         os.ftruncate(fd, size)
         allocate(fd, size, where.mode)
+        if where.dir is None:         # its size fixed for good: no holder of the fd can shrink it (module docstring)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED | flags, prot, **mmap_kw)
     except BaseException:
         os.close(fd)
         raise
     return fd, mm
+
+
+def sealed() -> bool:
+    """Whether this process's shared memory is sealed against resizing (memfds, not ``shm_dir``)."""
+    return place().dir is None
+
+
+def read_only(fd: int) -> int:
+    """A new read-only descriptor of the file ``fd`` is open on (for a reader that must not write or
+    resize it: a held shard passed to a restoring client)."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)

@@ -54,7 +54,9 @@ class MemorySettings:
         doc="A directory on a tmpfs mount where the daemon makes its shared memory (slots, held shards, peers' "
             "replicas) as unnamed files instead of memfds: mounted with `huge=within_size` it gives them 2 MiB "
             "pages without changing the node's `shmem_enabled` (docs/operations.md). The daemon refuses to start "
-            "unless it is a tmpfs directory owned by root or its user that no one else may write.")
+            "unless it is a tmpfs directory owned by root or its user that no one else may write. Its files cannot "
+            "be sealed against resizing as memfds are: a permitted user who shrinks a slot it was given can "
+            "crash the daemon (SIGBUS), so use it only where every permitted user is trusted (it warns at start).")
 
 
 @dataclass(frozen=True)

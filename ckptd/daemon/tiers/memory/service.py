@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Hashable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from typing import Any
 
 from ckptd.core import names
 from ckptd.core.protocol import MemoryFetch, level_job
+from ckptd.daemon import shm
 from ckptd.daemon.runtime import RequestError, TaskSet
 from ckptd.daemon.settings.config import DaemonConfig
 from ckptd.daemon.tiers.base import StorageTier
@@ -171,7 +171,8 @@ class MemoryService:
         assert held.meta is not None
         log.info("restore from memory", extra={"ctx": {"job": job, "step": held.step, "rank": m.rank,
                                                         "bytes": held.meta.nbytes, "source": source}})
-        return {**held.meta.to_wire(), "source": source}, [os.dup(held.fd)]
+        # Read-only: the client neither writes into nor resizes a copy other restores read (shm.py).
+        return {**held.meta.to_wire(), "source": source}, [shm.read_only(held.fd)]
 
     def reclaim(self, slot_fds: set[int]) -> bool:
         """A trainer whose slots (``slot_fds``) are all kept as held steps gets the oldest back."""
