@@ -13,6 +13,7 @@ with a generous deadline that only guards against a hang.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import signal
 import subprocess
@@ -276,6 +277,40 @@ def test_io_error_at_fsync_on_a_full_thin_volume(thin_fs, daemon_factory):
     assert st["steps"] == [] and [s["busy_slots"] for s in st["sessions"]] == [0]
     ck.close()
     assert_no_tracebacks(d)
+
+
+def test_a_writeback_error_met_while_pacing_fails_the_shard(thin_fs, monkeypatch):
+    """The writer paces itself by waiting for the writeback of data some way behind it
+    (``sync_file_range`` with WAIT_AFTER). That wait reports a failed writeback and clears it for
+    the descriptor, so the data file's fsync later succeeds: the error must fail the shard there.
+    Here the pool runs out under the first few MiB and grows again (a transient fault ending)
+    before the rest and the fsync; the shard must fail, its files removed. (The pacing distances
+    are scaled down from 32/256 MiB so that a 12 MiB shard meets them; the writes, the file system
+    and its failure are real.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckptd.core import shard_writer, storage
+    from ckptd.core.schema import TensorLayout
+
+    monkeypatch.setattr(storage, "WRITEBACK_BYTES", 1 << 20)
+    monkeypatch.setattr(shard_writer, "PACE_LAG_BYTES", 2 << 20)
+    n = 12 << 20
+    src = memoryview(bytearray(torch.randint(0, 256, (n,), dtype=torch.uint8).numpy().tobytes()))
+    step_path = str(thin_fs.path / "job" / "step-000000000001")
+    written = []
+
+    def before_write() -> None:
+        written.append(1)
+        if len(written) == 7:         # 6 MiB in, the pool long full: the fault ends (the old code then
+            thin_fs.grow()            # fsynced without an error and reported the shard durable)
+
+    with ThreadPoolExecutor(2) as pool, pytest.raises(OSError) as err:
+        shard_writer.write_shard(step_path, "job", 1, 0, 1, [TensorLayout("w", "uint8", (n,), 0, n)],
+                                 lambda t, start, k: src[t.offset + start:t.offset + start + k], {"T": "w"},
+                                 shard_writer.Encoding("none", 1, 1 << 20), pool, 2,
+                                 shard_writer.ShardHooks(before_write=before_write))
+    assert err.value.errno in (errno.ENOSPC, errno.EIO), err.value
+    assert sorted(p.name for p in Path(step_path).iterdir()) == []
 
 
 # ---- daemon restart ----------------------------------------------------------------

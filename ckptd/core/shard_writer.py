@@ -169,11 +169,11 @@ class _Writeback:
     """Starts writeback of the ranges the writer hands it on a thread of its own: ``sync_file_range``
     submits the range's writes on the calling thread, which took the writer 40-90 ms per GiB on top
     of its ~250 ms of copies into the page cache on the benchmarks' VM. ``close`` before the file's
-    descriptor is closed (no call runs after it). Errors are left for the fsync to report, as
-    ``storage.start_writeback`` leaves them."""
+    descriptor is closed (no call runs after it); it raises the first error a call met (once)."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
+        self._error: OSError | None = None
         self._q: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="ckptd-writeback", daemon=True)
         self._thread.start()
@@ -184,10 +184,17 @@ class _Writeback:
     def close(self) -> None:
         self._q.put(None)
         self._thread.join()
+        err, self._error = self._error, None
+        if err is not None:
+            raise err
 
     def _run(self) -> None:
         while (item := self._q.get()) is not None:
-            storage.start_writeback(self.fd, *item)
+            if self._error is None:
+                try:
+                    storage.start_writeback(self.fd, *item)
+                except OSError as e:
+                    self._error = e
 
 
 @dataclass(frozen=True)
@@ -329,7 +336,10 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
         if not released:
             release()
         if writeback is not None:
-            writeback.close()           # before the descriptor it writes back is closed
+            try:
+                writeback.close()       # before the descriptor it writes back is closed
+            except OSError:
+                pass                    # the error being raised already fails the shard
         if fd >= 0:
             os.close(fd)
         try:

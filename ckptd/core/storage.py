@@ -29,7 +29,11 @@ def _load_sync_file_range() -> Callable[[int, int, int, int], None] | None:
     fn.restype = ctypes.c_int
 
     def call(fd: int, offset: int, nbytes: int, flags: int) -> None:
-        fn(fd, offset, nbytes, flags)   # errors surface at the final fsync
+        # An error must be raised here: waiting (WAIT_AFTER) reports a failed writeback and clears it
+        # for this descriptor, so the file's later fsync would succeed with the data not on the disk.
+        if fn(fd, offset, nbytes, flags) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"writeback: {os.strerror(err)}")
     return call
 
 
@@ -40,7 +44,8 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     """Ask the kernel to start writing a range back now, without waiting for it.
 
     A shard's final fsync then only waits for the tail instead of flushing the whole file,
-    which overlaps disk writes with compression. Errors are left for fsync to report."""
+    which overlaps disk writes with compression. OSError if the kernel refuses (a failed
+    writeback of the range is reported by whoever waits for it: ``wait_writeback`` or fsync)."""
     if _sync_file_range is not None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
@@ -48,7 +53,8 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 def wait_writeback(fd: int, offset: int, nbytes: int) -> None:
     """Wait until a range written earlier is on the disk (writing back what is not under way yet):
     a writer that calls this for data some way behind it goes at the disk's pace. Not durability
-    (no metadata, no cache flush: fsync is); errors are left for fsync to report."""
+    (no metadata, no cache flush: fsync is). OSError for a failed writeback of the file (EIO,
+    ENOSPC on a thin volume): the wait consumes it, and the file's fsync would no longer report it."""
     if _sync_file_range is not None:
         _sync_file_range(fd, offset, nbytes,
                          _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE | _SYNC_FILE_RANGE_WAIT_AFTER)
