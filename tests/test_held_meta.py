@@ -64,6 +64,7 @@ def _set(path: tuple[Any, ...], value: Any) -> dict[str, Any]:
     (("tensors", 2, 3), 400_065, "outside the slot"),
     (("tensors", 1, 5), {"shape": [13], "offsets": [7]}, "does not fit"),
     (("chunk_bytes",), 1024, "chunk"),
+    (("step",), 10**12, "bad step"),               # past names.MAX_STEP: no path could name it
     (("digest",), "sha256:xyz", "digest"),
 ])
 def test_malformed_fields_are_refused(path: tuple[Any, ...], value: Any, match: str) -> None:

@@ -276,6 +276,23 @@ def test_retention_per_tier_and_flush(seaweed, daemon_factory):
     assert_state(state, 2)
 
 
+def test_flush_of_a_bad_job_or_a_step_not_committed_here_files_nothing(seaweed, daemon_factory):
+    """A flush names a job and step from the wire: a bad name is refused, and a step this node has not
+    committed is not queued (each would otherwise stay in the uploader's tables and its status for good)."""
+    bucket = make_bucket(seaweed)
+    d = daemon_factory(*s3_args(seaweed, bucket), env=seaweed.env())
+    save(d.socket, 1, seed=1)
+    for job in ("../escape", "x" * 100_000, ""):
+        with pytest.raises(RuntimeError, match="flush: "):
+            protocol.request_once(str(d.socket), {"op": "flush", "job": job, "step": 1, "timeout": 0})
+    for job, step in (("made-up", 1), (JOB, 7)):
+        assert bucket_restore.flush(str(d.socket), job, step, 0) == \
+            bucket_restore.Flushed(False, f"step {step} of job {job!r} is not committed on this node")
+    assert bucket_restore.flush(str(d.socket), JOB, 1, 60).uploaded
+    jobs = protocol.request_once(str(d.socket), {"op": "status"})["uploads"]["jobs"]
+    assert sorted(jobs) == [JOB]
+
+
 def test_preemption_flushes_the_step_to_the_bucket(seaweed, daemon_factory):
     bucket = make_bucket(seaweed)
     d = daemon_factory(*s3_args(seaweed, bucket), env=seaweed.env())

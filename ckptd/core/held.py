@@ -19,7 +19,7 @@ from typing import Any
 
 from .codec import HELD_CODEC, ChunkMeta, checksum, chunk_count, chunk_ranges
 from .errors import ChecksumError, FormatError
-from .names import are_checksums, is_digest, is_rank, validate_job_key
+from .names import are_checksums, is_digest, is_rank, is_step, validate_job_key
 from .schema import Manifest, TensorEntry, TensorLayout, data_length, parse_layout
 
 MAX_HELD_BYTES = 1 << 40          # one rank's shard; anything larger on the wire is refused
@@ -125,6 +125,8 @@ class HeldMeta:
                 raise FormatError(f"held shard: {k} must be an integer ≥ 0")
             ints.append(v)
         step, rank, world, nbytes, chunk = ints
+        if not is_step(step):            # (a step past the bound would fail every later path it names)
+            raise FormatError(f"held shard: bad step {step}")
         if not (is_rank(rank, world) and nbytes <= MAX_HELD_BYTES and MIN_CHUNK <= chunk <= MAX_CHUNK):
             raise FormatError(f"held shard: bad rank {rank} / world size {world} / size {nbytes} / chunk {chunk}")
         digest, sums, tensors = msg.get("digest"), msg.get("checksums"), msg.get("tensors")

@@ -17,7 +17,7 @@ from typing import Any
 from ckptd.core import names
 from ckptd.core.protocol import MemoryFetch, level_job
 from ckptd.daemon import shm
-from ckptd.daemon.runtime import RequestError, TaskSet
+from ckptd.daemon.runtime import RequestError, TaskSet, describe_error
 from ckptd.daemon.settings.config import DaemonConfig
 from ckptd.daemon.tiers.base import StorageTier
 from ckptd.daemon.tiers.memory.store import Held, HeldView, MemoryStore, MemoryTotals
@@ -139,7 +139,11 @@ class MemoryService:
         while True:
             await asyncio.sleep(SETTLE_INTERVAL_S)
             for job in sorted({h.job for h in self.store.entries.values() if not h.committed}):
-                self._trim(job)
+                try:
+                    self._trim(job)
+                except Exception as e:        # one job's bad entry must not end the check for every job
+                    log.error("memory tier commit check failed for a job",
+                              extra={"ctx": {"job": job, "error": describe_error(e)}})
 
     async def stop(self) -> None:
         if self.server is not None:

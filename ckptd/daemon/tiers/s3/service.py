@@ -83,7 +83,10 @@ class BucketService:
         timeout = float(f.timeout)
         if not (math.isfinite(timeout) and 0 <= timeout <= MAX_FLUSH_S):
             raise RequestError(f"flush: timeout must be 0..{MAX_FLUSH_S:g} seconds")
-        ok, detail = await self.uploader.flush(f.job, step, timeout)
+        try:
+            ok, detail = await self.uploader.flush(f.job, step, timeout)
+        except ValueError as e:      # a bad job name
+            raise RequestError(f"flush: {e}") from None
         (log.info if ok else log.error)("flush " + ("done" if ok else "did not finish"),
                                         extra={"ctx": {"job": f.job, "step": step, "detail": detail}})
         return {"uploaded": ok, "detail": detail}

@@ -139,12 +139,20 @@ class Uploader:
 
     async def flush(self, job: str, step: int | None, timeout: float) -> tuple[bool, str]:
         """Wait up to ``timeout`` s for ``step`` (default: the job's newest committed local step) to be
-        committed in the bucket, queueing it first if needed; (made it, what happened)."""
+        committed in the bucket, queueing it first if needed; (made it, what happened). ValueError:
+        a bad job name. A step neither known here nor committed on this node is not filed (a client
+        naming made-up jobs or steps would otherwise grow this daemon's tables without bound)."""
+        validate_job(job)
         if step is None:
             info = latest_committed(job_dir(self.root, job))
             if info is None:
                 return False, f"job {job!r} has no committed local step"
             step = info.step
+        known = self.jobs.get(job)
+        if not (known is not None and (step == known.uploading or step in known.queued or (
+                known.in_bucket is not None and step <= known.in_bucket))) \
+                and not is_committed(step_dir(self.root, job, step)):
+            return False, f"step {step} of job {job!r} is not committed on this node"
         j = self.jobs.setdefault(job, JobUploads())
         if j.in_bucket is None or j.in_bucket < step:
             self.committed(job, step)
