@@ -5,7 +5,8 @@ A restore decodes straight into the live tensors (no second copy of the state), 
 mismatch found halfway would leave the state part old, part new. So both sources (storage:
 restore.py; the daemon's memory: memory_restore.py) first gather every problem — an entry or a
 tensor of the state the step lacks (unless ``strict=False``), a tensor of another dtype or shape,
-tensors of the step a module lacks, an optimizer's param groups of other sizes — and raise them
+tensors of the step a module lacks, an optimizer's param groups of other sizes, a tensor that
+cannot be written into (on the meta device, or with elements sharing memory) — and raise them
 together, each named, before anything is read into the state.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from ckptd.core.tree import join_path
 
+from .dtensor import is_dtensor, local_tensor
 from .errors import CheckpointError
 from .live_state import live_tensors, param_group_sizes, tensor_leaves
 
@@ -92,6 +94,10 @@ class Check:
             absent.append(f"tensor{'' if one else 's'} {listed(missing_tensors)} of the state {'is' if one else 'are'}"
                           f" not in the checkpoint; {LENIENT}")
         self.problems[:0] = absent
+        for p in [p for p in live if p in saved]:       # (in the state's order)
+            problem = unwritable(live[p])
+            if problem is not None:
+                self.add(f"tensor {p!r} {problem}")
         for k, sub in subtrees.items():
             target = state[k]
             if isinstance(target, torch.nn.Module) and self.strict:
@@ -109,6 +115,22 @@ class Check:
             raise CheckpointError(f"cannot restore {self.where}; nothing in the state was changed:\n  "
                                   + "\n  ".join(shown) + (f"\n  and {more} more problems" if more > 0 else ""))
         return Outcome(tuple(str(k) for k in subtrees), tuple(missing), tuple(missing_tensors))
+
+
+def unwritable(t: torch.Tensor) -> str | None:
+    """Why a restore cannot write the saved bytes into live tensor ``t`` (a DTensor: its local shard),
+    or None. A meta tensor has no memory (every copy into it is a no-op: the restore would report it
+    restored); one with a stride of 0 over a dimension of 2 or more (``expand``) has elements that
+    share memory (a copy into it raises halfway through the restore)."""
+    if is_dtensor(t):
+        t = local_tensor(t)
+    if t.is_meta:
+        return "is on the meta device: materialize the state first (module.to_empty(device=...), then restore)"
+    stride = t.stride()
+    if 0 in stride and any(st == 0 and n > 1 for st, n in zip(stride, t.shape, strict=True)):
+        return ("has elements that share memory (a stride of 0, as expand() makes): give the state a tensor "
+                "of its own (.clone()) to restore into")
+    return None
 
 
 def check_plain(state: Mapping[Any, Any], items: Sequence[Sequence[Any]], saved: Callable[[str], Any],

@@ -177,3 +177,33 @@ def test_an_optimizer_over_other_parameters_raises_before_the_model_is_loaded(da
         assert ck.restore(state) == 2 and ck.last_restore is not None
         assert ck.last_restore.source == (MEMORY if memory else STORAGE)
     assert frozen(m.state_dict()) == frozen(saved.state_dict())
+
+
+@pytest.mark.parametrize("memory", SOURCES)
+def test_a_tensor_that_cannot_be_written_into_raises_before_anything_is_written(daemon: Any, memory: bool) -> None:
+    """A model still on the meta device (built under torch.device("meta"), not yet to_empty()) has no
+    memory: copies into it do nothing, and a restore would report it restored. A tensor from expand()
+    has elements sharing memory: a copy into it raises, after the rest was written. Both are named
+    before anything is read; the state is left as it was."""
+    saved, _ = trained()
+    w = torch.arange(12.0)
+    with checkpointer(daemon, "unwritable", True) as ck:
+        ck.save(2, {"model": saved, "w": w, "e": torch.arange(3.0)}).wait(60)
+    with torch.device("meta"):
+        meta_model = net(seed=5)
+    other_w = torch.zeros(12)
+    state: dict[str, Any] = {"model": meta_model, "w": other_w, "e": torch.full((1,), 5.0).expand(3)}
+    with checkpointer(daemon, "unwritable", memory) as ck:
+        with pytest.raises(CheckpointError) as e:
+            ck.restore(state)
+    msg = str(e.value)
+    assert "tensor 'model/0.weight' is on the meta device: materialize the state first" in msg, msg
+    assert "tensor 'e' has elements that share memory" in msg and "nothing in the state was changed" in msg, msg
+    assert ("daemon's memory" in msg) == memory, msg
+    assert torch.equal(other_w, torch.zeros(12)) and torch.equal(state["e"], torch.full((3,), 5.0))
+    meta_model.to_empty(device="cpu")            # the fixes the error names: then the same step restores
+    state["e"] = state["e"].clone()
+    with checkpointer(daemon, "unwritable", memory) as ck:
+        assert ck.restore(state) == 2
+    assert frozen(meta_model.state_dict()) == frozen(saved.state_dict())
+    assert torch.equal(other_w, w) and torch.equal(state["e"], torch.arange(3.0))
