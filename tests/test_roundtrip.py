@@ -176,12 +176,16 @@ def t(dtype: str, shape: list[int], seed: int) -> dict[str, Any]:
 PER_RANK_SHAPES = [
     {"model": {"w": t("float32", [4, 3], 1), "b": t("float32", [3], 2)},
      "optim": {"flat": t("float32", [37], 10), "step": 5},
-     "buf": t("int64", [5], 20), "mixed": t("float16", [2, 2], 30)},
+     "buf": t("int64", [5], 20), "mixed": t("float16", [2, 2], 30),
+     "loader/pos": t("int64", [1], 50), "cfg/seed": t("int64", [1], 60)},
     {"model": {"w": t("float32", [2, 3], 3), "b": t("float32", [3], 2)},
      "optim": {"flat": t("float32", [36], 11), "step": 5},
      "buf": t("int64", [6], 21), "mixed": t("bfloat16", [3], 31),
-     "only1": {"extra": t("uint8", [7], 40)}},
+     "only1": {"extra": t("uint8", [7], 40)},
+     "loader/pos": t("int64", [1], 51), "cfg/seed": t("int64", [1], 60)},
 ]
+# ("loader/pos": a top-level key holding a "/", its tensor differing by rank: per rank under its own
+# name, not "loader"; "cfg/seed" the same on both ranks: not per rank.)
 
 
 @pytest.mark.parametrize("mode", ["local", "relay"])
@@ -196,7 +200,7 @@ def test_per_rank_shapes_dtypes_and_presence_round_trip(mode: str, request: pyte
     assert [tensors["mixed"].copy_of(p) for p in tensors["mixed"].pieces] == [("float16", (2, 2)), ("bfloat16", (3,))]
     assert [p.rank for p in tensors["only1/extra"].pieces] == [1]
     assert tensors["model/b"].same
-    assert per_rank == ["buf", "mixed", "model", "only1", "optim"]
+    assert per_rank == ["buf", "loader/pos", "mixed", "model", "only1", "optim"]
     index = json.loads((job.step_dir(1) / "index.json").read_text())
     assert index["tensors"]["buf"]["copies"] == {"1": {"dtype": "int64", "shape": [6]}}
     assert "copies" not in index["tensors"]["model/b"]

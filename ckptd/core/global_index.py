@@ -237,10 +237,19 @@ def per_rank_keys(records: Sequence[RankRecord], tensors: dict[str, GlobalTensor
         for key, form in forms:
             keys.setdefault(key, set()).add(form)
     out = {k for k, forms in keys.items() if len(forms) > 1}
-    out |= {name.split("/", 1)[0] for name in differing}
+    out |= {top for name in differing for top in _tops_of(name, keys)}
     present = [{k for k, _ in forms} for forms in distinct]
     out |= set[str]().union(*present) - present[0].intersection(*present[1:])    # held by some ranks only
     return sorted(out)
+
+
+def _tops_of(name: str, tops: Mapping[str, Any]) -> list[str]:
+    """The top-level keys a tensor named ``name`` may lie under: a key may itself hold a ``/``
+    (``"loader/pos"``), so each prefix of the name at a ``/`` that is a key (both, where keys
+    ``"a"`` and ``"a/b"`` could each hold ``"a/b/c"``); its first part where none is."""
+    parts = name.split("/")
+    found = [k for k in ("/".join(parts[:i]) for i in range(1, len(parts) + 1)) if k in tops]
+    return found or [parts[0]]
 
 
 def parse_tensor_map(obj: Any, world_size: int) -> dict[str, GlobalTensor]:
