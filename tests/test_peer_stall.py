@@ -131,3 +131,75 @@ def test_stalled_peer_fails_its_copy_and_the_rest_go_on(daemon_factory, tmp):
             if d.proc.poll() is None:
                 d.proc.kill()
                 d.proc.wait(60)
+
+
+@pytest.mark.timeout(300)
+def test_connections_that_never_finish_the_handshake_are_cut_and_hold_no_peers_threads(daemon_factory, tmp):
+    """40 connections without the secret each send a valid header announcing a 4 KiB auth frame, then
+    its body a byte at a time, each wait well within peers.io_timeout: none of them ever stalls. They
+    must not hold the threads an authenticated peer's requests are read on (its probe answers while
+    they trickle), and the daemon cuts each once the whole handshake has taken io_timeout; then a new
+    peer with the secret gets in."""
+    import asyncio
+    import socket
+    import struct
+    import threading
+
+    from ckptd.daemon.tiers.peers.link import PeerLink
+
+    port = free_port()
+    secret = secret_file(tmp / "secret", "0123456789abcdef0123456789abcdef\n")
+    # The daemon cuts a handshake after 8 s; the authenticated peer's probe gives up after 4: shared
+    # threads would answer it only once the tricklers were cut.
+    d = daemon_factory(*peer_args(f"127.0.0.1:{port}", [], secret, "--peer-io-timeout", "8s"),
+                       "--memory-steps", "1", "--memory-budget", str(64 << 20))
+    key = secret.read_bytes().strip()
+    digest = "sha256:" + "0" * 64
+    stop = threading.Event()
+    cut: list[bool] = []
+    joined = threading.Barrier(41)
+
+    def trickle() -> None:
+        c = socket.create_connection(("127.0.0.1", port))
+        c.settimeout(1.0)
+        c.recv(4096)                                   # the challenge
+        c.sendall(struct.pack(">2sHIQ", b"CP", 1, 4096, 0))
+        joined.wait()
+        while not stop.is_set():
+            try:
+                c.send(b" ")
+                if c.recv(1) == b"":                 # closed by the daemon
+                    break
+            except TimeoutError:
+                continue                             # nothing from the daemon: trickle on
+            except OSError:
+                break
+        else:
+            c.close()
+            return
+        cut.append(True)
+        c.close()
+
+    async def probe() -> bool:
+        link = await PeerLink(f"127.0.0.1:{port}", key, "legit", 10).open()
+        try:
+            return await link.has("job", 1, 0, digest)
+        finally:
+            link.close()
+
+    async def authenticated_during_attack() -> bool:
+        link = await PeerLink(f"127.0.0.1:{port}", key, "legit", 4).open()    # in before the attack
+        try:
+            threads = [threading.Thread(target=trickle, daemon=True) for _ in range(40)]
+            for t in threads:
+                t.start()
+            await asyncio.get_running_loop().run_in_executor(None, joined.wait)
+            return await link.has("job", 1, 0, digest)      # read on a thread no trickler holds
+        finally:
+            link.close()
+
+    assert asyncio.run(authenticated_during_attack()) is False      # answered: "missing"
+    wait_for(lambda: len(cut) == 40, "the daemon to cut every connection that never authenticated")
+    stop.set()
+    assert asyncio.run(probe()) is False
+    assert "no handshake within 8 s (peers.io_timeout)" in d.log_text()

@@ -40,7 +40,7 @@ from typing import Any
 
 from .errors import ProtocolError
 from .names import is_hex
-from .peer_channel import RECV, SEND, Channel
+from .peer_channel import ACCEPT, RECV, SEND, Channel
 
 PEER_VERSION = 1
 PEER_MAGIC = b"CP"
@@ -92,11 +92,11 @@ async def send(ch: Channel, msg: dict[str, Any], payload: Any = None,
 
 
 async def recv(ch: Channel, limit: int = 0, max_json: int = MAX_PEER_JSON, *,
-               wait: float | None = None) -> tuple[dict[str, Any], int]:
+               wait: float | None = None, kind: str = RECV) -> tuple[dict[str, Any], int]:
     """(message, payload length); the payload is not read yet (``recv_payload`` or ``skip``).
     ProtocolError for bad magic, version, sizes or JSON; a payload over ``limit`` is refused;
     StalledError when the peer sends nothing for ``wait`` s (default ``ch.timeout``: the first byte
-    is waited for on the event loop, the rest of the frame on a thread)."""
+    is waited for on the event loop, the rest of the frame on a thread of pool ``kind``)."""
     await ch.readable(wait)
 
     def frame() -> tuple[Any, int]:
@@ -115,7 +115,7 @@ async def recv(ch: Channel, limit: int = 0, max_json: int = MAX_PEER_JSON, *,
             return json.loads(body), int(plen)
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
             raise ProtocolError(f"peer frame is not JSON: {e}") from None
-    msg, plen = await ch.run(frame, RECV)
+    msg, plen = await ch.run(frame, kind)
     if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
         raise ProtocolError("peer frame must be a JSON object with a string 'op'")
     return msg, plen
@@ -142,10 +142,12 @@ async def skip(ch: Channel, n: int) -> None:
 
 async def server_handshake(ch: Channel, secret: bytes) -> str:
     """Authenticate a connecting peer and prove ourselves; returns the name it gave. AuthError if not
-    (StalledError when it goes silent)."""
+    (StalledError when it goes silent). Its frame is read on the ACCEPT pool, not RECV: connections
+    no one has authenticated yet (one sending a byte now and then) never hold the threads that
+    authenticated peers' transfers need. The caller bounds the whole handshake (link.py)."""
     ns = secrets.token_hex(32)
     await send(ch, {"op": "challenge", "nonce": ns})
-    msg, _ = await recv(ch, max_json=MAX_HANDSHAKE_JSON)
+    msg, _ = await recv(ch, max_json=MAX_HANDSHAKE_JSON, kind=ACCEPT)
     if msg.get("op") != "auth":
         raise AuthError("peer did not authenticate")
     nc, their = _nonce(msg), msg.get("mac")

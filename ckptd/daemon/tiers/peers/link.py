@@ -159,14 +159,23 @@ class PeerServer:
             self.conns[task] = ch
             task.add_done_callback(self.conns.pop)
 
+    async def _handshake(self, ch: Channel) -> str:
+        if self.tls is not None:
+            await ch.start_tls(self.tls)
+        return await pp.server_handshake(ch, self.secret)
+
     async def _serve(self, ch: Channel, where: str) -> None:
         try:
-            if self.tls is not None:
-                await ch.start_tls(self.tls)
-            node = await pp.server_handshake(ch, self.secret)
-        except (ProtocolError, OSError) as e:
+            # One bound on the whole handshake, not only on each wait: a connection that sends a byte
+            # now and then would otherwise hold its thread for as long as it likes, and a few dozen
+            # would keep every peer with the secret out (cancelled, its blocked read ends at once).
+            node = await asyncio.wait_for(self._handshake(ch), self.timeout)
+        except (ProtocolError, OSError, asyncio.TimeoutError) as e:      # (3.10: not the builtin TimeoutError)
             self.refused()
-            log.warning("peer refused", extra={"ctx": {"remote": where, "reason": tls_error(e) or describe_error(e)}})
+            late = isinstance(e, (asyncio.TimeoutError, TimeoutError))
+            reason = f"no handshake within {self.timeout:g} s (peers.io_timeout)" if late else \
+                tls_error(e) or describe_error(e)
+            log.warning("peer refused", extra={"ctx": {"remote": where, "reason": reason}})
             ch.close()
             return
         try:
