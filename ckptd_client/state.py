@@ -64,7 +64,7 @@ def _check_dense(path: str, t: torch.Tensor) -> None:
 
 def replacement(obj: Any, path: str, sharded_model: torch.nn.Module | None, top_optimizers: set[int]) -> Any:
     """What a non-JSON, non-tensor value is saved as (its state dict; a NumPy value as a tensor or
-    scalar), or a TypeError naming ``path``. The plan cache's walk calls it too: one definition."""
+    scalar, restored as NumPy again: ``apply_state``), or a TypeError naming ``path``. The plan cache's walk calls it too: one definition."""
     if is_stateful(obj):
         if isinstance(obj, torch.nn.Module):
             return dtensor.model_state_dict(obj) if obj is sharded_model else obj.state_dict()
@@ -190,6 +190,18 @@ def apply_state(target: Any, loaded: Any, path: str = "", strict: bool = True) -
         with torch.no_grad():
             target.copy_(loaded)
         return target
+    if isinstance(target, np.ndarray) and isinstance(loaded, torch.Tensor):
+        # Saved as a tensor (``replacement``); back into the array itself, as NumPy (a contiguous one
+        # was read in place: the tensor is a view of it).
+        arr = loaded.detach().cpu().numpy()
+        if arr.shape != target.shape or arr.dtype != target.dtype:
+            raise CheckpointError(f"restore {path!r}: checkpoint has {arr.dtype} {arr.shape}, state has "
+                                  f"{target.dtype} {target.shape}")
+        if not np.may_share_memory(arr, target):     # (read in place: the same bytes)
+            np.copyto(target, arr, casting="no")
+        return target
+    if isinstance(target, np.generic) and isinstance(loaded, (bool, int, float, complex)):
+        return type(target)(loaded)   # saved as its .item(): the same NumPy scalar type again
     if isinstance(target, torch.nn.Module):
         target.load_state_dict(loaded, strict=strict)
         return target

@@ -207,3 +207,26 @@ def test_a_tensor_that_cannot_be_written_into_raises_before_anything_is_written(
         assert ck.restore(state) == 2
     assert frozen(meta_model.state_dict()) == frozen(saved.state_dict())
     assert torch.equal(other_w, w) and torch.equal(state["e"], torch.arange(3.0))
+
+
+@pytest.mark.parametrize("memory", SOURCES)
+def test_numpy_values_come_back_as_numpy_into_the_same_arrays(daemon: Any, memory: bool) -> None:
+    """NumPy arrays are saved as tensors and NumPy scalars as their Python value: a restore puts them
+    back as NumPy, each array into the live array itself (a strided one too), each scalar as its type."""
+    saved = {"arr": np.arange(6, dtype=np.float32).reshape(2, 3), "wide": np.arange(12.0).reshape(3, 4)[:, ::2],
+             "f32": np.float32(1.1), "i64": np.int64(-7), "flag": np.bool_(True), "ints": np.arange(5, dtype=np.int16)}
+    with checkpointer(daemon, "numpy", True) as ck:
+        ck.save(2, {"data": dict(saved)}).wait(60)
+    live = {"arr": np.zeros((2, 3), np.float32), "wide": np.zeros((3, 4))[:, ::2], "f32": np.float32(0),
+            "i64": np.int64(0), "flag": np.bool_(False), "ints": np.zeros(5, np.int16)}
+    arrays = {k: v for k, v in live.items() if isinstance(v, np.ndarray)}
+    state = {"data": live}
+    with checkpointer(daemon, "numpy", memory) as ck:
+        assert ck.restore(state) == 2
+    for k, v in saved.items():
+        got = state["data"][k]
+        assert type(got) is type(v), (k, type(got))
+        assert np.array_equal(got, v) and (not isinstance(v, np.ndarray) or got.dtype == v.dtype), k
+        if k in arrays:
+            assert got is arrays[k], k                    # the live array itself, written in place
+    assert state["data"]["f32"] == np.float32(1.1)         # (not 1.1 as a float64)
