@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -62,7 +63,9 @@ class OverlapCopies:
     def __init__(self, fence: Callable[[], None]) -> None:
         self._fence = fence
         self._pool: ThreadPoolExecutor | None = None
-        self._hooks: dict[int, RemovableHandle] = {}             # id(optimizer) → its pre-hook
+        # optimizer → its pre-hook; weakly: a freed optimizer's address may be a new one's, which
+        # (keyed by id) would find an entry and go without its hook, its step() then unfenced
+        self._hooks: weakref.WeakKeyDictionary[torch.optim.Optimizer, RemovableHandle] = weakref.WeakKeyDictionary()
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}   # reused for the Checkpointer's life
         self.inflight: tuple[SaveHandle, SlotCopy] | None = None
 
@@ -104,8 +107,8 @@ class OverlapCopies:
         if set) runs on the copy thread once every byte is in the slot; ``failed`` gets what it or
         the copy raised."""
         for opt in optimizers:
-            if id(opt) not in self._hooks:
-                self._hooks[id(opt)] = opt.register_step_pre_hook(lambda *_: self._fence())
+            if opt not in self._hooks:
+                self._hooks[opt] = opt.register_step_pre_hook(lambda *_: self._fence())
         self.inflight = (handle, copy)
         pool = self.pool()
         copy.start(recheck)               # last: see SlotCopy.start
@@ -123,7 +126,7 @@ class OverlapCopies:
         return handle
 
     def unhook(self) -> None:
-        for hook in self._hooks.values():
+        for hook in list(self._hooks.values()):
             hook.remove()
         self._hooks.clear()
 

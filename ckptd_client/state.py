@@ -64,7 +64,8 @@ def _check_dense(path: str, t: torch.Tensor) -> None:
 
 def replacement(obj: Any, path: str, sharded_model: torch.nn.Module | None, top_optimizers: set[int]) -> Any:
     """What a non-JSON, non-tensor value is saved as (its state dict; a NumPy value as a tensor or
-    scalar, restored as NumPy again: ``apply_state``), or a TypeError naming ``path``. The plan cache's walk calls it too: one definition."""
+    scalar, restored as NumPy again: ``apply_state``), or a TypeError naming ``path``. The plan
+    cache's walk calls it too: one definition."""
     if is_stateful(obj):
         if isinstance(obj, torch.nn.Module):
             return dtensor.model_state_dict(obj) if obj is sharded_model else obj.state_dict()

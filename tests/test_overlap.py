@@ -135,3 +135,29 @@ def test_the_copy_thread_is_batch_work(daemon):
     assert os.sched_getscheduler(copy[0].native_id) == os.SCHED_BATCH
     assert os.sched_getscheduler(0) == os.SCHED_OTHER            # the trainer's own thread is left as it was
     ck.close()
+
+
+def test_a_new_optimizer_at_a_freed_ones_address_still_fences_the_copy(daemon):
+    """A loop that builds a new optimizer per phase: CPython often gives the new one the freed one's
+    address. Its step() must still wait for the save's copy (a hook per optimizer object, not per
+    id): each step's restored weight is the value at save(), never one the step wrote mid-copy."""
+    w = torch.nn.Parameter(torch.zeros(4 << 20))          # 16 MiB: a copy the step could overtake
+    seen: set[int] = set()
+    reused = []
+    with ckptd_client.Checkpointer("phases", socket=str(daemon.socket), overlap=True) as ck:
+        for phase in range(1, 31):
+            opt = torch.optim.SGD([w], lr=1.0)
+            with torch.no_grad():
+                w.fill_(100.0 * phase)
+            w.grad = torch.ones_like(w)
+            h = ck.save(phase, {"w": w, "optim": opt})
+            opt.step()                                  # its hook waits for the copy first
+            h.wait(60)
+            if id(opt) in seen:
+                reused.append(phase)
+                out = {"w": torch.empty_like(w), "optim": torch.optim.SGD([torch.nn.Parameter(torch.empty(4 << 20))])}
+                ck.restore(out, phase)
+                assert torch.equal(out["w"], torch.full_like(w, 100.0 * phase)), phase
+            seen.add(id(opt))
+            del opt
+    assert reused, "no optimizer got a freed one's address: the case is not exercised"
