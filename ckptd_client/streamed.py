@@ -53,18 +53,19 @@ def stream_save(session: DaemonSession, conn: DaemonConnection, handle: SaveHand
             handle.skipped = True
             return
         lo, hi = k * part, min((k + 1) * part, total)
+        handle.slot = slot                  # ours until the daemon has it: given back on failure
         try:
             _fill(session.slots[slot], pieces, lo, hi)
             if k == 0:
-                handle.slot = slot
                 conn.request(protocol.Save(step=handle.step, slot=slot, tensors=plan.wire, tree=plan.flat.tree,
                                            commit=commit, stream=[total, part]))
-                handle.slot = None          # the daemon has it: it gives it back (slot_free)
             else:
                 conn.request(protocol.SavePart(step=handle.step, slot=slot, part=k))
+            handle.slot = None              # the daemon has it: it gives it back (slot_free)
         except BaseException as e:
+            handle.slot = None
+            session.release(slot)           # (the first part's too: else each such failure kept a slot for good)
             if k > 0:
-                session.release(slot)
                 session.abort(handle.step, f"streamed save failed at part {k}: {e}")
             raise
 
@@ -89,8 +90,8 @@ class _Pieces:
 
     def _bytes(self, i: int, t: torch.Tensor) -> torch.Tensor:
         """(A tensor that spans parts is flattened once: a non-contiguous one is copied, once.)"""
-        if self.cached is None or self.cached[0] != i:
-            self.cached = (i, t.reshape(-1).view(torch.uint8))
+        if self.cached is None or self.cached[0] != i:    # (a lazily conjugated or negated view: its values)
+            self.cached = (i, t.resolve_conj().resolve_neg().reshape(-1).view(torch.uint8))
         return self.cached[1]
 
 

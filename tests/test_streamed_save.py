@@ -26,12 +26,14 @@ MiB = 1 << 20
 def mixed_state(seed: int) -> dict[str, Any]:
     """Tensors that straddle parts, one larger than a part, odd dtypes, a non-contiguous one, empty ones."""
     g = torch.Generator().manual_seed(seed)
+    cplx = torch.randn(3001, dtype=torch.complex64, generator=g)
     return {"big": torch.randn(3 * MiB, generator=g),                       # 12 MiB: several parts
             "bf": torch.randn(1000, 777, generator=g).bfloat16(),
             "ints": torch.randint(-2**40, 2**40, (123457,), generator=g),
             "t": torch.randn(512, 1024, generator=g).t(),                   # non-contiguous
             "empty": torch.zeros(0), "scalar": torch.tensor(3.5, dtype=torch.float64),
             "flags": torch.rand(5001, generator=g) > 0.5,
+            "conj": cplx.conj(), "neg": cplx.conj().imag,                  # lazily conjugated / negated views
             "meta": {"seed": seed}}
 
 
