@@ -22,6 +22,7 @@ from ckptd.core.gc_pause import gc_paused
 from ckptd.core.names import job_dir, memory_job, step_dir
 from ckptd.core.reader import list_steps
 
+from .errors import CheckpointError
 from .held_pieces import DaemonShards
 from .memory_restore import MEMORY, PEER, MemoryUnavailable
 from .read_stats import ReadStats
@@ -45,9 +46,10 @@ def is_held_step(root: str, job: str, step: int) -> bool:
 
 
 def serve_held(reader: Reader, step: int, state: dict[str, Any], per_rank: PerRank,
-               strict: bool) -> Served | Unavailable:
+               strict: bool, before_write: Callable[[], None] | None = None) -> Served | Unavailable:
     """This rank's part of memory-level step ``step`` from the daemons' memory: every saved rank it
-    needs must be held by this node's daemon or a peer it reaches (there are no files to read)."""
+    needs must be held by this node's daemon or a peer it reaches (there are no files to read).
+    ``before_write``: as ``restore_state``'s."""
     job = memory_job(reader.job)
     path = step_dir(reader.root(), job, step)
     saved = saved_world(path)
@@ -57,7 +59,8 @@ def serve_held(reader: Reader, step: int, state: dict[str, Any], per_rank: PerRa
     try:
         with DaemonShards(reader.socket_path, job, step, saved, required=True) as held:
             outcome = restore_state(path, state, rank=reader.rank, world_size=reader.world_size,
-                                    threads=reader.threads, per_rank=per_rank, strict=strict, stats=stats, held=held)
+                                    threads=reader.threads, per_rank=per_rank, strict=strict, stats=stats, held=held,
+                                    before_write=before_write)
     except MemoryUnavailable as e:
         return Unavailable(MEMORY_LEVEL, f"memory-level step {step}: {e}")
     return Served(PEER if stats.held.get(PEER) else MEMORY, sum(stats.held.values()), outcome, stats)
@@ -65,20 +68,40 @@ def serve_held(reader: Reader, step: int, state: dict[str, Any], per_rank: PerRa
 
 def restore_held(reader: Reader, step: int, state: dict[str, Any], per_rank: PerRank, strict: bool,
                  all_ok: Callable[[bool], bool]) -> RestoreInfo | Unavailable:
-    """Memory-level step ``step`` into ``state`` on every rank, or on none (``all_ok``: whether every
-    rank served; an error is raised only after this rank took part in that agreement)."""
+    """Memory-level step ``step`` into ``state`` on every rank, or on none. Each rank first plans its
+    part (every held shard it needs fetched and pinned, everything checked), then votes (``all_ok``:
+    whether every rank can), and only then writes: one rank that cannot read it leaves every rank's
+    state as it was, and all go on to storage. An error before the vote is raised once this rank has
+    voted no; one after it (a shard failing its checksum as it is read) says the state is partly loaded."""
     started = time.monotonic()
-    error: BaseException | None = None
+    phase = {"voted": False, "writing": False}
+
+    def vote() -> None:
+        phase["voted"] = True
+        if not all_ok(True):
+            raise _Declined
+        phase["writing"] = True
+
     try:
         with gc_paused():     # as run_chain's sources
-            got = serve_held(reader, step, state, per_rank, strict)
-    except Exception as e:         # every rank must still reach the agreement, or the others wait for it
-        got, error = Unavailable(MEMORY_LEVEL, str(e)), e
-    everyone = all_ok(isinstance(got, Served))
-    if error is not None:
-        raise error
-    if isinstance(got, Unavailable):
-        return got
-    if not everyone:
+            got = serve_held(reader, step, state, per_rank, strict, vote)
+    except _Declined:
         return Unavailable(MEMORY_LEVEL, f"memory-level step {step}: another rank could not restore it from memory")
+    except Exception as e:
+        if not phase["voted"]:
+            all_ok(False)     # every rank must still reach the agreement, or the others wait for it
+        if phase["writing"]:
+            raise CheckpointError(f"memory-level step {step} failed after every rank had agreed to restore it, "
+                                  f"while reading it: {e}; this rank's state is partly loaded") from e
+        raise
+    if isinstance(got, Unavailable):
+        if phase["writing"]:
+            raise CheckpointError(f"{got.reason}, after every rank had agreed to restore it; this rank's state is "
+                                  "partly loaded")
+        all_ok(False)
+        return got
     return RestoreInfo.of(step, got, started, level="memory")
+
+
+class _Declined(Exception):
+    """Another rank cannot restore the memory-level step: nothing was written here."""

@@ -153,13 +153,15 @@ def _restore_last(obj: Any) -> bool:
 def restore_state(step_path: str, state: dict[str, Any], *, rank: int, world_size: int, threads: int,
                   per_rank: PerRank = None, strict: bool = True, stats: ReadStats | None = None,
                   read_at: ReadAt = storage.read_at, held: HeldShards | None = None,
-                  reader: StepReader | None = None) -> Outcome:
+                  reader: StepReader | None = None, before_write: Callable[[], None] | None = None) -> Outcome:
     """Load committed step ``step_path`` into ``state`` in place, as rank ``rank`` of ``world_size``
     (see the module docstring and ``Checkpointer.restore``); every name, dtype and shape is checked
     first (restore_check.py). ``stats``/``read_at``: as for ``load_tensor``; ``held``: saved ranks
     read from a daemon's memory instead of their files (held_pieces.py); ``reader``: the step's
-    index as the caller already read it. Raises CheckpointError (ValueError for a malformed
-    ``per_rank``)."""
+    index as the caller already read it; ``before_write``: called once everything is checked and
+    every shard to read is at hand, before the first byte is written into ``state`` (it may raise
+    to stop the restore there: memory_level.py's vote). Raises CheckpointError (ValueError for a
+    malformed ``per_rank``)."""
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict of names to values, got {type(state).__name__}")
     if isinstance(per_rank, Mapping):
@@ -170,12 +172,12 @@ def restore_state(step_path: str, state: dict[str, Any], *, rank: int, world_siz
     with StepFiles(step_path, stats, read_at, held, reader) as files:
         if files.tensors is None:
             files.held = None                # (a format-1 step is read from its files only)
-            return _restore_v1(files, state, rank, world_size, threads, strict)
-        return _Restore(files, files.tensors, state, rank, world_size, threads, per_rank, strict).run()
+            return _restore_v1(files, state, rank, world_size, threads, strict, before_write)
+        return _Restore(files, files.tensors, state, rank, world_size, threads, per_rank, strict, before_write).run()
 
 
 def _restore_v1(files: StepFiles, state: dict[str, Any], rank: int, world_size: int, threads: int,
-                strict: bool) -> Outcome:
+                strict: bool, before_write: Callable[[], None] | None) -> Outcome:
     """A format-1 step: this rank's own shard at the same world size, exactly as before format 2."""
     if files.world_size != world_size:
         raise CheckpointError(f"{files.path} was saved by {files.world_size} ranks; this job has {world_size}: "
@@ -186,6 +188,8 @@ def _restore_v1(files: StepFiles, state: dict[str, Any], rank: int, world_size: 
         raise CheckpointError(f"{files.path}: rank {rank}'s state tree is not a dict")
     entries = manifest.by_name()
     _, outcome = check_plain(state, items, entries.get, f"step {files.step} ({files.path})", strict)
+    if before_write is not None:
+        before_write()
     targets, _ = live_tensors(state)
     loaded = load_shard(files, manifest, rank, threads, targets)
     apply_loaded(state, {k: v for k, v in loaded.items() if k in state}, None, strict)
@@ -221,8 +225,10 @@ def apply_loaded(state: dict[str, Any], loaded: dict[Any, Any], model: torch.nn.
 
 class _Restore:
     def __init__(self, files: StepFiles, tensors: dict[str, GlobalTensor], state: dict[str, Any], rank: int,
-                 world_size: int, threads: int, per_rank: PerRank, strict: bool) -> None:
+                 world_size: int, threads: int, per_rank: PerRank, strict: bool,
+                 before_write: Callable[[], None] | None = None) -> None:
         self.files, self.tensors, self.state, self.strict = files, tensors, state, strict
+        self.before_write = before_write
         self.rank, self.world_size, self.threads, self.per_rank = rank, world_size, threads, per_rank
         self.saved = files.world_size
         self.changed = self.saved != world_size
@@ -303,6 +309,8 @@ class _Restore:
                 needs.append(need)
                 resolved[name] = target
         outcome = check.finish(self.state, [k for k, src in sources.items() if src is not None], trees, live, lazy)
+        if self.before_write is not None:
+            self.before_write()
         read_needs(self.files, needs, self.threads, prefer=self.rank if self.rank < self.saved else None)
         with torch.no_grad():
             for dst, src_t in copy_back:
