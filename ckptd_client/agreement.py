@@ -32,7 +32,9 @@ class RestoreAgreements:
     def __init__(self, store: Any, run: RunScope | None, rank: int, world_size: int, vote_timeout: float,
                  shelf: CloneShelf) -> None:
         self.store, self.run, self.rank, self.world_size = store, run, rank, world_size
-        self.vote_timeout = vote_timeout    # the memory-level vote's (the commit timeout: ranks restore first)
+        # The memory-level vote's bound: the commit timeout, or the join window where that is longer:
+        # rank 0 votes as soon as its own part is planned, and the others may start that far behind it.
+        self.vote_timeout = vote_timeout
         self.shelf = shelf
         self._n = 0                         # the run's agreements so far: each one's keys are its own
         self._owed: list[str] = []          # rank 0: this restore's marks, set once every rank read them
@@ -76,11 +78,12 @@ class RestoreAgreements:
             self.store.add(failed, 1)
         if self.store.add(arrived, 1) >= self.world_size:
             self.store.set(done, "1")
+        timeout = max(self.vote_timeout, self.run.timeout)
         waiter = StoreWaiter(self.store, shelf=self.shelf)
-        ok_all = waiter.wait([done], self.vote_timeout)
+        ok_all = waiter.wait([done], timeout)
         waiter.forget()
         if not ok_all:
-            raise CheckpointError(f"restore: not every rank said within {self.vote_timeout:g}s whether it restored "
+            raise CheckpointError(f"restore: not every rank said within {timeout:g}s whether it can restore "
                                   "the memory-level step (a rank died or hangs)")
         if self.rank == 0:
             self._owed.append(mark)

@@ -11,7 +11,9 @@ of it looks committed.
 # mypy: disable-error-code="union-attr,index"
 from __future__ import annotations
 
+import functools
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -152,3 +154,77 @@ def test_memory_level_save_needs_the_memory_tier(daemon_factory: Any) -> None:
         ck.save(1, small_state(1), level="memory").wait(60)
     ck.save(2, small_state(1)).wait(60)
     ck.close()
+
+
+VOTE_WORKER = '''
+import json, os, sys
+import torch, torch.distributed as dist
+import ckptd_client
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank, world_size=2)
+sock, phase = sys.argv[1].split(",")[rank], sys.argv[2]
+ck = ckptd_client.Checkpointer("vote", socket=sock, join_timeout=60, commit_timeout=float(os.environ.get("CT", "60")))
+if phase == "restore" and rank == 1:
+    import time
+    time.sleep(float(os.environ.get("LATE", "0")))
+if phase == "save":
+    ck.save(3, {"w": torch.full((8,), 100.0 + rank), "meta": {"pos": 77}}, level="memory").wait(60)
+    out = {}
+else:
+    live = {"w": torch.zeros(8), "meta": {"pos": 0}}
+    got = ck.restore(live)
+    out = {"got": got, "w": live["w"].tolist(), "pos": live["meta"]["pos"], "info": repr(ck.last_restore)}
+ck.close()
+dist.barrier()
+print("RESULT " + json.dumps(out), flush=True)
+dist.destroy_process_group()
+'''
+
+
+def vote_group(script: Path, socks: str, phase: str, **env: str) -> list[dict[str, Any]]:
+    """Two gloo ranks of ``script``, rank r on the r-th socket of ``socks``; each one's RESULT line."""
+    import subprocess
+    import sys
+
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(script), socks, phase], text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT,
+                              env={**os.environ, **env, "RANK": str(r), "MASTER_PORT": port}) for r in range(2)]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    return [json.loads(next(ln for ln in o.splitlines() if ln.startswith("RESULT "))[7:]) for o in outs]
+
+
+def test_a_memory_level_step_one_rank_cannot_read_is_written_into_no_rank(daemon_factory: Any, tmp: Path) -> None:
+    """Memory-level step 3 and no storage step; node B's daemon restarts (its memory gone). Rank 0 could
+    read its shard from daemon A, rank 1 cannot: no rank may load it (ranks vote before they write), so
+    both restores find nothing and both states stay as they were, not rank 0's half loaded."""
+    script = tmp / "vote_worker.py"
+    script.write_text(VOTE_WORKER)
+    group = functools.partial(vote_group, script)
+
+
+    a, b = daemon_factory(name="a"), daemon_factory(name="b", root=tmp / "root")
+    assert a.root == b.root
+    group(f"{a.socket},{b.socket}", "save")
+    assert committed_held_steps(a.root, "vote") == [3]
+    b.proc.kill()
+    b.proc.wait()
+    b2 = daemon_factory(name="b2", root=tmp / "root")
+    got = group(f"{a.socket},{b2.socket}", "restore")
+    for rank, r in enumerate(got):
+        assert (r["got"], r["w"], r["pos"], r["info"]) == (None, [0.0] * 8, 0, "None"), (rank, r)
+
+
+def test_a_rank_that_starts_its_restore_later_than_the_commit_timeout_still_votes(daemon_factory: Any,
+                                                                                 tmp: Path) -> None:
+    """Ranks may start up to the join window apart; rank 0 plans its part and votes at once. The vote must
+    wait that long too, not only the (shorter) commit timeout: rank 1, 8 s late with a 3 s commit timeout,
+    and both restore the memory-level step."""
+    script = tmp / "vote_worker.py"
+    script.write_text(VOTE_WORKER)
+    a, b = daemon_factory(name="a"), daemon_factory(name="b", root=tmp / "root")
+    vote_group(script, f"{a.socket},{b.socket}", "save")
+    got = vote_group(script, f"{a.socket},{b.socket}", "restore", CT="3", LATE="8")
+    for rank, r in enumerate(got):
+        assert (r["got"], r["w"], r["pos"]) == (3, [100.0 + rank] * 8, 77), (rank, r)
