@@ -5,14 +5,17 @@ the rest of ckptd_client does not import this module).
                                 callbacks=[ModelCheckpoint(dirpath="ckpts", every_n_train_steps=100, save_last=True)])
     trainer.fit(model, ckpt_path="last")
 
-What a save does: Lightning's checkpoint dict goes to the daemon as step ``global_step`` of the
-job (tensors through the slots; every other value into ckptd's JSON state tree — anything that
-is neither a tensor, a JSON value nor a container of them is refused with an error naming its
-key); once the step is committed, the ``.ckpt`` path Lightning chose gets a small JSON *pointer*
-(FORMAT.md, "Framework pointers"), written atomically, so ModelCheckpoint's bookkeeping
-(``last.ckpt``, top-k, ``ckpt_path="last"``) works as with files. A second save at the same
-step (``last.ckpt`` beside ``epoch=0-step=100.ckpt``) writes a pointer to the same step.
-``remove_checkpoint`` removes the pointer only; steps are deleted by the daemon's retention.
+What a save does: Lightning's checkpoint dict goes to the daemon as a step of the job (tensors
+through the slots; every other value into ckptd's JSON state tree — anything that is neither a
+tensor, a JSON value nor a container of them is refused with an error naming its key); once the
+step is committed, the ``.ckpt`` path Lightning chose gets a small JSON *pointer* (FORMAT.md,
+"Framework pointers"), written atomically, so ModelCheckpoint's bookkeeping (``last.ckpt``,
+top-k, ``ckpt_path="last"``) works as with files. Lightning saves more than once at one
+``global_step`` (top-k, then ``last.ckpt``; an epoch-end checkpoint on a step-end one), each dict
+its own (loop progress, callbacks' state), so each save is a step of its own: the k-th save at
+global step g is step ``g * SAVES_PER_STEP + k`` (global step 100 → steps 1000, 1001), the first
+free one. ``remove_checkpoint`` removes the pointer only; steps are deleted by the daemon's
+retention (which counts these steps, not global steps).
 
 ``wait=False`` (``AsyncCkptdCheckpointIO``): ``save_checkpoint`` returns once the state is in a
 slot; a thread writes the pointer when the step commits, so a pointer never names a step that
@@ -40,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptd.core import storage
-from ckptd.core.names import step_dir, validate_job
+from ckptd.core.names import MAX_STEP, step_dir, validate_job
 
 from .checkpointer import Checkpointer
 from .config import CheckpointerConfig
@@ -49,6 +52,7 @@ from .handle import SaveHandle
 from .saved_state import escape_keys, read_state, unescape_keys
 
 POINTER_KIND = "ckptd.pointer"
+SAVES_PER_STEP = 10          # steps per global step: the k-th save at global step g is step g * 10 + k
 MAX_POINTER_BYTES = 64 * 1024
 LIGHTNING_PLUGINS = ("lightning.fabric.plugins", "lightning_fabric.plugins")    # lightning's, pytorch_lightning's
 
@@ -115,7 +119,7 @@ class CkptdCheckpointIO(CheckpointIO):
         self.config = dataclasses.replace(base, rank=0, world_size=1, commit="local", overlap=False)
         self.wait = wait
         self._ckpt: Checkpointer | None = None
-        self._saved: dict[int, SaveHandle] = {}          # step → its save in this process
+        self._next: tuple[int, int] = (-1, 0)           # (global step, the k its next save tries first)
         self._pointers: list[Future[None]] = []
         self._pool: ThreadPoolExecutor | None = None
 
@@ -132,13 +136,10 @@ class CkptdCheckpointIO(CheckpointIO):
         if type(step) is not int:
             raise CheckpointError(f"checkpoint for {os.fspath(path)!r} has no integer 'global_step' "
                                   f"(got {step!r}): ckptd keeps checkpoints by step")
-        handle = self._saved.get(step)
-        if handle is None:
-            try:
-                handle = self.checkpointer.save(step, escape_keys(checkpoint))
-            except TypeError as e:       # a value ckptd cannot store: the message names its key
-                raise CheckpointError(f"cannot save {os.fspath(path)!r} through ckptd: {e}") from None
-            self._saved = {step: handle}
+        try:
+            handle = self.checkpointer.save(self._step_for(step, path), escape_keys(checkpoint))
+        except TypeError as e:       # a value ckptd cannot store: the message names its key
+            raise CheckpointError(f"cannot save {os.fspath(path)!r} through ckptd: {e}") from None
         if self.wait:
             self._point(handle, path)
             return
@@ -146,6 +147,23 @@ class CkptdCheckpointIO(CheckpointIO):
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-pointers")
         self._pointers = [f for f in self._pointers if not f.done() or f.exception() is not None]
         self._pointers.append(self._pool.submit(self._point, handle, path))
+
+    def _step_for(self, global_step: int, path: str | Path) -> int:
+        """The step this save at ``global_step`` goes to: the first of its ``SAVES_PER_STEP`` not yet
+        used, here or by an earlier run (a step directory exists: committed, or a save of it failed)."""
+        if not 0 <= global_step < MAX_STEP // SAVES_PER_STEP:
+            raise CheckpointError(f"cannot save {os.fspath(path)!r} through ckptd: global_step {global_step} "
+                                  f"is out of range (0 to {MAX_STEP // SAVES_PER_STEP - 1})")
+        first = self._next[1] if self._next[0] == global_step else 0
+        root = self.checkpointer.resolve_root()
+        for k in range(first, SAVES_PER_STEP):
+            step = global_step * SAVES_PER_STEP + k
+            if not os.path.lexists(step_dir(root, self.job, step)):
+                self._next = (global_step, k + 1)
+                return step
+        raise CheckpointError(f"cannot save {os.fspath(path)!r} through ckptd: {SAVES_PER_STEP} checkpoints "
+                              f"were saved at global_step {global_step} already (steps "
+                              f"{global_step * SAVES_PER_STEP}..{global_step * SAVES_PER_STEP + SAVES_PER_STEP - 1})")
 
     def _point(self, handle: SaveHandle, path: str | Path) -> None:
         handle.wait()
@@ -183,7 +201,7 @@ class CkptdCheckpointIO(CheckpointIO):
             if self._ckpt is not None:
                 self._ckpt.close()
                 self._ckpt = None
-            self._saved = {}
+            self._next = (-1, 0)
 
 
 class AsyncCkptdCheckpointIO(CkptdCheckpointIO):

@@ -16,7 +16,7 @@ import torch
 import zygote
 
 from ckptd_client.errors import CheckpointError
-from ckptd_client.lightning import CkptdCheckpointIO
+from ckptd_client.lightning import SAVES_PER_STEP, CkptdCheckpointIO
 
 WORKER = Path(__file__).with_name("lightning_worker.py")
 pytestmark = pytest.mark.timeout(300)
@@ -39,7 +39,7 @@ def test_sigkill_then_resume_from_last_matches(daemon_factory: Any, tmp: Path, m
     assert killed == {k: want[k] for k in range(9)}
     pointer = json.loads((tmp / "run/last.ckpt").read_text())
     assert pointer["kind"] == "ckptd.pointer" and pointer["job"] == "run"
-    assert pointer["step"] == 8
+    assert pointer["step"] == 8 * SAVES_PER_STEP + 1        # global step 8's second save: last.ckpt after top-k
     resumed = run(*common, "--resume")
     assert resumed == {k: want[k] for k in range(8, 12)}
     v = subprocess.run([sys.executable, "-m", "ckptd", "verify", str(tmp / "root"), "run", str(pointer["step"])],
@@ -54,7 +54,7 @@ def test_pytorch_lightning_trainer_resumes_from_last(daemon_factory: Any, tmp: P
     assert sorted(want) == list(range(8))
     common = ("--pl", "--steps", "8", "--socket", str(d.socket), "--job", "run", "--dir", str(tmp / "run"))
     assert run(*common, "--kill-at", "5", expect_rc=-9) == {k: want[k] for k in range(5)}
-    assert json.loads((tmp / "run/last.ckpt").read_text())["step"] == 4
+    assert json.loads((tmp / "run/last.ckpt").read_text())["step"] == 4 * SAVES_PER_STEP + 1
     assert run(*common, "--resume") == {k: want[k] for k in range(4, 8)}
 
 
@@ -77,3 +77,63 @@ def test_refuses_objects_by_key_and_keeps_path_keys(daemon_factory: Any, tmp: Pa
             io.load_checkpoint(tmp / "c.ckpt")
     finally:
         io.teardown()
+
+
+def test_each_save_at_one_global_step_loads_back_as_lightning_gave_it(daemon_factory: Any, tmp: Path) -> None:
+    """Lightning saves twice at one global_step (top-k, then last.ckpt; two ModelCheckpoints), each dict its
+    own (loop progress, callback state). Every .ckpt path must load back the dict Lightning gave for it;
+    a second save at the step had been pointed at the first one's step."""
+    import copy
+    import os
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    given: dict[str, Any] = {}
+
+    class Recording(CkptdCheckpointIO):
+        def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+            given[os.fspath(path)] = copy.deepcopy(checkpoint)
+            super().save_checkpoint(checkpoint, path, storage_options)
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, i: int) -> torch.Tensor:
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.layer(x), y)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def same(a: Any, b: Any, path: str = "") -> list[str]:
+        if isinstance(a, dict) and isinstance(b, dict):
+            if set(a) != set(b):
+                return [f"{path}: keys {sorted(map(str, set(a) ^ set(b)))}"]
+            return [d for k in a for d in same(a[k], b[k], f"{path}/{k}")]
+        if isinstance(a, torch.Tensor):
+            ok = isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+            return [] if ok else [f"{path}: tensor"]
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+            return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in same(x, y, f"{path}/{i}")]
+        return [] if a == b else [f"{path}: saved {a!r}, loaded {b!r}"]
+
+    d = daemon_factory()
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    io = Recording("same-step", socket=str(d.socket))
+    callbacks = [ModelCheckpoint(dirpath=tmp / "a", every_n_train_steps=2, save_top_k=2, monitor="train_loss"),
+                 ModelCheckpoint(dirpath=tmp / "b", every_n_train_steps=2, save_top_k=-1, save_last=True)]
+    trainer = pl.Trainer(max_steps=4, plugins=[io], callbacks=callbacks, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, accelerator="cpu", enable_checkpointing=True)
+    trainer.fit(Net(), torch.utils.data.DataLoader(data, batch_size=4))
+    by_step: dict[int, int] = {}
+    for path, saved in given.items():
+        by_step[saved["global_step"]] = by_step.get(saved["global_step"], 0) + 1
+        loaded = CkptdCheckpointIO("same-step", socket=str(d.socket)).load_checkpoint(path)
+        assert same(saved, loaded) == [], path
+    assert max(by_step.values()) >= 2, by_step          # some global step had more than one save
