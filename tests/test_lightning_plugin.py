@@ -126,8 +126,9 @@ def test_each_save_at_one_global_step_loads_back_as_lightning_gave_it(daemon_fac
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
     io = Recording("same-step", socket=str(d.socket))
-    callbacks = [ModelCheckpoint(dirpath=tmp / "a", every_n_train_steps=2, save_top_k=2, monitor="train_loss"),
-                 ModelCheckpoint(dirpath=tmp / "b", every_n_train_steps=2, save_top_k=-1, save_last=True)]
+    callbacks: list[pl.Callback] = [
+        ModelCheckpoint(dirpath=tmp / "a", every_n_train_steps=2, save_top_k=2, monitor="train_loss"),
+        ModelCheckpoint(dirpath=tmp / "b", every_n_train_steps=2, save_top_k=-1, save_last=True)]
     trainer = pl.Trainer(max_steps=4, plugins=[io], callbacks=callbacks, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, accelerator="cpu", enable_checkpointing=True)
     trainer.fit(Net(), torch.utils.data.DataLoader(data, batch_size=4))
