@@ -235,6 +235,13 @@ class Checkpointer:
                     self._abandon(handle, "daemon connection lost twice before the hand-off")
                     raise
                 self._session.drop()
+                if handle.done() and self._relay is None:
+                    # The loss settled it failed (_on_lost), though no daemon saw it: the redo is a new
+                    # save, with a handle of its own (the caller never saw this one), or its commit
+                    # would go unheard and the step be reported failed. (Relayed, the loss was already
+                    # published to the other ranks as this rank's outcome: the step fails for all.)
+                    handle = SaveHandle(step, self._seq, level)
+                    self._handles[step] = handle
             except BaseException as e:
                 self._abandon_failed(handle, e)
                 raise

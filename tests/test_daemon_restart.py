@@ -253,3 +253,42 @@ def test_sigterm_without_grace_tells_each_save_what_the_disk_says(daemon_factory
             assert h.committed == on_disk, f"round {rnd}: step {h.step} says {h!r}, index.json {on_disk}: {h.error}"
         assert_clean(d.log_text(), f"round {rnd}")
         d.log.unlink()
+
+
+def test_a_save_redone_on_a_restarted_daemon_reports_its_commit(daemon_factory, tmp, monkeypatch):
+    """The daemon dies after save() found its connection live and before the SAVE went out (a restart:
+    the new daemon serves the same socket path). save() reconnects and redoes it there, and it commits:
+    the handle must say committed. The connection loss had settled the handle failed, so the commit
+    event found no handle and wait() raised for a committed step. (The patch only times the restart.)"""
+    import torch
+
+    import ckptd_client
+    from ckptd_client import connection
+
+    root = tmp / "root"
+    a = daemon_factory(root=root, name="a")
+    b = daemon_factory(root=root, name="b")
+    ck = ckptd_client.Checkpointer("redo", socket=str(a.socket), root=str(root))
+    state = {"w": torch.arange(1024, dtype=torch.float32)}
+    ck.save(1, state).wait(HANG_GUARD_S)
+    send = connection.DaemonConnection.send
+
+    def restart_first(self, msg):
+        if isinstance(msg, protocol.Save) and a.proc.poll() is None:
+            a.proc.kill()
+            a.proc.wait()
+            os.rename(b.socket, a.socket)            # its successor serves the path
+            deadline = time.monotonic() + HANG_GUARD_S
+            while not self.lost and time.monotonic() < deadline:
+                time.sleep(0.001)                    # the reader thread has seen the loss
+        return send(self, msg)
+
+    monkeypatch.setattr(connection.DaemonConnection, "send", restart_first)
+    state["w"] += 1
+    h = ck.save(2, state)
+    monkeypatch.setattr(connection.DaemonConnection, "send", send)
+    h.wait(HANG_GUARD_S)                             # raised "connection ... lost" before
+    assert h.committed and (root / "redo" / "step-000000000002" / "index.json").exists()
+    out = {"w": torch.zeros(1024)}
+    assert ck.restore(out) == 2 and torch.equal(out["w"], state["w"])
+    ck.close()
