@@ -228,3 +228,35 @@ def test_a_rank_that_starts_its_restore_later_than_the_commit_timeout_still_vote
     got = vote_group(script, f"{a.socket},{b.socket}", "restore", CT="3", LATE="8")
     for rank, r in enumerate(got):
         assert (r["got"], r["w"], r["pos"]) == (3, [100.0 + rank] * 8, 77), (rank, r)
+
+
+def test_after_a_fallback_to_storage_a_new_runs_memory_level_steps_stand(daemon_factory: Any, tmp: Path) -> None:
+    """Run 1: storage step 10, memory-level 11..14 (memory.steps = 1 keeps 14); its daemon restarts, so
+    run 2 restores storage step 10. Run 2's memory-level saves 11..14 must each stand once committed:
+    run 1's step 14, committed before they began, goes (it had outranked them: each was pruned as soon
+    as committed, and run 2's save of 14 was refused). A restart of run 2 restores its own step 14."""
+    def state(v: float) -> dict[str, Any]:
+        return {"w": torch.full((1024,), float(v))}
+
+    root = tmp / "root"
+    d = daemon_factory(root=root, name="run1")
+    with ckptd_client.Checkpointer("j", socket=str(d.socket)) as ck:
+        ck.save(10, state(10)).wait(60)
+        for s in (11, 12, 13, 14):
+            ck.save(s, state(s), level="memory").wait(60)
+    assert committed_held_steps(root, "j") == [14]
+    d.proc.kill()
+    d.proc.wait()
+    d2 = daemon_factory(root=root, name="run2")
+    with ckptd_client.Checkpointer("j", socket=str(d2.socket)) as ck:
+        live = state(0)
+        assert ck.restore(live) == 10 and torch.equal(live["w"], state(10)["w"])
+        for s in (11, 12, 13, 14):
+            h = ck.save(s, state(100 + s), level="memory")
+            h.wait(60)
+            assert h.committed and committed_held_steps(root, "j") == [s], s
+    with ckptd_client.Checkpointer("j", socket=str(d2.socket)) as ck:
+        live = state(0)
+        assert ck.restore(live) == 14 and torch.equal(live["w"], state(114)["w"])
+        assert ck.last_restore.level == "memory"
+    assert "memory-level steps of an earlier run removed" in d2.log_text()

@@ -32,7 +32,7 @@ from typing import Any
 
 from ckptd.core import storage
 from ckptd.core.held import HeldMeta, held_manifest, layout_checksums, span
-from ckptd.core.names import job_dir, memory_job, rank_manifest_name, step_dir
+from ckptd.core.names import INDEX_NAME, job_dir, memory_job, rank_manifest_name, step_dir
 from ckptd.core.rank_record import summarize
 from ckptd.core.reader import list_steps
 from ckptd.core.schema import TensorLayout, digest_bytes, encode_json
@@ -115,6 +115,28 @@ async def hold_shard(store: MemoryStore, pool: Executor, root: str, chunk_bytes:
 
 async def _remove_manifest(loop: asyncio.AbstractEventLoop, pool: Executor, root: str, ref: ShardRef) -> None:
     await loop.run_in_executor(pool, remove_rank_files, step_dir(root, ref.job, ref.step), ref.rank)
+
+
+def remove_stale(root: str, job: str, step: int, began: float) -> list[int]:
+    """(I/O thread) Remove the committed memory-level steps of ``job`` above ``step`` (just committed,
+    its save begun at wall time ``began``) that were committed before that save began: another run's.
+    A run saves its steps in increasing order, so a higher step committed before a lower one began
+    comes from a run that was later restored from an older step (its memory-level step could not be
+    read by every rank, so it went to storage): left, the numbers above ``step`` would outrank every
+    step of the new run (pruned as soon as committed, its saves of those numbers refused)."""
+    gone = []
+    for s in list_steps(job_dir(root, memory_job(job))):
+        if not s.committed or s.step <= step:
+            continue
+        try:
+            stale = os.stat(os.path.join(s.path, INDEX_NAME)).st_mtime < began
+            if stale:
+                remove_step(s.path)
+                gone.append(s.step)
+        except OSError as e:
+            log.warning("could not remove a memory-level step of an earlier run",
+                        extra={"ctx": {"job": job, "step": s.step, "error": str(e)}})
+    return gone
 
 
 def prune(root: str, job: str, keep: int, at_or_below: int | None) -> list[int]:

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any
@@ -35,10 +36,11 @@ from ckptd.core.schema import TensorLayout
 from ckptd.core.step_files import is_committed
 from ckptd.daemon.runtime import RequestError, describe_error
 from ckptd.daemon.tiers.base import ShardRef, ShardWritten, SlotLoan, StorageTier, StreamedData
-from ckptd.daemon.tiers.memory.memory_level import Replicate, hold_shard, prune
+from ckptd.daemon.tiers.memory.memory_level import Replicate, hold_shard, prune, remove_stale
 from ckptd.daemon.tiers.memory.store import LOCAL, Held, MemoryStore, new_memfd
 
 log = logging.getLogger("ckptd")
+MAX_BEGAN = 1024        # memory-level saves whose start is remembered (remove_stale), the newest
 COPY_PIECE = 64 * 1024 * 1024
 INDEXES_KEPT = 16                 # committed indexes remembered for serving (newest asked last)
 
@@ -110,6 +112,7 @@ class MemoryTier(StorageTier):
         self.inner, self.store, self.root = inner, store, root
         self.chunk_bytes, self.pool, self.on_held = chunk_bytes, pool, on_held
         self.replicate, self.k = replicate, k
+        self._began: dict[tuple[str, int], float] = {}    # a memory-level step's save → when its first shard came
         # (job, step) → (index.json's inode, mtime, size; its reader; rank → manifest digest): the
         # ranks of one restore each ask for the same step's index
         self._indexes: dict[tuple[str, int], tuple[tuple[int, int, int], StepReader, dict[int, str]]] = {}
@@ -118,6 +121,9 @@ class MemoryTier(StorageTier):
                           tree: Any, *, released: Callable[[], None], abandoned: Callable[[], bool],
                           loan: SlotLoan | None = None) -> ShardWritten:
         if is_memory_job(ref.job):                # a memory-level step: held and replicated, not written
+            self._began.setdefault((ref.job, ref.step), time.time())      # (remove_stale)
+            while len(self._began) > MAX_BEGAN:      # steps another daemon committed: never popped here
+                del self._began[next(iter(self._began))]
             if not isinstance(data, memoryview):
                 released()
                 raise RequestError("a memory-level save must fit in one slot (it was streamed)")
@@ -206,6 +212,20 @@ class MemoryTier(StorageTier):
                      records: Sequence[RankRecord] | None = None, check: Sequence[int] | None = None) -> None:
         await self.inner.commit(job, step, world_size, digests, records, check)
         self.store.committed(job, step)
+        began = self._began.pop((job, step), None)
+        if is_memory_job(job) and began is not None:
+            try:        # (never an error: the step is committed)
+                stale = await asyncio.get_running_loop().run_in_executor(
+                    self.pool, remove_stale, self.root, base_job(job), step, began)
+            except Exception as e:
+                stale = []
+                log.warning("memory-level steps of an earlier run not removed",
+                            extra={"ctx": {"job": job, "error": describe_error(e)}})
+            for gone in stale:
+                self.store.drop_step(job, gone)
+            if stale:
+                log.info("memory-level steps of an earlier run removed: this run committed a lower step",
+                         extra={"ctx": {"job": base_job(job), "step": step, "removed": stale}})
         self.store.trim(job, self.committed_now)
         # Memory-level steps superseded (a newer one, or a storage step at least as new) go.
         if not is_memory_job(job):
@@ -220,6 +240,7 @@ class MemoryTier(StorageTier):
         await self.inner.withdraw_commits()
 
     async def abort(self, job: str, step: int, ranks: Collection[int]) -> None:
+        self._began.pop((job, step), None)
         self.store.drop_step(job, step, set(ranks))
         await self.inner.abort(job, step, ranks)
 
