@@ -166,7 +166,16 @@ def _dir_bytes(path: str) -> int:
     return total
 
 
-def _row(job: str, info: StepInfo, now: float, memory: bool = False) -> dict[str, Any]:
+def _row(job: str, info: StepInfo, now: float, memory: bool = False) -> dict[str, Any] | None:
+    """The ``ls`` row of a listed step; None when the step is gone by now (retention or ``gc`` removed
+    it after it was listed)."""
+    try:
+        return _row_of(job, info, now, memory)
+    except FileNotFoundError:
+        return None
+
+
+def _row_of(job: str, info: StepInfo, now: float, memory: bool) -> dict[str, Any] | None:
     raw = stored = None
     verified = False        # format 2: the index's digest covers the sizes shown
     state = ("memory-level" if memory else "committed") if info.committed else "uncommitted"
@@ -179,6 +188,8 @@ def _row(job: str, info: StepInfo, now: float, memory: bool = False) -> dict[str
             stored = sum(r["stored_bytes"] for r in index["ranks"])
             verified = index["format_version"] >= 2
         except (ValueError, OSError) as e:      # FormatError, or a file over its size limit
+            if not os.path.lexists(info.path):
+                return None                     # removed while read, not invalid
             state = f"invalid ({e})"
     return {"job": job, "step": info.step, "state": state, "level": "memory" if memory else "storage",
             "path": info.path, "bytes_on_disk": _dir_bytes(info.path),
@@ -199,11 +210,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     except UsageError as e:
         missing = e
     now = time.time()
-    rows: list[dict[str, Any]] = [] if missing else sorted((
+    listed = [] if missing else [
         _row(job, info, now, memory) for job in ([args.job] if args.job else jobs_under(args.root))
         for memory in (False, True)
-        for info in list_steps(os.path.join(args.root, job, *([MEMORY_LEVEL_DIR] if memory else [])))),
-        key=lambda r: (r["job"], r["step"], r["level"]))
+        for info in list_steps(os.path.join(args.root, job, *([MEMORY_LEVEL_DIR] if memory else [])))]
+    rows = sorted((r for r in listed if r is not None), key=lambda r: (r["job"], r["step"], r["level"]))
     if missing is None or args.job:
         bucket_cli.add_tiers(rows, args)       # a job the bucket has is listed on a node that has none of it
     if missing is not None and not rows:

@@ -98,3 +98,21 @@ def test_ls_of_a_job_that_is_not_there_fails_with_a_did_you_mean(root: Path) -> 
     assert ckptd("ls", str(root), "myjb", "--json").returncode == 2
     r = ckptd("ls", str(root / "nowhere"))
     assert r.returncode == 2 and "no such directory" in r.stderr, r.stderr
+
+
+def test_a_step_removed_after_ls_listed_it_is_left_out_not_a_crash(root: Path) -> None:
+    """Retention or gc may remove a step between ls listing the job and reading the step: that step is
+    left out (it was a FileNotFoundError traceback, or 'invalid' when its index had just gone)."""
+    import shutil
+    import time
+
+    from ckptd.cli_steps import _row
+    from ckptd.core.reader import list_steps
+
+    listed = list_steps(str(root / JOB))
+    assert [s.step for s in listed] == [10, 20]
+    shutil.rmtree(listed[0].path)                       # step 10 goes after the listing
+    (Path(listed[1].path) / "index.json").unlink()     # step 20 loses its index as it is read ...
+    shutil.rmtree(listed[1].path)                       # ... and then the rest
+    assert [_row(JOB, s, time.time()) for s in listed] == [None, None]
+    assert ckptd("ls", str(root), JOB).returncode == 0
