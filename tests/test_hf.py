@@ -279,6 +279,12 @@ def _hostile_cases(hub: Path) -> dict[str, tuple[Callable[[Path], Any], str]]:
         "truncated header": (write(shards[0], struct.pack("<Q", 10_000) + b'{"w":'), "runs past the end"),
         "header over the limit": (write(shards[0], struct.pack("<Q", 2**40)), "exceeds the"),
         "header not JSON": (write(shards[0], struct.pack("<Q", 4) + b"{no}"), "not valid JSON"),
+        "header nested too deep": (write(shards[0], struct.pack("<Q", 400_000) + b"[" * 200_000 + b"]" * 200_000),
+                                   "not valid JSON"),
+        "__metadata__ not a map": (write(shards[0], _header({**one, "__metadata__": []}) + b"\0" * 16),
+                                   "__metadata__ must map"),
+        "index nested too deep": (lambda d: (d / "model.safetensors.index.json").write_bytes(
+            b"[" * 200_000 + b"]" * 200_000), "not valid JSON"),
         "offsets past the end": (write(shards[0], _header(one) + b"\0" * 8), "run past the end of the data"),
         "overlapping offsets": (write(shards[0], _header(
             {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},

@@ -51,7 +51,7 @@ def _weight_map(path: str) -> dict[str, str]:
         raise FormatError(f"{path}: cannot read the index: {e}") from None
     try:
         obj = json.loads(data)
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:     # (RecursionError: nested too deep)
         raise FormatError(f"{path}: not valid JSON: {e}") from None
     wm = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(wm, dict) or not wm or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):

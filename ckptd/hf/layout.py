@@ -44,7 +44,7 @@ def load_rename(path: str) -> dict[str, str]:
         raise ValueError(f"{path}: rename file over 64 MiB")
     try:
         obj = json.loads(data)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:        # (RecursionError: nested too deep)
         raise ValueError(f"{path}: not JSON: {e}") from None
     if not (isinstance(obj, dict) and all(isinstance(k, str) and isinstance(v, str) and v for k, v in obj.items())):
         raise ValueError(f"{path}: must be a JSON object mapping names to non-empty names")

@@ -102,11 +102,11 @@ def read_header(fd: int, path: str) -> tuple[list[StTensor], dict[str, str]]:
         raise FormatError(f"{path}: header length {n} runs past the end of the {size}-byte file (truncated?)")
     try:
         obj = json.loads(storage.read_at(fd, 8, n))
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:     # (RecursionError: nested too deep)
         raise FormatError(f"{path}: header is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise FormatError(f"{path}: header must be a JSON object")
-    meta = obj.pop("__metadata__", None) or {}
+    meta = obj.pop("__metadata__", {})      # (absent; if present, a map: [] or "" are refused)
     if not (isinstance(meta, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):
         raise FormatError(f"{path}: __metadata__ must map strings to strings")
     data_start, data_len = 8 + n, size - 8 - n
