@@ -71,6 +71,16 @@ def test_fsdp2_save_then_load_at_2_4_and_1_process(daemon_factory: Any, tmp: Pat
     assert committed_steps(tmp / "root", "j") == {3}
     shown = ckptd("inspect", str(step)).stdout
     assert "model.up.weight" in shown and "extra.frac" in shown
+    # ... and export takes it: DCP names tensors by dotted FQN, so --select model is the "model." ones.
+    r = ckptd("export", str(step), str(tmp / "hf"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    from safetensors.torch import load_file
+    exported: dict[str, torch.Tensor] = {}
+    for f in sorted((tmp / "hf").glob("*.safetensors")):
+        exported.update(load_file(f))
+    full = load(out / "saved.full.pt")
+    want = {k.split("/", 1)[1]: v for k, v in full.items() if k.startswith(("model/", "buffer/"))}
+    assert sorted(exported) == sorted(want) and not same(exported, want)
 
 
 def test_async_save_sigkill_after_resolve_restores(daemon_factory: Any, tmp: Path) -> None:

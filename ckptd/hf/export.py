@@ -61,11 +61,14 @@ class ExportResult:
 def plan_export(source: StepSource, select: str, dtype: str | None, rename: Mapping[str, str],
                 max_shard_size: int) -> Plan:
     """Which checkpoint tensors go out under which names and dtypes, split into shards."""
-    prefix = select.strip("/") + "/"
+    chosen = select.strip("/")
+    prefix = chosen + "/"
     keys = source.key_order(prefix)
+    if not keys and chosen:       # a step written through DCP's StorageWriter: tensors named by dotted FQN
+        prefix = chosen + "."
+        keys = source.key_order(prefix)
     if not keys:
-        chosen = select.strip("/")
-        tops = sorted({k.split("/", 1)[0] for k in source.tensors})
+        tops = sorted({k.split("/", 1)[0].split(".", 1)[0] for k in source.tensors})
         raise FormatError(f"no tensors under {chosen!r} in {source.reader.path}; its top-level entries with "
                           f"tensors are {tops} (pick one with --select)")
     out: list[OutTensor] = []
