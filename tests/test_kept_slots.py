@@ -252,3 +252,45 @@ def wait_until(cond: Any, what: str, timeout: float = 60.0) -> None:
     while not cond():
         assert time.monotonic() < end, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def test_a_failed_save_on_the_copy_path_leaves_no_memfd(daemon_factory) -> None:
+    """One slot (nothing to keep: the memory tier copies the shard into a memfd of its own), world size 2,
+    and rank 0's save aborted while it is written, five times: each cancelled copy's memfd is closed.
+    Before, each stayed open and allocated (8 MiB a save) while the budget counted it freed."""
+    import mmap
+    import threading
+    import time
+
+    from ckptd.core import protocol
+    from ckptd_client.connection import DaemonConnection
+
+    d = daemon_factory("--chunk-mib", "1", "--debug-write-delay", "0.3", "--memory-budget", "1GiB")
+    n = 8 << 20
+    freed = threading.Event()
+
+    def on_event(_op: Any, msg: dict[str, Any]) -> None:
+        if msg.get("op") == "slot_free":
+            freed.set()
+
+    conn = DaemonConnection(str(d.socket), on_event=on_event)
+    try:
+        r = conn.request(protocol.Hello(job="leak", rank=0, world_size=2, pid=os.getpid(), slot_bytes=n, num_slots=1))
+        [fd] = r["_fds"]
+        with mmap.mmap(fd, n) as slot:
+            os.close(fd)
+            for step in range(1, 6):
+                slot[:n] = bytes([step]) * n
+                freed.clear()
+                conn.request(protocol.Save(step=step, slot=0, tensors=[["w", "uint8", [n], 0, n]],
+                                           tree={"d": [["w", {"T": "w"}]]}, commit="local"))
+                time.sleep(0.5)                     # its write and the tier's copy under way
+                conn.request(protocol.Abort(step=step, reason="rank 1 died"))
+                assert freed.wait(60), f"step {step}: the slot never came back"
+        deadline = time.monotonic() + 30
+        while [m for m in memfds(d.proc.pid) if m.startswith("ckptd-mem-")] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [m for m in memfds(d.proc.pid) if m.startswith("ckptd-mem-")]
+        assert status(d.socket)["memory"]["used_bytes"] == 0
+    finally:
+        conn.close()

@@ -175,10 +175,11 @@ class MemoryStore:
         self.totals.held += 1
 
     def cancel(self, held: Held) -> None:
-        """A reservation whose copy failed or whose step ended."""
+        """A reservation whose copy failed or whose step ended (called by whoever copies into it: its
+        memfd is closed here, not by ``_remove``, which leaves one being copied into alone)."""
         if self.entries.get(held.key) is held:
             self._remove(held)
-        else:
+        if held.pins == 0:
             held.close()
 
     # ---- lifecycle of steps -----------------------------------------------------------
