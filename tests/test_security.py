@@ -463,3 +463,50 @@ def test_a_client_cannot_resize_its_slot_or_write_a_held_shard(daemon_factory):
     ck.restore(out, 1)
     ck.close()
     assert torch.equal(out["w"], w) and d.proc.poll() is None
+
+
+def test_a_commit_naming_other_digests_than_the_shards_durable_here_is_refused(daemon):
+    """Rank 0's COMMIT for step 5 with step 4's digest and record (and no manifest read back: check=[]):
+    the daemon saw rank 0's step 5 shard become durable with another digest, so it refuses, and step 5
+    stays uncommitted; with its own digest it commits."""
+    import threading
+
+    from ckptd_client.connection import DaemonConnection
+
+    n = 1 << 20
+    events: list[dict] = []
+    arrived = threading.Condition()
+
+    def on_event(_op, msg):
+        with arrived:
+            events.append(msg)
+            arrived.notify_all()
+
+    def durable(step: int) -> dict:
+        with arrived:
+            assert arrived.wait_for(lambda: any(e["op"] == "durable" and e["step"] == step for e in events), 60)
+            return next(e for e in events if e["op"] == "durable" and e["step"] == step)
+
+    conn = DaemonConnection(str(daemon.socket), on_event=on_event)
+    try:
+        r = conn.request(protocol.Hello(job="digests", rank=0, world_size=1, pid=os.getpid(), slot_bytes=n,
+                                        num_slots=2))
+        maps = [mmap.mmap(fd, n) for fd in r["_fds"]]
+        for fd in r["_fds"]:
+            os.close(fd)
+        for step, slot in ((4, 0), (5, 1)):
+            maps[slot][:n] = bytes([step]) * n
+            conn.request(protocol.Save(step=step, slot=slot, tensors=[["w", "uint8", [n], 0, n]],
+                                       tree={"d": [["w", {"T": "w"}]]}, commit="relay"))
+        d4, d5 = durable(4), durable(5)
+        assert d4["digest"] != d5["digest"]
+        conn.request(protocol.Commit(step=4, digests={"0": d4["digest"]}, records=[d4["record"]]))
+        with pytest.raises(RuntimeError, match="not those of their shards durable here"):
+            conn.request(protocol.Commit(step=5, digests={"0": d4["digest"]}, records=[d4["record"]], check=[]))
+        assert not (daemon.root / "digests" / "step-000000000005" / "index.json").exists()
+        conn.request(protocol.Commit(step=5, digests={"0": d5["digest"]}, records=[d5["record"]], check=[]))
+        assert verify_step(str(daemon.root / "digests" / "step-000000000005")) == []
+        for m in maps:
+            m.close()
+    finally:
+        conn.close()

@@ -117,6 +117,12 @@ class StepCoordinator(Generic[W]):
         ``CheckpointTier.commit``). RequestError if the commit fails."""
         if not accepts_commit(st):
             raise RequestError(f"step {st.step}: rank 0 is not durable yet or the step is already committing")
+        # The ranks durable here are known by their digests: a COMMIT naming others (another step's,
+        # an earlier attempt's) would publish an index this step's files do not match.
+        wrong = sorted(r for r, sh in st.shards.items() if sh.digest is not None and digests.get(r) != sh.digest)
+        if wrong:
+            raise RequestError(f"step {st.step}: the COMMIT's digests of rank(s) {wrong[:8]} are not those of their "
+                               "shards durable here (another step's or attempt's?)")
         st.move(StepState.DURABLE)
         reason = await self._commit(st, digests, records, check)
         if reason is not None:
