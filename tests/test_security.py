@@ -510,3 +510,66 @@ def test_a_commit_naming_other_digests_than_the_shards_durable_here_is_refused(d
             m.close()
     finally:
         conn.close()
+
+
+def test_a_relayed_step_handed_off_is_not_saved_again_under_its_commit(daemon_factory, tmp):
+    """Two daemons on one root: rank 1's shard of relayed step 5 is durable on daemon B, which hands the
+    step to rank 0's daemon A and forgets it. A second SAVE of step 5 by rank 1 used to be taken: B
+    truncated rank-00001.data and rewrote it while A's commit published the index over it. It is refused;
+    the commit of the first attempt's files verifies; after an ABORT of the step, a retry may save it."""
+    import threading
+
+    from ckptd_client.connection import DaemonConnection
+
+    root = tmp / "root"
+    a, b = daemon_factory(root=root, name="a"), daemon_factory(root=root, name="b")
+    n = 1 << 20
+
+    class Rank:
+        def __init__(self, sock, rank):
+            self.events: list[dict] = []
+            self.cv = threading.Condition()
+            self.conn = DaemonConnection(str(sock), on_event=self.on_event)
+            r = self.conn.request(protocol.Hello(job="handed", rank=rank, world_size=2, pid=os.getpid(),
+                                                 slot_bytes=n, num_slots=3))
+            self.maps = [mmap.mmap(fd, n) for fd in r["_fds"]]
+            for fd in r["_fds"]:
+                os.close(fd)
+
+        def on_event(self, _op, msg):
+            with self.cv:
+                self.events.append(msg)
+                self.cv.notify_all()
+
+        def save(self, step, slot, byte):
+            self.maps[slot][:n] = bytes([byte]) * n
+            return self.conn.request(protocol.Save(step=step, slot=slot, tensors=[["w", "uint8", [n], 0, n]],
+                                                   tree={"d": [["w", {"T": "w"}]]}, commit="relay"))
+
+        def durable(self, step):
+            with self.cv:
+                assert self.cv.wait_for(lambda: any(e["op"] == "durable" and e["step"] == step for e in self.events),
+                                        60)
+                return next(e for e in self.events if e["op"] == "durable" and e["step"] == step)
+
+    r1, r0 = Rank(b.socket, 1), Rank(a.socket, 0)
+    try:
+        r1.save(5, 0, 0x11)
+        d1 = r1.durable(5)
+        r0.save(5, 0, 0x00)
+        d0 = r0.durable(5)
+        with pytest.raises(RuntimeError, match="handed to rank 0's daemon"):
+            r1.save(5, 1, 0x22)
+        r0.conn.request(protocol.Commit(step=5, digests={"0": d0["digest"], "1": d1["digest"]},
+                                        records=[d0["record"], d1["record"]], check=[0, 1]))
+        assert verify_step(str(root / "handed" / "step-000000000005")) == []
+        r1.save(6, 1, 0x33)
+        r1.durable(6)
+        r1.conn.request(protocol.Abort(step=6, reason="rank 0 failed"))
+        r1.save(6, 2, 0x44)                     # the step failed: a retry may save it again
+        r1.durable(6)
+    finally:
+        for r in (r0, r1):
+            for m in r.maps:
+                m.close()
+            r.conn.close()

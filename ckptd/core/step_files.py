@@ -49,7 +49,10 @@ def remove_files(paths: Iterable[str]) -> None:
 
 
 def remove_rank_files(step_path: str, rank: int) -> None:
-    """Drop one rank's data file and manifest of an uncommitted step (never once index.json exists)."""
+    """Drop one rank's data file and manifest of an uncommitted step; a no-op once index.json exists
+    (a committed step's files are removed whole, by ``remove_step``, never one rank's)."""
+    if is_committed(step_path):
+        return
     remove_files(os.path.join(step_path, name) for name in (rank_data_name(rank), rank_manifest_name(rank)))
 
 

@@ -57,6 +57,7 @@ log = logging.getLogger("ckptd")
 
 W = TypeVar("W", bound=Hashable)     # whoever waits for a rank's outcome (a session)
 REMOVAL_WAIT_S = 30.0                # a save of a step waits this long for the removal of its ended attempt
+MAX_HANDED = 4096                    # relayed steps handed off whose ranks a SAVE is refused for (the newest)
 COMMIT_OVERTIME_S = 10.0             # a commit still running when the drain grace ends gets this much more
 
 
@@ -84,6 +85,10 @@ class StepCoordinator(Generic[W]):
         self.commits = TaskSet()              # one task per commit: runs to its end whoever waited for it
         self.removals = TaskSet()             # removals of ended steps' files
         self._removals: dict[tuple[str, int], set[asyncio.Task[None]]] = {}   # by (job, step)
+        # Relayed steps handed off (their shards here durable, rank 0's daemon commits): the ranks, until
+        # an ABORT says the step failed. A SAVE of one of them again would rewrite (truncate) files the
+        # other daemon's commit is about to publish. The newest MAX_HANDED; a restart forgets them.
+        self._handed: dict[tuple[str, int], set[int]] = {}
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -96,7 +101,11 @@ class StepCoordinator(Generic[W]):
         step are being removed."""
         await self._removed(job, step)
         if await self.tier.is_committed(job, step):      # (no suspension from here to begin)
+            self._handed.pop((job, step), None)
             raise RequestError(f"step {step} of job {job!r} is already committed")
+        if rank in self._handed.get((job, step), ()):
+            raise RequestError(f"rank {rank}'s shard of step {step} of job {job!r} is durable and handed to rank 0's "
+                               "daemon for its commit: a step is saved once (it can be saved again once it failed)")
         st, shard = self.table.begin(waiter, job, step, rank, world_size, mode, sum(t.nbytes for t in layout))
         self.writes.spawn(self._write(st, shard, data, list(layout), tree, self._threadsafe(released), loan),
                           f"write of {job} step {step} rank {rank}")
@@ -129,6 +138,7 @@ class StepCoordinator(Generic[W]):
             raise RequestError(reason)
 
     async def abort(self, job: str, step: int, rank: int, reason: str) -> None:
+        self._handed.pop((job, step), None)          # it failed: a retry may save it again
         st = self.table.steps.get((job, step))
         if st is not None and st.state is not StepState.COMMITTING:
             await self._fail(st, f"aborted by rank {rank}: {reason[:500]}")
@@ -263,6 +273,10 @@ class StepCoordinator(Generic[W]):
             elif handed_off(st):
                 st.move(StepState.HANDED_OFF)
                 self.table.forget(st)
+                self._handed.setdefault((st.job, st.step), set()).update(
+                    r for r, sh in st.shards.items() if sh.state is ShardState.DURABLE)
+                while len(self._handed) > MAX_HANDED:
+                    del self._handed[next(iter(self._handed))]
         finally:
             self.table.write_over(st, shard)
 
