@@ -216,5 +216,5 @@ class MemoryService:
         par = self.parity
         if par is None:
             return {}
-        return {(h.job, h.step, h.rank): par.protected(h.job, h.step, h.rank, h.meta.nbytes)
+        return {(h.job, h.step, h.rank): par.protected(h.job, h.step, h.rank, h.meta.nbytes, h.meta.digest)
                 for h in self.store.entries.values() if h.origin == "local" and h.meta is not None}

@@ -36,7 +36,9 @@ class ParityNode:
         self.bucket = TokenBucket(bandwidth)
         self.queue: asyncio.Queue[tuple[Held, int]] = asyncio.Queue(QUEUE_MAX)
         self.lanes: dict[tuple[str, int], dict[int, int]] = {}       # (job, step) → rank → lane
-        self.acked: dict[tuple[str, int, int], set[tuple[int, int]]] = {}   # shard → {(stripe, q)} acknowledged
+        # shard → (its manifest digest, {(stripe, q)} acknowledged): by digest, as a step that failed may
+        # be saved again with other bytes, and its first attempt's acknowledgements say nothing of these
+        self.acked: dict[tuple[str, int, int], tuple[str, set[tuple[int, int]]]] = {}
         self.per_peer: dict[str, PeerCounts] = {}
 
     # ---- sending -------------------------------------------------------------------------
@@ -83,7 +85,7 @@ class ParityNode:
             await self._send_all(held, self._lane(held))
         finally:
             self.store.unpin(held)
-        return int(self.protected(held.job, held.step, held.rank, held.meta.nbytes))
+        return int(self.protected(held.job, held.step, held.rank, held.meta.nbytes, held.meta.digest))
 
     def _needed(self, nbytes: int) -> set[tuple[int, int]]:
         return {(piece.stripe, q) for piece in self.layout.cut(nbytes).pieces if piece.length
@@ -120,11 +122,16 @@ class ParityNode:
             view.release()
             link.close()
         counts.sent_bytes += length
-        self.acked.setdefault(held.key, set()).add((s, q))
+        got = self.acked.get(held.key)
+        if got is None or got[0] != meta.digest:
+            got = self.acked[held.key] = (meta.digest, set())
+        got[1].add((s, q))
 
-    def protected(self, job: str, step: int, rank: int, nbytes: int) -> bool:
-        """Every piece of this node's shard (job, step, rank) is in its parity holders' parity."""
-        return self._needed(nbytes) <= self.acked.get((job, step, rank), set())
+    def protected(self, job: str, step: int, rank: int, nbytes: int, digest: str) -> bool:
+        """Every piece of this node's shard (job, step, rank) with manifest ``digest`` is in its parity
+        holders' parity."""
+        got = self.acked.get((job, step, rank))
+        return got is not None and got[0] == digest and self._needed(nbytes) <= got[1]
 
     @property
     def failures(self) -> int:
