@@ -133,10 +133,17 @@ class MemoryStore:
         self.used += need
         return held
 
-    def charge(self, nbytes: int, what: str) -> bool:
+    def charge(self, nbytes: int, what: str, evict: bool = True) -> bool:
         """Budget ``nbytes`` for something other than a held shard (a parity buffer), evicting the
-        oldest unpinned shards as ``reserve`` does; False (nothing charged) when it cannot fit."""
-        if not self.enabled or not self._make_room(nbytes, {"what": what, "bytes": nbytes}):
+        oldest unpinned shards as ``reserve`` does (not with ``evict=False``: it fits in what is free,
+        or not at all); False (nothing charged) when it cannot fit."""
+        if not self.enabled:
+            return False
+        if not evict and self.used + nbytes > self.budget:
+            log.warning("not charged: over the memory budget",
+                        extra={"ctx": {"what": what, "bytes": nbytes, "budget": self.budget, "used": self.used}})
+            return False
+        if evict and not self._make_room(nbytes, {"what": what, "bytes": nbytes}):
             return False
         self.used += nbytes
         return True

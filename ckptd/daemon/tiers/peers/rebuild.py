@@ -175,7 +175,9 @@ class Rebuilder:
         size = piece_size(record[owner]["nbytes"], lay.size, lay.p)
         length = lay.cut(record[owner]["nbytes"], owner).piece_in(s).length
         charge = size * (k - 1 + lay.p)      # the other data pieces and the decoded rows (own is charged)
-        if not self.store.charge(charge, f"parity rebuild {job} step {step} stripe {s}"):
+        # Never by evicting: the oldest shards held here are likeliest the very step being rebuilt, whose
+        # pieces this and the other holders' reductions fetch from each other (erasure-coding.md).
+        if not self.store.charge(charge, f"parity rebuild {job} step {step} stripe {s}", evict=False):
             raise GiveUp(f"stripe {s}: over parity holder {q}'s memory budget")
         try:
             rows: dict[int, bytes] = {k + q: own}

@@ -1,0 +1,122 @@
+"""A parity group in one process: the daemon's own MemoryStore, ParityLayout, ParityHolder, ParityNode,
+Rebuilder and PeerServer per node, talking the peer protocol over loopback TCP (no daemon around them,
+so a test can hold shards of exact sizes and budgets). What a rebuild and a memory-level step's
+protection must do when a step is saved again, or memory is short."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+from ports import free_port
+
+from ckptd.core.held import HeldMeta, layout_checksums
+from ckptd.core.schema import TensorLayout, digest_bytes
+from ckptd.daemon.tiers.memory.store import Held, MemoryStore, new_memfd
+from ckptd.daemon.tiers.peers.layout import ParityLayout
+from ckptd.daemon.tiers.peers.link import PeerServer
+from ckptd.daemon.tiers.peers.parity import ParityNode
+from ckptd.daemon.tiers.peers.parity_hold import ParityHolder
+from ckptd.daemon.tiers.peers.rebuild import Rebuilder
+
+SECRET = b"s3cret-shared-by-every-node-0123456789"
+CHUNK = 64 * 1024
+JOB, STEP = "job", 5
+
+
+class Node:
+    def __init__(self, addrs: list[str], i: int, g: int, p: int, budget: int = 1 << 30) -> None:
+        self.addr = addrs[i]
+        self.store = MemoryStore(budget, 2)
+        self.layout = ParityLayout.of(list(addrs), self.addr, g, p, 1)
+        self.rebuilder = Rebuilder(self.store, self.layout, SECRET, 10.0)
+        self.holder = ParityHolder(self.store, self.layout, self.rebuilder.reduce)
+        self.server = PeerServer(self.store, SECRET, lambda job: None, lambda: None, 10.0, pieces=self.holder)
+        self.parity = ParityNode(self.store, self.layout, SECRET, 0, 10.0, lambda job: None)
+
+    def hold(self, rank: int, world: int, data: bytes, attempt: int = 1) -> Held:
+        """Shard ``rank`` of JOB's STEP (one uint8 tensor of ``data``), held here; ``attempt`` makes its digest."""
+        n = len(data)
+        layout = (TensorLayout("w", "uint8", (n,), 0, n),)
+        held = self.store.reserve(JOB, STEP, rank, n, "local")
+        assert held is not None
+        held.fd, held.mm = new_memfd(f"t-{rank}", n)
+        held.mm[:n] = data
+        sums = layout_checksums(memoryview(held.mm), layout, CHUNK)
+        digest = digest_bytes(repr((JOB, STEP, rank, sums, attempt)).encode())
+        self.store.filled(held, HeldMeta(JOB, STEP, rank, world, digest, n, CHUNK, sums, layout, None))
+        return held
+
+
+def group(n: int, g: int, p: int, **kw: Any) -> list[Node]:
+    addrs = [f"127.0.0.1:{free_port()}" for _ in range(n)]
+    return [Node(addrs, i, g, p, **kw) for i in range(n)]
+
+
+async def started(nodes: list[Node]) -> None:
+    for nd in nodes:
+        host, port = nd.addr.rsplit(":", 1)
+        await nd.server.start(host, int(port))
+
+
+async def stopped(nodes: list[Node]) -> None:
+    for nd in nodes:
+        await nd.server.stop()
+
+
+def data(n: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def test_a_step_saved_again_is_not_protected_by_its_first_attempts_acknowledgements() -> None:
+    """A step's shards were protected, the step failed (dropped) and was saved again with other bytes:
+    the holders keep the first attempt's pieces and refuse the new ones, so the new shards are not
+    protected. They were reported protected (acknowledgements were kept per shard, not per digest), and
+    a memory-level step then committed as durable with no parity for its bytes."""
+    async def main() -> list[tuple[int, bool]]:
+        nodes = group(4, 4, 1)
+        await started(nodes)
+        try:
+            for i, nd in enumerate(nodes):
+                assert await nd.parity.protect_now(nd.hold(i, 4, data(300_000 + 77_777 * i, i))) == 1
+            for i, nd in enumerate(nodes):
+                nd.store.drop_step(JOB, STEP, {i})
+            out = []
+            for i, nd in enumerate(nodes):
+                h = nd.hold(i, 4, data(300_000 + 77_777 * i, 1000 + i), attempt=2)
+                assert h.meta is not None
+                out.append((await nd.parity.protect_now(h),
+                            nd.parity.protected(JOB, STEP, i, h.meta.nbytes, h.meta.digest)))
+            return out
+        finally:
+            await stopped(nodes)
+
+    assert asyncio.run(main()) == [(0, False)] * 4
+
+
+def test_a_rebuild_short_of_memory_never_evicts_the_survivors_shards() -> None:
+    """Each holder has room for its shard and its parity, and 3/4 of a shard more: the rows a reduction
+    decodes do not fit. It must refuse (the restore reads storage), not evict the shards held here: the
+    oldest held, likeliest the very step being rebuilt, whose pieces the other holders' reductions
+    fetch. Evicting them failed the rebuild anyway and lost every survivor's own shard from memory."""
+    shard = 1_000_000
+
+    async def main() -> tuple[Any, list[list[tuple[str, int, int]]], list[int]]:
+        nodes = group(4, 4, 1, budget=shard + 335_872 + (768 << 10))
+        await started(nodes)
+        try:
+            digests = {}
+            for i, nd in enumerate(nodes):
+                h = nd.hold(i, 4, data(shard, i))
+                assert h.meta is not None and await nd.parity.protect_now(h) == 1
+                digests[i] = h.meta.digest
+            nodes[1].store.drop_step(JOB, STEP, {1})            # node 1 lost its shard
+            held = await nodes[2].rebuilder.rebuild(JOB, STEP, 1, digests[1])
+            return held, [sorted(nd.store.entries) for nd in nodes], [nd.store.totals.evicted for nd in nodes]
+        finally:
+            await stopped(nodes)
+
+    held, entries, evicted = asyncio.run(main())
+    assert held is None                                       # refused: over budget
+    assert entries == [[(JOB, STEP, 0)], [], [(JOB, STEP, 2)], [(JOB, STEP, 3)]]
+    assert evicted == [0, 0, 0, 0]
