@@ -293,6 +293,37 @@ def test_flush_of_a_bad_job_or_a_step_not_committed_here_files_nothing(seaweed, 
     assert sorted(jobs) == [JOB]
 
 
+def test_steps_that_commit_below_the_buckets_newest_are_uploaded(seaweed, daemon_factory):
+    """The uploads took "step <= the newest step in the bucket" for "in the bucket". Steps 4 and 8 uploaded;
+    the job restores 4 and commits 5: 5 is uploaded, and flush says so only once it is there (it answered
+    uploaded for a step never sent). Then 9 uploading, 11 queued, 10 committing after 11 (one queue slot):
+    the oldest step gives way, not the newest (11 was dropped)."""
+    import time
+
+    bucket = make_bucket(seaweed)
+    b = bucket_of(seaweed, bucket)
+    d = daemon_factory(*s3_args(seaweed, bucket, "--debug-upload-delay", "1"), env=seaweed.env())
+    for step in (4, 8):
+        save(d.socket, step, seed=step)
+        assert bucket_restore.flush(str(d.socket), JOB, step, 60).uploaded
+    got, state = restore(d.socket, 4)
+    assert got == 4
+    save(d.socket, 5, seed=5)
+    assert bucket_restore.flush(str(d.socket), JOB, 5, 60) == \
+        bucket_restore.Flushed(True, "step 5 is committed in the bucket")
+    assert 5 in b.steps(JOB)[0]
+    for step in (9, 11, 10):
+        save(d.socket, step, seed=step)
+        if step == 9:
+            wait_for(lambda: uploads(d.socket)["uploading"] == 9, "step 9's upload to start")
+    assert uploads(d.socket)["queued"] == [11] and uploads(d.socket)["uploading"] == 9
+    assert bucket_restore.flush(str(d.socket), JOB, 11, 60).uploaded
+    deadline = time.monotonic() + 60
+    while uploads(d.socket)["uploading"] is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert 11 in b.steps(JOB)[0] and 10 not in b.steps(JOB)[0]
+
+
 def test_preemption_flushes_the_step_to_the_bucket(seaweed, daemon_factory):
     bucket = make_bucket(seaweed)
     d = daemon_factory(*s3_args(seaweed, bucket), env=seaweed.env())

@@ -84,6 +84,10 @@ class JobUploads:
     uploading: int | None = None
     queued: deque[int] = field(default_factory=deque)
     in_bucket: int | None = None          # newest step this daemon uploaded or found committed there
+    # Steps known committed in the bucket (uploaded here, or listed there), the newest KNOWN_KEPT: what
+    # a flush trusts. Not ``step <= in_bucket``: after a restore of an older step the job commits steps
+    # below the bucket's newest, and those are not there.
+    known: set[int] = field(default_factory=set)
     uploaded: int = 0
     skipped: int = 0
     failures: int = 0
@@ -119,14 +123,15 @@ class Uploader:
             return
         self._committed_at[(job, step)] = time.monotonic()
         j = self.jobs.setdefault(job, JobUploads())
-        if step == j.uploading or step in j.queued or (j.in_bucket is not None and step <= j.in_bucket):
+        if step == j.uploading or step in j.queued or step in j.known:
             return
         j.queued.append(step)
         while len(j.queued) > self.settings.queue_depth:
-            dropped = j.queued.popleft()
+            dropped = min(j.queued)          # the oldest step, not the first queued: steps may commit out of order
+            j.queued.remove(dropped)
             j.skipped += 1
             log.warning("upload skipped: uploads are behind, a newer step is queued",
-                        extra={"ctx": {"job": job, "step": dropped, "newer": step}})
+                        extra={"ctx": {"job": job, "step": dropped, "newer": max(j.queued)}})
         if job not in self._workers:
             self._workers[job] = self.tasks.spawn(self._work(job), f"uploads of {job}")
 
@@ -149,15 +154,16 @@ class Uploader:
                 return False, f"job {job!r} has no committed local step"
             step = info.step
         known = self.jobs.get(job)
-        if not (known is not None and (step == known.uploading or step in known.queued or (
-                known.in_bucket is not None and step <= known.in_bucket))) \
+        if not (known is not None and (step == known.uploading or step in known.queued or step in known.known)) \
                 and not is_committed(step_dir(self.root, job, step)):
             return False, f"step {step} of job {job!r} is not committed on this node"
         j = self.jobs.setdefault(job, JobUploads())
-        if j.in_bucket is None or j.in_bucket < step:
+        if step not in j.known and step != j.uploading and step not in j.queued:
+            if await self._listed(job, step, j):     # there already (a copy staged from it, an upload of a restart)
+                return True, f"step {step} is committed in the bucket"
             self.committed(job, step)
         deadline = time.monotonic() + timeout
-        while not (j.in_bucket is not None and j.in_bucket >= step):
+        while step not in j.known:
             if step != j.uploading and step not in j.queued:      # its upload ended without it
                 return False, f"step {step} did not reach the bucket" + (
                     f": {j.last_error}" if j.last_error else " (skipped: a newer step was queued)")
@@ -176,7 +182,8 @@ class Uploader:
         """Shutdown: uploads running get ``timeout`` s to complete; logs, per job, whether the
         newest committed step made it to the bucket."""
         self._stopped = True
-        jobs = [(job, j.uploading or (j.queued[-1] if j.queued else None)) for job, j in self.jobs.items()]
+        jobs = [(job, max([*j.queued, *([] if j.uploading is None else [j.uploading])], default=None))
+                for job, j in self.jobs.items()]
         for job, step in jobs:
             if step is None:
                 continue
@@ -212,10 +219,23 @@ class Uploader:
             newest = await self._bucket_latest(job)
             j = self.jobs.setdefault(job, JobUploads())
             j.in_bucket = newest if j.in_bucket is None else max(j.in_bucket, newest or -1)
+            if newest is not None:
+                _know(j, newest)
             if newest is None or info.step > newest:
                 log.info("upload resumed after restart", extra={"ctx": {"job": job, "step": info.step,
                                                                         "bucket_newest": newest}})
                 self.committed(job, info.step)
+
+    async def _listed(self, job: str, step: int, j: JobUploads) -> bool:
+        """Whether the bucket lists ``step`` committed (then it is known); False when it cannot be asked."""
+        try:
+            committed, _ = await in_thread(lambda: self.bucket.steps(job))
+        except BucketError:
+            return False
+        if step in committed:
+            _know(j, step)
+            return True
+        return False
 
     async def _bucket_latest(self, job: str) -> int | None:
         delay = 1.0
@@ -283,6 +303,7 @@ class Uploader:
                 continue
             since = self._committed_at.pop((job, step), t0)
             j.in_bucket = max(step, j.in_bucket if j.in_bucket is not None else -1)
+            _know(j, step)
             j.uploaded += 1
             j.bytes += nbytes
             j.last_error = None
@@ -331,3 +352,11 @@ class Uploader:
             self.bucket.delete_step(job, step)
             log.info("bucket retention removed step", extra={"ctx": {"job": job, "step": step}})
 
+
+KNOWN_KEPT = 64          # steps a job's uploads remember as in the bucket (JobUploads.known)
+
+
+def _know(j: JobUploads, step: int) -> None:
+    j.known.add(step)
+    if len(j.known) > KNOWN_KEPT:
+        j.known.discard(min(j.known))
