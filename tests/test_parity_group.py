@@ -120,3 +120,38 @@ def test_a_rebuild_short_of_memory_never_evicts_the_survivors_shards() -> None:
     assert held is None                                       # refused: over budget
     assert entries == [[(JOB, STEP, 0)], [], [(JOB, STEP, 2)], [(JOB, STEP, 3)]]
     assert evicted == [0, 0, 0, 0]
+
+
+def test_a_parity_buffer_that_cannot_be_allocated_leaves_no_charge(tmp_path) -> None:
+    """A holder whose shared memory is full (a 256 KiB tmpfs as its shm_dir; the buffer needs ~330 KiB)
+    refuses the piece: the sender's shard is not protected, and the holder's budget is back to its own
+    shard. The charge for the buffer stayed counted for good before, with an empty buffer kept."""
+    import subprocess
+
+    from ckptd.daemon import shm
+
+    mnt = tmp_path / "shm"
+    mnt.mkdir(mode=0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(mnt)], check=True)
+    try:
+        async def main() -> tuple[int, list[int], list[int]]:
+            nodes = group(4, 4, 1)
+            await started(nodes)
+            try:
+                held = [nd.hold(i, 4, data(1_000_000, i)) for i, nd in enumerate(nodes)]
+                own = [nd.store.used for nd in nodes]
+                shm.use_dir(str(mnt))          # from here, every buffer this process makes: the full tmpfs
+                try:
+                    got = await nodes[0].parity.protect_now(held[0])
+                finally:
+                    shm.use_dir(None)
+                return got, [nd.store.used - o for nd, o in zip(nodes, own, strict=True)], \
+                    [len(nd.holder.units) for nd in nodes]
+            finally:
+                await stopped(nodes)
+
+        protected, extra_used, units = asyncio.run(main())
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+    assert protected == 0
+    assert extra_used == [0, 0, 0, 0] and units == [0, 0, 0, 0]

@@ -153,6 +153,7 @@ class ParityHolder:
             need = max(0, size - (unit.size if unit is not None else 0))
             if need and not self.store.charge(need, f"parity {meta.job} step {meta.step} stripe {s}"):
                 return {"op": "error", "reason": "over this peer's memory budget"}
+            made = unit is None
             if unit is None:
                 unit = self.units[key] = ParityUnit(meta.job, meta.step, s, lane, st.parity.index(lay.member))
                 self._trim(meta.job)
@@ -160,7 +161,15 @@ class ParityHolder:
                     self.store.uncharge(need)
                     return {"op": "error", "reason": f"step {meta.step} is older than the steps kept here"}
             if need:
-                await self._grow(unit, size)
+                try:
+                    await self._grow(unit, size)
+                except OSError as e:         # no memory (or a full shm_dir): the charge and an empty unit go
+                    self.store.uncharge(need)
+                    if made and self.units.get(key) is unit:
+                        del self.units[key]
+                    log.warning("parity piece refused: no memory for its buffer",
+                                extra={"ctx": {"from": node, "job": meta.job, "step": meta.step, "error": str(e)}})
+                    return {"op": "error", "reason": f"cannot grow the parity buffer here: {e}"}
             assert unit.mm is not None
             view = memoryview(unit.mm)[:unit.size]
             try:
