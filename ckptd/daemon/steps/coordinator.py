@@ -85,10 +85,12 @@ class StepCoordinator(Generic[W]):
         self.commits = TaskSet()              # one task per commit: runs to its end whoever waited for it
         self.removals = TaskSet()             # removals of ended steps' files
         self._removals: dict[tuple[str, int], set[asyncio.Task[None]]] = {}   # by (job, step)
-        # Relayed steps handed off (their shards here durable, rank 0's daemon commits): the ranks, until
-        # an ABORT says the step failed. A SAVE of one of them again would rewrite (truncate) files the
-        # other daemon's commit is about to publish. The newest MAX_HANDED; a restart forgets them.
-        self._handed: dict[tuple[str, int], set[int]] = {}
+        # Relayed steps handed off (their shards here durable, rank 0's daemon commits): each rank's client,
+        # until an ABORT says the step failed or that client leaves. A SAVE of one of them again by that
+        # client (its run goes on: the step may still commit) would rewrite (truncate) files the other
+        # daemon's commit is about to publish. One by a client of a later run (the first one died) is a
+        # new attempt. The newest MAX_HANDED; a restart forgets them.
+        self._handed: dict[tuple[str, int], dict[int, W | None]] = {}
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -103,7 +105,8 @@ class StepCoordinator(Generic[W]):
         if await self.tier.is_committed(job, step):      # (no suspension from here to begin)
             self._handed.pop((job, step), None)
             raise RequestError(f"step {step} of job {job!r} is already committed")
-        if rank in self._handed.get((job, step), ()):
+        handed = self._handed.get((job, step), {})
+        if rank in handed and handed[rank] is waiter:
             raise RequestError(f"rank {rank}'s shard of step {step} of job {job!r} is durable and handed to rank 0's "
                                "daemon for its commit: a step is saved once (it can be saved again once it failed)")
         st, shard = self.table.begin(waiter, job, step, rank, world_size, mode, sum(t.nbytes for t in layout))
@@ -145,6 +148,9 @@ class StepCoordinator(Generic[W]):
 
     async def waiter_lost(self, waiter: W) -> None:
         """A client left: fail the steps that cannot complete without it, forget it in the others."""
+        for ranks in self._handed.values():
+            for r in [r for r, owner in ranks.items() if owner is waiter]:
+                del ranks[r]
         for st in list(self.table.steps.values()):
             for rank, shard in list(st.shards.items()):
                 if shard.waiter is not waiter or not st.open:
@@ -273,8 +279,8 @@ class StepCoordinator(Generic[W]):
             elif handed_off(st):
                 st.move(StepState.HANDED_OFF)
                 self.table.forget(st)
-                self._handed.setdefault((st.job, st.step), set()).update(
-                    r for r, sh in st.shards.items() if sh.state is ShardState.DURABLE)
+                self._handed.setdefault((st.job, st.step), {}).update(
+                    (r, sh.owner) for r, sh in st.shards.items() if sh.state is ShardState.DURABLE)
                 while len(self._handed) > MAX_HANDED:
                     del self._handed[next(iter(self._handed))]
         finally:

@@ -81,6 +81,7 @@ class Shard(Generic[W]):
     started: float
     waiter: W | None                     # told of the step's outcome; None once it need not be
     state: ShardState = ShardState.WRITING
+    owner: W | None = None               # the client that saved it (kept: ``waiter`` may be let go)
     digest: str | None = None
     record: RankRecord | None = None     # the durable shard's rank record (the tier's, if it gives one)
 
@@ -193,7 +194,7 @@ class StepTable(Generic[W]):
             raise RequestError(f"rank {rank} already has a save of step {step} in flight")
         if st is None:
             st = self.steps[(job, step)] = Step(job, step, world_size, mode, self.clock())
-        shard = st.shards[rank] = Shard(rank, raw_bytes, self.clock(), waiter)
+        shard = st.shards[rank] = Shard(rank, raw_bytes, self.clock(), waiter, owner=waiter)
         self.writing[(job, step, rank)] = (st, shard)
         self.totals.saves_started += 1
         return st, shard
