@@ -257,3 +257,49 @@ def test_peers_listen_and_replicate_over_ipv6(daemon_factory, tmp):
     assert ck2.restore(target) == 1 and ck2.last_restore.source == "peer", ck2.last_restore
     assert_equal(state, target)
     ck2.close()
+
+
+def test_two_fetches_of_a_lost_rank_at_once_are_both_served(daemon_factory, tmp):
+    """Parity over 4 nodes; node 0's daemon is replaced (its memory gone) and two fetches of its rank of
+    a memory-level step reach the new daemon at once (two restoring ranks needing that saved rank). The
+    shard is rebuilt once and both are served: each fetch had reserved it anew, dropping the other's
+    reservation, and all but the last were told it was nowhere."""
+    import os
+
+    import torch
+
+    from ckptd.core.names import memory_job
+    from ckptd_client.memory_restore import fetch_held
+
+    addrs = [f"127.0.0.1:{free_port()}" for _ in range(4)]
+    secret = secret_file(tmp / "secret", "s3cret-shared-by-every-node-0123456789")
+    root = tmp / "root"
+
+    def node(i: int, name: str) -> Any:
+        return daemon_factory(*peer_args(addrs[i], addrs, secret, "--peer-redundancy", "parity", "--peer-group", "4",
+                                         "--peer-parity", "1"), name=name, root=root)
+
+    nodes = [node(i, f"n{i}") for i in range(4)]
+    with ckptd_client.Checkpointer("conc", socket=str(nodes[0].socket)) as ck:
+        ck.save(4, {"w": torch.randn(1_000_000)}, level="memory").wait(60)
+    nodes[0].proc.kill()
+    nodes[0].proc.wait()
+    fresh = node(0, "n0b")
+    results: list[str] = ["", ""]
+
+    def fetch(i: int) -> None:
+        try:
+            conn, meta, fd, source = fetch_held(str(fresh.socket), memory_job("conc"), 4, 0, 1)
+            results[i] = f"{source} {meta.nbytes}"
+            os.close(fd)
+            conn.close()
+        except Exception as e:
+            results[i] = f"{type(e).__name__}: {e}"
+
+    threads = [threading.Thread(target=fetch, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == ["peer 4000000", "peer 4000000"], results
+    assert fresh.log_text().count("rebuilt from parity") == 1

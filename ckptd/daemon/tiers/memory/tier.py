@@ -113,6 +113,7 @@ class MemoryTier(StorageTier):
         self.chunk_bytes, self.pool, self.on_held = chunk_bytes, pool, on_held
         self.replicate, self.k = replicate, k
         self._began: dict[tuple[str, int], float] = {}    # a memory-level step's save → when its first shard came
+        self._fetching: dict[tuple[str, int, int, str], asyncio.Future[Held | None]] = {}    # (_fetch_once)
         # (job, step) → (index.json's inode, mtime, size; its reader; rank → manifest digest): the
         # ranks of one restore each ask for the same step's index
         self._indexes: dict[tuple[str, int], tuple[tuple[int, int, int], StepReader, dict[int, str]]] = {}
@@ -300,7 +301,9 @@ class MemoryTier(StorageTier):
             self.store.drop_step(job, step, {rank})
             held = None
         if held is None and fetch_peer is not None:
-            held, source = await fetch_peer(job, step, rank, digest), "peer"
+            held, source = await self._fetch_once(fetch_peer, job, step, rank, digest), "peer"
+            if held is not None and held.gone:
+                held = self.store.get(job, step, rank)      # (replaced meanwhile: whatever is held now)
         if held is None or held.meta is None:
             raise RequestError(f"step {step} rank {rank} of job {job!r} is not in memory here"
                                + (" nor on any peer" if fetch_peer is not None else ""))
@@ -308,6 +311,19 @@ class MemoryTier(StorageTier):
         self.store.pin(held)
         self.store.totals.served += 1
         return held, source
+
+
+    async def _fetch_once(self, fetch_peer: Callable[[str, int, int, str], Awaitable[Held | None]], job: str,
+                          step: int, rank: int, digest: str) -> Held | None:
+        """``fetch_peer`` of a shard, once for all the requests that want it at the same time: each fetch
+        reserves the shard anew, which drops the one another fetch is still filling (two restoring ranks
+        needing the same lost rank: all but the last were told it was nowhere)."""
+        key = (job, step, rank, digest)
+        pending = self._fetching.get(key)
+        if pending is None:
+            pending = self._fetching[key] = asyncio.ensure_future(fetch_peer(job, step, rank, digest))
+            pending.add_done_callback(lambda _: self._fetching.pop(key, None))
+        return await asyncio.shield(pending)
 
 
 def _whole(data: memoryview | StreamedData, stop: Callable[[], bool]) -> memoryview:
