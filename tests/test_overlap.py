@@ -155,9 +155,9 @@ def test_a_new_optimizer_at_a_freed_ones_address_still_fences_the_copy(daemon):
             h.wait(60)
             if id(opt) in seen:
                 reused.append(phase)
-                out = {"w": torch.empty_like(w), "optim": torch.optim.SGD([torch.nn.Parameter(torch.empty(4 << 20))])}
-                ck.restore(out, phase)
-                assert torch.equal(out["w"], torch.full_like(w, 100.0 * phase)), phase
+                got = torch.empty_like(w)
+                ck.restore({"w": got, "optim": torch.optim.SGD([torch.nn.Parameter(torch.empty(4 << 20))])}, phase)
+                assert torch.equal(got, torch.full_like(w, 100.0 * phase)), phase
             seen.add(id(opt))
             del opt
     assert reused, "no optimizer got a freed one's address: the case is not exercised"
