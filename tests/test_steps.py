@@ -597,7 +597,7 @@ async def test_resave_during_the_cleanup_of_a_failed_step_waits_for_it(h: Harnes
 
 
 async def test_resave_waits_only_so_long_for_a_cleanup(h: Harness) -> None:
-    h.coord.removal_wait = 0.2
+    h.coord.removing.wait = 0.2
     r0 = Rank(0)
     await h.save(r0, 1, world=2)
     await until(lambda: r0.ops() == ["durable"], "rank 0 durable")

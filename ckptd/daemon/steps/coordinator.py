@@ -8,11 +8,9 @@ test with a real tier and no sockets.
 
 Two rules about what a step leaves behind:
 
-- The files of a step that ended are removed under the coordinator's ownership: a removal is
-  registered (``_removals``) in the same event-loop turn the step leaves the table, and a
-  save of that step waits until every removal of it is done. So a re-save — by a client
-  that heard of the failure, or a new session that did not — never has its files removed by
-  the cleanup of the attempt before it.
+- The files of a step that ended are removed under the coordinator's ownership (removals.py): a
+  re-save of the step waits for them, and never has its files removed by the cleanup of the
+  attempt before it.
 - A commit, once started, runs to its end in its own task (``commits``): no cancelled caller
   or drain cuts it short, and a COMMITTING step fails only once its commit has failed or been
   withdrawn (the tier's ``withdraw_commits``: its index will then never appear). So nobody is
@@ -33,6 +31,7 @@ from ckptd.core.rank_record import RankRecord
 from ckptd.core.schema import TensorLayout
 from ckptd.daemon.runtime import RequestError, TaskSet, describe_error
 from ckptd.daemon.service.snapshot import Counters, LastCommit, ShardView, StepView
+from ckptd.daemon.steps.handed import HandedOff
 from ckptd.daemon.steps.machine import (
     SHARD_TRANSITIONS,
     STEP_TRANSITIONS,
@@ -48,6 +47,7 @@ from ckptd.daemon.steps.machine import (
     handed_off,
     needs_waiter,
 )
+from ckptd.daemon.steps.removals import Removals
 from ckptd.daemon.tiers.base import ShardRef, ShardWritten, SlotLoan, StorageTier, StreamedData
 
 __all__ = ["SHARD_TRANSITIONS", "STEP_TRANSITIONS", "IllegalTransition", "ShardState", "StepCoordinator",
@@ -57,7 +57,6 @@ log = logging.getLogger("ckptd")
 
 W = TypeVar("W", bound=Hashable)     # whoever waits for a rank's outcome (a session)
 REMOVAL_WAIT_S = 30.0                # a save of a step waits this long for the removal of its ended attempt
-MAX_HANDED = 4096                    # relayed steps handed off whose ranks a SAVE is refused for (the newest)
 COMMIT_OVERTIME_S = 10.0             # a commit still running when the drain grace ends gets this much more
 
 
@@ -79,18 +78,12 @@ class StepCoordinator(Generic[W]):
         # drain waits for each commit to end, however long that takes.
         self._withdraw_commits = withdraw_commits
         self.commit_overtime = commit_overtime
-        self.removal_wait = removal_wait
         self.table: StepTable[W] = StepTable(clock)
         self.writes = TaskSet()               # one task per shard write
         self.commits = TaskSet()              # one task per commit: runs to its end whoever waited for it
-        self.removals = TaskSet()             # removals of ended steps' files
-        self._removals: dict[tuple[str, int], set[asyncio.Task[None]]] = {}   # by (job, step)
-        # Relayed steps handed off (their shards here durable, rank 0's daemon commits): each rank's client,
-        # until an ABORT says the step failed or that client leaves. A SAVE of one of them again by that
-        # client (its run goes on: the step may still commit) would rewrite (truncate) files the other
-        # daemon's commit is about to publish. One by a client of a later run (the first one died) is a
-        # new attempt. The newest MAX_HANDED; a restart forgets them.
-        self._handed: dict[tuple[str, int], dict[int, W | None]] = {}
+        self.removing = Removals(tier, removal_wait)    # ended steps' files (removals.py)
+        self.removals = self.removing.tasks
+        self.handed: HandedOff[W] = HandedOff()     # relayed steps handed off (handed.py)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -101,12 +94,11 @@ class StepCoordinator(Generic[W]):
         (or the tier keeps its slot through ``loan``: ``SlotLoan``).
         Waits (``removal_wait`` at most, then RequestError) while files of an ended attempt of the
         step are being removed."""
-        await self._removed(job, step)
+        await self.removing.settled(job, step)
         if await self.tier.is_committed(job, step):      # (no suspension from here to begin)
-            self._handed.pop((job, step), None)
+            self.handed.ended(job, step)
             raise RequestError(f"step {step} of job {job!r} is already committed")
-        handed = self._handed.get((job, step), {})
-        if rank in handed and handed[rank] is waiter:
+        if self.handed.refuses(job, step, rank, waiter):
             raise RequestError(f"rank {rank}'s shard of step {step} of job {job!r} is durable and handed to rank 0's "
                                "daemon for its commit: a step is saved once (it can be saved again once it failed)")
         st, shard = self.table.begin(waiter, job, step, rank, world_size, mode, sum(t.nbytes for t in layout))
@@ -141,16 +133,14 @@ class StepCoordinator(Generic[W]):
             raise RequestError(reason)
 
     async def abort(self, job: str, step: int, rank: int, reason: str) -> None:
-        self._handed.pop((job, step), None)          # it failed: a retry may save it again
+        self.handed.ended(job, step)                 # it failed: a retry may save it again
         st = self.table.steps.get((job, step))
         if st is not None and st.state is not StepState.COMMITTING:
             await self._fail(st, f"aborted by rank {rank}: {reason[:500]}")
 
     async def waiter_lost(self, waiter: W) -> None:
         """A client left: fail the steps that cannot complete without it, forget it in the others."""
-        for ranks in self._handed.values():
-            for r in [r for r, owner in ranks.items() if owner is waiter]:
-                del ranks[r]
+        self.handed.left(waiter)
         for st in list(self.table.steps.values()):
             for rank, shard in list(st.shards.items()):
                 if shard.waiter is not waiter or not st.open:
@@ -279,10 +269,8 @@ class StepCoordinator(Generic[W]):
             elif handed_off(st):
                 st.move(StepState.HANDED_OFF)
                 self.table.forget(st)
-                self._handed.setdefault((st.job, st.step), {}).update(
-                    (r, sh.owner) for r, sh in st.shards.items() if sh.state is ShardState.DURABLE)
-                while len(self._handed) > MAX_HANDED:
-                    del self._handed[next(iter(self._handed))]
+                self.handed.add(st.job, st.step,
+                                ((r, sh.owner) for r, sh in st.shards.items() if sh.state is ShardState.DURABLE))
         finally:
             self.table.write_over(st, shard)
 
@@ -355,34 +343,11 @@ class StepCoordinator(Generic[W]):
                 self._tell(shard, event(EventOp.FAILED, step=st.step, reason=reason))
 
     async def _remove(self, st: Step[W], ranks: Sequence[int]) -> None:
-        """Remove these ranks' files of the ended step ``st`` (and its directory once empty). Registered
-        before this first suspends, so a save of the step waits until it is done (a shard whose own
-        write ended this way stays in ``writing`` until then as well: _write's finally)."""
-        key = (st.job, st.step)
-        if not ranks and self.table.steps.get(key) is not None:
+        """Remove these ranks' files of the ended step ``st`` (removals.py; a shard whose own write ended
+        this way stays in ``writing`` until then as well: _write's finally)."""
+        if not ranks and self.table.steps.get((st.job, st.step)) is not None:
             return                      # a new attempt of the step owns its directory now: leave it be
-        task = self.removals.spawn(self.tier.abort(st.job, st.step, list(ranks)),
-                                   f"removal of job={st.job} step={st.step} ranks={list(ranks)}")
-        pending = self._removals.setdefault(key, set())
-        pending.add(task)
-
-        def done(t: asyncio.Task[None]) -> None:
-            pending.discard(t)
-            if not pending and self._removals.get(key) is pending:
-                del self._removals[key]
-        task.add_done_callback(done)
-        await asyncio.shield(task)
-
-    async def _removed(self, job: str, step: int) -> None:
-        """Until no removal of an ended attempt of this step runs (RequestError after ``removal_wait``)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.removal_wait
-        while pending := self._removals.get((job, step)):
-            left = deadline - loop.time()
-            if left <= 0:
-                raise RequestError(f"step {step} of job {job!r}: the files of its failed attempt are still "
-                                   f"being removed; retry shortly")
-            await asyncio.wait(set(pending), timeout=left)
+        await self.removing.remove(st.job, st.step, ranks)
 
     def _tell(self, shard: Shard[W], msg: dict[str, Any]) -> None:
         if shard.waiter is not None:
