@@ -260,3 +260,23 @@ def test_after_a_fallback_to_storage_a_new_runs_memory_level_steps_stand(daemon_
         assert ck.restore(live) == 14 and torch.equal(live["w"], state(114)["w"])
         assert ck.last_restore.level == "memory"
     assert "memory-level steps of an earlier run removed" in d2.log_text()
+
+
+def test_a_storage_commit_below_an_earlier_runs_memory_level_steps_removes_them(daemon_factory: Any,
+                                                                               tmp: Path) -> None:
+    """As above, but run 2 saves a storage step (11) after restoring 10: run 1's memory-level 14, committed
+    before that save began, goes with its commit (left, it outranked run 2's storage step 11 in every
+    restore that could read it)."""
+    root = tmp / "root"
+    d = daemon_factory(root=root, name="run1")
+    with ckptd_client.Checkpointer("j", socket=str(d.socket)) as ck:
+        ck.save(10, {"w": torch.full((1024,), 10.0)}).wait(60)
+        ck.save(14, {"w": torch.full((1024,), 14.0)}, level="memory").wait(60)
+    assert committed_held_steps(root, "j") == [14]
+    d.proc.kill()
+    d.proc.wait()
+    d2 = daemon_factory(root=root, name="run2")
+    with ckptd_client.Checkpointer("j", socket=str(d2.socket)) as ck:
+        assert ck.restore({"w": torch.zeros(1024)}) == 10
+        ck.save(11, {"w": torch.full((1024,), 111.0)}).wait(60)
+    assert committed_held_steps(root, "j") == []

@@ -119,7 +119,8 @@ async def _remove_manifest(loop: asyncio.AbstractEventLoop, pool: Executor, root
 
 def remove_stale(root: str, job: str, step: int, began: float) -> list[int]:
     """(I/O thread) Remove the committed memory-level steps of ``job`` above ``step`` (just committed,
-    its save begun at wall time ``began``) that were committed before that save began: another run's.
+    memory-level or storage, its save begun at wall time ``began``) that were committed before that save
+    began: another run's.
     A run saves its steps in increasing order, so a higher step committed before a lower one began
     comes from a run that was later restored from an older step (its memory-level step could not be
     read by every rank, so it went to storage): left, the numbers above ``step`` would outrank every

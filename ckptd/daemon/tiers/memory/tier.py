@@ -112,7 +112,7 @@ class MemoryTier(StorageTier):
         self.inner, self.store, self.root = inner, store, root
         self.chunk_bytes, self.pool, self.on_held = chunk_bytes, pool, on_held
         self.replicate, self.k = replicate, k
-        self._began: dict[tuple[str, int], float] = {}    # a memory-level step's save → when its first shard came
+        self._began: dict[tuple[str, int], float] = {}    # a step's save → when its first shard came here
         self._fetching: dict[tuple[str, int, int, str], asyncio.Future[Held | None]] = {}    # (_fetch_once)
         # (job, step) → (index.json's inode, mtime, size; its reader; rank → manifest digest): the
         # ranks of one restore each ask for the same step's index
@@ -121,10 +121,10 @@ class MemoryTier(StorageTier):
     async def write_shard(self, ref: ShardRef, data: memoryview | StreamedData, layout: Sequence[TensorLayout],
                           tree: Any, *, released: Callable[[], None], abandoned: Callable[[], bool],
                           loan: SlotLoan | None = None) -> ShardWritten:
+        self._began.setdefault((ref.job, ref.step), time.time())      # (remove_stale)
+        while len(self._began) > MAX_BEGAN:      # steps another daemon committed: never popped here
+            del self._began[next(iter(self._began))]
         if is_memory_job(ref.job):                # a memory-level step: held and replicated, not written
-            self._began.setdefault((ref.job, ref.step), time.time())      # (remove_stale)
-            while len(self._began) > MAX_BEGAN:      # steps another daemon committed: never popped here
-                del self._began[next(iter(self._began))]
             if not isinstance(data, memoryview):
                 released()
                 raise RequestError("a memory-level save must fit in one slot (it was streamed)")
@@ -214,7 +214,7 @@ class MemoryTier(StorageTier):
         await self.inner.commit(job, step, world_size, digests, records, check)
         self.store.committed(job, step)
         began = self._began.pop((job, step), None)
-        if is_memory_job(job) and began is not None:
+        if began is not None:           # (a storage step too: memory-level steps above it are as stale)
             try:        # (never an error: the step is committed)
                 stale = await asyncio.get_running_loop().run_in_executor(
                     self.pool, remove_stale, self.root, base_job(job), step, began)
@@ -223,7 +223,7 @@ class MemoryTier(StorageTier):
                 log.warning("memory-level steps of an earlier run not removed",
                             extra={"ctx": {"job": job, "error": describe_error(e)}})
             for gone in stale:
-                self.store.drop_step(job, gone)
+                self.store.drop_step(memory_job(base_job(job)), gone)
             if stale:
                 log.info("memory-level steps of an earlier run removed: this run committed a lower step",
                          extra={"ctx": {"job": base_job(job), "step": step, "removed": stale}})
@@ -311,7 +311,6 @@ class MemoryTier(StorageTier):
         self.store.pin(held)
         self.store.totals.served += 1
         return held, source
-
 
     async def _fetch_once(self, fetch_peer: Callable[[str, int, int, str], Awaitable[Held | None]], job: str,
                           step: int, rank: int, digest: str) -> Held | None:
