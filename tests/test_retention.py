@@ -86,6 +86,20 @@ def test_recent_file_write_keeps_old_directory_young(tmp):
     assert actions == []
 
 
+def test_a_temp_file_being_written_in_a_committed_step_is_left_until_untouched_for_a_while(tmp):
+    """A committed step staged from the bucket gets a later rank's data file the same way, a temp file
+    renamed into place: a retention pass meanwhile removed it and that rank's staging failed. Only a
+    temp file untouched for abandoned_after goes (a killed writer's)."""
+    d = make_step(tmp, "j", 5, committed=True)
+    live = Path(temp_name(str(d / rank_data_name(1))))
+    live.write_bytes(b"\0" * 100)                        # a download into the step, now
+    old = Path(temp_name(str(d / rank_manifest_name(2))))
+    old.write_bytes(b"{")
+    os.utime(old, (time.time() - 2 * DAY, time.time() - 2 * DAY))
+    r = collect_job(str(tmp), "j", RetentionPolicy(abandoned_after=DAY))
+    assert r.stray_temps == [str(old)] and live.exists() and not old.exists()
+
+
 def test_dry_run_removes_nothing(tmp):
     for s in range(4):
         make_step(tmp, "j", s, committed=True)
@@ -231,9 +245,11 @@ def test_no_temp_file_survives_in_a_committed_step(daemon_factory, tmp):
     ck2.close()
     assert (step / "index.json").exists()
     assert sorted(p.name for p in step.iterdir()) == ["index.json", "rank-00000.data", "rank-00000.json"]
-    # gc: temp files in a committed step (here planted after the commit) are removed.
-    (step / "index.json.tmp.77").write_text("x")
-    (step / "rank-00000.json.tmp.78").write_text("x")
+    # gc: temp files in a committed step (here planted after the commit, untouched for abandoned_after
+    # since: a younger one may be a rank staging its file into the step) are removed.
+    for name in ("index.json.tmp.77", "rank-00000.json.tmp.78"):
+        (step / name).write_text("x")
+        os.utime(step / name, (time.time() - 30 * DAY, time.time() - 30 * DAY))
     r = subprocess.run([sys.executable, "-m", "ckptd", "gc", str(d.root)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in step.iterdir()) == ["index.json", "rank-00000.data", "rank-00000.json"]

@@ -158,9 +158,12 @@ def collect_job(root: str, job: str, policy: RetentionPolicy, *, dry_run: bool =
     execute(actions, dry_run)
     result.actions, result.kept = actions, kept
     expired = {a.path for a in actions}
+    # A temp file in a committed step is garbage once nothing writes it: one untouched for
+    # abandoned_after (a rank staging its files into a step staged from the bucket writes one there).
+    before = (time.time() if now is None else now) - policy.abandoned_after
     for s in list_steps(job_path):
         if s.committed and s.path not in expired:
-            result.stray_temps += step_files.stray_temps(s.path)
+            result.stray_temps += [p for p in step_files.stray_temps(s.path) if _mtime(p) < before]
     if not dry_run and result.stray_temps:
         step_files.remove_files(result.stray_temps)
         log.info("removed stray temp files", extra={"ctx": {"job": job, "files": result.stray_temps[:20]}})
@@ -199,3 +202,10 @@ def collect_root(root: str, policy: RetentionPolicy, *, dry_run: bool = False, j
         result.skipped += r.skipped
         result.stray_temps += r.stray_temps
     return result
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.lstat(path).st_mtime
+    except FileNotFoundError:
+        return float("inf")        # gone: nothing to remove
