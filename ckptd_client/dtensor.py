@@ -122,7 +122,11 @@ def local_region(t: Any) -> tuple[Region, tuple[int, ...]]:
     if hit is None or hit[0] is not mesh:
         local_shape, offsets = compute_local_shape_and_global_offset(gshape, mesh, placements)
         lshape = tuple(int(n) for n in local_shape)
-        hit = (mesh, lshape, Region(tuple(int(o) for o in offsets), lshape))
+        if mesh.get_coordinate() is None:    # a rank outside the mesh holds nothing: torch says ((0,), ())
+            region = Region((0,) * len(gshape), (0,) * len(gshape))
+        else:
+            region = Region(tuple(int(o) for o in offsets), lshape)
+        hit = (mesh, lshape, region)
         _bounded(_REGIONS)[key] = hit
     _, lshape, region = hit
     local = local_tensor(t)

@@ -306,7 +306,8 @@ class _Restore:
                 except CheckpointError as e:     # every mismatch named at once, before anything is read
                     check.add(str(e))
                     continue
-                needs.append(need)
+                if need is not None:
+                    needs.append(need)
                 resolved[name] = target
         outcome = check.finish(self.state, [k for k, src in sources.items() if src is not None], trees, live, lazy)
         if self.before_write is not None:
@@ -326,8 +327,9 @@ class _Restore:
         return outcome
 
     def need(self, path: str, name: str, src: int, live: torch.Tensor | None,
-             copy_back: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Need, torch.Tensor]:
-        """What tensor ``name`` (at ``path`` of the state) needs read, and what the loaded tree gets."""
+             copy_back: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Need | None, torch.Tensor]:
+        """What tensor ``name`` (at ``path`` of the state) needs read (None: nothing, a DTensor whose local
+        shard here is empty: a rank outside its mesh, or an uneven split's), and what the loaded tree gets."""
         t = self.tensors.get(name)
         if t is None:
             raise CheckpointError(f"tensor {name!r} (rank {src}'s state tree, at {path!r}) is not in the tensor "
@@ -364,6 +366,8 @@ class _Restore:
                 raise CheckpointError(f"tensor {path!r}: the checkpoint's global shape is {list(shape)}, the "
                                       f"state's {list(gshape)}")
             local = local_tensor(live)      # to_local()'s bytes, without building an autograd view per tensor
+            if region.numel == 0:
+                return None, live
         else:
             if tuple(live.shape) != tuple(shape):
                 raise CheckpointError(f"tensor {path!r}: the checkpoint's shape is {list(shape)}, the state's "
