@@ -230,6 +230,15 @@ def test_a_rank_that_starts_its_restore_later_than_the_commit_timeout_still_vote
         assert (r["got"], r["w"], r["pos"]) == (3, [100.0 + rank] * 8, 77), (rank, r)
 
 
+def age_memory_level_steps(root: Path, job: str, seconds: float = 60.0) -> None:
+    """Date run 1's memory-level indexes ``seconds`` back: the restart a test makes at once takes a real job
+    longer than remove_stale's clock slack (10 s)."""
+    import time
+    for index in (root / job / "_memory").glob("step-*/index.json"):
+        t = time.time() - seconds
+        os.utime(index, (t, t))
+
+
 def test_after_a_fallback_to_storage_a_new_runs_memory_level_steps_stand(daemon_factory: Any, tmp: Path) -> None:
     """Run 1: storage step 10, memory-level 11..14 (memory.steps = 1 keeps 14); its daemon restarts, so
     run 2 restores storage step 10. Run 2's memory-level saves 11..14 must each stand once committed:
@@ -247,6 +256,7 @@ def test_after_a_fallback_to_storage_a_new_runs_memory_level_steps_stand(daemon_
     assert committed_held_steps(root, "j") == [14]
     d.proc.kill()
     d.proc.wait()
+    age_memory_level_steps(root, "j")
     d2 = daemon_factory(root=root, name="run2")
     with ckptd_client.Checkpointer("j", socket=str(d2.socket)) as ck:
         live = state(0)
@@ -275,8 +285,27 @@ def test_a_storage_commit_below_an_earlier_runs_memory_level_steps_removes_them(
     assert committed_held_steps(root, "j") == [14]
     d.proc.kill()
     d.proc.wait()
+    age_memory_level_steps(root, "j")
     d2 = daemon_factory(root=root, name="run2")
     with ckptd_client.Checkpointer("j", socket=str(d2.socket)) as ck:
         assert ck.restore({"w": torch.zeros(1024)}) == 10
         ck.save(11, {"w": torch.full((1024,), 111.0)}).wait(60)
     assert committed_held_steps(root, "j") == []
+
+
+def test_a_newer_memory_level_step_committed_moments_before_is_not_taken_for_an_earlier_runs(tmp: Path) -> None:
+    """remove_stale compares an index's mtime (the file server's clock) with when a save began (this
+    daemon's): a step above committed up to CLOCK_SLACK_S "before" (a server clock behind) is this run's
+    own, overlapping save, and stays; one committed well before goes."""
+    import time
+
+    from ckptd.daemon.tiers.memory.memory_level import CLOCK_SLACK_S, remove_stale
+
+    for step, age in ((105, CLOCK_SLACK_S / 2), (106, CLOCK_SLACK_S * 6)):
+        d = tmp / "j" / "_memory" / f"step-{step:012d}"
+        d.mkdir(parents=True)
+        (d / "index.json").write_text("{}")
+        t = time.time() - age
+        os.utime(d / "index.json", (t, t))
+    assert remove_stale(str(tmp), "j", 100, time.time()) == [106]
+    assert committed_held_steps(tmp, "j") == [105]

@@ -117,6 +117,9 @@ async def _remove_manifest(loop: asyncio.AbstractEventLoop, pool: Executor, root
     await loop.run_in_executor(pool, remove_rank_files, step_dir(root, ref.job, ref.step), ref.rank)
 
 
+CLOCK_SLACK_S = 10.0     # remove_stale: how far the file server's clock may be behind this daemon's
+
+
 def remove_stale(root: str, job: str, step: int, began: float) -> list[int]:
     """(I/O thread) Remove the committed memory-level steps of ``job`` above ``step`` (just committed,
     memory-level or storage, its save begun at wall time ``began``) that were committed before that save
@@ -124,13 +127,15 @@ def remove_stale(root: str, job: str, step: int, began: float) -> list[int]:
     A run saves its steps in increasing order, so a higher step committed before a lower one began
     comes from a run that was later restored from an older step (its memory-level step could not be
     read by every rank, so it went to storage): left, the numbers above ``step`` would outrank every
-    step of the new run (pruned as soon as committed, its saves of those numbers refused)."""
+    step of the new run (pruned as soon as committed, its saves of those numbers refused). "Before"
+    by ``CLOCK_SLACK_S`` at least: an index's mtime is the file server's clock, ``began`` this
+    daemon's, and a server some seconds behind would make this run's own newer step look older."""
     gone = []
     for s in list_steps(job_dir(root, memory_job(job))):
         if not s.committed or s.step <= step:
             continue
         try:
-            stale = os.stat(os.path.join(s.path, INDEX_NAME)).st_mtime < began
+            stale = os.stat(os.path.join(s.path, INDEX_NAME)).st_mtime < began - CLOCK_SLACK_S
             if stale:
                 remove_step(s.path)
                 gone.append(s.step)
