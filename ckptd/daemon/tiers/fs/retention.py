@@ -15,7 +15,7 @@ middle leaves an uncommitted directory — invisible to readers and removed late
 never a half-deleted step that still looks committed. Nothing here follows a symlink: symlinked
 job or step directories are skipped, and the entries of a step directory are unlinked (a link is
 removed, never its target). Only names that ckptd itself creates are removed; a step directory
-holding anything else is reported and kept.
+holding anything else keeps those files and the directory with them, and is reported.
 
 The daemon runs :func:`collect_job` for a job after each commit of it; ``ckptd gc``
 runs :func:`collect_root` by hand.
