@@ -230,13 +230,24 @@ def test_a_rank_that_starts_its_restore_later_than_the_commit_timeout_still_vote
         assert (r["got"], r["w"], r["pos"]) == (3, [100.0 + rank] * 8, 77), (rank, r)
 
 
-def age_memory_level_steps(root: Path, job: str, seconds: float = 60.0) -> None:
-    """Date run 1's memory-level indexes ``seconds`` back: the restart a test makes at once takes a real job
-    longer than remove_stale's clock slack (10 s)."""
+def earlier_run_then_restart(daemon_factory: Any, tmp: Path, memory_steps: tuple[int, ...]) -> tuple[Path, Any]:
+    """Run 1 of job "j": storage step 10 (w = 10), then memory-level ``memory_steps`` (w = the step); its
+    daemon killed, its memory-level indexes dated a minute back (a real restart takes longer than
+    remove_stale's clock slack; a test's is at once); (the root, run 2's fresh daemon)."""
     import time
-    for index in (root / job / "_memory").glob("step-*/index.json"):
-        t = time.time() - seconds
+    root = tmp / "root"
+    d = daemon_factory(root=root, name="run1")
+    with ckptd_client.Checkpointer("j", socket=str(d.socket)) as ck:
+        ck.save(10, {"w": torch.full((1024,), 10.0)}).wait(60)
+        for s in memory_steps:
+            ck.save(s, {"w": torch.full((1024,), float(s))}, level="memory").wait(60)
+    assert committed_held_steps(root, "j") == [max(memory_steps)]
+    d.proc.kill()
+    d.proc.wait()
+    for index in (root / "j" / "_memory").glob("step-*/index.json"):
+        t = time.time() - 60
         os.utime(index, (t, t))
+    return root, daemon_factory(root=root, name="run2")
 
 
 def test_after_a_fallback_to_storage_a_new_runs_memory_level_steps_stand(daemon_factory: Any, tmp: Path) -> None:
@@ -247,17 +258,7 @@ def test_after_a_fallback_to_storage_a_new_runs_memory_level_steps_stand(daemon_
     def state(v: float) -> dict[str, Any]:
         return {"w": torch.full((1024,), float(v))}
 
-    root = tmp / "root"
-    d = daemon_factory(root=root, name="run1")
-    with ckptd_client.Checkpointer("j", socket=str(d.socket)) as ck:
-        ck.save(10, state(10)).wait(60)
-        for s in (11, 12, 13, 14):
-            ck.save(s, state(s), level="memory").wait(60)
-    assert committed_held_steps(root, "j") == [14]
-    d.proc.kill()
-    d.proc.wait()
-    age_memory_level_steps(root, "j")
-    d2 = daemon_factory(root=root, name="run2")
+    root, d2 = earlier_run_then_restart(daemon_factory, tmp, (11, 12, 13, 14))
     with ckptd_client.Checkpointer("j", socket=str(d2.socket)) as ck:
         live = state(0)
         assert ck.restore(live) == 10 and torch.equal(live["w"], state(10)["w"])
@@ -277,16 +278,7 @@ def test_a_storage_commit_below_an_earlier_runs_memory_level_steps_removes_them(
     """As above, but run 2 saves a storage step (11) after restoring 10: run 1's memory-level 14, committed
     before that save began, goes with its commit (left, it outranked run 2's storage step 11 in every
     restore that could read it)."""
-    root = tmp / "root"
-    d = daemon_factory(root=root, name="run1")
-    with ckptd_client.Checkpointer("j", socket=str(d.socket)) as ck:
-        ck.save(10, {"w": torch.full((1024,), 10.0)}).wait(60)
-        ck.save(14, {"w": torch.full((1024,), 14.0)}, level="memory").wait(60)
-    assert committed_held_steps(root, "j") == [14]
-    d.proc.kill()
-    d.proc.wait()
-    age_memory_level_steps(root, "j")
-    d2 = daemon_factory(root=root, name="run2")
+    root, d2 = earlier_run_then_restart(daemon_factory, tmp, (14,))
     with ckptd_client.Checkpointer("j", socket=str(d2.socket)) as ck:
         assert ck.restore({"w": torch.zeros(1024)}) == 10
         ck.save(11, {"w": torch.full((1024,), 111.0)}).wait(60)
