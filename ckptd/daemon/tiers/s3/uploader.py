@@ -74,6 +74,9 @@ async def in_thread(fn: Callable[[], T]) -> T:
     return await fut
 
 
+KNOWN_KEPT = 64          # steps a job's uploads remember as in the bucket (JobUploads.known)
+
+
 class IncompleteStep(Exception):
     """The local step is a copy staged from the bucket, or lacks files: never uploaded."""
 
@@ -94,6 +97,16 @@ class JobUploads:
     bytes: int = 0
     last_error: str | None = None
     last_seconds: float | None = None     # local commit → bucket commit of the last upload
+
+    def tracks(self, step: int) -> bool:
+        """Whether ``step`` is uploading, queued, or known in the bucket (nothing to file for it)."""
+        return step == self.uploading or step in self.queued or step in self.known
+
+    def know(self, step: int) -> None:
+        """``step`` is committed in the bucket (the newest ``KNOWN_KEPT`` are remembered)."""
+        self.known.add(step)
+        if len(self.known) > KNOWN_KEPT:
+            self.known.discard(min(self.known))
 
     def view(self) -> dict[str, Any]:
         return {"uploading": self.uploading, "queued": list(self.queued), "in_bucket": self.in_bucket,
@@ -123,7 +136,7 @@ class Uploader:
             return
         self._committed_at[(job, step)] = time.monotonic()
         j = self.jobs.setdefault(job, JobUploads())
-        if step == j.uploading or step in j.queued or step in j.known:
+        if j.tracks(step):
             return
         j.queued.append(step)
         while len(j.queued) > self.settings.queue_depth:
@@ -154,11 +167,10 @@ class Uploader:
                 return False, f"job {job!r} has no committed local step"
             step = info.step
         known = self.jobs.get(job)
-        if not (known is not None and (step == known.uploading or step in known.queued or step in known.known)) \
-                and not is_committed(step_dir(self.root, job, step)):
+        if not (known is not None and known.tracks(step)) and not is_committed(step_dir(self.root, job, step)):
             return False, f"step {step} of job {job!r} is not committed on this node"
         j = self.jobs.setdefault(job, JobUploads())
-        if step not in j.known and step != j.uploading and step not in j.queued:
+        if not j.tracks(step):
             if await self._listed(job, step, j):     # there already (a copy staged from it, an upload of a restart)
                 return True, f"step {step} is committed in the bucket"
             self.committed(job, step)
@@ -220,7 +232,7 @@ class Uploader:
             j = self.jobs.setdefault(job, JobUploads())
             j.in_bucket = newest if j.in_bucket is None else max(j.in_bucket, newest or -1)
             if newest is not None:
-                _know(j, newest)
+                j.know(newest)
             if newest is None or info.step > newest:
                 log.info("upload resumed after restart", extra={"ctx": {"job": job, "step": info.step,
                                                                         "bucket_newest": newest}})
@@ -233,7 +245,7 @@ class Uploader:
         except BucketError:
             return False
         if step in committed:
-            _know(j, step)
+            j.know(step)
             return True
         return False
 
@@ -303,7 +315,7 @@ class Uploader:
                 continue
             since = self._committed_at.pop((job, step), t0)
             j.in_bucket = max(step, j.in_bucket if j.in_bucket is not None else -1)
-            _know(j, step)
+            j.know(step)
             j.uploaded += 1
             j.bytes += nbytes
             j.last_error = None
@@ -351,12 +363,3 @@ class Uploader:
         for step in doomed:
             self.bucket.delete_step(job, step)
             log.info("bucket retention removed step", extra={"ctx": {"job": job, "step": step}})
-
-
-KNOWN_KEPT = 64          # steps a job's uploads remember as in the bucket (JobUploads.known)
-
-
-def _know(j: JobUploads, step: int) -> None:
-    j.known.add(step)
-    if len(j.known) > KNOWN_KEPT:
-        j.known.discard(min(j.known))
