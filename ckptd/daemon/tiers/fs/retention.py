@@ -163,7 +163,7 @@ def collect_job(root: str, job: str, policy: RetentionPolicy, *, dry_run: bool =
     before = (time.time() if now is None else now) - policy.abandoned_after
     for s in list_steps(job_path):
         if s.committed and s.path not in expired:
-            result.stray_temps += [p for p in step_files.stray_temps(s.path) if _mtime(p) < before]
+            result.stray_temps += step_files.stray_temps(s.path, older_than=before)
     if not dry_run and result.stray_temps:
         step_files.remove_files(result.stray_temps)
         log.info("removed stray temp files", extra={"ctx": {"job": job, "files": result.stray_temps[:20]}})
@@ -202,10 +202,3 @@ def collect_root(root: str, policy: RetentionPolicy, *, dry_run: bool = False, j
         result.skipped += r.skipped
         result.stray_temps += r.stray_temps
     return result
-
-
-def _mtime(path: str) -> float:
-    try:
-        return os.lstat(path).st_mtime
-    except FileNotFoundError:
-        return float("inf")        # gone: nothing to remove
