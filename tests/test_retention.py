@@ -13,7 +13,15 @@ from pathlib import Path
 import torch
 
 import ckptd_client
-from ckptd.core.names import is_step_file, is_step_temp, rank_data_name, rank_manifest_name, step_dir_name, temp_name
+from ckptd.core.names import (
+    MEMORY_LEVEL_DIR,
+    is_step_file,
+    is_step_temp,
+    rank_data_name,
+    rank_manifest_name,
+    step_dir_name,
+    temp_name,
+)
 from ckptd.core.step_files import remove_step
 from ckptd.daemon.settings.retention import RetentionPolicy
 from ckptd.daemon.tiers.fs.retention import collect_job, collect_root, plan_job
@@ -194,6 +202,60 @@ def test_gc_removes_every_file_ckptd_names_whole_steps_only(tmp):
     # names that are not ckptd's still keep a directory
     assert not is_step_file("rank-1.data") and not is_step_file("rank-00000.data.bak")
     assert not is_step_file("rank-00000.data.tmp.") and not is_step_file("index.json.tmp.1.2.3")
+
+
+def make_memory_level_step(root: Path, job: str, step: int, committed: bool, age_s: float) -> Path:
+    """What a memory-level save leaves on disk: its rank manifests (and index.json once committed)."""
+    d = root / job / MEMORY_LEVEL_DIR / step_dir_name(step)
+    d.mkdir(parents=True)
+    (d / rank_manifest_name(0)).write_text("{}")
+    if committed:
+        (d / "index.json").write_text("{}")
+    t = time.time() - age_s
+    for p in [*d.iterdir(), d]:
+        os.utime(p, (t, t))
+    return d
+
+
+def test_uncommitted_memory_level_steps_are_collected_like_abandoned_steps(tmp):
+    """A daemon killed during a memory-level save leaves the step's manifests in _memory/step-N,
+    uncommitted: gone once untouched for abandoned_after, unless young or in flight. Committed
+    memory-level steps are the memory tier's to prune: left here."""
+    make_step(tmp, "j", 10, committed=True)
+    make_memory_level_step(tmp, "j", 11, committed=False, age_s=2 * DAY)    # a killed daemon's
+    make_memory_level_step(tmp, "j", 12, committed=False, age_s=2 * DAY)    # old, but in flight
+    make_memory_level_step(tmp, "j", 13, committed=False, age_s=60)         # young
+    make_memory_level_step(tmp, "j", 14, committed=True, age_s=2 * DAY)
+    r = collect_job(str(tmp), "j", RetentionPolicy(abandoned_after=DAY), memory_in_flight=[12])
+    assert [(a.job, a.step, a.kind) for a in r.removed] == [("j/_memory", 11, "abandoned")]
+    assert sorted(p.name for p in (tmp / "j" / MEMORY_LEVEL_DIR).iterdir()) == [
+        step_dir_name(s) for s in (12, 13, 14)]
+    # `ckptd gc` (no daemon: nothing in flight) collects them too; a symlinked _memory is not followed.
+    r2 = subprocess.run([sys.executable, "-m", "ckptd", "gc", str(tmp)], capture_output=True, text=True, timeout=60)
+    assert r2.returncode == 0, r2.stderr
+    assert sorted(p.name for p in (tmp / "j" / MEMORY_LEVEL_DIR).iterdir()) == [step_dir_name(s) for s in (13, 14)]
+    other = tmp / "elsewhere"
+    make_memory_level_step(other, "x", 5, committed=False, age_s=2 * DAY)
+    make_step(tmp, "k", 1, committed=True)
+    (tmp / "k" / MEMORY_LEVEL_DIR).symlink_to(other / "x" / MEMORY_LEVEL_DIR)
+    assert collect_job(str(tmp), "k", RetentionPolicy(abandoned_after=DAY)).actions == []
+    assert (other / "x" / MEMORY_LEVEL_DIR / step_dir_name(5)).is_dir()
+
+
+def test_daemon_collects_a_killed_memory_level_save_after_a_storage_commit(daemon_factory):
+    """The daemon's retention after a storage commit removes an uncommitted memory-level step
+    that an earlier daemon, killed mid-save, left behind."""
+    d = daemon_factory()
+    stale = make_memory_level_step(d.root, "mlv", 3, committed=False, age_s=2 * DAY)
+    young = make_memory_level_step(d.root, "mlv", 4, committed=False, age_s=0)
+    ck = ckptd_client.Checkpointer("mlv", socket=str(d.socket))
+    ck.save(5, {"w": torch.arange(8.0)}).wait(60)
+    ck.close()
+    deadline = time.monotonic() + 60
+    while stale.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not stale.exists() and young.is_dir()
+    assert (d.root / "mlv" / step_dir_name(5) / "index.json").exists()
 
 
 def test_daemon_applies_retention_after_commit(daemon_factory):

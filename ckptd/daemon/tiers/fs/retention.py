@@ -8,7 +8,10 @@ Per job (the same rules as Orbax's ``max_to_keep`` / ``keep_period``):
 - uncommitted step directories (no index.json) are garbage once nothing has touched them
   for ``abandoned_after`` seconds; younger ones may still be being written (by this daemon
   or, on a shared root, another node's) and are left alone, as is any step the caller
-  names as in flight.
+  names as in flight;
+- memory-level steps (``<job>/_memory/step-N``) are pruned by the memory tier when it commits one;
+  here only their uncommitted directories (a daemon killed mid-save leaves a manifest there) go,
+  by the same ``abandoned_after`` rule.
 
 A step is removed by ``ckptd.core.step_files.remove_step``: index.json first, so a crash in the
 middle leaves an uncommitted directory — invisible to readers and removed later as abandoned —
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ckptd.core import step_files
-from ckptd.core.names import validate_job
+from ckptd.core.names import MEMORY_LEVEL_DIR, memory_job, validate_job
 from ckptd.core.reader import list_steps
 from ckptd.daemon.settings.retention import RetentionPolicy
 
@@ -134,6 +137,26 @@ def plan_job(job_path: str, policy: RetentionPolicy, *, now: float | None = None
 
 
 
+def plan_memory_level(job_path: str, policy: RetentionPolicy, *, now: float,
+                      in_flight: Iterable[int] = ()) -> list[Action]:
+    """The uncommitted memory-level step directories of one job untouched for ``abandoned_after``
+    (the memory tier prunes the committed ones); nothing is touched."""
+    job = memory_job(os.path.basename(os.path.normpath(job_path)))
+    protected, actions = set(in_flight), list[Action]()
+    level_path = os.path.join(job_path, MEMORY_LEVEL_DIR)
+    if os.path.islink(level_path):
+        return actions
+    for s in list_steps(level_path):
+        if s.committed or s.step in protected:
+            continue
+        try:
+            if now - last_touched(s.path) >= policy.abandoned_after:
+                actions.append(Action(job, s.step, s.path, ActionKind.ABANDONED))
+        except FileNotFoundError:
+            continue
+    return actions
+
+
 def execute(actions: list[Action], dry_run: bool = False) -> None:
     for a in actions:
         if dry_run:
@@ -146,21 +169,25 @@ def execute(actions: list[Action], dry_run: bool = False) -> None:
 
 
 def collect_job(root: str, job: str, policy: RetentionPolicy, *, dry_run: bool = False,
-                in_flight: Iterable[int] = (), now: float | None = None) -> GcResult:
-    """Apply ``policy`` to one job (the daemon calls this after each commit of the job)."""
+                in_flight: Iterable[int] = (), memory_in_flight: Iterable[int] = (),
+                now: float | None = None) -> GcResult:
+    """Apply ``policy`` to one job (the daemon calls this after each storage commit of the job),
+    sparing the storage steps ``in_flight`` and the memory-level ones ``memory_in_flight``."""
     validate_job(job)
     job_path = os.path.join(root, job)
     result = GcResult()
     if os.path.islink(job_path):
         result.skipped.append(f"{job_path}: a symlink; gc does not follow links")
         return result
+    now = time.time() if now is None else now
     actions, kept = plan_job(job_path, policy, now=now, in_flight=in_flight)
+    actions += plan_memory_level(job_path, policy, now=now, in_flight=memory_in_flight)
     execute(actions, dry_run)
     result.actions, result.kept = actions, kept
     expired = {a.path for a in actions}
     # A temp file in a committed step is garbage once nothing writes it: one untouched for
     # abandoned_after (a rank staging its files into a step staged from the bucket writes one there).
-    before = (time.time() if now is None else now) - policy.abandoned_after
+    before = now - policy.abandoned_after
     for s in list_steps(job_path):
         if s.committed and s.path not in expired:
             result.stray_temps += step_files.stray_temps(s.path, older_than=before)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from ckptd.core.names import memory_job
 from ckptd.daemon.runtime import TaskSet, describe_error
 from ckptd.daemon.settings.retention import RetentionPolicy
 from ckptd.daemon.tiers.fs.retention import GcResult
@@ -47,7 +48,8 @@ class Retention:
 
     async def _collect(self, job: str) -> None:
         try:
-            result = await self.tier.collect(job, self.policy, self._in_flight(job))
+            result = await self.tier.collect(job, self.policy, self._in_flight(job),
+                                             self._in_flight(memory_job(job)))
         except (OSError, ValueError) as e:
             log.warning("retention failed", extra={"ctx": {"job": job, "error": describe_error(e)}})
             return

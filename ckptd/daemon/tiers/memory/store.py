@@ -9,6 +9,8 @@ daemon's own writes (``local``) or a peer's replica (``replica``). Rules:
 - Under the budget, the oldest shards go first (by step, then arrival), never a pinned one
   (a restore is reading it); a shard that does not fit even after every evictable one would
   go is not held at all (the step is still written to storage as always).
+- A pinned shard dropped (its step failed, or its checksum did) stays counted until unpinned:
+  its memory is in use while the restore reads it.
 
 Single-threaded: called on the daemon's event loop only (the copies run on threads, on
 memfds that are reserved here and not yet visible).
@@ -51,6 +53,7 @@ class Held:
     committed: bool = False
     pins: int = 0
     gone: bool = False            # evicted or dropped: closed once unpinned
+    owed: bool = False            # dropped while pinned: its bytes leave the budget when unpinned
     arrived: float = field(default_factory=time.monotonic)
     give_back: Callable[[], None] | None = None     # a kept slot: back to its trainer on close
 
@@ -234,6 +237,9 @@ class MemoryStore:
     def unpin(self, held: Held) -> None:
         held.pins -= 1
         if held.pins == 0 and held.gone:
+            if held.owed:
+                held.owed = False
+                self.used -= held.nbytes
             held.close()
 
     def give_back_oldest(self, fds: set[int]) -> bool:
@@ -256,7 +262,10 @@ class MemoryStore:
     def _remove(self, held: Held) -> None:
         if self.entries.get(held.key) is held:
             del self.entries[held.key]
-            self.used -= held.nbytes
+            if held.pins == 0:
+                self.used -= held.nbytes
+            else:                 # a restore still reads it: its memory is in use until unpinned
+                held.owed = True
         held.gone = True
         if held.pins == 0 and held.meta is not None:
             held.close()          # (one still being copied into is closed by whoever copies: cancel/filled)
