@@ -30,7 +30,7 @@ from ports import SPAN
 
 import ckptd_client
 from ckptd.core import protocol
-from ckptd.core.names import INDEX_NAME, step_dir
+from ckptd.core.names import INDEX_NAME, rank_data_name, step_dir, step_dir_name
 from ckptd.daemon.settings.s3 import S3Settings
 from ckptd.daemon.tiers.s3.bucket import Bucket
 from ckptd.s3_local import SeaweedServer, start_seaweed
@@ -372,3 +372,31 @@ def test_a_data_file_with_gaps_round_trips_through_the_bucket(seaweed, daemon_fa
     ck.close()
     assert info is not None and info.source == "storage" and info.from_storage == chunks, info   # the gaps unread
     assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
+def test_a_symlinked_step_file_is_never_uploaded(seaweed, daemon_factory, tmp):
+    """A committed step whose data file was replaced by a symlink (to a file only the daemon's user
+    may read) is not uploaded: the link is refused, not followed, and the bucket gets nothing of
+    that step; the next step uploads as usual."""
+    d = daemon_factory()
+    save(d.socket, 1, seed=1)
+    d.stop()
+    secret = tmp / "secret.txt"
+    secret.write_bytes(b"not for the bucket\n")
+    os.chmod(secret, 0o600)
+    data = d.root / JOB / step_dir_name(1) / rank_data_name(0)
+    data.unlink()
+    data.symlink_to(secret)
+    bucket = make_bucket(seaweed)
+    d2 = daemon_factory(*s3_args(seaweed, bucket), name="d2", root=d.root, env=seaweed.env())
+    got = wait_for(lambda: (lambda u: u if u.get("skipped") or u.get("uploaded") else None)(uploads(d2.socket)),
+                   "the uploader to take up step 1")
+    assert got["uploaded"] == 0 and got["skipped"] == 1 and "symlink" in got["last_error"]
+    b = bucket_of(seaweed, bucket)
+    assert b.steps(JOB) == ([], []) and not b.exists(b.step_key(JOB, 1, rank_data_name(0)))
+    verify = cli("verify", f"s3://{bucket}/ckpt/{JOB}/{step_dir_name(1)}", "--s3-endpoint", seaweed.endpoint,
+                 env=seaweed.env())
+    assert verify.returncode != 0 and "not committed in the bucket (no index.json)" in verify.stdout + verify.stderr
+    save(d2.socket, 2, seed=2)
+    assert bucket_restore.flush(str(d2.socket), JOB, 2, 60).uploaded
+    assert b.steps(JOB) == ([2], [])

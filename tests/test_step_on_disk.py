@@ -22,7 +22,16 @@ import pytest
 from safetensors.numpy import save_file
 
 import ckptd.core.publish as publish
-from ckptd.core.names import INDEX_NAME, STAGED_NAME, rank_data_name, rank_manifest_name, step_dir, temp_name
+from ckptd.core.errors import FormatError
+from ckptd.core.names import (
+    INDEX_NAME,
+    RANK_TABLE_NAME,
+    STAGED_NAME,
+    rank_data_name,
+    rank_manifest_name,
+    step_dir,
+    temp_name,
+)
 from ckptd.core.publish import IndexRefused, publish_step
 from ckptd.core.rank_record import summarize
 from ckptd.core.rank_table import SIDE_FILES, SMALL_INDEX_BYTES
@@ -70,6 +79,26 @@ def test_a_large_import_writes_the_side_files_and_verifies(tmp_path: Path) -> No
     small = Path(step_dir(str(tmp_path / "root"), "small", 3))
     assert sorted(p.name for p in small.iterdir()) == sorted([INDEX_NAME, rank_data_name(0), rank_manifest_name(0)])
     assert verify_step(str(small)) == []
+
+
+def test_a_rank_table_that_is_a_fifo_or_a_directory_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """ranks.bin replaced by a FIFO: opening it for reading would block until a writer comes, so
+    ``ckptd verify`` and a reader hung; a directory gave a raw OSError. Both are now the format
+    error that names the file, at once."""
+    hf_checkpoint(tmp_path / "big", 400)
+    assert ckptd("import", str(tmp_path / "big"), str(tmp_path / "root"), "big", "--step", "3").returncode == 0
+    path = Path(step_dir(str(tmp_path / "root"), "big", 3))
+    table = path / RANK_TABLE_NAME
+    for make in (lambda: os.mkfifo(table), table.mkdir):
+        if table.is_dir():
+            table.rmdir()
+        else:
+            table.unlink()
+        make()
+        with pytest.raises(FormatError, match="ranks.bin: not a regular file"):
+            StepReader(str(path)).rank_entry(0)
+        v = ckptd("verify", str(path))
+        assert v.returncode != 0 and "ranks.bin: not a regular file" in v.stdout + v.stderr, v.stdout + v.stderr
 
 
 def test_an_import_the_publisher_refuses_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

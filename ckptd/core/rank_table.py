@@ -100,9 +100,11 @@ def read_block(step_path: str, head: IndexHead, block: int) -> list[dict[str, An
     count = min(BLOCK_RANKS, head.world_size - first)
     path = os.path.join(step_path, RANK_TABLE_NAME)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd, _ = storage.open_regular(path)
     except OSError as e:
         raise FormatError(f"{path}: cannot read the rank table: {e.strerror}") from None
+    except storage.NotRegular as e:
+        raise FormatError(f"cannot read the rank table: {e}") from None
     try:
         data = storage.read_at(fd, first * RECORD.size, count * RECORD.size)
     except EOFError:

@@ -8,7 +8,6 @@ decoded. ``verify_step`` also checks the map's geometry: every sharded tensor ti
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -203,13 +202,11 @@ class StepReader:
         appended after the commit are refused before anything is decoded)."""
         path = self.data_path(rank)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd, st = storage.open_regular(path)
         except OSError as e:     # ELOOP: a link, refused; ENOENT: a committed step missing its data
             raise FormatError(f"{path}: cannot open the rank {rank} data file: {e.strerror}") from None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            raise FormatError(f"{path}: not a regular file")
+        except storage.NotRegular as e:
+            raise FormatError(str(e)) from None
         expected = self.rank_entry(rank)["stored_bytes"]
         if st.st_size != expected:
             os.close(fd)

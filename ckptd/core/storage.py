@@ -176,14 +176,29 @@ def write_all(fd: int, parts: Iterable[bytes | bytearray | memoryview]) -> int:
     return total
 
 
-def read_limited(path: str, limit: int) -> bytes:
-    """Read a whole small file (manifest, index) refusing anything over ``limit`` bytes, and
-    anything but a regular file (O_NONBLOCK: opening a FIFO must not hang the reader)."""
+class NotRegular(ValueError):
+    """A step file that is a FIFO, device, socket or directory: never read or uploaded."""
+
+
+def open_regular(path: str) -> tuple[int, os.stat_result]:
+    """A read-only fd of a regular file and its stat: never through a symlink (OSError ELOOP),
+    never a FIFO, device or directory (NotRegular; O_NONBLOCK: opening a FIFO must not hang)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{path}: not a regular file")
+            raise NotRegular(f"{path}: not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_limited(path: str, limit: int) -> bytes:
+    """Read a whole small file (manifest, index) refusing anything over ``limit`` bytes, and
+    anything but a regular file (``open_regular``)."""
+    fd, st = open_regular(path)
+    try:
         size = st.st_size
         if size > limit:
             raise ValueError(f"{path}: {size} bytes exceeds the {limit}-byte limit for this file")

@@ -187,13 +187,18 @@ class Bucket:
 
     def upload_file(self, path: str, key: str) -> int:
         """Upload one local file (multipart, ``concurrency`` parts in flight when larger than a
-        part); returns its size, checked against the object's."""
-        size = os.path.getsize(path)
+        part); returns its size, checked against the object's. The file is opened here, never
+        through a symlink and only if regular (``storage.open_regular``: OSError, NotRegular), and
+        obstore reads that open file (``/proc/self/fd``), not whatever the path names later."""
         s = self.settings
-
-        # A Path: obstore reads the file in Rust, without the GIL.
-        self._call(f"upload {key}", self._ob.put, self.store, key, Path(path), use_multipart=size > s.part_size,
-                   chunk_size=s.part_size, max_concurrency=s.concurrency)
+        fd, st = storage.open_regular(path)
+        try:
+            size = st.st_size
+            # A Path: obstore reads the file in Rust, without the GIL.
+            self._call(f"upload {key}", self._ob.put, self.store, key, Path(f"/proc/self/fd/{fd}"),
+                       use_multipart=size > s.part_size, chunk_size=s.part_size, max_concurrency=s.concurrency)
+        finally:
+            os.close(fd)
         stored = self._call(f"head {key}", self._ob.head, self.store, key)["size"]
         if stored != size:
             raise BucketError(f"upload {key}: the bucket holds {stored} bytes, the file has {size}")
@@ -212,7 +217,7 @@ class Bucket:
         try:
             self._ob.head(self.store, key)
             return True
-        except self._ob.exceptions.NotFoundError:
+        except (self._ob.exceptions.NotFoundError, FileNotFoundError):    # obstore's head: the builtin
             return False
         except Exception as e:
             raise self._explain(e, f"head {key}") from None

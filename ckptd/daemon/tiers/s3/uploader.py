@@ -19,9 +19,11 @@ Call order: ``start`` once (on the event loop), ``committed`` after each local c
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import random
+import stat
 import threading
 import time
 from collections import deque
@@ -340,14 +342,28 @@ class Uploader:
             raise IncompleteStep(f"step {step} here is a copy staged from the bucket; not uploaded")
         world = parse_index(index_bytes, job=job, step=step)["world_size"]
         files = [rank_manifest_name(r) for r in range(world)] + [rank_data_name(r) for r in range(world)]
-        missing = [n for n in files if not os.path.isfile(os.path.join(path, n))]
-        if missing:          # staged here for one rank's restore: never publish a partial step
-            raise IncompleteStep(f"step {step} lacks {missing[0]} here (staged for a restore); not uploaded")
+        for name in files:    # all checked before any upload: a refused step leaves nothing in the bucket
+            try:
+                mode = os.lstat(os.path.join(path, name)).st_mode
+            except FileNotFoundError:       # staged here for one rank's restore: never publish a partial step
+                raise IncompleteStep(f"step {step} lacks {name} here (staged for a restore); not uploaded") from None
+            if not stat.S_ISREG(mode):
+                raise IncompleteStep(f"step {step}'s {name} here is "
+                                     f"{'a symlink' if stat.S_ISLNK(mode) else 'not a regular file'}; not uploaded "
+                                     "(step files are never read through links)")
         total = 0
         for name in files:
             if self.debug_delay:
                 time.sleep(self.debug_delay)
-            total += self.bucket.upload_file(os.path.join(path, name), self.bucket.step_key(job, step, name))
+            try:
+                total += self.bucket.upload_file(os.path.join(path, name), self.bucket.step_key(job, step, name))
+            except storage.NotRegular:
+                raise IncompleteStep(f"step {step}'s {name} here is not a regular file; not uploaded") from None
+            except OSError as e:
+                if e.errno != errno.ELOOP:
+                    raise
+                raise IncompleteStep(f"step {step}'s {name} here is a symlink; not uploaded (step files are "
+                                     "never read through links)") from None
         if self.debug_delay:
             time.sleep(self.debug_delay)
         self.bucket.put_bytes(self.bucket.step_key(job, step, INDEX_NAME), index_bytes)
