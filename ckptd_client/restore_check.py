@@ -21,7 +21,7 @@ from ckptd.core.tree import join_path
 
 from .dtensor import is_dtensor, local_tensor
 from .errors import CheckpointError
-from .live_state import live_tensors, param_group_sizes, tensor_leaves
+from .live_state import live_tensors, param_group_sizes, tensor_leaves, tree_items
 
 NAMES_AT_MOST = 8          # names listed in one problem
 PROBLEMS_AT_MOST = 12      # problems listed in one error
@@ -94,6 +94,11 @@ class Check:
             absent.append(f"tensor{'' if one else 's'} {listed(missing_tensors)} of the state {'is' if one else 'are'}"
                           f" not in the checkpoint; {LENIENT}")
         self.problems[:0] = absent
+        if missing_tensors and not self.strict:      # (strict: each is a problem already)
+            for path, kind in value_clashes(state, subtrees, set(missing_tensors)):
+                self.add(f"tensor {path!r} of the state is {kind} in the checkpoint: the restore cannot leave it "
+                         "as it is nor load the value into it; give the state the checkpoint's value there, or "
+                         "leave that entry out of the state")
         for p in [p for p in live if p in saved]:       # (in the state's order)
             problem = unwritable(live[p])
             if problem is not None:
@@ -115,6 +120,38 @@ class Check:
             raise CheckpointError(f"cannot restore {self.where}; nothing in the state was changed:\n  "
                                   + "\n  ".join(shown) + (f"\n  and {more} more problems" if more > 0 else ""))
         return Outcome(tuple(str(k) for k in subtrees), tuple(missing), tuple(missing_tensors))
+
+
+def value_clashes(state: Mapping[Any, Any], subtrees: Mapping[Any, Any], paths: set[str]) -> list[tuple[str, str]]:
+    """(key path, what the step holds there) of each live tensor in ``paths`` (ones the step has no
+    tensor for) where the step holds a value or container instead, reached through the plain dicts
+    and lists the restore walks into (state.apply_state, which would raise there halfway through;
+    modules, optimizers and Stateful objects load their own way)."""
+    out: list[tuple[str, str]] = []
+
+    def walk(live: Any, node: Any, path: str) -> None:
+        if isinstance(live, torch.Tensor):
+            if path in paths and not (isinstance(node, dict) and set(node) == {"T"}):
+                out.append((path, _kind(node)))
+        elif isinstance(live, dict) and (items := tree_items(node)) is not None:
+            saved = {key: sub for key, sub in items if isinstance(key, (str, int))}
+            for k, v in live.items():
+                if k in saved:
+                    walk(v, saved[k], join_path(path, k))
+        elif isinstance(live, list) and isinstance(node, dict) and isinstance(node.get("l"), list) \
+                and len(node["l"]) == len(live):
+            for i, v in enumerate(live):
+                walk(v, node["l"][i], join_path(path, i))
+
+    for k, sub in subtrees.items():
+        walk(state[k], sub, join_path("", k))
+    return out
+
+
+def _kind(node: Any) -> str:
+    if isinstance(node, dict) and len(node) == 1:
+        return {"d": "a dict", "l": "a list", "t": "a tuple"}.get(next(iter(node)), "a value")
+    return {bool: "a bool", int: "an int", float: "a float", str: "a string"}.get(type(node), "None")
 
 
 def unwritable(t: torch.Tensor) -> str | None:

@@ -210,6 +210,43 @@ def test_a_tensor_that_cannot_be_written_into_raises_before_anything_is_written(
 
 
 @pytest.mark.parametrize("memory", SOURCES)
+def test_a_tensor_where_the_step_holds_a_value_raises_before_anything_is_written(daemon: Any,
+                                                                                  memory: bool) -> None:
+    """The step holds a plain value (or a container) where the live state has a tensor. strict=False
+    took the tensor for one the step lacks, wrote the rest of the state, then raised on it: part old,
+    part new. Now every such entry is named before anything is written, strict or not; a live value
+    where the step has a value still just takes the step's."""
+    saved: dict[str, Any] = {"a": torch.arange(4.0) + 1, "b": {"x": 5, "y": torch.ones(2), "z": {"deep": [1, 2]}},
+             "c": [torch.ones(3), 7], "pos": 3}
+    with checkpointer(daemon, "clash", True) as ck:
+        ck.save(1, saved).wait(60)
+
+    def live() -> dict[str, Any]:
+        return {"a": torch.zeros(4), "b": {"x": torch.zeros(3), "y": torch.zeros(2), "z": torch.zeros(1)},
+                "c": [torch.zeros(3), 0], "pos": torch.zeros(1), "extra": torch.zeros(2)}
+    for strict in (True, False):
+        state = live()
+        before = frozen(state)
+        with checkpointer(daemon, "clash", memory) as ck:
+            with pytest.raises(CheckpointError) as e:
+                ck.restore(state, strict=strict)
+        msg = str(e.value)
+        assert "nothing in the state was changed" in msg and frozen(state) == before, msg
+        if not strict:
+            assert "tensor 'b/x' of the state is an int in the checkpoint" in msg, msg
+            assert "tensor 'b/z' of the state is a dict in the checkpoint" in msg, msg
+            assert "tensor 'pos' of the state is an int in the checkpoint" in msg, msg
+            assert "'extra'" not in msg and "'c/1'" not in msg, msg          # lacked, and a value: both fine
+    state = live()
+    del state["b"]["x"], state["b"]["z"], state["pos"]
+    with checkpointer(daemon, "clash", memory) as ck:
+        assert ck.restore(state, strict=False) == 1
+        assert ck.last_restore is not None and ck.last_restore.missing == ("extra",)
+    assert torch.equal(state["a"], saved["a"]) and torch.equal(state["b"]["y"], torch.ones(2))
+    assert state["c"][1] == 7 and torch.equal(state["extra"], torch.zeros(2))
+
+
+@pytest.mark.parametrize("memory", SOURCES)
 def test_numpy_values_come_back_as_numpy_into_the_same_arrays(daemon: Any, memory: bool) -> None:
     """NumPy arrays are saved as tensors and NumPy scalars as their Python value: a restore puts them
     back as NumPy, each array into the live array itself (a strided one too), each scalar as its type."""
