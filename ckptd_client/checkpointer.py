@@ -363,14 +363,19 @@ class Checkpointer:
     def close(self, timeout: float | None = None) -> CloseReport:
         """Wait for every save in flight, each to its own outcome, within ``timeout`` seconds in all;
         then disconnect. Returns a :class:`CloseReport` (failures are also logged, not raised).
-        A save still open at the timeout is settled by the disk: committed if its index.json
-        exists, else failed ("closed before it committed"); no handle is left unresolved."""
+        A save still open at the timeout is withdrawn from the daemon (local commit mode), so that it
+        cannot commit after its handle said failed; one already committing is waited for (within
+        ``commit_timeout``) and reports the commit's outcome. What is still open then is settled by
+        the disk: committed if its index.json exists, else failed ("closed before it committed");
+        no handle is left unresolved."""
         if self._closed:
             return CloseReport()
         self.fence()
         self._copies.unhook()
         handles = list(self._handles.values())
         wait_all(handles, timeout)
+        if self._handles and self.commit_mode is CommitMode.LOCAL:
+            self._withdraw_open(timeout)
         self._closed = True
         if self._relay is not None:
             self._relay.close()
@@ -388,6 +393,22 @@ class Checkpointer:
         if not report.ok:
             log.warning("ckptd: %s", report)
         return report
+
+    def _withdraw_open(self, timeout: float | None) -> None:
+        """``close`` gave up on the saves still open: abort each on the daemon (its FAILED event
+        settles the handle); wait for those the daemon says are already committing."""
+        committing = []
+        for h in list(self._handles.values()):
+            try:
+                outcome = self._session.abort(h.step, f"checkpointer closed before step {h.step} committed (close "
+                                              f"timeout {timeout}s)", memory=h.level is SaveLevel.MEMORY,
+                                              timeout=self.commit_timeout)
+            except CheckpointError as e:          # no daemon to ask: the disk settles it below
+                log.warning("ckptd: could not withdraw step %d on close: %s", h.step, e)
+                continue
+            if outcome == "committing":
+                committing.append(h)
+        wait_all(committing, self.commit_timeout)
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -86,7 +86,7 @@ class StoreRelay:
 
     def __init__(self, store: Any, job: str, rank: int, world_size: int, timeout: float,
                  commit: Callable[[int, dict[int, str], list[Any] | None, float, list[int]], None],
-                 abort: Callable[[int, str], None],
+                 abort: Callable[[int, str], object],
                  on_disk: Callable[[int], bool] = lambda step: False, node_size: int = 8, *,
                  run: RunSource, shelf: CloneShelf | None = None) -> None:
         self.store, self.job, self.rank, self.world_size = store, job, rank, world_size

@@ -72,12 +72,16 @@ class DaemonSession:
                 pass
         conn.request(protocol.Commit(step=step, digests=wire, level=_level(memory)), timeout)
 
-    def abort(self, step: int, reason: str, *, memory: bool = False) -> None:
-        """Let this daemon drop the step (if it is still there): some rank failed (relay, rank 0), or a
-        streamed save broke off between parts."""
+    def abort(self, step: int, reason: str, *, memory: bool = False, timeout: float | None = None) -> str | None:
+        """Let this daemon drop the step (if it is still there): some rank failed (relay, rank 0), a
+        streamed save broke off between parts, or ``close`` gave up waiting. Returns the daemon's
+        ``outcome`` (FORMAT.md: failed, committing or unknown), None when not connected."""
         conn = self.live()
-        if conn is not None:
-            conn.request(protocol.Abort(step=step, reason=reason, level=_level(memory)))
+        if conn is None:
+            return None
+        reply = conn.request(protocol.Abort(step=step, reason=reason, level=_level(memory)), timeout)
+        outcome = reply.get("outcome")
+        return outcome if isinstance(outcome, str) else None
 
     def report(self, step: int, stall_s: float, fence_s: float) -> None:
         """Tell the daemon what a save cost the trainer (for its metrics); never blocks."""

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import zygote
 from ports import free_port
@@ -44,6 +45,37 @@ def test_close_with_a_timeout_resolves_every_handle(daemon_factory):
     report = ck.close(timeout=1)
     assert h.done() and not h.committed and "closed before step 1 committed" in (h.error or "")
     assert [s for s, _ in report.failed] == [1]
+
+
+def test_a_save_close_gave_up_on_never_commits_later(daemon_factory):
+    """close(timeout) on rank 0 before rank 1 saved: rank 0's handle said failed, and the step then
+    committed when rank 1 saved it (local commit). close() now withdraws the save on the daemon:
+    rank 1's save of the step fails too (its rank 0 is gone), and no index.json ever appears."""
+    d = daemon_factory("--step-timeout", "3")
+    ck0, ck1 = (ckptd_client.Checkpointer("cg", socket=str(d.socket), rank=r, world_size=2, commit="local")
+                for r in range(2))
+    h0 = ck0.save(1, {"w": torch.ones(8)})
+    report = ck0.close(timeout=1)
+    assert h0.done() and not h0.committed and "closed before step 1 committed" in (h0.error or ""), h0.error
+    assert [s for s, _ in report.failed] == [1]
+    h1 = ck1.save(1, {"w": torch.zeros(8)})
+    with pytest.raises(ckptd_client.CheckpointError, match="timed out"):
+        h1.wait(60)
+    ck1.close(timeout=60)
+    assert not Path(step_dir(str(d.root), "cg", 1), "index.json").exists()
+
+
+def test_close_during_a_commit_reports_the_commit(daemon_factory):
+    """close(timeout) while the daemon is committing the step (here slowed down past the timeout):
+    the handle said failed and the step committed. Too late to withdraw it, close() waits for the
+    commit's own outcome and reports it committed."""
+    d = daemon_factory("--debug-commit-delay", "3")
+    ck = ckptd_client.Checkpointer("cc", socket=str(d.socket))
+    h = ck.save(1, {"w": torch.arange(8.0)})
+    report = ck.close(timeout=1)
+    assert h.done() and h.committed, h.error
+    assert report.ok and report.committed == (1,)
+    assert Path(step_dir(str(d.root), "cc", 1), "index.json").exists()
 
 
 def test_close_report_says_it_counts_saves_in_flight(daemon_factory):

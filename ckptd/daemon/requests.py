@@ -194,8 +194,8 @@ class Requests:
 
     async def abort(self, session: Session, a: Abort) -> Reply:
         job = protocol.level_job(self._require_hello(session), a.level)
-        await self.d.steps.abort(job, a.step, session.rank, a.reason)
-        return {"step": a.step}, []
+        outcome = await self.d.steps.abort(job, a.step, session.rank, a.reason)
+        return {"step": a.step, "outcome": outcome}, []
 
     async def reclaim(self, session: Session, _: protocol.Reclaim) -> Reply:
         """The trainer has no slot to fill: the memory tier keeps every one (``Session.kept_slots``)."""

@@ -132,11 +132,17 @@ class StepCoordinator(Generic[W]):
         if reason is not None:
             raise RequestError(reason)
 
-    async def abort(self, job: str, step: int, rank: int, reason: str) -> None:
+    async def abort(self, job: str, step: int, rank: int, reason: str) -> str:
+        """Fail the step unless it is already committing; what became of it here: "failed",
+        "committing" (too late: its outcome follows as any commit's) or "unknown" (not in flight)."""
         self.handed.ended(job, step)                 # it failed: a retry may save it again
         st = self.table.steps.get((job, step))
-        if st is not None and st.state is not StepState.COMMITTING:
-            await self._fail(st, f"aborted by rank {rank}: {reason[:500]}")
+        if st is None:
+            return "unknown"
+        if st.state is StepState.COMMITTING:
+            return "committing"
+        await self._fail(st, f"aborted by rank {rank}: {reason[:500]}")
+        return "failed"
 
     async def waiter_lost(self, waiter: W) -> None:
         """A client left: fail the steps that cannot complete without it, forget it in the others."""
