@@ -101,7 +101,7 @@ class Checkpointer:
         self._seq = 0
         self._agreements = RestoreAgreements(self.store, self.run_scope, self.rank, self.world_size,
                                              self.commit_timeout, self._lines)
-        self._relay: StoreRelay | None = None
+        self._relays: dict[SaveLevel, StoreRelay] = {}     # relay commit: one per level (its own keys)
         self._closed = False
         self.memory = c.memory                         # restore asks the daemon's memory tier first
         self.last_restore: RestoreInfo | None = None   # the source (memory, peer, storage) of the last restore
@@ -127,8 +127,8 @@ class Checkpointer:
     def _on_event(self, op: EventOp, msg: dict[str, Any]) -> None:
         if not isinstance(step := msg.get("step"), int) or (h := self._handles.get(step)) is None:
             return
-        if self._relay is not None and op in (EventOp.DURABLE, EventOp.FAILED):    # this rank's outcome
-            self._relay.publish(h.step, RankOutcome.from_event(op, msg))
+        if (relay := self._relays.get(h.level)) is not None and op in (EventOp.DURABLE, EventOp.FAILED):
+            relay.publish(h.step, RankOutcome.from_event(op, msg))          # this rank's outcome
         if op is EventOp.DURABLE:
             h.durable_s = time.monotonic() - h.started
             h.raw_bytes, h.stored_bytes = msg.get("raw_bytes", 0), msg.get("stored_bytes", 0)
@@ -140,8 +140,8 @@ class Checkpointer:
     def _on_lost(self, why: str) -> None:
         reason = f"connection to ckptd at {self.socket_path} lost: {why}"
         for h in list(self._handles.values()):
-            if h.durable_s is None and self._relay is not None:
-                self._relay.publish(h.step, RankOutcome.failed(reason))
+            if h.durable_s is None and (relay := self._relays.get(h.level)) is not None:
+                relay.publish(h.step, RankOutcome.failed(reason))
             if h.durable_s is None or self.commit_mode is CommitMode.LOCAL:
                 # The daemon may have committed just before it went away: the index decides.
                 committed = h.durable_s is not None and self._on_disk(h.step, h)
@@ -210,12 +210,12 @@ class Checkpointer:
         if step in self._handles:
             raise CheckpointError(f"step {step} is already being saved")
         if self.commit_mode is CommitMode.RELAY:
-            self._ensure_relay().claim(step)      # a step is saved once per run: CheckpointError if it was
+            self._ensure_relay(level).claim(step)      # a step is saved once per run and level: else CheckpointError
         self._seq += 1
         handle = SaveHandle(step, self._seq, level)
         self._handles[step] = handle
         if self.commit_mode is CommitMode.RELAY:
-            self._ensure_relay().track(step, lambda err: self._finish(handle, err))
+            self._ensure_relay(level).track(step, lambda err: self._finish(handle, err))
         for attempt in (1, 2):
             try:
                 conn, handle.setup_s = self._ensure_slots(plan.nbytes)
@@ -235,7 +235,7 @@ class Checkpointer:
                     self._abandon(handle, "daemon connection lost twice before the hand-off")
                     raise
                 self._session.drop()
-                if handle.done() and self._relay is None:
+                if handle.done() and self.commit_mode is not CommitMode.RELAY:
                     # The loss settled it failed (_on_lost), though no daemon saw it: the redo is a new
                     # save, with a handle of its own (the caller never saw this one), or its commit
                     # would go unheard and the step be reported failed. (Relayed, the loss was already
@@ -262,23 +262,26 @@ class Checkpointer:
         """A save that never reached the daemon: give its slot back and resolve its handle."""
         if handle.slot is not None:
             self._session.release(handle.slot)
-        if self._relay is not None:
-            self._relay.publish(handle.step, RankOutcome.failed(error or "skipped (no free slot)"))
+        if (relay := self._relays.get(handle.level)) is not None:
+            relay.publish(handle.step, RankOutcome.failed(error or "skipped (no free slot)"))
         self._finish(handle, error)
 
     def _abandon_failed(self, handle: SaveHandle, e: BaseException) -> None:
         self._abandon(handle, f"hand-off to the daemon failed: {e}")
 
-    def _ensure_relay(self) -> StoreRelay:
-        if self._relay is None:
+    def _ensure_relay(self, level: SaveLevel) -> StoreRelay:
+        """The relay of ``level``'s saves. Each level has its own store keys (a memory-level save of a
+        step and a storage save of the same step, as a preemption checkpoint makes, are two saves)."""
+        if level not in self._relays:
             assert self.run_scope is not None       # (relay mode has a store)
-            s = self._session
-            self._relay = StoreRelay(self.store, self.job, self.rank, self.world_size, self.commit_timeout,
-                                     lambda step, *a: s.commit(step, *a, memory=self._held(step)),
-                                     lambda step, why: s.abort(step, why, memory=self._held(step)),
-                                     lambda step: self._on_disk(step, self._handles.get(step)),
-                                     node_size=self.local_world_size, run=self.run_scope, shelf=self._lines)
-        return self._relay
+            s, memory = self._session, level is SaveLevel.MEMORY
+            self._relays[level] = StoreRelay(
+                self.store, names.memory_job(self.job) if memory else self.job, self.rank, self.world_size,
+                self.commit_timeout, lambda step, *a: s.commit(step, *a, memory=memory),
+                lambda step, why: s.abort(step, why, memory=memory),
+                lambda step: self._on_disk(step, self._handles.get(step)),
+                node_size=self.local_world_size, run=self.run_scope, shelf=self._lines)
+        return self._relays[level]
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every save in flight; raises CheckpointError for the first that failed."""
@@ -377,8 +380,8 @@ class Checkpointer:
         if self._handles and self.commit_mode is CommitMode.LOCAL:
             self._withdraw_open(timeout)
         self._closed = True
-        if self._relay is not None:
-            self._relay.close()
+        for relay in self._relays.values():
+            relay.close()
         if self.run_scope is not None:
             self.run_scope.close()
         self._lines.clear()

@@ -13,7 +13,8 @@ training loop polls it at each step boundary, where the state is consistent::
     ckpt.close()                  # then let the process exit normally (exit code 0)
 
 ``should_stop(step, state)`` costs one flag check until a signal arrives. After one, it
-saves ``state`` as ``step`` (unless that step is already committed or being saved), waits
+saves ``state`` as ``step`` (unless that step is already committed or being saved to
+storage: a memory-level save of it does not outlive the node, so it is saved again), waits
 until every save in flight has committed (at most ``timeout`` seconds) and returns True.
 If the checkpoint fails it still returns True — the machine is going away — and logs the
 reason, which ``error`` keeps. ``saved_step`` is the step it committed.
@@ -44,6 +45,8 @@ import time
 from collections.abc import Iterable
 from types import FrameType
 from typing import Any
+
+from ckptd.core.protocol import SaveLevel
 
 from . import bucket_restore, store_keys
 from .checkpointer import Checkpointer
@@ -168,6 +171,14 @@ class PreemptionHandler:
         t0 = time.monotonic()
         try:
             handle = self.ckpt.pending(step)       # the loop already saved this step?
+            if handle is not None and handle.level is SaveLevel.MEMORY:
+                # A memory-level step does not outlive its daemons (the node is going away): let it
+                # settle, then save the step to storage as well.
+                try:
+                    handle.wait(self.timeout)
+                except CheckpointError as e:
+                    log.warning("ckptd: memory-level save of step %d failed (%s); saving it to storage", step, e)
+                handle = None
             if handle is None and self.ckpt.latest_step() != step:
                 # Block for a free slot even if the Checkpointer skips saves when busy.
                 handle = self.ckpt.save(step, state, when_busy=WhenBusy.BLOCK)

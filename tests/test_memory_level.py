@@ -230,6 +230,42 @@ def test_a_rank_that_starts_its_restore_later_than_the_commit_timeout_still_vote
         assert (r["got"], r["w"], r["pos"]) == (3, [100.0 + rank] * 8, 77), (rank, r)
 
 
+BOTH_LEVELS_WORKER = """
+import json, os, sys
+import torch, torch.distributed as dist
+import ckptd_client
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank, world_size=2)
+sock = sys.argv[1].split(",")[rank]
+ck = ckptd_client.Checkpointer("both", socket=sock, join_timeout=60, commit_timeout=60)
+state = {"w": torch.full((8,), 10.0 + rank)}
+ck.save(3, state, level="memory").wait(60)
+state["w"] += 1
+ck.save(3, state).wait(60)                    # the same step to storage: a save of its own
+out = {"mode": ck.commit_mode.value, "latest": ck.latest_step()}
+ck.close()
+dist.barrier()
+print("RESULT " + json.dumps(out), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_step_saved_at_memory_level_can_then_be_saved_to_storage_with_relay_commit(daemon_factory: Any,
+                                                                                     tmp: Path) -> None:
+    """Relay commit keyed a step's store keys by its number alone, so a step saved at memory level could
+    not be saved to storage in the same run ("saved once already"): the storage save a preemption
+    handler makes of the step the loop just saved to memory. Each level has its own keys now."""
+    script = tmp / "both_worker.py"
+    script.write_text(BOTH_LEVELS_WORKER)
+    a, b = daemon_factory(name="a"), daemon_factory(name="b", root=tmp / "root")
+    got = vote_group(script, f"{a.socket},{b.socket}", "save")
+    assert got == [{"mode": "relay", "latest": 3}] * 2, got
+    assert committed_held_steps(a.root, "both") == []        # superseded by the storage step
+    with ckptd_client.Checkpointer("both", root=str(a.root), memory=False, rank=1, world_size=2) as ck:
+        live = {"w": torch.zeros(8)}
+        assert ck.restore(live) == 3 and torch.equal(live["w"], torch.full((8,), 12.0))
+
+
 def earlier_run_then_restart(daemon_factory: Any, tmp: Path, memory_steps: tuple[int, ...]) -> tuple[Path, Any]:
     """Run 1 of job "j": storage step 10 (w = 10), then memory-level ``memory_steps`` (w = the step); its
     daemon killed, its memory-level indexes dated a minute back (a real restart takes longer than
