@@ -92,9 +92,11 @@ def write_pointer(path: str | os.PathLike[str], job: str, step: int, root: str) 
 
 
 def read_pointer(path: str | os.PathLike[str]) -> str:
-    """The step directory the pointer at ``path`` names; CheckpointError for anything else."""
+    """The step directory the pointer at ``path`` names; CheckpointError for anything else. A symlink
+    is followed (``ModelCheckpoint(save_last="link")`` links ``last.ckpt`` to the newest ``.ckpt``):
+    what it resolves to must be a regular file, and its contents are checked like any pointer's."""
     try:
-        doc = json.loads(storage.read_limited(os.fspath(path), MAX_POINTER_BYTES))
+        doc = json.loads(storage.read_limited(os.path.realpath(os.fspath(path)), MAX_POINTER_BYTES))
         if not isinstance(doc, dict) or doc.get("kind") != POINTER_KIND:
             raise ValueError(f"not a ckptd pointer (kind {doc.get('kind') if isinstance(doc, dict) else None!r})")
         root, step = doc.get("root"), doc.get("step")

@@ -6,6 +6,7 @@ plugs into the standalone ``pytorch_lightning`` package's Trainer."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,35 @@ from ckptd_client.lightning import SAVES_PER_STEP, CkptdCheckpointIO
 
 WORKER = Path(__file__).with_name("lightning_worker.py")
 pytestmark = pytest.mark.timeout(300)
+
+
+def fit(io: CkptdCheckpointIO, checkpoint: Any, max_steps: int, ckpt_path: str | None = None) -> list[int]:
+    """A tiny module fitted by a real ``lightning.Trainer`` through ``io`` with the ModelCheckpoint
+    ``checkpoint``; it logs ``score`` = its global step (newest is best). Returns the global steps it trained."""
+    import lightning.pytorch as pl
+
+    steps: list[int] = []
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, i: int) -> torch.Tensor:
+            steps.append(self.global_step)
+            self.log("score", float(self.global_step))
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))
+    trainer = pl.Trainer(max_steps=max_steps, plugins=[io], callbacks=[checkpoint], logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1)
+    trainer.fit(Net(), torch.utils.data.DataLoader(data, batch_size=4), ckpt_path=ckpt_path)
+    return steps
 
 
 def run(*args: str, expect_rc: int = 0) -> dict[int, str]:
@@ -138,3 +168,23 @@ def test_each_save_at_one_global_step_loads_back_as_lightning_gave_it(daemon_fac
         loaded = CkptdCheckpointIO("same-step", socket=str(d.socket)).load_checkpoint(path)
         assert same(saved, loaded) == [], path
     assert max(by_step.values()) >= 2, by_step          # some global step had more than one save
+
+
+def test_resume_from_last_linked_by_save_last_link(daemon_factory: Any, tmp: Path) -> None:
+    """``ModelCheckpoint(save_last="link")`` makes ``last.ckpt`` a symlink to the newest ``.ckpt`` (a
+    pointer): ``fit(ckpt_path="last")`` follows it. The pointer read had refused any symlink (ELOOP)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    d = daemon_factory()
+
+    def callback() -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=tmp / "ck", every_n_train_steps=2, save_top_k=1, monitor="score",
+                               mode="max", save_last="link")
+
+    assert fit(CkptdCheckpointIO("link", socket=str(d.socket)), callback(), max_steps=4) == [0, 1, 2, 3]
+    assert os.readlink(tmp / "ck/last.ckpt") == "epoch=0-step=4.ckpt"
+    assert fit(CkptdCheckpointIO("link", socket=str(d.socket)), callback(), max_steps=6, ckpt_path="last") == [4, 5]
+    (tmp / "dir").mkdir()
+    (tmp / "ck/dir.ckpt").symlink_to(tmp / "dir")       # what a link resolves to must still be a regular file
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        CkptdCheckpointIO("link", socket=str(d.socket)).load_checkpoint(tmp / "ck/dir.ckpt")
