@@ -20,8 +20,11 @@ retention (which counts these steps, not global steps).
 ``wait=False`` (``AsyncCkptdCheckpointIO``): ``save_checkpoint`` returns once the state is in a
 slot; a thread writes the pointer when the step commits, so a pointer never names a step that
 is not committed. ``teardown`` (Lightning calls it at the end of ``fit``) waits for them, as does
-``wait_for_saves``. A process killed before a step's pointer is written resumes from the pointer
-before it (the step itself may have committed: ``ckptd ls`` shows it).
+``wait_for_saves``. ``remove_checkpoint`` also cancels the pointer writes still queued for its path
+(top-k drops a checkpoint whose step has not committed yet), so a removed ``.ckpt`` does not come
+back; a later save to the same path writes its pointer as usual. A process killed before a step's
+pointer is written resumes from the pointer before it (the step itself may have committed:
+``ckptd ls`` shows it).
 
 Loading reads the pointed-to step straight from storage (no daemon needed when ``root`` is
 given), every chunk checksummed, nothing unpickled.
@@ -37,6 +40,7 @@ import dataclasses
 import importlib
 import json
 import os
+import threading
 import types
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -124,6 +128,8 @@ class CkptdCheckpointIO(CheckpointIO):
         self._next: tuple[int, int] = (-1, 0)           # (global step, the k its next save tries first)
         self._pointers: list[Future[None]] = []
         self._pool: ThreadPoolExecutor | None = None
+        self._queued: dict[str, list[_QueuedPointer]] = {}     # absolute path → its pointer writes to come
+        self._lock = threading.Lock()           # a pointer write against remove_checkpoint of its path
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -148,7 +154,10 @@ class CkptdCheckpointIO(CheckpointIO):
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-pointers")
         self._pointers = [f for f in self._pointers if not f.done() or f.exception() is not None]
-        self._pointers.append(self._pool.submit(self._point, handle, path))
+        queued = _QueuedPointer()
+        with self._lock:
+            self._queued.setdefault(os.path.abspath(path), []).append(queued)
+        self._pointers.append(self._pool.submit(self._point, handle, path, queued))
 
     def _step_for(self, global_step: int, path: str | Path) -> int:
         """The step this save at ``global_step`` goes to: the first of its ``SAVES_PER_STEP`` not yet
@@ -167,9 +176,23 @@ class CkptdCheckpointIO(CheckpointIO):
                               f"were saved at global_step {global_step} already (steps "
                               f"{global_step * SAVES_PER_STEP}..{global_step * SAVES_PER_STEP + SAVES_PER_STEP - 1})")
 
-    def _point(self, handle: SaveHandle, path: str | Path) -> None:
-        handle.wait()
-        write_pointer(path, self.job, handle.step, self.checkpointer.resolve_root())
+    def _point(self, handle: SaveHandle, path: str | Path, queued: _QueuedPointer | None = None) -> None:
+        """``path`` as a pointer to ``handle``'s step once it commits, unless ``remove_checkpoint(path)``
+        cancelled this write meanwhile (under the lock: a removal never runs between check and write)."""
+        try:
+            handle.wait()
+            with self._lock:
+                if queued is None or not queued.cancelled:
+                    write_pointer(path, self.job, handle.step, self.checkpointer.resolve_root())
+        finally:
+            if queued is not None:
+                with self._lock:
+                    key = os.path.abspath(path)
+                    writes = self._queued.get(key, [])
+                    if queued in writes:        # not when remove_checkpoint took the list
+                        writes.remove(queued)
+                    if not writes:
+                        self._queued.pop(key, None)
 
     def load_checkpoint(self, path: str | Path, map_location: Any = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -181,10 +204,15 @@ class CkptdCheckpointIO(CheckpointIO):
         return state
 
     def remove_checkpoint(self, path: str | Path) -> None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        """Unlink the pointer at ``path`` and cancel the pointer writes queued for it so far (async: its
+        step may commit after Lightning dropped the path); a save to ``path`` after this one is not."""
+        with self._lock:
+            for queued in self._queued.pop(os.path.abspath(path), []):
+                queued.cancelled = True
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
     def wait_for_saves(self) -> None:
         """Until every save so far is committed and its pointers written (raises the first failure)."""
@@ -204,6 +232,12 @@ class CkptdCheckpointIO(CheckpointIO):
                 self._ckpt.close()
                 self._ckpt = None
             self._next = (-1, 0)
+
+
+@dataclasses.dataclass(eq=False)
+class _QueuedPointer:
+    """One pointer write waiting for its step's commit; ``cancelled`` by ``remove_checkpoint``."""
+    cancelled: bool = False
 
 
 class AsyncCkptdCheckpointIO(CkptdCheckpointIO):

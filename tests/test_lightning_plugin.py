@@ -17,7 +17,7 @@ import torch
 import zygote
 
 from ckptd_client.errors import CheckpointError
-from ckptd_client.lightning import SAVES_PER_STEP, CkptdCheckpointIO
+from ckptd_client.lightning import SAVES_PER_STEP, AsyncCkptdCheckpointIO, CkptdCheckpointIO
 
 WORKER = Path(__file__).with_name("lightning_worker.py")
 pytestmark = pytest.mark.timeout(300)
@@ -188,3 +188,28 @@ def test_resume_from_last_linked_by_save_last_link(daemon_factory: Any, tmp: Pat
     (tmp / "ck/dir.ckpt").symlink_to(tmp / "dir")       # what a link resolves to must still be a regular file
     with pytest.raises(CheckpointError, match="not a regular file"):
         CkptdCheckpointIO("link", socket=str(d.socket)).load_checkpoint(tmp / "ck/dir.ckpt")
+
+
+def test_async_top_k_removed_checkpoints_stay_removed(daemon_factory: Any, tmp: Path) -> None:
+    """``ModelCheckpoint(save_top_k=1)`` saving every step removes the previous ``.ckpt`` right after the
+    next save, while (async) the previous step's commit, held back by the daemon here, is still pending.
+    Its pointer write was still queued and ran after the removal: every removed checkpoint came back.
+    ``remove_checkpoint`` cancels it; a save to the removed path after the removal still gets its pointer."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    d = daemon_factory("--debug-commit-delay", "1")
+    callback = ModelCheckpoint(dirpath=tmp / "ck", every_n_train_steps=1, save_top_k=1, monitor="score", mode="max")
+    assert fit(AsyncCkptdCheckpointIO("topk", socket=str(d.socket)), callback, max_steps=4) == [0, 1, 2, 3]
+    assert sorted(os.listdir(tmp / "ck")) == ["epoch=0-step=4.ckpt"]
+    assert json.loads((tmp / "ck/epoch=0-step=4.ckpt").read_text())["step"] == 4 * SAVES_PER_STEP
+
+    io = AsyncCkptdCheckpointIO("reuse", socket=str(d.socket))
+    try:
+        io.save_checkpoint({"global_step": 1}, tmp / "a.ckpt")
+        io.remove_checkpoint(tmp / "a.ckpt")
+        io.save_checkpoint({"global_step": 2}, tmp / "a.ckpt")      # Lightning may reuse a name
+        io.wait_for_saves()
+    finally:
+        io.teardown()
+    assert json.loads((tmp / "a.ckpt").read_text())["step"] == 2 * SAVES_PER_STEP
+    assert io.load_checkpoint(tmp / "a.ckpt") == {"global_step": 2}
