@@ -151,6 +151,9 @@ class CkptdCheckpointIO(CheckpointIO):
         if self.wait:
             self._point(handle, path)
             return
+        # The directory now, as Lightning's own CheckpointIO makes it at save: save_last="link" links
+        # last.ckpt to this path in it before the pointer is written (the link dangles until then).
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-pointers")
         self._pointers = [f for f in self._pointers if not f.done() or f.exception() is not None]
