@@ -70,3 +70,32 @@ def test_a_save_whose_tree_nests_too_deep_is_refused_on_the_wire(daemon: Any) ->
     finally:
         s.close()
     assert not (daemon.root / "deep" / f"step-{1:012d}").exists()
+
+
+def test_a_state_nesting_too_deep_is_a_type_error_naming_where_before_any_save(daemon: Any) -> None:
+    """The client refuses what the daemon would: 85 nested dicts around a tensor (256 JSON levels)
+    commit and restore; 86 were refused by the daemon saying "256 levels" (the user counts 86), and
+    1,500 crashed save() with a RecursionError. Both are now a TypeError naming the key path and the
+    limit in the user's terms, raised before a slot is taken: nothing reaches the daemon."""
+    import torch
+
+    import ckptd_client
+
+    def state(dicts: int) -> dict[str, Any]:
+        d: dict[str, Any] = {"w": torch.arange(3.0)}
+        for _ in range(dicts - 1):
+            d = {"k": d}
+        return d
+
+    with ckptd_client.Checkpointer("nest", socket=str(daemon.socket)) as ck:
+        ck.save(1, state(85)).wait(60)
+        live = state(85)
+        assert ck.restore(live) == 1
+        leaf = live
+        while "k" in leaf:
+            leaf = leaf["k"]
+        assert torch.equal(leaf["w"], torch.arange(3.0))
+        for dicts in (86, 1500):
+            with pytest.raises(TypeError, match=r"nests too deeply at 'k/k/.*about 85 nested dicts"):
+                ck.save(2, state(dicts))
+    assert not (daemon.root / "nest" / f"step-{2:012d}").exists()

@@ -11,30 +11,48 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import FormatError
+from .names import MAX_TREE_DEPTH
 
 _SCALARS = (str, int, float, bool, type(None))
 
 
 def encode_tree(obj: Any, on_tensor: Callable[[str, Any], str], on_other: Callable[[str, Any], Any],
-                is_tensor: Callable[[Any], bool], path: str = "") -> Any:
+                is_tensor: Callable[[Any], bool], path: str = "", depth: int = 0) -> Any:
     """Encode ``obj``; tensors go to ``on_tensor(path, t)`` (returns the stored name), any other
-    non-JSON object to ``on_other(path, obj)`` which returns a replacement to encode or raises."""
+    non-JSON object to ``on_other(path, obj)`` which returns a replacement to encode or raises.
+    ``depth``: the JSON levels above ``obj`` (a dict takes 3, a list or tuple 2, a tensor 1); a
+    tree deeper than ``MAX_TREE_DEPTH``, which the daemon and every reader refuse, is a TypeError
+    naming where, raised here before anything is written (and before Python's recursion limit)."""
     if is_tensor(obj):
+        if depth + 1 > MAX_TREE_DEPTH:
+            _too_deep(path)
         return {"T": on_tensor(path, obj)}
     if isinstance(obj, _SCALARS):
         return obj
     if isinstance(obj, dict):
+        if depth + 3 > MAX_TREE_DEPTH:
+            _too_deep(path)
         items = []
         for k, v in obj.items():
             if not isinstance(k, (str, int)) or isinstance(k, bool):
                 raise TypeError(f"cannot store dict key {k!r} of type {type(k).__name__} at "
                                 f"{path or '<root>'}: keys must be str or int")
-            items.append([k, encode_tree(v, on_tensor, on_other, is_tensor, join_path(path, k))])
+            items.append([k, encode_tree(v, on_tensor, on_other, is_tensor, join_path(path, k), depth + 3)])
         return {"d": items}
     if isinstance(obj, (list, tuple)):
+        if depth + 2 > MAX_TREE_DEPTH:
+            _too_deep(path)
         tag = "t" if isinstance(obj, tuple) else "l"
-        return {tag: [encode_tree(v, on_tensor, on_other, is_tensor, join_path(path, i)) for i, v in enumerate(obj)]}
-    return encode_tree(on_other(path, obj), on_tensor, on_other, is_tensor, path)
+        return {tag: [encode_tree(v, on_tensor, on_other, is_tensor, join_path(path, i), depth + 2)
+                      for i, v in enumerate(obj)]}
+    return encode_tree(on_other(path, obj), on_tensor, on_other, is_tensor, path, depth)
+
+
+def _too_deep(path: str) -> None:
+    raise TypeError(f"cannot store the state: it nests too deeply at {path[:200] or '<root>'!r} (at most "
+                    f"{MAX_TREE_DEPTH} levels of its JSON encoding: a dict takes 3, a list or tuple 2, "
+                    f"so about {(MAX_TREE_DEPTH - 1) // 3} nested dicts); keep deep structures out of the "
+                    "saved state, or flatten them")
 
 
 def decode_tree(node: Any, tensor: Callable[[str], Any]) -> Any:
