@@ -38,7 +38,7 @@ def load_hf(model: torch.nn.Module, hf_dir: str | os.PathLike[str], *, strict: b
     found = {t.name: t for t in src.tensors}
     live = model.state_dict(keep_vars=True)
     wanted = {(rename or {}).get(canonical_name(k), canonical_name(k)): v for k, v in live.items()}
-    missing = [n for n in wanted if n not in found]
+    missing = [n for n in wanted if n not in found and n not in tied_to_found(wanted, found)]
     unexpected = [n for n in found if n not in wanted]
     if strict and (missing or unexpected):
         raise CheckpointError(f"{src.path} does not match the model: missing {missing[:5]}"
@@ -66,6 +66,17 @@ def load_hf(model: torch.nn.Module, hf_dir: str | os.PathLike[str], *, strict: b
                                                                                 strict=True))]
             dst.copy_(value.reshape(dst.shape))
     return unexpected
+
+
+def tied_to_found(wanted: Mapping[str, torch.Tensor], found: Mapping[str, Any]) -> set[str]:
+    """Names the directory lacks whose live tensor is one it has under another name: tied weights
+    (``save_pretrained`` writes a tied ``lm_head.weight`` only as ``embed_tokens.weight``); loading
+    the one loads the other."""
+    def key(t: torch.Tensor) -> tuple[Any, ...]:
+        t = local_tensor(t) if is_dtensor(t) else t
+        return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
+    provided = {key(t) for n, t in wanted.items() if n in found and t.numel()}
+    return {n for n, t in wanted.items() if n not in found and t.numel() and key(t) in provided}
 
 
 __all__ = ["export_hf", "import_hf", "load_hf", "ExportResult", "ImportResult"]

@@ -400,3 +400,27 @@ def test_load_hf_strict_names_the_mismatch(hub_dir: tuple[Path, dict[str, torch.
     m = llama()
     assert ckptd_client.load_hf(m, hub) == []
     assert_bit_equal(m.state_dict(), sd)
+
+
+def test_load_hf_strict_takes_a_tied_weight_from_its_twin(tmp_path: Path) -> None:
+    """transformers' save_pretrained writes tied weights once (GPT-2's lm_head.weight is
+    transformer.wte.weight): strict load_hf refused every such checkpoint as missing
+    lm_head.weight, which from_pretrained loads. A live tensor that is another loaded tensor
+    (same storage, offset, shape, stride) is loaded with it; an untied one still counts as missing."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import ckptd_client
+    cfg = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    src = GPT2LMHeadModel(cfg)
+    src.save_pretrained(tmp_path / "gpt2")
+    assert "lm_head.weight" not in load_file(tmp_path / "gpt2" / "model.safetensors")
+    torch.manual_seed(1)
+    model = GPT2LMHeadModel(cfg)
+    assert ckptd_client.load_hf(model, tmp_path / "gpt2") == []
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert_bit_equal(model.state_dict(), src.state_dict())
+    untied = GPT2LMHeadModel(cfg)
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
+    with pytest.raises(ckptd_client.CheckpointError, match=r"missing \['lm_head.weight'\]"):
+        ckptd_client.load_hf(untied, tmp_path / "gpt2")
