@@ -107,6 +107,10 @@ class CkptdCheckpointManager(BaseCheckpointManager):
         self.states.update({MODEL: ModelWrapper(model_parts), OPTIMIZER: optimizers, LR_SCHEDULER: lr_schedulers})
         if dataloader is not None:
             self.states[DATALOADER] = BytesAsTensors(dataloader)
+        unknown = [k for k in config.exclude_from_loading if k not in self.states]
+        if unknown:         # (torchtitan's own manager refuses them too, at its first load)
+            raise ValueError(f"checkpoint.exclude_from_loading names {unknown}, which are not states of this "
+                             f"trainer: it has {sorted(self.states)}")
         self.ckpt = Checkpointer(config.job, config=config.checkpointer_config())
         self._last: SaveHandle | None = None
         self._rank = self.ckpt.rank

@@ -251,3 +251,24 @@ def test_torchtitan_config_maps_onto_checkpointer_config():
     titan = pytest.importorskip("ckptd_client.torchtitan")
     c = titan.CkptdCheckpointManager.Config(job="t", socket="/s.sock", root="/r")
     assert c.checkpointer_config() == CheckpointerConfig(socket="/s.sock", root="/r", overlap="manual")
+
+
+def test_torchtitan_manager_refuses_an_unknown_exclude_from_loading_key(tmp):
+    """A misspelt key in exclude_from_loading ("optimzer") was ignored: the resume then loaded the
+    optimizer the user meant to leave out. As torchtitan's own manager does, it is refused, here
+    when the manager is built, naming the key and the states there are."""
+    titan = pytest.importorskip("ckptd_client.torchtitan")
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = titan.CkptdCheckpointManager.Config(enable=True, job="t", socket=str(tmp / "none.sock"),
+                                              root=str(tmp / "root"), exclude_from_loading=["optimzer"])
+    with pytest.raises(ValueError, match=r"names \['optimzer'\], which are not states of this trainer: it has "
+                                         r"\['lr_scheduler', 'model', 'optimizer', 'train_state'\]"):
+        titan.CkptdCheckpointManager(cfg, dataloader=None, model_parts=[model], optimizers=opt,
+                                     lr_schedulers=torch.optim.lr_scheduler.StepLR(opt, 1),
+                                     states={"train_state": {"step": 0}})
+    cfg.exclude_from_loading = ["optimizer"]
+    m = titan.CkptdCheckpointManager(cfg, dataloader=None, model_parts=[model], optimizers=opt,
+                                     lr_schedulers=torch.optim.lr_scheduler.StepLR(opt, 1),
+                                     states={"train_state": {"step": 0}})
+    m.close()
