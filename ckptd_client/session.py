@@ -13,7 +13,7 @@ from ckptd.core.errors import ProtocolError
 from ckptd.core.protocol import EventOp
 
 from .connection import DaemonConnection, EventHandler, LostHandler
-from .errors import CheckpointError, NotDelivered
+from .errors import CheckpointError, DaemonRefused, NotDelivered
 from .slots import ClientSlot
 
 log = logging.getLogger("ckptd")
@@ -132,7 +132,14 @@ class DaemonSession:
             return self._connect(nbytes)
         if not self.slots or self.asked < nbytes:
             self._wait_all_free()
-            self._install(conn.request(protocol.Resize(slot_bytes=nbytes, num_slots=self.num_slots)), nbytes)
+            try:
+                reply = conn.request(protocol.Resize(slot_bytes=nbytes, num_slots=self.num_slots))
+            except DaemonRefused:
+                # The daemon gave the old slots back before it could not make the new ones: this
+                # rank has none now, and its next save asks again (not into slots that are gone).
+                self._install({"_fds": [], "slots": []}, 0)
+                raise
+            self._install(reply, nbytes)
         return conn
 
     def _connect(self, slot_bytes: int) -> DaemonConnection:

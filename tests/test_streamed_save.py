@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import zygote
 
@@ -163,3 +164,22 @@ def test_two_gib_through_256_mib_of_slots_stays_under_512_mib_extra(tmp: Path) -
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["same"] is True
     assert out["peak_extra"] < 512 * MiB, f"peak extra host memory {out['peak_extra'] / MiB:.0f} MiB"
+
+
+def test_a_refused_resize_leaves_no_stale_slots_and_the_next_save_asks_again(daemon_factory) -> None:
+    """Rank A's slots grow past what the slot budget has left (another session holds most of it): the
+    daemon gave A's old slot back, then refused the new one, and A's client kept the old one. A's next,
+    smaller save went into that slot, which the daemon no longer had ("no slot 0"). Now the refusal
+    leaves A with no slots: the next save asks for them again and commits."""
+    d = daemon_factory("--slot-memory-limit", "8MiB")
+    big = ckptd_client.Checkpointer("hog", socket=str(d.socket), num_slots=1)
+    big.save(1, {"w": torch.zeros(1_900_544)}).wait(60)                # one 7.25 MiB slot
+    a = ckptd_client.Checkpointer("small", socket=str(d.socket), num_slots=1)
+    a.save(1, {"w": torch.arange(100_000.0)}).wait(60)                 # 0.4 MB: fits what is left
+    with pytest.raises(ckptd_client.CheckpointError, match="slot memory limit"):
+        a.save(2, {"w": torch.zeros(250_000)})                          # 1 MB: less than a slot's minimum left
+    a.save(3, {"w": torch.arange(100_000.0) + 3}).wait(60)
+    live = {"w": torch.zeros(100_000)}
+    assert a.restore(live) == 3 and torch.equal(live["w"], torch.arange(100_000.0) + 3)
+    a.close()
+    big.close()
