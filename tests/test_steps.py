@@ -66,9 +66,14 @@ class Rank:
         self.rank = rank
         self.events: list[dict[str, Any]] = []
         self.released = 0
+        self.on_event: Callable[[dict[str, Any]], object] = lambda msg: None
 
     def release(self) -> None:
         self.released += 1
+
+    def hear(self, msg: dict[str, Any]) -> None:
+        self.events.append(msg)
+        self.on_event(msg)
 
     def ops(self) -> list[str]:
         return [e["op"] for e in self.events]
@@ -86,20 +91,25 @@ class SlowPublish(PublishGate):
         self.where = where
         self.reached = threading.Event()
         self.go = threading.Event()
+        self.synced = threading.Event()         # the index's directory fsynced
 
     def _hold(self) -> None:
         self.reached.set()
         assert self.go.wait(60), "test never released the publish"
 
-    def publish(self, rename: Callable[[], None]) -> None:
+    def publish(self, rename: Callable[[], None], sync: Callable[[], None] = lambda: None) -> None:
         if self.where == "before":
             self._hold()
-            super().publish(rename)
+            super().publish(rename, sync)
         else:
             def rename_then_hold() -> None:
                 rename()
                 self._hold()
-            super().publish(rename_then_hold)
+
+            def sync_then_note() -> None:
+                sync()
+                self.synced.set()
+            super().publish(rename_then_hold, sync_then_note)
 
 
 class GatedTier(FsTier):
@@ -155,7 +165,7 @@ class Harness:
         self.moves: list[tuple[str, int, Any, Any]] = []     # (kind, step, from, to)
         self.shard_step: dict[int, int] = {}                 # id(shard) -> its step
         self.coord: StepCoordinator[Rank] = StepCoordinator(
-            self.tier, lambda r, msg: r.events.append(msg), step_timeout=step_timeout, clock=lambda: self.now,
+            self.tier, lambda r, msg: r.hear(msg), step_timeout=step_timeout, clock=lambda: self.now,
             withdraw_commits=self.tier.withdraw_commits, commit_overtime=0.3)
 
     async def save(self, who: Rank, step: int, world: int = 1, mode: CommitMode = LOCAL) -> None:
@@ -658,8 +668,15 @@ async def test_drain_waits_for_an_index_rename_in_progress_and_reports_committed
     await h.save(r0, 1)
     await until(slow.reached.is_set, "the rename")
     asyncio.get_running_loop().call_later(0.6, slow.go.set)
+    told = asyncio.get_running_loop().create_future()
+
+    def on_event(msg: dict[str, Any]) -> None:
+        if msg["op"] == "committed" and not told.done():
+            told.set_result(slow.synced.is_set())
+    r0.on_event = on_event
     unfinished = await h.coord.drain(grace=0.1)
     assert r0.ops() == ["durable", "committed"]
+    assert told.done() and told.result() is True       # told committed only once the directory is fsynced
     assert all("(published; its thread still runs)" in u for u in unfinished), unfinished
     assert h.step_moves(1) == [D, C, OK] and verify_step(str(h.path(1))) == []
 

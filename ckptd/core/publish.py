@@ -27,7 +27,7 @@ from .schema import make_index_file
 from .step_files import remove_files, stray_temps
 
 # Runs the rename that publishes index.json, or refuses by raising (storage.atomic_write's ``publish``).
-Rename = Callable[[Callable[[], None]], None]
+Rename = Callable[[Callable[[], None], Callable[[], None]], None]     # (rename, then the fsync of its directory)
 
 
 class IndexRefused(ValueError):

@@ -83,10 +83,11 @@ def make_dirs(path: str) -> None:
         fsync_dir(os.path.dirname(d))
 
 
-def atomic_write(path: str, data: bytes, publish: Callable[[Callable[[], None]], None] | None = None) -> None:
+def atomic_write(path: str, data: bytes,
+                 publish: Callable[[Callable[[], None], Callable[[], None]], None] | None = None) -> None:
     """Write ``path`` so a crash leaves either the old file or the whole new one, durably.
-    ``publish``, if given, runs the rename (it may refuse by raising, e.g. a withdrawn commit);
-    the temp file is removed on any failure."""
+    ``publish``, if given, runs the rename and then the directory's fsync (it may refuse by raising,
+    e.g. a withdrawn commit); the temp file is removed on any failure."""
     tmp = temp_name(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
     try:
@@ -97,15 +98,22 @@ def atomic_write(path: str, data: bytes, publish: Callable[[Callable[[], None]],
         _unlink_quietly(tmp)
         raise
     os.close(fd)
+    synced = False
+
+    def sync() -> None:
+        nonlocal synced
+        fsync_dir(os.path.dirname(path) or ".")
+        synced = True
     try:
         if publish is None:
             os.rename(tmp, path)
         else:
-            publish(lambda: os.rename(tmp, path))
+            publish(lambda: os.rename(tmp, path), sync)
     except BaseException:
         _unlink_quietly(tmp)
         raise
-    fsync_dir(os.path.dirname(path) or ".")
+    if not synced:
+        sync()
 
 
 def write_files_durably(directory: str, files: Sequence[tuple[str, bytes]]) -> None:

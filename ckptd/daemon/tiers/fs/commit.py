@@ -48,18 +48,21 @@ class PublishGate:
         self.published = False
         self.withdrawn = False
 
-    def publish(self, rename: Callable[[], None]) -> None:
-        """Run ``rename`` (the publishing act) unless the commit was withdrawn (CommitWithdrawn)."""
+    def publish(self, rename: Callable[[], None], sync: Callable[[], None] = lambda: None) -> None:
+        """Run ``rename`` (the publishing act) unless the commit was withdrawn (CommitWithdrawn), then
+        ``sync`` (the directory's fsync) before letting go: a drain that finds it published then
+        reports a durable commit, not one whose rename a power loss could still undo."""
         with self._lock:
             if self.withdrawn:
                 raise CommitWithdrawn("the commit was withdrawn (the daemon is shutting down) before its index "
                                       "was published")
             rename()
             self.published = True
+            sync()
 
     def withdraw(self) -> bool:
         """Decide now: True when the index will never be published, False when it already is. Waits
-        for a rename in progress (the only thing that holds the lock)."""
+        for a rename and its directory fsync in progress (the only thing that holds the lock)."""
         with self._lock:
             if not self.published:
                 self.withdrawn = True
