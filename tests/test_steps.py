@@ -164,8 +164,10 @@ class Harness:
         self.now = 1000.0
         self.moves: list[tuple[str, int, Any, Any]] = []     # (kind, step, from, to)
         self.shard_step: dict[int, int] = {}                 # id(shard) -> its step
+        self.commits: list[tuple[int, bool]] = []            # (step, its index's directory fsynced) per commit
         self.coord: StepCoordinator[Rank] = StepCoordinator(
             self.tier, lambda r, msg: r.hear(msg), step_timeout=step_timeout, clock=lambda: self.now,
+            on_committed=lambda job, step, latency, synced: self.commits.append((step, synced)),
             withdraw_commits=self.tier.withdraw_commits, commit_overtime=0.3)
 
     async def save(self, who: Rank, step: int, world: int = 1, mode: CommitMode = LOCAL) -> None:
@@ -750,6 +752,12 @@ async def test_an_index_in_place_is_committed_whatever_fails_after_its_rename(h:
     assert verify_step(str(h.path(1))) == []
     c = h.coord.counters()          # said, not silent: counted (a metric) as well as logged
     assert (c.steps_committed, c.steps_committed_unsynced) == (1, 1)
+    # ... and the daemon hears it unsynced: it runs no retention after it (server._committed), which
+    # could delete the steps a restore falls back to if this index does not survive a power loss.
+    monkeypatch.setattr(commit.storage, "fsync_dir", real)
+    await h.save(r0, 2)
+    await until(lambda: len(r0.ops()) == 4, "the second outcome")
+    assert h.commits == [(1, False), (2, True)]
 
 
 def test_rank_spans_names_runs_and_cuts_long_lists() -> None:

@@ -98,11 +98,15 @@ class Daemon:
         if not self.steps.shard_views():
             self.io_pool.submit(release_free_memory)
 
-    def _committed(self, job: str, step: int, latency_s: float) -> None:
+    def _committed(self, job: str, step: int, latency_s: float, synced: bool) -> None:
         self.metrics.step_committed(latency_s)
         if names.is_memory_job(job):      # a memory-level step: the memory tier prunes them; never uploaded
             return
-        self.retention.schedule(job)
+        if synced:
+            self.retention.schedule(job)
+        else:            # its index may not survive a power loss: keep the steps a restore would fall back to
+            log.warning("retention skipped after a commit whose durability is unconfirmed",
+                        extra={"ctx": {"job": job, "step": step}})
         if self.s3:
             self.s3.committed(job, step)
 

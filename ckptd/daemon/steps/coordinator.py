@@ -65,7 +65,7 @@ class StepCoordinator(Generic[W]):
 
     def __init__(self, tier: StorageTier, send_event: Callable[[W, dict[str, Any]], None], *,
                  step_timeout: float, on_durable: Callable[[ShardWritten], None] = lambda r: None,
-                 on_committed: Callable[[str, int, float], None] = lambda job, step, latency: None,
+                 on_committed: Callable[[str, int, float, bool], None] = lambda job, step, latency, synced: None,
                  withdraw_commits: Callable[[], Awaitable[None]] | None = None,
                  commit_overtime: float = COMMIT_OVERTIME_S, removal_wait: float = REMOVAL_WAIT_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -302,7 +302,7 @@ class StepCoordinator(Generic[W]):
                 log.error("index published, then its commit failed: committed, durability unconfirmed",
                           extra={"ctx": {"job": st.job, "step": st.step, "error": reason}})
                 self.table.totals.steps_committed_unsynced += 1      # (and ckptd_steps_committed_unsynced_total)
-                self._committed(st)
+                self._committed(st, synced=False)
                 return None
             await self._fail(st, reason, commit_over=True)      # (no-op when a drain settled it already)
             return reason
@@ -310,11 +310,12 @@ class StepCoordinator(Generic[W]):
             self._committed(st)
         return None
 
-    def _committed(self, st: Step[W]) -> None:
+    def _committed(self, st: Step[W], synced: bool = True) -> None:
+        """``synced``: its index's directory fsync succeeded (False: committed, durability unconfirmed)."""
         st.move(StepState.COMMITTED)
         self.table.committed(st)
         now = self.table.clock()
-        self._on_committed(st.job, st.step, now - st.started)
+        self._on_committed(st.job, st.step, now - st.started, synced)
         log.info("committed", extra={"ctx": {"job": st.job, "step": st.step, "world_size": st.world_size,
                                             "commit_s": round(now - st.committing_since, 6),
                                             "since_first_save_s": round(now - st.started, 6)}})
