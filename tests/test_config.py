@@ -234,7 +234,8 @@ SERVE_FLAGS = {"--root": "root", "--socket": "socket", "--socket-mode": "socket_
                "--peer-io-timeout": "peers.io_timeout", "--peer-redundancy": "peers.redundancy",
                "--peer-group": "peers.group", "--peer-parity": "peers.parity", "--peer-tls-cert": "peers.tls_cert",
                "--peer-tls-key": "peers.tls_key", "--peer-tls-ca": "peers.tls_ca",
-               "--debug-commit-delay": "debug.commit_delay"}
+               "--debug-commit-delay": "debug.commit_delay",
+               "--debug-frame-timeout": "debug.frame_timeout"}
 SERVE_FLAGS.update({f"--s3-{k.replace('_', '-')}": f"s3.{k}" for k in (
     "url", "endpoint", "region", "concurrency", "part_size", "keep_last", "queue_depth", "retry_max_interval")})
 SERVE_FLAGS["--debug-upload-delay"] = "debug.upload_delay"

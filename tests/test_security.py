@@ -11,8 +11,11 @@ import os
 import shutil
 import socket
 import stat
+import struct
 import subprocess
 import sys
+import termios
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -294,6 +297,65 @@ def test_oversized_frame_refused(daemon):
     finally:
         s.close()
     assert "protocol error" in daemon.log_text()
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def _sent_and_read(s: socket.socket, timeout: float = 30.0) -> None:
+    """Until the daemon has read every byte sent on ``s`` (the socket's unread send queue is empty)."""
+    deadline = time.monotonic() + timeout
+    while struct.unpack("i", fcntl.ioctl(s.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]:
+        assert time.monotonic() < deadline, "the daemon did not read what was sent"
+        time.sleep(0.02)
+
+
+def test_frame_headers_alone_make_the_daemon_allocate_nothing_big(daemon):
+    """A header claiming 16 MiB and one body byte, on each of many idle connections, must not make the
+    daemon hold 16 MiB per connection: the body's buffer grows with the bytes that arrive."""
+    n = 16
+    probe = protocol.connect(str(daemon.socket))
+    rx = protocol.FrameReceiver(probe)
+    protocol.send_frame(probe, {"op": "status", "req": 1})
+    assert _reply(rx, 1)["op"] == "ok"
+    before = _rss_bytes(daemon.pid)
+    socks = []
+    try:
+        for _ in range(n):
+            s = protocol.connect(str(daemon.socket))
+            socks.append(s)
+            s.sendall(protocol.HEADER.pack(protocol.MAGIC, protocol.PROTOCOL_VERSION, protocol.MAX_FRAME_BYTES) + b"{")
+        for s in socks:
+            _sent_and_read(s)            # the daemon has the header and the byte, and waits for the rest
+        grown = _rss_bytes(daemon.pid) - before
+        assert grown < n * protocol.MAX_FRAME_BYTES // 8, f"daemon RSS grew {grown >> 20} MiB for {n} bare headers"
+        protocol.send_frame(probe, {"op": "status", "req": 2})
+        assert _reply(rx, 2)["op"] == "ok"       # and it serves others meanwhile
+    finally:
+        for s in socks + [probe]:
+            s.close()
+
+
+def test_a_client_stalled_inside_a_frame_is_disconnected_and_an_idle_one_is_not(daemon_factory):
+    d = daemon_factory("--debug-frame-timeout", "1")
+    idle = protocol.connect(str(d.socket))
+    idle_rx = protocol.FrameReceiver(idle)
+    stalled = protocol.connect(str(d.socket))
+    try:
+        stalled.settimeout(60)
+        stalled.sendall(protocol.HEADER.pack(protocol.MAGIC, protocol.PROTOCOL_VERSION, 100) + b'{"op":')
+        reply = protocol.FrameReceiver(stalled).read()
+        assert reply["op"] == "error" and reply.get("fatal") and "did not arrive within 1 s" in reply["reason"]
+        assert stalled.recv(1) == b""                  # and the connection is closed
+        assert "stalled inside a frame" in d.log_text()
+        idle.settimeout(60)                            # idle between frames for longer than the deadline: served
+        protocol.send_frame(idle, {"op": "status", "req": 1})
+        assert _reply(idle_rx, 1)["op"] == "ok"
+    finally:
+        stalled.close()
+        idle.close()
 
 
 # ---- socket permissions and peer credentials --------------------------------------------------

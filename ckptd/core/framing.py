@@ -4,6 +4,7 @@ descriptors (SCM_RIGHTS) riding on a frame's first byte. ``protocol`` says what 
 from __future__ import annotations
 
 import array
+import asyncio
 import json
 import socket
 import struct
@@ -18,6 +19,8 @@ MAGIC = b"CK"
 HEADER = struct.Struct(">2sHI")
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_FDS_PER_FRAME = 16
+RECV_STEP = 64 * 1024        # a body's buffer starts this big and doubles as its bytes arrive
+FRAME_TIMEOUT_S = 30.0       # a frame's body must be here this long after its header (the daemon's reads)
 
 
 def encode(msg: dict[str, Any]) -> bytes:
@@ -107,12 +110,33 @@ class FrameReceiver:
         return taken
 
 
-async def recv_exact_async(loop: Any, sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray(n)
+async def recv_exact_async(loop: Any, sock: socket.socket, n: int, timeout: float | None = None) -> bytes | None:
+    """Exactly ``n`` bytes from a non-blocking socket; None at an end of stream before the first.
+
+    The buffer grows as bytes arrive (from RECV_STEP, doubling), never ahead of them: a header
+    alone claiming 16 MiB costs the reader 64 KiB, not 16 MiB. Bytes already here are taken
+    without a wait (a small frame arrives whole). ``timeout``: all ``n`` must be here within it,
+    else ProtocolError, so a peer stalled inside a frame keeps neither a buffer nor the reader."""
+    buf = bytearray(min(n, RECV_STEP))
     view = memoryview(buf)
     got = 0
+    deadline = None if timeout is None else loop.time() + timeout
     while got < n:
-        k = await loop.sock_recv_into(sock, view[got:])
+        if got == len(buf):              # a new buffer, not a resize: a cancelled read may still hold a view
+            bigger = bytearray(min(n, 2 * len(buf)))
+            bigger[:got] = buf
+            buf, view = bigger, memoryview(bigger)
+        try:
+            k = sock.recv_into(view[got:])
+        except BlockingIOError:
+            if deadline is None:
+                k = await loop.sock_recv_into(sock, view[got:])
+            else:
+                try:
+                    k = await asyncio.wait_for(loop.sock_recv_into(sock, view[got:]), deadline - loop.time())
+                except asyncio.TimeoutError:
+                    raise ProtocolError(f"{n - got} of a frame's {n} bytes did not arrive within {timeout:g} s "
+                                        "of its header (a peer stalled inside a frame)") from None
         if k == 0:
             if got:
                 raise ProtocolError("connection closed inside a frame")

@@ -14,7 +14,8 @@ from typing import Any, ClassVar, get_args
 from .commit_wire import decode_body as decode_body  # framing's, with a COMMIT decoded typed
 from .commit_wire import encode as encode  # framing's, with a COMMIT encoded by msgspec
 from .errors import ErrorCode, ProtocolError
-from .framing import HEADER as HEADER  # re-exported: protocol.X is how callers name the frame layer
+from .framing import FRAME_TIMEOUT_S as FRAME_TIMEOUT_S  # re-exported: protocol.X is how callers name the frame layer
+from .framing import HEADER as HEADER
 from .framing import MAGIC as MAGIC
 from .framing import MAX_FDS_PER_FRAME as MAX_FDS_PER_FRAME
 from .framing import MAX_FRAME_BYTES as MAX_FRAME_BYTES

@@ -243,7 +243,7 @@ class Daemon:
             await refuse(sock, peer, f"uid {peer.uid} / gid {peer.gid} is not allowed to use this ckptd daemon "
                                      f"(not in its allowed_users / allowed_groups)")
             return
-        session = Session(sock, peer, self.events)
+        session = Session(sock, peer, self.events, self.config.debug.frame_timeout)
         self.sessions.add(session)
         try:
             await session.serve(self.requests.dispatch)

@@ -93,9 +93,11 @@ Handler = Callable[["Session", dict[str, Any]], Awaitable[None]]
 class Session:
     """A connection; after hello, one rank of one job."""
 
-    def __init__(self, sock: socket.socket, peer: Peer, tasks: TaskSet) -> None:
+    def __init__(self, sock: socket.socket, peer: Peer, tasks: TaskSet,
+                 frame_timeout: float = protocol.FRAME_TIMEOUT_S) -> None:
         self.sock = sock
         self.peer = peer
+        self.frame_timeout = frame_timeout     # a request's body must follow its header within this
         self.job: str | None = None
         self.rank = -1
         self.world_size = 0
@@ -237,7 +239,7 @@ class Session:
         if header is None or self.closed:
             return None
         length = protocol.parse_header(header)
-        body = await protocol.recv_exact_async(loop, self.sock, length)
+        body = await protocol.recv_exact_async(loop, self.sock, length, self.frame_timeout)
         if self.closed:
             return None
         if body is None:

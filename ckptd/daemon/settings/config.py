@@ -31,7 +31,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
 
 from ckptd.core.codec import CODECS
-from ckptd.core.protocol import DEFAULT_SOCKET
+from ckptd.core.protocol import DEFAULT_SOCKET, FRAME_TIMEOUT_S
 from ckptd.daemon.settings.metrics import MetricsSettings
 from ckptd.daemon.settings.peers import MemorySettings, PeerSettings, check_peers
 from ckptd.daemon.settings.retention import RetentionPolicy, RetentionSettings
@@ -175,7 +175,7 @@ class Settings:
                                 debug_write_delay=debug.write_delay, debug_commit_delay=debug.commit_delay),
             allowed_uids=frozenset(self.allowed_users) or None, allowed_gids=frozenset(self.allowed_groups) or None,
             drain_grace=self.drain_grace, retention=self.retention.policy(), metrics_address=self.metrics.address,
-            s3=self.s3, debug_upload_delay=debug.upload_delay,
+            s3=self.s3, debug=debug,
             memory=self.memory, peers=self.peers)
 
 
@@ -194,6 +194,9 @@ class DebugSettings:
         0.0, parse=parse_duration, flags=(Flag("--debug-commit-delay", metavar="SECONDS", hidden=True),),
         doc="TEST ONLY: sleep this many seconds before a commit writes its index, so a test can time "
             "out a COMMIT request that still commits.")
+    frame_timeout: float = setting(
+        FRAME_TIMEOUT_S, parse=parse_duration, flags=(Flag("--debug-frame-timeout", metavar="SECONDS", hidden=True),),
+        doc="TEST ONLY: a client's request body must follow its header within this (30 s), or it is disconnected.")
 
 
 KEYS: dict[str, Key] = {k.name: k for k in walk(Settings)}
@@ -224,7 +227,7 @@ class DaemonConfig:
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
     metrics_address: tuple[str, int] | None = None  # (host, port) of /metrics; None: off
     s3: S3Settings = field(default_factory=S3Settings)  # s3.url None: no object-storage tier
-    debug_upload_delay: float = 0.0
+    debug: DebugSettings = field(default_factory=DebugSettings)    # test-only knobs (flags only)
     memory: MemorySettings = field(default_factory=MemorySettings)
     peers: PeerSettings = field(default_factory=PeerSettings)
 
@@ -307,12 +310,11 @@ def load_settings(config_path: str | None = None, env: Mapping[str, str] | None 
     cli = dict(cli or {})
     explicit = config_path or env.get(ENV_CONFIG) or None
     path = explicit or DEFAULT_CONFIG_PATH
-    config_used = None
+    config_used = path if explicit or os.path.exists(path) else None
     warnings: list[str] = []
     layers: list[tuple[str, dict[str, Any]]] = []
-    if explicit or os.path.exists(path):
+    if config_used:
         layers.append((f"config {path}", read_config_file(path)))
-        config_used = path
     env_layer: dict[str, Any] = {}
     for name, raw in env.items():
         if name in ENV_KEYS:
@@ -394,7 +396,5 @@ def update_docs(path: str = DOCS_PATH, *, write: bool = True) -> bool:
 
 
 if __name__ == "__main__":     # --doc-table (the default): print it; --write-docs: update the doc
-    if "--write-docs" in sys.argv[1:]:
-        print(f"{DOCS_PATH}: " + ("already current" if update_docs() else "settings table rewritten"))
-    else:
-        print(render_settings_table())
+    print(f"{DOCS_PATH}: " + ("already current" if update_docs() else "settings table rewritten")
+          if "--write-docs" in sys.argv[1:] else render_settings_table())

@@ -46,7 +46,7 @@ class BucketService:
         except BucketError as e:     # obstore missing, an unreadable credentials file: local saves go on
             log.error("object-storage tier off", extra={"ctx": {"url": config.s3.url, "error": str(e)}})
             return None
-        tier = cls(bucket, root, tasks, config.debug_upload_delay)
+        tier = cls(bucket, root, tasks, config.debug.upload_delay)
         registry.register(_UploadCollector(tier.uploader))
         return tier
 
