@@ -5,12 +5,17 @@ protection must do when a step is saved again, or memory is short."""
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 from typing import Any
 
 import numpy as np
 from ports import free_port
 
-from ckptd.core.held import HeldMeta, layout_checksums
+from ckptd.core import peer_protocol as pp
+from ckptd.core.errors import ProtocolError
+from ckptd.core.held import MAX_HELD_BYTES, HeldMeta, layout_checksums
+from ckptd.core.peer_channel import SEND, Channel
 from ckptd.core.schema import TensorLayout, digest_bytes
 from ckptd.daemon.tiers.memory.store import Held, MemoryStore, new_memfd
 from ckptd.daemon.tiers.peers.layout import ParityLayout
@@ -66,6 +71,45 @@ async def stopped(nodes: list[Node]) -> None:
 
 def data(n: int, seed: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+class FakePeer:
+    """A group member's address answered by an authenticated peer (the real handshake, the real secret)
+    that lies: ``answer(request)`` gives its reply and the payload length the reply's header claims (the
+    payload itself is never sent). Every request is kept in ``asked``."""
+
+    def __init__(self, addr: str, answer: Any) -> None:
+        host, port = addr.rsplit(":", 1)
+        self.lsock = socket.create_server((host, int(port)))
+        self.lsock.setblocking(False)
+        self.answer, self.asked = answer, list[dict[str, Any]]()
+        self.tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(self._accept())]
+
+    async def _accept(self) -> None:
+        while True:
+            conn, _ = await asyncio.get_running_loop().sock_accept(self.lsock)
+            self.tasks.append(asyncio.ensure_future(self._serve(conn)))
+
+    async def _serve(self, conn: socket.socket) -> None:
+        ch = Channel(conn, 10.0)
+        try:
+            await pp.server_handshake(ch, SECRET)
+            msg, _ = await pp.recv(ch)
+            self.asked.append(msg)
+            reply, claim = self.answer(msg)
+            body = json.dumps(reply).encode()
+            head = pp.PEER_HEADER.pack(pp.PEER_MAGIC, pp.PEER_VERSION, len(body), claim) + body
+            await ch.run(lambda: ch.sendall(head), SEND)
+            await ch.readable(30.0)          # until the asker hangs up
+        except (OSError, ProtocolError):
+            pass
+        finally:
+            ch.close()
+
+    def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        self.lsock.close()
 
 
 def test_a_step_saved_again_is_not_protected_by_its_first_attempts_acknowledgements() -> None:
@@ -155,3 +199,44 @@ def test_a_parity_buffer_that_cannot_be_allocated_leaves_no_charge(tmp_path) -> 
         subprocess.run(["umount", str(mnt)], check=True)
     assert protected == 0
     assert extra_used == [0, 0, 0, 0] and units == [0, 0, 0, 0]
+
+
+def test_a_peer_claiming_a_huge_piece_is_refused_before_allocating_and_the_rebuild_goes_on() -> None:
+    """P = 2: node 1's shard is lost and node 2, still answering, lies to the parity holders reducing
+    a stripe both are data members of: a piece of 1 TiB (as much as a frame may claim). A holder allocated what the
+    peer claimed before reading a byte: MemoryError, not caught, killed its connection and every
+    stripe's reduction with it, so the rebuild failed. It must ask for the length the record says,
+    refuse any other at the header, decode without that row, and rebuild the shard."""
+    sizes = [300_000 + 77_777 * i for i in range(4)]
+
+    def lie(msg: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        if msg["op"] == "get_piece":
+            return {"op": "piece", "checksum": "0" * 16}, MAX_HELD_BYTES
+        if msg["op"] == "get_parity":
+            return {"op": "parity", "q": 0, "checksum": "0" * 16, "record": []}, MAX_HELD_BYTES
+        return {"op": "missing"}, 0
+
+    async def main() -> tuple[bytes | None, list[str]]:
+        nodes = group(4, 4, 2)
+        await started(nodes)
+        fake = None
+        try:
+            digests = {}
+            for i, nd in enumerate(nodes):
+                h = nd.hold(i, 4, data(sizes[i], i))
+                assert h.meta is not None and await nd.parity.protect_now(h) == 1
+                digests[i] = h.meta.digest
+            nodes[1].store.drop_step(JOB, STEP, {1})            # node 1 lost its shard
+            await nodes[2].server.stop()
+            fake = FakePeer(nodes[2].addr, lie)                  # node 2 answers, and lies
+            held = await nodes[0].rebuilder.rebuild(JOB, STEP, 1, digests[1])
+            got = bytes(held.mm[:sizes[1]]) if held is not None and held.mm is not None else None
+            return got, [m["op"] for m in fake.asked]
+        finally:
+            if fake is not None:
+                fake.close()
+            await stopped([nodes[0], nodes[1], nodes[3]])
+
+    got, asked = asyncio.run(main())
+    assert "get_piece" in asked                               # a holder did ask the liar for its piece
+    assert got == data(sizes[1], 1)

@@ -31,7 +31,6 @@ from ckptd.daemon.runtime import describe_error
 from ckptd.daemon.tiers.memory.store import Held, MemoryStore, new_memfd
 from ckptd.daemon.tiers.peers.layout import ParityLayout
 from ckptd.daemon.tiers.peers.link import PeerLink
-from ckptd.daemon.tiers.peers.stripes import piece_size
 
 log = logging.getLogger("ckptd")
 Record = dict[int, dict[str, Any]]          # member → {member, rank, digest, nbytes} folded into a parity row
@@ -172,7 +171,7 @@ class Rebuilder:
         parity rows. The temporary rows are charged to the memory budget. GiveUp says why not."""
         lay = self.layout
         st, k = lay.stripe(s), len(lay.stripe(s).data)
-        size = piece_size(record[owner]["nbytes"], lay.size, lay.p)
+        size = len(own)          # the parity row: as long as the longest piece its record folded, so any row here
         length = lay.cut(record[owner]["nbytes"], owner).piece_in(s).length
         charge = size * (k - 1 + lay.p)      # the other data pieces and the decoded rows (own is charged)
         # Never by evicting: the oldest shards held here are likeliest the very step being rebuilt, whose
@@ -186,7 +185,7 @@ class Rebuilder:
             rows.update({st.row(m): b for m, b in zip(others, fetched, strict=True) if b is not None})
             rows.update({st.row(m): b"" for m in st.data if m != owner and m not in record})   # none folded: zeros
             if len(rows) < k:
-                rows.update(await self._other_parities(job, step, s, owner, q, record))
+                rows.update(await self._other_parities(job, step, s, owner, q, record, size))
             missing = [r for r in range(k + lay.p) if r not in rows]
             if len(missing) > lay.p:
                 lost = [f"member {st.holder(r)}" for r in missing if r != st.row(owner)]
@@ -198,13 +197,14 @@ class Rebuilder:
             self.store.uncharge(charge)
 
     async def _other_parities(self, job: str, step: int, s: int, owner: int, q: int,
-                              record: Record) -> dict[int, bytes]:
-        """Stripe ``s``'s parity rows other than ``q`` whose record is this one's: row → bytes."""
+                              record: Record, size: int) -> dict[int, bytes]:
+        """Stripe ``s``'s parity rows other than ``q`` (each ``size`` bytes, as this one) whose record is
+        this one's: row → bytes."""
         k = len(self.layout.stripe(s).data)
         want = {"op": "get_parity", "job": job, "step": step, "stripe": s, "rank": record[owner]["rank"],
                 "digest": record[owner]["digest"]}
         others = [(q2, addr) for q2, addr in self.layout.holders(s) if q2 != q]
-        got = await asyncio.gather(*(self._ask(addr, want, "parity") for _, addr in others))
+        got = await asyncio.gather(*(self._ask(addr, want, "parity", size) for _, addr in others))
         out = {}
         for (q2, _), answer in zip(others, got, strict=True):
             rec = answer[0].get("record") if answer is not None else None
@@ -215,20 +215,26 @@ class Rebuilder:
 
     async def _piece(self, job: str, step: int, s: int, member: int, f: dict[str, Any]) -> bytes | None:
         """Member ``member``'s data piece of stripe ``s`` (the recorded shard), or None."""
+        length = self.layout.cut(f["nbytes"], member).piece_in(s).length
         answer = await self._ask(self.layout.address(member), {"op": "get_piece", "job": job, "step": step,
                                                                "rank": f.get("rank"), "digest": f.get("digest"),
-                                                               "stripe": s}, "piece")
+                                                               "stripe": s}, "piece", length)
         return answer[1] if answer is not None else None
 
-    async def _ask(self, addr: str, msg: dict[str, Any], want: str) -> tuple[dict[str, Any], bytes] | None:
-        """One request to a peer; its answer and payload (transport checksum checked), or None (logged)."""
+    async def _ask(self, addr: str, msg: dict[str, Any], want: str,
+                   length: int) -> tuple[dict[str, Any], bytes] | None:
+        """One request to a peer; its answer and payload of exactly ``length`` bytes (transport checksum
+        checked), or None (logged). The length is the caller's, never the peer's claim: what is read is
+        what the reduction charged to the budget, and a peer claiming more is refused before a byte."""
         link = PeerLink(addr, self.secret, self.layout.me, self.timeout, self.tls)
         try:
             await link.open()
             await pp.send(link.channel, msg)
-            reply, plen = await pp.recv(link.channel, MAX_HELD_BYTES)
+            reply, plen = await pp.recv(link.channel, length)
             if reply.get("op") != want:
                 return None
+            if plen != length:
+                raise ProtocolError(f"peer {addr} answered {msg['op']} with {plen} bytes for a piece of {length}")
             data = bytearray(plen)
             await pp.recv_payload(link.channel, memoryview(data))
             if checksum(data) != reply.get("checksum"):
