@@ -13,6 +13,7 @@ import numpy as np
 from ports import free_port
 
 from ckptd.core import peer_protocol as pp
+from ckptd.core.codec import checksum
 from ckptd.core.errors import ProtocolError
 from ckptd.core.held import MAX_HELD_BYTES, HeldMeta, layout_checksums
 from ckptd.core.peer_channel import SEND, Channel
@@ -23,6 +24,7 @@ from ckptd.daemon.tiers.peers.link import PeerServer
 from ckptd.daemon.tiers.peers.parity import ParityNode
 from ckptd.daemon.tiers.peers.parity_hold import ParityHolder
 from ckptd.daemon.tiers.peers.rebuild import Rebuilder
+from ckptd.daemon.tiers.peers.stripes import piece_size
 
 SECRET = b"s3cret-shared-by-every-node-0123456789"
 CHUNK = 64 * 1024
@@ -75,8 +77,8 @@ def data(n: int, seed: int) -> bytes:
 
 class FakePeer:
     """A group member's address answered by an authenticated peer (the real handshake, the real secret)
-    that lies: ``answer(request)`` gives its reply and the payload length the reply's header claims (the
-    payload itself is never sent). Every request is kept in ``asked``."""
+    that lies: ``answer(request)`` gives its reply, the payload length the reply's header claims and the
+    payload bytes it then sends. Every request is kept in ``asked``."""
 
     def __init__(self, addr: str, answer: Any) -> None:
         host, port = addr.rsplit(":", 1)
@@ -96,10 +98,10 @@ class FakePeer:
             await pp.server_handshake(ch, SECRET)
             msg, _ = await pp.recv(ch)
             self.asked.append(msg)
-            reply, claim = self.answer(msg)
+            reply, claim, payload = self.answer(msg)
             body = json.dumps(reply).encode()
-            head = pp.PEER_HEADER.pack(pp.PEER_MAGIC, pp.PEER_VERSION, len(body), claim) + body
-            await ch.run(lambda: ch.sendall(head), SEND)
+            frame = pp.PEER_HEADER.pack(pp.PEER_MAGIC, pp.PEER_VERSION, len(body), claim) + body + payload
+            await ch.run(lambda: ch.sendall(frame), SEND)
             await ch.readable(30.0)          # until the asker hangs up
         except (OSError, ProtocolError):
             pass
@@ -209,12 +211,12 @@ def test_a_peer_claiming_a_huge_piece_is_refused_before_allocating_and_the_rebui
     refuse any other at the header, decode without that row, and rebuild the shard."""
     sizes = [300_000 + 77_777 * i for i in range(4)]
 
-    def lie(msg: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    def lie(msg: dict[str, Any]) -> tuple[dict[str, Any], int, bytes]:
         if msg["op"] == "get_piece":
-            return {"op": "piece", "checksum": "0" * 16}, MAX_HELD_BYTES
+            return {"op": "piece", "checksum": "0" * 16}, MAX_HELD_BYTES, b""
         if msg["op"] == "get_parity":
-            return {"op": "parity", "q": 0, "checksum": "0" * 16, "record": []}, MAX_HELD_BYTES
-        return {"op": "missing"}, 0
+            return {"op": "parity", "q": 0, "checksum": "0" * 16, "record": []}, MAX_HELD_BYTES, b""
+        return {"op": "missing"}, 0, b""
 
     async def main() -> tuple[bytes | None, list[str]]:
         nodes = group(4, 4, 2)
@@ -240,3 +242,47 @@ def test_a_peer_claiming_a_huge_piece_is_refused_before_allocating_and_the_rebui
     got, asked = asyncio.run(main())
     assert "get_piece" in asked                               # a holder did ask the liar for its piece
     assert got == data(sizes[1], 1)
+
+
+def test_a_parity_record_naming_no_member_is_not_used_and_the_rebuild_goes_on() -> None:
+    """P = 3 in a group of 5: node 1's shard is lost and node 2 is gone, so a holder of their stripe
+    needs another parity row. Node 0, replaced by a liar, answers get_parity with a row of the right
+    size and checksum whose record names the member ``[]``: a TypeError (unhashable) escaped the
+    holder's reduction and killed its connection, and so for every holder of the stripe. Its row must
+    not be used, and the honest holder's row decodes the stripe."""
+    n = 300_000
+    row = bytes(piece_size(n, 5, 3))
+
+    def lie(msg: dict[str, Any]) -> tuple[dict[str, Any], int, bytes]:
+        if msg["op"] == "get_parity":
+            q = ParityLayout.of(addrs, addrs[0], 5, 3, 1).stripe(msg["stripe"]).parity.index(0)
+            return {"op": "parity", "q": q, "checksum": checksum(row), "record": [{"member": []}]}, len(row), row
+        return {"op": "missing"}, 0, b""
+
+    nodes = group(5, 5, 3)
+    addrs = [nd.addr for nd in nodes]
+
+    async def main() -> tuple[bytes | None, list[str]]:
+        await started(nodes)
+        fake = None
+        try:
+            digests = {}
+            for i, nd in enumerate(nodes):
+                h = nd.hold(i, 5, data(n, i))
+                assert h.meta is not None and await nd.parity.protect_now(h) == 1
+                digests[i] = h.meta.digest
+            nodes[1].store.drop_step(JOB, STEP, {1})            # node 1 lost its shard
+            await nodes[2].server.stop()                       # node 2 is gone
+            await nodes[0].server.stop()
+            fake = FakePeer(nodes[0].addr, lie)                 # node 0 answers, and lies
+            held = await nodes[4].rebuilder.rebuild(JOB, STEP, 1, digests[1])
+            got = bytes(held.mm[:n]) if held is not None and held.mm is not None else None
+            return got, [m["op"] for m in fake.asked]
+        finally:
+            if fake is not None:
+                fake.close()
+            await stopped([nodes[1], nodes[3], nodes[4]])
+
+    got, asked = asyncio.run(main())
+    assert "get_parity" in asked                              # a holder did ask the liar for its row
+    assert got == data(n, 1)

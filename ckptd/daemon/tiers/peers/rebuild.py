@@ -40,6 +40,20 @@ class GiveUp(Exception):
     """A rebuild (or one stripe's reduction) cannot go on; the message says why."""
 
 
+def parse_record(rec: Any, size: int) -> Record:
+    """A peer's parity record (a list of ``{member, rank, digest, nbytes}``) as member → entry;
+    ProtocolError unless each entry names a member of the group (an int below ``size``), once."""
+    if not isinstance(rec, list):
+        raise ProtocolError("a parity record that is not a list")
+    out: Record = {}
+    for f in rec:
+        m = f.get("member") if isinstance(f, dict) else None
+        if type(m) is not int or not 0 <= m < size or m in out:
+            raise ProtocolError(f"a parity record entry that names no member of the group once: {str(f)[:80]}")
+        out[m] = f
+    return out
+
+
 class _Target:
     """The rebuilt shard's memfd, made when the first reduced piece names the shard's meta and member."""
 
@@ -206,10 +220,15 @@ class Rebuilder:
         others = [(q2, addr) for q2, addr in self.layout.holders(s) if q2 != q]
         got = await asyncio.gather(*(self._ask(addr, want, "parity", size) for _, addr in others))
         out = {}
-        for (q2, _), answer in zip(others, got, strict=True):
-            rec = answer[0].get("record") if answer is not None else None
-            if answer is not None and answer[0].get("q") == q2 and isinstance(rec, list) \
-                    and {f.get("member") for f in rec if isinstance(f, dict)} == set(record):
+        for (q2, addr), answer in zip(others, got, strict=True):
+            if answer is None:
+                continue
+            try:
+                theirs = parse_record(answer[0].get("record"), self.layout.size)
+            except ProtocolError as e:
+                log.warning("parity row not used", extra={"ctx": {"peer": addr, "stripe": s, "error": f"{addr}: {e}"}})
+                continue
+            if answer[0].get("q") == q2 and theirs.keys() == record.keys():
                 out[k + q2] = answer[1]
         return out
 
