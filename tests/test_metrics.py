@@ -100,6 +100,9 @@ def test_report_op_recorded_in_status_and_metrics(daemon_factory):
         protocol.send_frame(s, {"op": "report", "req": 4, "step": 9, "stall_s": -1, "fence_s": 0})
         bad = rx.read()
         assert bad["op"] == "error" and "non-negative" in bad["reason"]
+        protocol.send_frame(s, {"op": "report", "req": 5, "step": 9, "stall_s": 10**400, "fence_s": 0})
+        huge = rx.read()                                            # beyond every float: refused, not internal
+        assert huge["op"] == "error" and huge["code"] == "refused" and "non-negative" in huge["reason"]
         st = protocol.request_once(str(d.socket), {"op": "status"})
         [sess] = [x for x in st["sessions"] if x["job"] == "rep"]
         assert sess["last_report"] == {"step": 9, "stall_s": 0.75, "fence_s": 0.25}

@@ -293,6 +293,25 @@ def test_flush_of_a_bad_job_or_a_step_not_committed_here_files_nothing(seaweed, 
     assert sorted(jobs) == [JOB]
 
 
+def test_a_flush_timeout_out_of_range_is_refused_not_an_internal_error(seaweed, daemon_factory):
+    """A flush's timeout is checked as the number it came as: an integer beyond every float (JSON's are
+    unbounded) raised OverflowError in float() and came back as an internal daemon error, with a
+    traceback in the log for every such request any permitted user sent."""
+    d = daemon_factory(*s3_args(seaweed, make_bucket(seaweed)), env=seaweed.env())
+    s = protocol.connect(str(d.socket))
+    rx = protocol.FrameReceiver(s)
+    try:
+        for req, timeout in enumerate((10**400, -10**400, float("nan"), float("inf"), -1, 3600.5, True), 1):
+            protocol.send_frame(s, {"op": "flush", "req": req, "job": JOB, "step": None, "timeout": timeout})
+            assert rx.read() == {"op": "error", "req": req, "code": "refused",
+                                 "reason": "flush: timeout must be 0..3600 seconds"}, timeout
+        protocol.send_frame(s, {"op": "flush", "req": 99, "job": JOB, "step": None, "timeout": 0})
+        assert rx.read()["op"] == "ok"                 # the connection and the op still serve
+    finally:
+        s.close()
+    assert "Traceback" not in d.log_text() and "internal" not in d.log_text()
+
+
 def test_steps_that_commit_below_the_buckets_newest_are_uploaded(seaweed, daemon_factory):
     """The uploads took "step <= the newest step in the bucket" for "in the bucket". Steps 4 and 8 uploaded;
     the job restores 4 and commits 5: 5 is uploaded, and flush says so only once it is there (it answered

@@ -86,6 +86,12 @@ def check_step(v: Any) -> int:
     return int(v)
 
 
+def is_seconds(v: Any, most: float) -> TypeGuard[int | float]:
+    """A JSON number of seconds in [0, ``most``] (not a bool). Compared as it came, before any float():
+    an integer beyond every float (JSON's are unbounded) is out of range, not an OverflowError."""
+    return type(v) in (int, float) and 0 <= v <= most
+
+
 def is_world(world_size: Any) -> TypeGuard[int]:
     """A world size ckptd can hold: an integer in [1, MAX_RANKS]."""
     return type(world_size) is int and 0 < world_size <= MAX_RANKS

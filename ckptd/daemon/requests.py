@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -33,6 +32,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ckptd")
 Reply = tuple[dict[str, Any], list[int]]          # reply fields, memfds to pass with it
+MAX_REPORT_S = 1e6                                # a report's stall_s and fence_s: at most 11.6 days
 
 
 class Requests:
@@ -205,12 +205,9 @@ class Requests:
     async def report(self, session: Session, r: Report) -> Reply:
         """A client's account of one save: how long the trainer stalled (metrics and status)."""
         self._require_hello(session)
-        try:
-            stall, fence = float(r.stall_s), float(r.fence_s)
-        except OverflowError:    # an int beyond any float (JSON ints are unbounded)
-            stall = fence = math.inf
-        if not (math.isfinite(stall) and math.isfinite(fence) and 0 <= stall < 1e6 and 0 <= fence < 1e6):
+        if not (names.is_seconds(r.stall_s, MAX_REPORT_S) and names.is_seconds(r.fence_s, MAX_REPORT_S)):
             raise RequestError("report: stall_s and fence_s must be finite, non-negative seconds")
+        stall, fence = float(r.stall_s), float(r.fence_s)
         session.last_report = {"step": r.step, "stall_s": stall, "fence_s": fence}
         self.d.metrics.client_report(stall, fence)
         log.debug("report", extra={"ctx": {"job": session.job, "rank": session.rank, "step": r.step,

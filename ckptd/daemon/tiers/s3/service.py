@@ -10,7 +10,6 @@ when ``s3.url`` is unset), ``start`` once serving, ``committed`` after each loca
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -18,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from ckptd.core.errors import ErrorCode
-from ckptd.core.names import is_step
+from ckptd.core.names import is_seconds, is_step
 from ckptd.core.protocol import Flush, Stage
 from ckptd.daemon.runtime import RequestError, TaskSet
 from ckptd.daemon.settings.config import DaemonConfig
@@ -80,9 +79,9 @@ class BucketService:
 
     async def flush(self, f: Flush) -> dict[str, Any]:
         step = _step_or_none(f.step)
-        timeout = float(f.timeout)
-        if not (math.isfinite(timeout) and 0 <= timeout <= MAX_FLUSH_S):
+        if not is_seconds(f.timeout, MAX_FLUSH_S):     # NaN and 10**400 too
             raise RequestError(f"flush: timeout must be 0..{MAX_FLUSH_S:g} seconds")
+        timeout = float(f.timeout)
         try:
             ok, detail = await self.uploader.flush(f.job, step, timeout)
         except ValueError as e:      # a bad job name
