@@ -17,11 +17,11 @@ from ckptd.core.relay_record import RankOutcome
 from .agreement import RestoreAgreements
 from .bucket_restore import BucketStaging
 from .config import CheckpointerConfig, join_window, with_keywords
-from .connection import DaemonConnection, ask
+from .connection import DaemonConnection, daemon_root
 from .disk import committed_on_disk
 from .dist import dist_info
 from .errors import CheckpointError, NotDelivered
-from .handle import CloseReport, SaveHandle, wait_all
+from .handle import CloseReport, SaveHandle, wait_all, wait_each
 from .handoff import hand_over
 from .memory_level import is_held_step, newest_held_step, restore_held
 from .modes import WhenBusy, parse_level, parse_when_busy, resolve_commit_mode
@@ -62,10 +62,9 @@ class Checkpointer:
                  local_world_size: int | None = None, spawn: bool | None = None, prepare: bool | None = None) -> None:
         self.config = c = with_keywords(config, socket=socket, root=root, rank=rank, world_size=world_size,
                                         store=store, num_slots=num_slots, commit=commit, commit_timeout=commit_timeout,
-                                        join_timeout=join_timeout,
-                                        restore_threads=restore_threads, overlap=overlap, when_busy=when_busy,
-                                        memory=memory, local_world_size=local_world_size, spawn=spawn,
-                                        prepare=prepare)
+                                        join_timeout=join_timeout, restore_threads=restore_threads, overlap=overlap,
+                                        when_busy=when_busy, memory=memory, local_world_size=local_world_size,
+                                        spawn=spawn, prepare=prepare)
         self.job = names.validate_job(job)
         self.socket_path = c.socket or protocol.default_socket_path()
         self.root = os.path.abspath(c.root) if c.root else None
@@ -157,12 +156,9 @@ class Checkpointer:
             del self._handles[h.step]
         h.settle(error)
 
-    def _held(self, step: int) -> bool:
-        """Whether ``step``'s save in flight is memory-level (its job key: ``names.memory_job``)."""
-        return (h := self._handles.get(step)) is not None and h.level is SaveLevel.MEMORY
-
     def _on_disk(self, step: int, h: SaveHandle | None) -> bool:
-        return committed_on_disk(self.root, names.memory_job(self.job) if self._held(step) else self.job, step, h)
+        memory = h is not None and h.level is SaveLevel.MEMORY       # (its job key: ``names.memory_job``)
+        return committed_on_disk(self.root, names.memory_job(self.job) if memory else self.job, step, h)
 
     # ---- saving ------------------------------------------------------------
 
@@ -204,9 +200,13 @@ class Checkpointer:
         busy, level = parse_when_busy(when_busy or self.when_busy), parse_level(level)
         fence_optims = fence_list(fence_on)
         step_dir_name(step)  # validates the step number
-        self.fence()
-        t0 = time.perf_counter()
-        plan = self.plans.plan(state, fence_optims, lazy=overlap is not False)   # raises on a bad value first
+        try:
+            self.fence()
+            t0 = time.perf_counter()
+            plan = self.plans.plan(state, fence_optims, lazy=overlap is not False)   # raises on a bad value first
+        except BaseException as e:      # on this rank alone, maybe (its state): the other ranks' saves fail too
+            self.fail(step, f"failed before reaching its daemon: {type(e).__name__}: {e}", level)
+            raise
         if step in self._handles:
             raise CheckpointError(f"step {step} is already being saved")
         if self.commit_mode is CommitMode.RELAY:
@@ -227,7 +227,7 @@ class Checkpointer:
                     handle.skipped = True
                     break
                 hand_over(self._session, conn, self._copies, handle, plan, overlap, level, self.commit_mode.value,
-                          partial(self._abandon_failed, handle))
+                          partial(self._abandon, handle))
                 break
             except NotDelivered:
                 # The daemon went away (restart) before it saw this save: reconnect and redo it once.
@@ -243,7 +243,7 @@ class Checkpointer:
                     handle = SaveHandle(step, self._seq, level)
                     self._handles[step] = handle
             except BaseException as e:
-                self._abandon_failed(handle, e)
+                self._abandon(handle, e)
                 raise
         if handle.skipped:
             self._abandon(handle, None)
@@ -258,20 +258,23 @@ class Checkpointer:
         if done is not None:     # the metrics report goes from the copy thread, after that save's hand-off
             self._copies.pool().submit(self._session.report, done.step, done.stall_s, done.fence_s)
 
-    def _abandon(self, handle: SaveHandle, error: str | None) -> None:
+    def fail(self, step: int, reason: str, level: SaveLevel | str = SaveLevel.STORAGE) -> None:
+        """This rank's save of ``step`` failed before reaching the daemon: every rank's fails now (relay commit)."""
+        if self.commit_mode is CommitMode.RELAY and step not in self._handles and not self._closed:
+            self._ensure_relay(parse_level(level)).fail(step, reason)
+
+    def _abandon(self, handle: SaveHandle, error: str | BaseException | None) -> None:
         """A save that never reached the daemon: give its slot back and resolve its handle."""
+        if isinstance(error, BaseException):
+            error = f"hand-off to the daemon failed: {error}"
         if handle.slot is not None:
             self._session.release(handle.slot)
         if (relay := self._relays.get(handle.level)) is not None:
             relay.publish(handle.step, RankOutcome.failed(error or "skipped (no free slot)"))
         self._finish(handle, error)
 
-    def _abandon_failed(self, handle: SaveHandle, e: BaseException) -> None:
-        self._abandon(handle, f"hand-off to the daemon failed: {e}")
-
     def _ensure_relay(self, level: SaveLevel) -> StoreRelay:
-        """The relay of ``level``'s saves. Each level has its own store keys (a memory-level save of a
-        step and a storage save of the same step, as a preemption checkpoint makes, are two saves)."""
+        """The relay of ``level``'s saves, with store keys of its own (a step may be saved at both levels)."""
         if level not in self._relays:
             assert self.run_scope is not None       # (relay mode has a store)
             s, memory = self._session, level is SaveLevel.MEMORY
@@ -285,19 +288,13 @@ class Checkpointer:
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every save in flight; raises CheckpointError for the first that failed."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for h in list(self._handles.values()):
-            h.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        wait_each(list(self._handles.values()), timeout)
 
     # ---- restoring ---------------------------------------------------------
 
     def resolve_root(self) -> str:
         """The checkpoint root: ``root`` as configured, else the daemon's (asked once)."""
-        if self.root is None:
-            try:
-                self.root = str(ask(self.socket_path, protocol.Info())["root"])
-            except CheckpointError as e:
-                raise CheckpointError(f"{e} (or pass root= to restore without a daemon)") from None
+        self.root = self.root or daemon_root(self.socket_path)
         return self.root
 
     def latest_step(self) -> int | None:
@@ -366,11 +363,9 @@ class Checkpointer:
     def close(self, timeout: float | None = None) -> CloseReport:
         """Wait for every save in flight, each to its own outcome, within ``timeout`` seconds in all;
         then disconnect. Returns a :class:`CloseReport` (failures are also logged, not raised).
-        A save still open at the timeout is withdrawn from the daemon (local commit mode), so that it
-        cannot commit after its handle said failed; one already committing is waited for (within
-        ``commit_timeout``) and reports the commit's outcome. What is still open then is settled by
-        the disk: committed if its index.json exists, else failed ("closed before it committed");
-        no handle is left unresolved."""
+        A save still open then is withdrawn (local commit: it cannot commit after its handle said failed);
+        one already committing is waited for (``commit_timeout``). The rest are settled by the disk:
+        committed if its index.json exists, else failed; no handle is left unresolved."""
         if self._closed:
             return CloseReport()
         self.fence()
@@ -378,7 +373,7 @@ class Checkpointer:
         handles = list(self._handles.values())
         wait_all(handles, timeout)
         if self._handles and self.commit_mode is CommitMode.LOCAL:
-            self._withdraw_open(timeout)
+            self._session.withdraw(list(self._handles.values()), f"close timeout {timeout}s", self.commit_timeout)
         self._closed = True
         for relay in self._relays.values():
             relay.close()
@@ -396,22 +391,6 @@ class Checkpointer:
         if not report.ok:
             log.warning("ckptd: %s", report)
         return report
-
-    def _withdraw_open(self, timeout: float | None) -> None:
-        """``close`` gave up on the saves still open: abort each on the daemon (its FAILED event
-        settles the handle); wait for those the daemon says are already committing."""
-        committing = []
-        for h in list(self._handles.values()):
-            try:
-                outcome = self._session.abort(h.step, f"checkpointer closed before step {h.step} committed (close "
-                                              f"timeout {timeout}s)", memory=h.level is SaveLevel.MEMORY,
-                                              timeout=self.commit_timeout)
-            except CheckpointError as e:          # no daemon to ask: the disk settles it below
-                log.warning("ckptd: could not withdraw step %d on close: %s", h.step, e)
-                continue
-            if outcome == "committing":
-                committing.append(h)
-        wait_all(committing, self.commit_timeout)
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -20,7 +20,7 @@ from ckptd.core import protocol
 from ckptd.core.errors import ErrorCode, ProtocolError
 from ckptd.core.protocol import EventOp, Op
 
-from .errors import ConnectionLost, DaemonRefused, NoReply, NotDelivered, Unreachable
+from .errors import CheckpointError, ConnectionLost, DaemonRefused, NoReply, NotDelivered, Unreachable
 
 log = logging.getLogger("ckptd_client")
 
@@ -274,6 +274,14 @@ def ask(socket_path: str, msg: Outgoing, timeout: float = 10.0) -> dict[str, Any
     ``DaemonConnection.request`` raises (and Unreachable when no daemon listens)."""
     with Exchange(socket_path, msg, timeout) as x:
         return x.reply
+
+
+def daemon_root(socket_path: str) -> str:
+    """The checkpoint root of the daemon at ``socket_path`` (``info``)."""
+    try:
+        return str(ask(socket_path, protocol.Info())["root"])
+    except CheckpointError as e:
+        raise CheckpointError(f"{e} (or pass root= to restore without a daemon)") from None
 
 
 class Reply:

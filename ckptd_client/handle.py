@@ -109,3 +109,10 @@ def wait_all(handles: list[SaveHandle], timeout: float | None) -> None:
     deadline = None if timeout is None else time.monotonic() + timeout
     for h in handles:
         h._done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
+def wait_each(handles: list[SaveHandle], timeout: float | None) -> None:
+    """Wait for each handle within ``timeout`` seconds in all; CheckpointError for the first that failed."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for h in handles:
+        h.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))

@@ -135,6 +135,20 @@ class StoreRelay:
             self._saves[step] = s
         self._queue.put(s)
 
+    def fail(self, step: int, reason: str) -> bool:
+        """This rank's save of ``step`` failed before its daemon saw it (its state could not be planned
+        here): claim the step, relay it and publish the failure, so the other ranks' saves of it fail as
+        soon as rank 0 reads it, naming ``reason``, instead of waiting 0.7 T for this rank's outcome (a node
+        leader still gathers its members; rank 0 still aborts and publishes the result). False, doing
+        nothing, when this run claimed the step already (its keys are that save's)."""
+        with self._lock:
+            if step in self._claimed:
+                return False
+            self._claimed.add(step)
+        self.track(step, lambda error: None)    # the caller raises its own error; the relay still settles it
+        self.publish(step, RankOutcome.failed(reason))
+        return True
+
     def publish(self, step: int, outcome: RankOutcome) -> None:
         """How this rank's save of ``step`` went on its daemon. Never blocks: before the run id is
         known it is kept, and the relay thread publishes it once it is. Never raises: with the store

@@ -5,15 +5,16 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ckptd.core import protocol
 from ckptd.core.errors import ProtocolError
-from ckptd.core.protocol import EventOp
+from ckptd.core.protocol import EventOp, SaveLevel
 
 from .connection import DaemonConnection, EventHandler, LostHandler
 from .errors import CheckpointError, DaemonRefused, NotDelivered
+from .handle import SaveHandle, wait_all
 from .slots import ClientSlot
 
 log = logging.getLogger("ckptd")
@@ -82,6 +83,21 @@ class DaemonSession:
         reply = conn.request(protocol.Abort(step=step, reason=reason, level=_level(memory)), timeout)
         outcome = reply.get("outcome")
         return outcome if isinstance(outcome, str) else None
+
+    def withdraw(self, handles: Sequence[SaveHandle], why: str, timeout: float) -> None:
+        """``Checkpointer.close`` gave up on these saves (``why``): abort each on the daemon (its FAILED
+        event settles the handle), then wait up to ``timeout`` for those it says are already committing."""
+        committing = []
+        for h in handles:
+            try:
+                outcome = self.abort(h.step, f"checkpointer closed before step {h.step} committed ({why})",
+                                     memory=h.level is SaveLevel.MEMORY, timeout=timeout)
+            except CheckpointError as e:          # no daemon to ask: the disk settles it (close)
+                log.warning("ckptd: could not withdraw step %d on close: %s", h.step, e)
+                continue
+            if outcome == "committing":
+                committing.append(h)
+        wait_all(committing, timeout)
 
     def report(self, step: int, stall_s: float, fence_s: float) -> None:
         """Tell the daemon what a save cost the trainer (for its metrics); never blocks."""

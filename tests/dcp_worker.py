@@ -16,6 +16,10 @@ Modes:
   process mode (the writer is pickled to DCP's background process, which saves through a
   ``Checkpointer`` of its own); ``--kill none``: once the future resolves every rank prints
   ``RESOLVED n`` and exits cleanly.
+- ``fail``: 2 gloo ranks (no model), ``--commit-timeout`` seconds; rank 1's state holds a
+  ``threading.Lock``. ``dcp.save`` at step 5 (DCP's planner cannot pickle it, inside ``write_data``),
+  then ``Checkpointer.save`` at step 6 (a leaf ckptd cannot store): each rank prints
+  ``RAISED n <message>`` for each, then ``INDEXES k`` (the job's committed steps).
 - ``load``: ``--layout`` (fsdp on the group's ranks, or plain in one process) from another seed,
   ``dcp.load`` of ``--step`` with ``ckptd_client.dcp.StorageReader`` and ``set_state_dict``, then
   writes ``loaded<world>.*.pt`` and prints ``EXTRA <repr>``.
@@ -35,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from rank_exit import leave
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -126,6 +131,28 @@ def mode_save(a: argparse.Namespace) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def mode_fail(a: argparse.Namespace) -> None:
+    import ckptd_client
+    from ckptd_client.config import CheckpointerConfig
+    rank, _ = st.init_group()
+    state = {"w": torch.full((4,), float(rank)), "obj": threading.Lock() if rank == 1 else "fine"}
+    writer = StorageWriter(a.job, config=CheckpointerConfig(socket=a.socket, commit_timeout=a.commit_timeout))
+    try:
+        dcp.save(state, checkpoint_id="step-5", storage_writer=writer)
+    except CheckpointException as e:     # (a BaseException) every rank's traceback
+        say("RAISED 5 " + " | ".join(line for line in str(e).splitlines() if "Error" in line))
+    writer.close()
+    ckpt = ckptd_client.Checkpointer(a.job, socket=a.socket, commit_timeout=a.commit_timeout)
+    try:
+        ckpt.save(6, state).wait()
+    except Exception as e:
+        say(f"RAISED 6 {type(e).__name__}: {e}")
+    torch.distributed.barrier()     # both steps settled on every rank
+    say(f"INDEXES {len(list((Path(ckpt.resolve_root()) / a.job).glob('step-*/index.json')))}")
+    ckpt.close()
+    leave()
+
+
 def mode_load(a: argparse.Namespace) -> None:
     rank, world = st.init_group()
     model, _, _ = st.build(a.layout, seed=2)
@@ -143,7 +170,7 @@ def mode_load(a: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["save", "async", "load"])
+    p.add_argument("mode", choices=["save", "async", "load", "fail"])
     p.add_argument("--socket")
     p.add_argument("--root")
     p.add_argument("--job", required=True)
@@ -153,7 +180,10 @@ def main() -> None:
     p.add_argument("--layout", default="fsdp")
     p.add_argument("--kill", choices=["after", "before", "none"], default="after")
     p.add_argument("--process", action="store_true")
+    p.add_argument("--commit-timeout", type=float, default=600.0)
     a = p.parse_args()
+    if a.mode == "fail":
+        mode_fail(a)
     if a.mode != "load":
         mode_save(a)
         return

@@ -132,6 +132,26 @@ def test_async_save_in_process_mode(daemon_factory: Any, tmp: Path) -> None:
     check_loaded(out, "loaded2")
 
 
+def test_a_rank_failing_before_its_daemon_fails_every_rank_at_once(daemon: Any, tmp: Path) -> None:
+    """Rank 1's state holds a lock: DCP's planner cannot pickle it (inside ``write_data``), nor can
+    ``Checkpointer.save`` store it. Rank 1 publishes its failure on the commit relay, so rank 0's save
+    of each step fails naming rank 1's error (not "rank 1 never reported ..." after 0.7 ×
+    ``commit_timeout``). The group's bound, 100 s, is below the 0.7 × 300 s the other rank would wait."""
+    outs = st.run_group(2, "fail", "--socket", str(daemon.socket), "--job", "j", "--out", str(tmp),
+                        "--commit-timeout", "300", timeout=100, script=WORKER)
+    lock = "TypeError: cannot pickle '_thread.lock' object"
+    leaf = "TypeError: cannot checkpoint value at 'obj': lock is neither a tensor"
+    raised = [{int(words[0]): " ".join(words[1:]) for words in st.lines(out, "RAISED")} for out in outs]
+    for out, got in zip(outs, raised, strict=True):
+        assert sorted(got) == [5, 6], out
+        assert "step 5 failed: " in got[5] and f"rank 1: failed before reaching its daemon (DCP's items): {lock}" \
+            in got[5], out
+        assert "never reported" not in got[5] + got[6], out
+        assert st.lines(out, "INDEXES") == [["0"]], out
+    assert "step 6 failed: " in raised[0][6] and f"rank 1: failed before reaching its daemon: {leaf}" in raised[0][6]
+    assert raised[1][6].startswith(leaf), outs[1]
+
+
 def test_writer_pickles_as_job_config_and_step(tmp: Path) -> None:
     """What process mode sends: no Checkpointer, no rank, world size or store (the receiving
     process's own); a writer whose Checkpointer would spawn a private daemon is refused, naming thread mode."""

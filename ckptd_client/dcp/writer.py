@@ -124,9 +124,13 @@ class StorageWriter(_DcpStorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assert self.step is not None
-        record = self.record.to_tree() if self.is_coordinator and self.record is not None else None
-        rp = rank_plan(plan.items, planner, record)
         ckpt = self.checkpointer
+        try:
+            record = self.record.to_tree() if self.is_coordinator and self.record is not None else None
+            rp = rank_plan(plan.items, planner, record)
+        except BaseException as e:      # on this rank alone, maybe (an object DCP cannot pickle): fail every rank now
+            ckpt.fail(self.step, f"failed before reaching its daemon (DCP's items): {type(e).__name__}: {e}")
+            raise
         handle = self.last = ckpt.save(self.step, self._plans.use(rp.plan), overlap=False, when_busy="block")
         handle.wait()                         # committed: every rank durable, index.json in place
         results = [WriteResult(index=item.index, size_in_bytes=size, storage_data=name)
