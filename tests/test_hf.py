@@ -142,6 +142,29 @@ def test_export_options_and_refusals(saved: dict[str, Path], base: Path) -> None
     assert r4.tensors > 0 and not any(p.name.startswith(".") for p in base.iterdir())
 
 
+def test_export_of_a_flat_state_dict(daemon: Any, base: Path) -> None:
+    """A step with no ``model`` entry that holds a flat state dict alone (``save(step, model.state_dict())``)
+    is exported whole by default, as ``--select ""`` does any step; one that holds more (an optimizer's
+    nested entries) is refused by default, naming its entries and ``--select ''``."""
+    import ckptd_client
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    want = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    opt = torch.optim.Adam(net.parameters())
+    with ckptd_client.Checkpointer("flat", socket=str(daemon.socket)) as ck:
+        ck.save(1, dict(net.state_dict())).wait(60)
+        net(torch.ones(2, 4)).sum().backward()
+        opt.step()                          # its moments: tensors under optim/state
+        ck.save(2, {**net.state_dict(), "optim": opt}).wait(60)
+    flat = daemon.root / "flat"
+    for out, select in (("flat1", ()), ("flat1-all", ("--select", ""))):
+        r = ckptd("export", str(flat / "step-000000000001"), str(base / out), *select)
+        assert r.returncode == 0, r.stderr
+        assert_bit_equal(load_file(base / out / "model.safetensors"), want)
+    r = ckptd("export", str(flat / "step-000000000002"), str(base / "flat2"))
+    assert r.returncode == 1 and "no tensors under 'model'" in r.stderr and "--select ''" in r.stderr, r.stderr
+    assert not (base / "flat2").exists()
+
+
 def test_bfloat16_conversion_matches_torch() -> None:
     import numpy as np
 

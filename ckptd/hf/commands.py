@@ -47,7 +47,9 @@ def add_parsers(sub: Any) -> None:
     s.add_argument("step_dir", metavar="STEP_DIR")
     s.add_argument("out", metavar="OUT", help="output directory: new or empty (one holding files only with --force)")
     s.add_argument("--max-shard-size", default="5GB", help="per-file limit, e.g. 5GB, 500MB, 1GiB (default 5GB)")
-    s.add_argument("--select", default="model", help="key path of the state entry to export (default model)")
+    s.add_argument("--select", help="key path of the state entry to export; '' exports every tensor (default: "
+                   "model, or every tensor of a step that holds a flat model state dict alone, as torchtitan's "
+                   "model-only last step)")
     s.add_argument("--dtype", choices=EXPORT_DTYPES, help="convert floating tensors to this dtype")
     s.add_argument("--rename", metavar="FILE", help="JSON object: canonical name -> exported name")
     s.add_argument("--threads", type=int, default=threads, help=f"decode threads (default {threads})")

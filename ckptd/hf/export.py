@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from ckptd.core import storage
 from ckptd.core.errors import FormatError
 from ckptd.core.sizes import parse_size
+from ckptd.core.tree import decode_tree
 
 from .consolidate import StepSource
 from .layout import (
@@ -58,19 +59,13 @@ class ExportResult:
     total_size: int                 # bytes of tensor data (the index's metadata.total_size)
 
 
-def plan_export(source: StepSource, select: str, dtype: str | None, rename: Mapping[str, str],
+DCP_RECORD, DCP_PIECES = "dcp_meta", "dcp"   # a DCP step's entries in its rank state trees (FORMAT.md)
+
+
+def plan_export(source: StepSource, select: str | None, dtype: str | None, rename: Mapping[str, str],
                 max_shard_size: int) -> Plan:
     """Which checkpoint tensors go out under which names and dtypes, split into shards."""
-    chosen = select.strip("/")
-    prefix = chosen + "/"
-    keys = source.key_order(prefix)
-    if not keys and chosen:       # a step written through DCP's StorageWriter: tensors named by dotted FQN
-        prefix = chosen + "."
-        keys = source.key_order(prefix)
-    if not keys:
-        tops = sorted({k.split("/", 1)[0].split(".", 1)[0] for k in source.tensors})
-        raise FormatError(f"no tensors under {chosen!r} in {source.reader.path}; its top-level entries with "
-                          f"tensors are {tops} (pick one with --select)")
+    prefix, keys = chosen_keys(source, select)
     out: list[OutTensor] = []
     seen: dict[str, str] = {}
     for key in keys:
@@ -90,15 +85,56 @@ def plan_export(source: StepSource, select: str, dtype: str | None, rename: Mapp
     return split(out, max_shard_size)
 
 
+def chosen_keys(source: StepSource, select: str | None) -> tuple[str, list[str]]:
+    """The tensors ``select`` names, and the prefix their exported names drop: the entry at that key path
+    (``optim/state``), or the dotted FQNs under it (a step written through DCP: ``model.up.weight``); ``""``
+    every tensor. ``None`` (the default) is ``model`` — or, in a step with no ``model`` entry that holds a
+    flat model state dict alone (torchtitan's model-only last step, ``dcp.save(model.state_dict())``), every
+    tensor: what else it holds (an optimizer, a scheduler) would be nested or, through DCP, pickled items."""
+    chosen = "model" if select is None else select.strip("/")
+    for prefix in (chosen + "/", chosen + ".") if chosen else ("",):
+        if keys := source.key_order(prefix):
+            return prefix, keys
+    if select is None and _flat_model(source):
+        return "", source.key_order("")
+    tops = sorted({k.split("/", 1)[0].split(".", 1)[0] for k in source.tensors})
+    flat = "" if select is not None or any("/" in k for k in source.tensors) else \
+        ", a flat state dict that holds more than a model (DCP byte items: an optimizer, a scheduler...; " \
+        "torchtitan saves the model alone in a step with last_save_model_only)"
+    raise FormatError(f"no tensors under {chosen!r} in {source.reader.path}{flat}; its top-level entries with "
+                      f"tensors are {tops}: pick one with --select ENTRY, or every tensor with --select ''")
+
+
+def _flat_model(source: StepSource) -> bool:
+    """Whether the step holds nothing but a flat state dict's tensors: no key path (``a/b``) among its
+    tensors, and, for a step written through DCP, no byte item (a pickled object: an optimizer's param
+    groups, a scheduler, a data loader) in its DCP record (rank 0's, or DCP's coordinator's)."""
+    if not source.tensors or any("/" in k for k in source.tensors):
+        return False
+    for rank in range(source.reader.world_size):
+        entries = dict(_entries(source.manifest(rank)[0].tree))
+        if DCP_RECORD in entries:
+            record = decode_tree(entries[DCP_RECORD], lambda name: None)
+            return isinstance(record, dict) and record.get("bytes") == []
+        if rank == 0 and DCP_PIECES not in entries:
+            return True         # not written through DCP: every tensor is one
+    return False
+
+
+def _entries(tree: object) -> list[tuple[object, object]]:
+    items = tree.get("d") if isinstance(tree, dict) else None
+    return [(i[0], i[1]) for i in items if isinstance(i, list) and len(i) == 2] if isinstance(items, list) else []
+
+
 def export_hf(step_dir: str | os.PathLike[str], out: str | os.PathLike[str], *,
-              max_shard_size: int | str = "5GB", select: str = "model", dtype: str | None = None,
+              max_shard_size: int | str = "5GB", select: str | None = None, dtype: str | None = None,
               rename: Mapping[str, str] | str | os.PathLike[str] | None = None, threads: int = 4,
               force: bool = False, progress: bool | None = None) -> ExportResult:
-    """Write the committed step ``step_dir``'s ``select`` entry (default ``model``) to ``out`` as
-    Hugging Face safetensors shards (see README, "Export to Hugging Face"). ``dtype``: convert
-    floating tensors (``bfloat16``, ``float16``, ``float32``); ``rename``: a mapping (or a JSON file
-    of one) from canonical names to exported names; ``progress``: None = a bar on a terminal, a line
-    every ~10 s otherwise; False = quiet.
+    """Write the committed step ``step_dir``'s ``select`` entry (default ``model``; ``""``: every tensor;
+    see ``chosen_keys``) to ``out`` as Hugging Face safetensors shards (see README, "Export to Hugging
+    Face"). ``dtype``: convert floating tensors (``bfloat16``, ``float16``, ``float32``); ``rename``: a
+    mapping (or a JSON file of one) from canonical names to exported names; ``progress``: None = a bar
+    on a terminal, a line every ~10 s otherwise; False = quiet.
     Raises OutputExists (a FileExistsError) when ``out`` exists and is not an empty directory (unless
     ``force``), FormatError for a bad step."""
     out_path = os.path.abspath(os.fspath(out))
