@@ -18,7 +18,7 @@ from ckptd.core.schema import TensorLayout
 
 from .connection import DaemonConnection
 from .dtensor import local_tensor
-from .errors import CheckpointError
+from .errors import CheckpointError, DaemonRefused
 from .handle import SaveHandle
 from .plan_cache import Plan
 from .session import DaemonSession
@@ -34,10 +34,13 @@ def stream_save(session: DaemonSession, conn: DaemonConnection, handle: SaveHand
                 block: bool) -> None:
     """Hand ``plan``'s shard to the daemon part by part; returns once the last part is handed over.
 
-    ``handle.skipped`` when ``block`` is False and no slot is free for the first part. A failure
-    after the first part gives the failing part's slot back, asks the daemon to drop the step
-    (its writer waits for parts no more) and raises. A memory-level save is refused: it is held as
-    one slot. The plan's pending keys (plan_cache) are compared here, before any part is copied."""
+    ``handle.skipped`` when ``block`` is False and no slot is free for the first part. A part the
+    daemon refused gives its slot back; after the first part the daemon is asked to drop the step
+    (its writer waits for parts no more); then it raises. A part sent whose answer never came
+    (interrupted, no reply) leaves who holds its slot unknown: the connection is dropped (the
+    daemon fails the step and takes every slot of this session back) and the next save reconnects.
+    A memory-level save is refused: it is held as one slot. The plan's pending keys (plan_cache)
+    are compared here, before any part is copied."""
     if handle.level is SaveLevel.MEMORY:
         raise CheckpointError(f"a memory-level save must fit in one slot: {plan.nbytes} bytes "
                               "stream through smaller ones (the daemon's slot_memory_limit)")
@@ -54,16 +57,25 @@ def stream_save(session: DaemonSession, conn: DaemonConnection, handle: SaveHand
             return
         lo, hi = k * part, min((k + 1) * part, total)
         handle.slot = slot                  # ours until the daemon has it: given back on failure
+        sent = False
         try:
             _fill(session.slots[slot], pieces, lo, hi)
             if k == 0:
-                conn.request(protocol.Save(step=handle.step, slot=slot, tensors=plan.wire, tree=plan.flat.tree,
-                                           commit=commit, stream=[total, part]))
+                reply = conn.send(protocol.Save(step=handle.step, slot=slot, tensors=plan.wire,
+                                                tree=plan.flat.tree, commit=commit, stream=[total, part]))
             else:
-                conn.request(protocol.SavePart(step=handle.step, slot=slot, part=k))
+                reply = conn.send(protocol.SavePart(step=handle.step, slot=slot, part=k))
+            sent = True
+            reply.result()
             handle.slot = None              # the daemon has it: it gives it back (slot_free)
         except BaseException as e:
             handle.slot = None
+            if sent and not isinstance(e, DaemonRefused):
+                # Sent, its answer unknown (interrupted, no reply): whether the daemon holds this slot
+                # and the step cannot be told here. The connection goes: the daemon fails the step
+                # and takes back every slot of this session; the next save connects afresh.
+                session.drop()
+                raise
             session.release(slot)           # (the first part's too: else each such failure kept a slot for good)
             if k > 0:
                 session.abort(handle.step, f"streamed save failed at part {k}: {e}")
@@ -91,7 +103,7 @@ class _Pieces:
     def _bytes(self, i: int, t: torch.Tensor) -> torch.Tensor:
         """(A tensor that spans parts is flattened once: a non-contiguous one is copied, once.)"""
         if self.cached is None or self.cached[0] != i:    # (a lazily conjugated or negated view: its values)
-            self.cached = (i, t.resolve_conj().resolve_neg().reshape(-1).view(torch.uint8))
+            self.cached = (i, t.resolve_conj().resolve_neg().reshape(-1).contiguous().view(torch.uint8))
         return self.cached[1]
 
 

@@ -183,3 +183,53 @@ def test_a_refused_resize_leaves_no_stale_slots_and_the_next_save_asks_again(dae
     assert a.restore(live) == 3 and torch.equal(live["w"], torch.arange(100_000.0) + 3)
     a.close()
     big.close()
+
+
+@pytest.mark.parametrize("slots, limit", [(1, "4MiB"), (2, "4MiB")])
+def test_a_stream_whose_chunks_span_more_parts_than_there_are_slots_commits(daemon_factory, slots: int,
+                                                                             limit: str) -> None:
+    """The writer read a chunk part by part and gave each part's slot back only once the next read
+    began: a chunk spanning more parts than the trainer has slots (one slot: any chunk across a part
+    boundary; two: parts smaller than a chunk) waited for a part that could only come in a slot it
+    held, until step_timeout. A small tensor ahead of a large one is enough to misalign the chunks."""
+    d = daemon_factory("--slot-memory-limit", limit, "--step-timeout", "60")
+    ck = ckptd_client.Checkpointer("span", socket=str(d.socket), num_slots=slots)
+    g = torch.Generator().manual_seed(slots)
+    state = {"a": torch.randn(10, generator=g), "big": torch.randn(3 * MiB, generator=g),
+             "strided": torch.arange(2 * MiB, dtype=torch.float32)[::2]}     # 1-D, stride 2: a view
+    ck.save(1, state).wait(120)
+    assert max(s.size for s in ck.slots) < 12 * MiB                          # it streamed
+    target = zeros_of(state)
+    assert ck.restore(target) == 1
+    for k, v in state.items():
+        assert torch.equal(v, target[k]), k
+    ck.close()
+
+
+def test_an_interrupt_while_the_first_part_waits_for_its_answer_leaves_nothing_behind(daemon_factory,
+                                                                                        monkeypatch) -> None:
+    """Ctrl-C while the first part's SAVE waits for the daemon's answer: the client gave the slot back
+    and asked nothing of the daemon, which kept the step (and the slot) until step_timeout: the same
+    step saved again was refused, and the next save could find its slot "still being written". The
+    connection now goes (the daemon fails the step and takes its slots back): both saves commit."""
+    from ckptd_client import connection
+    d = daemon_factory("--slot-memory-limit", "16MiB")
+    ck = ckptd_client.Checkpointer("intr", socket=str(d.socket))
+    state = {"w": torch.arange(10 * MiB, dtype=torch.float32)}
+    ck.save(1, state).wait(60)
+    real = connection.Reply.result
+
+    def result(self: Any, timeout: float | None = None) -> dict[str, Any]:
+        if self._op == "save":
+            monkeypatch.setattr(connection.Reply, "result", real)
+            raise KeyboardInterrupt           # the daemon has the SAVE; the answer is never read
+        return real(self, timeout)
+    monkeypatch.setattr(connection.Reply, "result", result)
+    state["w"].add_(1)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save(2, state)
+    for step in (2, 3):
+        ck.save(step, state).wait(120)
+    target = {"w": torch.zeros(10 * MiB)}
+    assert ck.restore(target, 2) == 2 and torch.equal(target["w"], state["w"])
+    ck.close()

@@ -67,6 +67,9 @@ class StreamedShard(StreamedData):
             self._cond.notify_all()
 
     def read(self, t: TensorLayout, start: int, length: int, stop: Callable[[], bool]) -> memoryview:
+        """The bytes ``[start, start + length)`` of ``t``, waiting for their parts. A part's slot goes back
+        once its bytes in this read are copied out (reads come in increasing order): a read spanning
+        more parts than the trainer has slots waits for parts that can only come in those slots."""
         a = t.offset + start
         self._give_back_below(a // self.part)
         out = bytearray(length)
@@ -77,6 +80,7 @@ class StreamedShard(StreamedData):
             upto = min((k + 1) * self.part, end)
             out[pos - a: upto - a] = slot.view[pos - k * self.part: upto - k * self.part]
             pos = upto
+            self._give_back_below(pos // self.part)
         return memoryview(out)
 
     def _wait(self, k: int, stop: Callable[[], bool]) -> Slot:

@@ -94,6 +94,7 @@ class StepCoordinator(Generic[W]):
         (or the tier keeps its slot through ``loan``: ``SlotLoan``).
         Waits (``removal_wait`` at most, then RequestError) while files of an ended attempt of the
         step are being removed."""
+        await self.removing.stopped(self.table.writing, job, step, rank)
         await self.removing.settled(job, step)
         if await self.tier.is_committed(job, step):      # (no suspension from here to begin)
             self.handed.ended(job, step)
