@@ -178,6 +178,22 @@ def test_two_lost_with_p1_falls_back_to_storage_and_says_why(group, daemon_facto
     assert "parity rebuild failed" in log and "more than P = 1" in log, log[-3000:]
 
 
+def test_a_live_members_shard_is_fetched_from_it_when_a_parity_holder_is_lost(group):
+    """Node 1 lost, every data file deleted: a restore on node 0 of ranks 2 and 3 (another world's
+    reads: shards node 0 does not hold) went through each stripe's parity holder, and where that was
+    node 1 it gave up and read storage, which was gone. Their owners, alive, hold them: they are fetched
+    from there, bit-exact, and no byte comes from storage; node 1's own rank is still decoded."""
+    nodes, addrs, secret = group
+    nodes[1].kill()
+    assert remove_data_files(nodes[0].root, JOB) == WORLD
+    for rank in (2, 3, 1):
+        ck = restore_rank(nodes[0].socket, rank)
+        assert ck.last_restore.source == "peer" and ck.last_restore.from_storage == 0, (rank, ck.last_restore)
+        ck.close()
+    log = nodes[0].log_text()
+    assert "fetched from peer" in log and "rebuilt from parity" in log, log[-3000:]
+
+
 def test_corrupt_parity_is_detected_never_served(group, daemon_factory):
     """Acceptance 3: a byte flipped in a holder's parity buffer (its memfd, through /proc) is caught by
     the rebuilt shard's checksums; the restore reads storage, bit-exact."""

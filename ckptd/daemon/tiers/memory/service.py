@@ -97,12 +97,17 @@ class MemoryService:
         self.parity: ParityNode | None = None          # redundancy = "parity": this node's pieces, rebuilds
         self.holder: ParityHolder | None = None        # ... and the parity it holds for its group
         self.rebuilder: Rebuilder | None = None        # ... and lost shards of its group decoded
+        self.fetcher: Replicator | None = None         # ... and shards their owners hold fetched whole (no copies)
         if self.secret is not None and p.peers and p.redundancy == "parity":
             layout = ParityLayout.of(list(p.peers), p.name or p.listen or "", p.group, p.parity, p.jump)
             self.parity = ParityNode(self.store, layout, self.secret, p.bandwidth, p.io_timeout, self._trim,
                                      tls=client_tls)
             self.rebuilder = Rebuilder(self.store, layout, self.secret, p.io_timeout, tls=client_tls)
             self.holder = ParityHolder(self.store, layout, self.rebuilder.reduce)
+            # Shards their owners still hold are fetched whole (a restore at another world size reads other
+            # nodes' ranks): only a lost one is decoded, and a lost parity holder cannot stop the former.
+            self.fetcher = Replicator(self.store, list(p.peers), p.name or p.listen or "", 0, p.jump, self.secret,
+                                      p.bandwidth, p.io_timeout, self._trim, tls=client_tls)
         elif self.secret is not None and p.peers:
             self.replicator = Replicator(self.store, list(p.peers), p.name or p.listen or "", p.replicas, p.jump,
                                          self.secret, p.bandwidth, p.io_timeout, self._trim, tls=client_tls)
@@ -169,7 +174,7 @@ class MemoryService:
         if not names.is_rank(m.rank, m.world_size):
             raise RequestError(f"bad rank {m.rank} / world size {m.world_size}")
         fetch_peer = self.replicator.fetch if self.replicator is not None else \
-            self.rebuilder.rebuild if self.rebuilder is not None else None
+            self._fetch_or_rebuild if self.rebuilder is not None else None
         held, source = await self.memory.serve(job, m.step, m.rank, m.world_size, fetch_peer)
         self.reading.setdefault(conn, []).append(held)
         assert held.meta is not None
@@ -177,6 +182,12 @@ class MemoryService:
                                                         "bytes": held.meta.nbytes, "source": source}})
         # Read-only: the client neither writes into nor resizes a copy other restores read (shm.py).
         return {**held.meta.to_wire(), "source": source}, [shm.read_only(held.fd)]
+
+    async def _fetch_or_rebuild(self, job: str, step: int, rank: int, digest: str) -> Held | None:
+        """(Parity) A shard of another node: from its owner's memory if it still holds it, else decoded."""
+        assert self.fetcher is not None and self.rebuilder is not None
+        return await self.fetcher.fetch(job, step, rank, digest) or await self.rebuilder.rebuild(job, step, rank,
+                                                                                              digest)
 
     def reclaim(self, slot_fds: set[int]) -> bool:
         """A trainer whose slots (``slot_fds``) are all kept as held steps gets the oldest back."""
