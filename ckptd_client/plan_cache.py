@@ -204,7 +204,8 @@ class PlanCache:
         """(Copy thread, a lazy hit's ``Recheck``) the cached plan with the lazy tensors at walk
         indices ``changed`` taken as they are now, laid out anew; cached in its place. Names, tree,
         placements and what is deferred stay: the structure was equal, and each tensor changed lies over
-        the bytes it did or is a DTensor whose local shard moved, its layout unchanged."""
+        the bytes it did, was rebound to new memory of its shape and dtype, or is a DTensor whose local
+        shard moved, its layout unchanged."""
         last = self._last
         assert last is not None
         p = last.plan
@@ -271,7 +272,13 @@ class Recheck:
             key, was = tensor_key(t), last.keys[i]
             if key != was:
                 if i in now and t.data_ptr() != was[0]:
-                    self._stop("a parameter or optimizer state tensor moved to other memory (.data =, .to())")
+                    if len(was) == _PLAIN_KEY and key[1:] == was[1:]:
+                        # Rebound to new memory of the same shape and dtype (``state["m"] = 0.9 * m + g``
+                        # in an optimizer's step): the bytes to save are there now.
+                        changed[i] = t
+                        continue
+                    self._stop("a parameter or optimizer state tensor moved to other memory and changed its "
+                               "shape, strides or dtype")
                 if len(was) != _PLAIN_KEY and key[1:] != was[1:]:
                     self._cache.clear()
                     raise CheckpointError("a DTensor of the state changed since the last save (its local shard's "

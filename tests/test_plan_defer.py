@@ -127,6 +127,43 @@ def test_a_parameter_moved_unseen_fails_that_save_and_stops_splicing(daemon, cap
     assert restored(daemon, state, 4) == expected
 
 
+class Momentum(torch.optim.Optimizer):
+    """SGD with momentum written the way many users write an optimizer: its state tensor rebound each step."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        for g in self.param_groups:
+            for p in g["params"]:
+                st = self.state[p]
+                m = st.get("m")
+                st["m"] = p.grad.clone() if m is None else 0.9 * m + p.grad
+                p.add_(st["m"], alpha=-g["lr"])
+
+
+def test_an_optimizer_that_rebinds_its_state_tensors_saves_every_step(daemon):
+    """Every save of a model and a Momentum optimizer commits and restores to what save() saw (the
+    overlapped copy reads the rebound tensors on the copy thread)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = Momentum(model.parameters())
+    state: dict[str, Any] = {"model": model, "optim": opt}
+    ck = checkpointer(daemon)
+    snaps = {}
+    for step in range(1, 5):
+        opt.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        ck.save(step, state).wait(60)
+        snaps[step] = snap(state)
+    assert ck.plans.spliced >= 2            # the later saves spliced the optimizer: the copy thread rechecked it
+    ck.close()
+    for step, want in snaps.items():
+        assert restored(daemon, state, step) == want, step
+
+
 def test_a_buffer_reassigned_under_its_name_is_read_anew(daemon):
     """A buffer set to a new tensor under its name (no registration counted): the trainer re-reads it
     by name, finds its key changed, and plans anew."""
