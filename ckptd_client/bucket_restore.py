@@ -20,6 +20,7 @@ from .errors import CheckpointError, ConnectionLost, DaemonRefused, NoReply, Not
 
 log = logging.getLogger("ckptd_client")
 STAGE_TIMEOUT_S = 3600.0         # a large step over a slow link; the daemon's own retries bound each request
+INFO_TIMEOUT_S = 10.0            # whether the daemon has a bucket: it answers at once, or is not there
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,17 @@ def stage(socket_path: str, job: str, step: int | None, rank: int, world_size: i
           all_ranks: bool = False) -> Staged:
     """Ask the daemon to stage ``step`` (None: the newest, local or in the bucket) for this rank
     (every rank's data when ``all_ranks``). CheckpointError when the bucket has it but it cannot be staged."""
+    try:        # first, at once, whether it has a bucket: a daemon that does not answer holds no restore up
+        if ask(socket_path, protocol.Info(), timeout=INFO_TIMEOUT_S).get("bucket") is False:
+            return Staged(False)
+    except NoReply:
+        log.warning("ckptd: the daemon at %s did not answer within %gs; restoring without its bucket",
+                    socket_path, INFO_TIMEOUT_S)
+        return Staged(False)
+    except (Unreachable, NotDelivered, ConnectionLost):
+        return Staged(False)          # no daemon: restore reads what the root has
+    except DaemonRefused:
+        pass                          # it does not say: ``stage`` does
     msg = protocol.Stage(job, step, None if all_ranks else [rank, world_size])
     try:
         reply = ask(socket_path, msg, timeout=STAGE_TIMEOUT_S)

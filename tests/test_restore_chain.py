@@ -176,7 +176,7 @@ def test_the_bucket_fallback_follows_the_code_not_the_text(daemon, tmp, stand_in
                                          prepare=False)     # restores only: no slots (no hello) afterwards
     target = blank()
     assert restorer.restore(target) == 2 and torch.equal(target["w"], saved["w"])
-    assert quiet.ops == ["stage", "memory_fetch"]        # the newest step; memory; nothing staged after "no bucket"
+    assert quiet.ops == ["info", "stage", "memory_fetch"]     # a bucket? the newest step; memory; nothing staged after
     assert restorer.last_restore is not None and restorer.last_restore.source == STORAGE
     assert restorer.last_restore.passed[0].reason == "something else entirely"    # memory's refusal
     # The old text under another code is just a refusal: the restore fails, saying so.
@@ -272,3 +272,29 @@ def test_torchtitan_manager_refuses_an_unknown_exclude_from_loading_key(tmp):
                                      lr_schedulers=torch.optim.lr_scheduler.StepLR(opt, 1),
                                      states={"train_state": {"step": 0}})
     m.close()
+
+
+def test_a_stopped_daemon_does_not_hold_a_restore_for_the_bucket_timeout(daemon, tmp):
+    """A restore asks its daemon whether the bucket has a newer step, with the hour a download may take
+    as the reply's timeout: a stopped daemon (SIGSTOP: a hung node) held the restore that long, with no
+    bucket at all. The daemon is now asked first, within 10 s, whether it has a bucket; one that does
+    not answer is passed over and the restore reads the root's files."""
+    import signal
+    import subprocess
+    import sys
+    ck = ckptd_client.Checkpointer("hung", socket=str(daemon.socket))
+    ck.save(1, {"w": torch.arange(8.0)}).wait(60)
+    ck.close()
+    code = ("import sys, torch, ckptd_client\n"
+            f"ck = ckptd_client.Checkpointer('hung', socket={str(daemon.socket)!r}, root={str(daemon.root)!r}, "
+            "memory=False, prepare=False)\n"
+            "live = {'w': torch.zeros(8)}\n"
+            "print('RESTORED', ck.restore(live), live['w'].tolist(), flush=True)\n")
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert r.returncode == 0, r.stderr
+    assert f"RESTORED 1 {[float(i) for i in range(8)]}" in r.stdout, r.stdout + r.stderr
+    assert "did not answer within 10s; restoring without its bucket" in r.stderr, r.stderr

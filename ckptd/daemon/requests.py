@@ -77,7 +77,7 @@ class Requests:
         return session.job
 
     def _identity(self) -> dict[str, Any]:
-        return {"root": self.d.root, "version": __version__, "pid": os.getpid()}
+        return {"root": self.d.root, "version": __version__, "pid": os.getpid(), "bucket": self.d.s3 is not None}
 
     async def info(self, session: Session, _: Info) -> Reply:
         return self._identity(), []
