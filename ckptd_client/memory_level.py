@@ -19,8 +19,8 @@ from typing import Any
 
 from ckptd.core import step_files
 from ckptd.core.gc_pause import gc_paused
-from ckptd.core.names import job_dir, memory_job, step_dir
-from ckptd.core.reader import list_steps
+from ckptd.core.names import memory_job, step_dir
+from ckptd.core.reader import memory_level_steps
 
 from .errors import CheckpointError
 from .held_pieces import DaemonShards
@@ -34,7 +34,7 @@ MEMORY_LEVEL = "memory-level"
 
 def newest_held_step(root: str, job: str, above: int | None) -> int | None:
     """The newest committed memory-level step of ``job`` newer than ``above`` (None: none)."""
-    steps = [s.step for s in list_steps(job_dir(root, memory_job(job))) if s.committed]
+    steps = [s.step for s in memory_level_steps(root, job) if s.committed]
     newer = [s for s in steps if above is None or s > above]
     return newer[-1] if newer else None
 

@@ -315,3 +315,22 @@ def test_no_temp_file_survives_in_a_committed_step(daemon_factory, tmp):
     r = subprocess.run([sys.executable, "-m", "ckptd", "gc", str(d.root)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in step.iterdir()) == ["index.json", "rank-00000.data", "rank-00000.json"]
+
+
+def test_a_symlinked_memory_level_directory_is_never_pruned_through(daemon_factory, tmp):
+    """<job>/_memory planted as a symlink to a directory of committed steps elsewhere: a storage commit's
+    pruning of memory-level steps (those at or below it, and an earlier run's above it) listed through the
+    link and deleted both steps there. The link is not followed: they stay, and so does the link."""
+    victim = tmp / "victim"
+    for s in (1, 2):
+        make_step(victim, "x", s, committed=True, age_s=60)
+    d = daemon_factory()
+    (d.root / "lnk").mkdir(parents=True)
+    (d.root / "lnk" / MEMORY_LEVEL_DIR).symlink_to(victim / "x")
+    ck = ckptd_client.Checkpointer("lnk", socket=str(d.socket))
+    for step in (1, 3):
+        ck.save(step, {"w": torch.arange(4.0)}).wait(60)
+    ck.close()
+    assert steps_left(victim, "x") == [1, 2]
+    assert all((victim / "x" / step_dir_name(s) / "index.json").is_file() for s in (1, 2))
+    assert (d.root / "lnk" / MEMORY_LEVEL_DIR).is_symlink()

@@ -21,6 +21,8 @@ from .names import (
     HEAD_NAME,
     INDEX_NAME,
     MEMORY_LEVEL_DIR,
+    job_dir,
+    memory_job,
     parse_step_dir_name,
     rank_data_name,
     rank_manifest_name,
@@ -80,6 +82,13 @@ def list_steps(job_path: str) -> list[StepInfo]:
             continue
         out.append(StepInfo(step, path, is_committed(path)))
     return sorted(out, key=lambda s: s.step)
+
+
+def memory_level_steps(root: str, job: str) -> list[StepInfo]:
+    """The memory-level step directories of ``job`` (``<job>/_memory``), oldest first; none through a
+    symlinked ``_memory``: its steps are not this job's to read or remove."""
+    path = job_dir(root, memory_job(job))
+    return [] if os.path.islink(path) else list_steps(path)
 
 
 def latest_committed(job_path: str) -> StepInfo | None:

@@ -32,9 +32,9 @@ from typing import Any
 
 from ckptd.core import storage
 from ckptd.core.held import HeldMeta, held_manifest, layout_checksums, span
-from ckptd.core.names import INDEX_NAME, job_dir, memory_job, rank_manifest_name, step_dir
+from ckptd.core.names import INDEX_NAME, rank_manifest_name, step_dir
 from ckptd.core.rank_record import summarize
-from ckptd.core.reader import list_steps
+from ckptd.core.reader import memory_level_steps
 from ckptd.core.schema import TensorLayout, digest_bytes, encode_json
 from ckptd.core.step_files import remove_rank_files, remove_step
 from ckptd.daemon.tiers.base import ShardRef, ShardWritten, SlotLoan
@@ -131,7 +131,7 @@ def remove_stale(root: str, job: str, step: int, began: float) -> list[int]:
     by ``CLOCK_SLACK_S`` at least: an index's mtime is the file server's clock, ``began`` this
     daemon's, and a server some seconds behind would make this run's own newer step look older."""
     gone = []
-    for s in list_steps(job_dir(root, memory_job(job))):
+    for s in memory_level_steps(root, job):
         if not s.committed or s.step <= step:
             continue
         try:
@@ -149,7 +149,7 @@ def prune(root: str, job: str, keep: int, at_or_below: int | None) -> list[int]:
     """(I/O thread) Remove memory-level step directories of ``job`` beyond the newest ``keep``
     committed ones, and every one at or below ``at_or_below`` (a committed storage step); returns
     the steps removed."""
-    steps = [s for s in list_steps(job_dir(root, memory_job(job))) if s.committed]
+    steps = [s for s in memory_level_steps(root, job) if s.committed]
     newest = {s.step for s in steps[-keep:]} if keep > 0 else set()
     gone = []
     for s in steps:
