@@ -635,3 +635,31 @@ def test_a_relayed_step_handed_off_is_not_saved_again_under_its_commit(daemon_fa
             for m in r.maps:
                 m.close()
             r.conn.close()
+
+
+def test_a_step_directory_planted_as_a_symlink_is_never_written_or_read_through(daemon_factory, tmp):
+    """<root>/<job>/step-N planted as a symlink to a directory outside the root: the save wrote its data,
+    manifest and index.json there through the link and reported committed; ckptd ls hid the step, and
+    restore(step=N) read it back through the link. The save now fails, naming the link, nothing is
+    written outside, and a reader refuses the link."""
+    import torch
+
+    import ckptd_client
+    d = daemon_factory()
+    outside = tmp / "outside"
+    outside.mkdir()
+    (d.root / "lnk").mkdir(parents=True)
+    link = d.root / "lnk" / "step-000000000003"
+    link.symlink_to(outside)
+    ck = ckptd_client.Checkpointer("lnk", socket=str(d.socket))
+    ck.save(1, {"w": torch.arange(4.0)}).wait(60)
+    with pytest.raises(ckptd_client.CheckpointError, match="a symlink where a step's"):
+        ck.save(3, {"w": torch.arange(4.0)}).wait(60)
+    ck.save(4, {"w": torch.arange(4.0) + 4}).wait(60)
+    ck.close()
+    assert list(outside.iterdir()) == [] and link.is_symlink()
+    for name in ("rank-00000.data", "rank-00000.json", "index.json"):    # a step written there by other means
+        (outside / name).write_bytes(b"{}")
+    reader = ckptd_client.Checkpointer("lnk", root=str(d.root), memory=False, prepare=False)
+    with pytest.raises(ckptd_client.CheckpointError, match="a symlink, not a step directory"):
+        reader.restore({"w": torch.zeros(4)}, step=3)

@@ -122,6 +122,8 @@ class StepReader:
         self.path = os.path.abspath(step_path)
         _, self.job, self.step = split_step_path(self.path)
         index_path = os.path.join(self.path, INDEX_NAME)
+        if os.path.islink(self.path):      # (as listings and retention skip it: never read through a link)
+            raise FormatError(f"{self.path}: a symlink, not a step directory; ckptd never reads through links")
         if not is_committed(self.path):
             raise FormatError(f"{self.path}: not committed (no {INDEX_NAME})")
         self._index: dict[str, Any] | None = None

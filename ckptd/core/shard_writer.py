@@ -244,7 +244,7 @@ def write_shard(step_path: str, job: str, step: int, rank: int, world_size: int,
     try:
         # Inside the try: a failure here (EROFS, ENOSPC, EACCES) must still release the source.
         for attempt in range(3):
-            storage.make_dirs(step_path)
+            storage.make_step_dir(step_path)
             try:
                 fd = storage.open_for_write(data_path)
                 break

@@ -11,7 +11,7 @@ import os
 import stat
 from collections.abc import Callable, Iterable, Sequence
 
-from .names import temp_name
+from .names import MEMORY_LEVEL_DIR, temp_name
 
 FILE_MODE = 0o640
 DIR_MODE = 0o750
@@ -66,6 +66,20 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def make_step_dir(step_path: str) -> None:
+    """``make_dirs`` for a step directory (``<root>/<job>[/_memory]/step-N``), refusing (OSError ELOOP)
+    a symlink in its place or its job's: ckptd never writes through a link, and a planted one would
+    take the step's files outside the root (readers and retention skip linked step directories)."""
+    p = os.path.abspath(step_path)
+    own = 3 if os.path.basename(os.path.dirname(p)) == MEMORY_LEVEL_DIR else 2
+    for _ in range(own):
+        if os.path.islink(p):
+            raise OSError(errno.ELOOP, "a symlink where a step's (or its job's) directory belongs: ckptd "
+                                       "never writes through links (remove it)", p)
+        p = os.path.dirname(p)
+    make_dirs(step_path)
 
 
 def make_dirs(path: str) -> None:

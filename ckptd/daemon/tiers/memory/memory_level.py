@@ -83,7 +83,7 @@ async def hold_shard(store: MemoryStore, pool: Executor, root: str, chunk_bytes:
         path = step_dir(root, ref.job, ref.step)
 
         def write() -> None:
-            storage.make_dirs(path)
+            storage.make_step_dir(path)
             storage.atomic_write(os.path.join(path, rank_manifest_name(ref.rank)), body)
         await loop.run_in_executor(pool, write)
         if abandoned() or held.gone:

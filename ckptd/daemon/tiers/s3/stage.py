@@ -154,7 +154,7 @@ class Stager:
                 index = parse_index(index_bytes, job=job, step=step)
             except FormatError as e:
                 raise CorruptInBucket(f"{url(key(job, step, INDEX_NAME))}: {e}") from None
-            storage.make_dirs(path)
+            storage.make_step_dir(path)
             marker = os.path.join(path, STAGED_NAME)
             if not os.path.isfile(marker):     # first: from now on this directory is a staged copy
                 storage.atomic_write(marker, json.dumps({
