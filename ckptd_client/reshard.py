@@ -92,7 +92,7 @@ def plan(files: StepFiles, tensors: dict[str, GlobalTensor], needs: Sequence[Nee
     files.prefetch(sorted({p.rank for _, pieces in chosen for p in pieces}))
     reads: list[_Read] = []
     for need, (t, pieces) in zip(needs, chosen, strict=True):
-        covered = 0
+        covered, first = 0, len(reads)
         for p in pieces:
             entry = files.entry(p.rank, p.name, need.name)
             region = p.region          # a local copy's region is its own whole shape
@@ -110,11 +110,28 @@ def plan(files: StepFiles, tensors: dict[str, GlobalTensor], needs: Sequence[Nee
             reads.append(_Read(p.rank, entry, region, part, need))
             if files.stats is not None:
                 files.stats.entries.add((p.rank, p.name))
+        if covered == need.region.numel and len(reads) - first > 1 and _overlap(reads[first:]):
+            # overlapping pieces and a gap as large: the count alone hides both (an edited index)
+            raise CheckpointError(f"tensor {need.name!r}: the saved pieces overlap and leave a gap in the "
+                                  f"{need.region.numel} elements needed ({need.region.to_json()}) in {files.path}")
         if covered != need.region.numel:
             what = "overlap" if covered > need.region.numel else "leave a gap"
             raise CheckpointError(f"tensor {need.name!r}: the saved pieces {what}, covering {covered} of the "
                                   f"{need.region.numel} elements needed ({need.region.to_json()}) in {files.path}")
     return reads
+
+
+def _overlap(reads: Sequence[_Read]) -> bool:
+    """Whether any two of these intersections (one need's) overlap: a sorted sweep, so pieces that
+    tile a need cost one comparison each."""
+    parts = sorted((r.part for r in reads if r.part.numel), key=lambda r: r.offsets)
+    for i, a in enumerate(parts):
+        for b in parts[i + 1:]:
+            if b.offsets[0] >= a.ends[0]:
+                break
+            if a.intersect(b) is not None:
+                return True
+    return False
 
 
 def _where(files: StepFiles, need: Need, p: Piece) -> str:

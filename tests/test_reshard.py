@@ -719,3 +719,35 @@ def test_region_intersect_and_row_span_match_their_elements() -> None:
         offs = [sum((e[d] - a.offsets[d]) * strides[d] for d in range(n)) for e in _elements(got)]
         assert row_span(a, got, itemsize) == (min(offs), max(offs) + itemsize), (a, got)
     assert list(itertools.islice(_elements(Region((), ())), 2)) == [()]     # a scalar: one element
+
+
+def test_pieces_that_overlap_and_leave_a_gap_as_large_are_refused(daemon: Any) -> None:
+    """An edited step (manifest and index re-signed) whose two pieces of a 128-element tensor cover
+    [0, 64) and [32, 96): the restore counted 128 elements covered, read both (the second over the
+    first) and left [96, 128) as it was, reporting success. Now the overlap is named, nothing written."""
+    import copy
+
+    from ckptd.core.schema import digest_bytes, index_digest
+    with ckptd_client.Checkpointer("edited", socket=str(daemon.socket)) as ck:
+        ck.save(1, {"w": torch.arange(64.0)}).wait(60)
+    step = daemon.root / "edited" / "step-000000000001"
+    m = json.loads((step / "rank-00000.json").read_text())
+    (w,) = [t for t in m["tensors"] if t["name"] == "w"]
+    w["global"] = {"shape": [128], "offsets": [0]}
+    second = copy.deepcopy(w)
+    second["name"], second["global"] = "wB", {"shape": [128], "offsets": [32], "key": "w"}
+    m["tensors"].append(second)
+    body = json.dumps(m).encode()
+    (step / "rank-00000.json").write_bytes(body)
+    index = json.loads((step / "index.json").read_text())
+    index["ranks"][0]["manifest_digest"] = digest_bytes(body)
+    index["tensors"]["w"] = {"dtype": "float32", "shape": [128], "kind": "sharded",
+                             "pieces": [{"rank": 0, "name": "w", "offsets": [0], "sizes": [64]},
+                                        {"rank": 0, "name": "wB", "offsets": [32], "sizes": [64]}]}
+    index["digest"] = index_digest(index)
+    (step / "index.json").write_text(json.dumps(index))
+    live = {"w": torch.full((128,), 7.0)}
+    reader = ckptd_client.Checkpointer("edited", root=str(daemon.root), memory=False, prepare=False)
+    with pytest.raises(ckptd_client.CheckpointError, match="'w': the saved pieces overlap and leave a gap"):
+        reader.restore(live, step=1)
+    assert torch.equal(live["w"], torch.full((128,), 7.0))
