@@ -4,20 +4,23 @@ from __future__ import annotations
 import os
 
 from ckptd.core.held import HeldMeta, layout_checksums
+from ckptd.core.names import memory_job
 from ckptd.core.schema import TensorLayout, digest_bytes
 from ckptd.daemon.tiers.memory.store import Held, MemoryStore, new_memfd
 
 JOB, N, CHUNK = "store", 1 << 20, 1 << 16
 
 
-def hold(store: MemoryStore, step: int, rank: int) -> Held:
+def hold(store: MemoryStore, step: int, rank: int, job: str = JOB, committed: bool = False) -> Held:
     layout = (TensorLayout("w", "uint8", (N,), 0, N),)
-    held = store.reserve(JOB, step, rank, N, "local")
+    held = store.reserve(job, step, rank, N, "local")
     assert held is not None
     held.fd, held.mm = new_memfd(f"t-{step}-{rank}", N)
     held.mm[:N] = bytes([rank + 1]) * N
     sums = layout_checksums(memoryview(held.mm), layout, CHUNK)
-    store.filled(held, HeldMeta(JOB, step, rank, 1, digest_bytes(b"%d" % rank), N, CHUNK, sums, layout, None))
+    store.filled(held, HeldMeta(job, step, rank, 1, digest_bytes(b"%d" % rank), N, CHUNK, sums, layout, None))
+    if committed:
+        store.committed(job, step)
     return held
 
 
@@ -48,3 +51,31 @@ def test_a_shard_dropped_while_pinned_counts_until_unpinned():
     assert store.used == 2 * N
     store.drop_step(JOB, 2)                           # unpinned: freed at once
     assert store.used == 0 and c.fd == -1 and d.fd == -1
+
+
+def test_the_budget_evicts_by_arrival_and_never_another_jobs_memory_level_step():
+    """Eviction sorted every job's shards by step number: job "bjob" at step 1000 outranked "ajob"'s
+    memory-level step 5, whose only copy this is, and a save of bjob's step 1001 evicted it (a restore
+    of ajob then found nothing). By arrival, bjob's older step 1000 (on disk too) goes."""
+    store = MemoryStore(2 * N + N // 2, 2)
+    hold(store, 1000, 0, job="bjob", committed=True)
+    mine = hold(store, 5, 0, job=memory_job("ajob"), committed=True)
+    assert store.reserve("bjob", 1001, 0, N, "local") is not None
+    assert store.get(memory_job("ajob"), 5, 0) is mine and store.get("bjob", 1000, 0) is None
+    # nothing else to evict: a storage-level shard is not held rather than evict the memory-level one
+    assert store.reserve("bjob", 1002, 0, N, "local") is None
+    assert store.get(memory_job("ajob"), 5, 0) is mine
+
+
+def test_a_memory_level_step_in_flight_evicts_only_what_its_commit_would_trim():
+    """Holding memory-level step 5 evicted committed step 4's shard before step 5 committed: a step 5
+    that then failed left step 4, the newest committed, unrestorable. With memory.steps = 2 step 4
+    stays (step 5 is not held: its save fails, saying so); with 1, step 5's commit would trim step 4
+    anyway, so its shard makes room."""
+    job = memory_job("fj")
+    for steps, fits in ((2, False), (1, True)):
+        store = MemoryStore(2 * N, steps)
+        four = [hold(store, 4, r, job=job, committed=True) for r in (0, 1)]
+        got = store.reserve(job, 5, 0, N, "local")
+        assert (got is not None) == fits, steps
+        assert (store.get(job, 4, 0) is four[0]) == (not fits) and store.get(job, 4, 1) is four[1]

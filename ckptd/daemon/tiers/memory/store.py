@@ -6,9 +6,11 @@ daemon's own writes (``local``) or a peer's replica (``replica``). Rules:
 - Every byte counts against ``budget`` from the moment it is reserved (before the copy).
 - Per job the newest ``steps`` steps known committed are kept, plus any newer step still in
   flight; older ones go as soon as a newer step is known committed.
-- Under the budget, the oldest shards go first (by step, then arrival), never a pinned one
-  (a restore is reading it); a shard that does not fit even after every evictable one would
-  go is not held at all (the step is still written to storage as always).
+- Under the budget, the oldest shards go first (by arrival), never a pinned one (a restore is
+  reading it); a shard that does not fit even after every evictable one would go is not held at
+  all (the step is still written to storage as always). A memory-level shard is its committed
+  step's only copy: the budget evicts one only for a newer memory-level step of its job, and only
+  one that step's commit would trim anyway (``steps``); else the new step fails (``NotHeld``).
 - A pinned shard dropped (its step failed, or its checksum did) stays counted until unpinned:
   its memory is in use while the restore reads it.
 
@@ -25,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckptd.core.held import HeldMeta
+from ckptd.core.names import is_memory_job
 from ckptd.daemon import shm
 
 log = logging.getLogger("ckptd")
@@ -129,7 +132,7 @@ class MemoryStore:
         elif old is not None:
             return None           # a restore reads the old copy: keep it, hold no second one
         need = max(mmap.PAGESIZE, nbytes)
-        if not self._make_room(need, {"job": job, "step": step, "rank": rank, "bytes": nbytes}):
+        if not self._make_room(need, {"job": job, "step": step, "rank": rank, "bytes": nbytes}, (job, step)):
             return None
         held = Held(job, step, rank, need, origin)
         self.entries[held.key] = held
@@ -151,11 +154,20 @@ class MemoryStore:
         self.used += nbytes
         return True
 
-    def _make_room(self, need: int, ctx: dict[str, object]) -> bool:
-        """Evict the oldest unpinned shards until ``need`` bytes fit the budget; False (nothing
-        evicted, counted as skipped) when even evicting all of them would not make room."""
-        victims = sorted((h for h in self.entries.values() if h.pins == 0 and h.meta is not None),
-                         key=lambda h: (h.step, h.arrived))
+    def _make_room(self, need: int, ctx: dict[str, object], making: tuple[str, int] | None = None) -> bool:
+        """Evict the oldest unpinned shards (by arrival: step numbers of two jobs do not compare) until
+        ``need`` bytes fit the budget; False (nothing evicted, counted as skipped) when even evicting all
+        of them would not make room. Memory-level shards are a committed step's only copy: none goes
+        for another job's shard or a parity buffer; for ``making`` (a memory-level step of the same job
+        being held), only those its commit will trim anyway (older than the newest ``steps`` - 1 kept)."""
+        victims = sorted((h for h in self.entries.values() if h.pins == 0 and h.meta is not None
+                          and not is_memory_job(h.job)), key=lambda h: h.arrived)
+        if making is not None and is_memory_job(making[0]):
+            job, step = making
+            mine = [h for h in self.entries.values() if h.job == job and h.pins == 0 and h.meta is not None]
+            kept = sorted({h.step for h in mine if h.committed}, reverse=True)[: max(0, self.steps - 1)]
+            victims += sorted((h for h in mine if h.committed and h.step < step and h.step not in kept),
+                              key=lambda h: (h.step, h.arrived))
         free = self.budget - self.used
         if free + sum(h.nbytes for h in victims) < need:
             self.totals.skipped += 1
@@ -248,7 +260,7 @@ class MemoryStore:
         mine = [h for h in self.entries.values() if h.in_slot and h.fd in fds and h.pins == 0]
         if not mine:
             return False
-        h = min(mine, key=lambda h: (h.step, h.arrived))
+        h = min(mine, key=lambda h: (is_memory_job(h.job), h.arrived))     # a memory-level step's last
         log.info("memory tier let a step go", extra={"ctx": {"job": h.job, "step": h.step, "rank": h.rank,
                                                              "reason": "its trainer needs the slot"}})
         self.totals.evicted += 1
