@@ -129,7 +129,7 @@ class Checkpointer:
         if (relay := self._relays.get(h.level)) is not None and op in (EventOp.DURABLE, EventOp.FAILED):
             relay.publish(h.step, RankOutcome.from_event(op, msg))          # this rank's outcome
         if op is EventOp.DURABLE:
-            h.durable_s = time.monotonic() - h.started
+            h.durable_s, h.digest = time.monotonic() - h.started, msg.get("digest")
             h.raw_bytes, h.stored_bytes = msg.get("raw_bytes", 0), msg.get("stored_bytes", 0)
         elif op is EventOp.COMMITTED:
             self._finish(h, None)
@@ -158,7 +158,7 @@ class Checkpointer:
 
     def _on_disk(self, step: int, h: SaveHandle | None) -> bool:
         memory = h is not None and h.level is SaveLevel.MEMORY       # (its job key: ``names.memory_job``)
-        return committed_on_disk(self.root, names.memory_job(self.job) if memory else self.job, step, h)
+        return committed_on_disk(self.root, names.memory_job(self.job) if memory else self.job, step, h, self.rank)
 
     # ---- saving ------------------------------------------------------------
 

@@ -15,21 +15,37 @@ import os
 
 from ckptd.core import storage
 from ckptd.core.names import INDEX_NAME, step_dir
+from ckptd.core.reader import StepReader
 
 from .handle import SaveHandle
 
 log = logging.getLogger("ckptd_client")
 
 
-def committed_on_disk(root: str | None, job: str, step: int, handle: SaveHandle | None = None) -> bool:
+def committed_on_disk(root: str | None, job: str, step: int, handle: SaveHandle | None = None,
+                      rank: int | None = None) -> bool:
     """Whether ``step`` is committed on disk: index.json there, its directory fsynced first. An
     fsync that fails still answers True (the index is in place) and logs it, and sets
-    ``handle.sync_error``."""
+    ``handle.sync_error``. With ``handle`` durable and ``rank``: committed by this save, its rank's
+    manifest digest the one its daemon reported (another daemon on a shared root may have saved the
+    same job's step: its index is not this save's)."""
     if root is None:
         return False
     path = step_dir(root, job, step)
     if not os.path.isfile(os.path.join(path, INDEX_NAME)):
         return False
+    if handle is not None and handle.digest is not None and rank is not None:
+        try:
+            theirs = StepReader(path).rank_entry(rank).get("manifest_digest")
+        except (OSError, ValueError, KeyError, IndexError) as e:
+            log.error("ckptd: step %d of job %r: its index.json cannot be read (%s): not taken as this save's",
+                      step, job, e)
+            return False
+        if theirs != handle.digest:
+            log.error("ckptd: step %d of job %r is committed with another save's rank %d (digest %s, this save's "
+                      "%s): another process saved the same job's step (two jobs of one name?)", step, job, rank,
+                      theirs, handle.digest)
+            return False
     try:
         storage.fsync_dir(path)
     except OSError as e:

@@ -22,6 +22,7 @@ class SaveHandle:
         self.setup_s = 0.0          # of stall_s: connecting and allocating slots (a first save, a resize)
         self.started = time.monotonic()
         self.durable_s: float | None = None
+        self.digest: str | None = None  # this rank's manifest digest, as its daemon reported it durable
         self.committed_s: float | None = None
         self.raw_bytes = 0
         self.stored_bytes = 0

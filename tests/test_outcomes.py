@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,28 @@ def test_rank0_killed_right_after_commit_leaves_no_false_failure(daemon, tmp):
         for s in range(1, last + 1):        # the job's next trial re-uses step numbers
             import shutil
             shutil.rmtree(step_dir(str(daemon.root), "dies", s))
+
+
+def test_a_step_another_daemon_committed_is_not_taken_for_this_saves_commit(daemon_factory):
+    """Two daemons on one root, two processes saving the same job's step 5 (two jobs of one name, or a
+    zombie trainer): A's shard is durable and its commit slow; B saves and commits the step meanwhile.
+    A's commit then fails ("already committed"), and A's client, finding an index.json, reported its save
+    committed: a step holding B's bytes. It now checks the index's digest for its rank against the one
+    its daemon reported durable: A's handle fails, B's commits, and the step restores B's bytes."""
+    a = daemon_factory("--debug-commit-delay", "3", name="a")
+    b = daemon_factory(name="b", root=a.root)
+    ck_a = ckptd_client.Checkpointer("twin", socket=str(a.socket), commit="local")
+    ck_b = ckptd_client.Checkpointer("twin", socket=str(b.socket), commit="local")
+    h_a = ck_a.save(5, {"w": torch.full((1024,), 1.0)})
+    deadline = time.monotonic() + 60
+    while h_a.durable_s is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert h_a.durable_s is not None and not h_a.done()
+    ck_b.save(5, {"w": torch.full((1024,), 2.0)}).wait(60)
+    with pytest.raises(ckptd_client.CheckpointError, match="already committed"):
+        h_a.wait(60)
+    ck_a.close()
+    ck_b.close()
+    live = {"w": torch.zeros(1024)}
+    reader = ckptd_client.Checkpointer("twin", root=str(a.root), memory=False, prepare=False)
+    assert reader.restore(live, step=5) == 5 and torch.equal(live["w"], torch.full((1024,), 2.0))
