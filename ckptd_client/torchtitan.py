@@ -31,6 +31,7 @@ back as bytes: ckptd itself never unpickles; torchtitan's loader does, as with D
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -51,8 +52,12 @@ from ckptd.core.reader import list_steps
 
 from .checkpointer import Checkpointer
 from .config import CheckpointerConfig
+from .errors import CheckpointError
 from .handle import SaveHandle
 from .hf import export_hf, import_hf
+from .memory_level import newest_held_step
+
+log = logging.getLogger("ckptd_client")
 
 
 class BytesAsTensors:
@@ -150,6 +155,16 @@ class CkptdCheckpointManager(BaseCheckpointManager):
             if c.memory_interval and latest != 0:    # the newest step every rank can restore, memory-level if newer
                 if self.ckpt.restore(loadable) is not None:
                     return True
+            elif c.memory_interval and newest_held_step(self.ckpt.resolve_root(), c.job, 0) is not None:
+                # Step 0 is the model alone (initial_load_in_hf): a memory-level step above it is the run's
+                # newest. Restored whole if every rank can; else step 0's model below (the full state's
+                # restore from step 0 is refused before anything is written: it lacks the optimizer).
+                try:
+                    if self.ckpt.restore(loadable) is not None:
+                        return True
+                except CheckpointError as e:
+                    log.warning("ckptd: the memory-level steps above step 0 cannot be restored (%s); "
+                                "loading step 0's model", e)
             step = -1 if latest is None else latest
         if step == -1 and c.initial_load_in_hf and c.initial_load_path:
             self._import_initial(c.initial_load_path)

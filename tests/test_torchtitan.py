@@ -63,3 +63,10 @@ def test_sigkill_resume_matches_uninterrupted_run(daemon: DaemonProcess, tmp: Pa
     loaded = load_file(tmp / "init.safetensors")
     assert all(torch.equal(loaded[k], final[k]) for k in final)
     assert (tmp / "root/fine-tune/step-000000000000/index.json").exists()
+    # ... and with memory_interval, killed at 3: the resume takes memory-level step 2, not the
+    # model-only step 0 (it skipped every memory-level step while step 0 was the newest stored one).
+    ft = (*common, "--interval", "100", *memory, "--job", "ft", "--hf-init", str(tmp / "hf-init"))
+    killed = st.finish(st.launch(2, *ft, "--kill-at", "3", script=WORKER), 600, expect_rc=-9)
+    assert "KILLED 3" in killed[0] and (tmp / "root/ft/_memory/step-000000000002/index.json").exists()
+    resumed = st.run_group(2, *ft, script=WORKER, timeout=600)
+    assert st.lines(resumed[0], "START") == [["2"]]
