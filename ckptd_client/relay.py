@@ -208,6 +208,8 @@ class StoreRelay:
             return self._lead(scope, s)
         key = store_keys.save_result(scope, s.step)
         if not self._waiter.wait([key], self._at(s, 2.0) + 5.0):
+            if self._stop.is_set():
+                return self._by_disk(s, 0.0, f"this process closed before rank 0's commit of step {s.step} was known")
             return self._by_disk(s, 0.0, f"timed out after {2 * self.timeout:g}s waiting for rank 0's commit")
         raw = self._own.get(key)
         self._trash.put(["read", key])      # counted, off this path; the last reader deletes it
@@ -226,7 +228,8 @@ class StoreRelay:
         else:                   # someone is missing: which (one key at a time, on this failure path only)
             values = [self._own.get(k) if self._own.check([k]) else None for k in keys]
         # Decoded here, once per node: rank 0 then decodes one document per node, not one per rank.
-        outcomes = tuple(_member(r, v, 0.7 * self.timeout) for r, v in zip(members, values, strict=True))
+        why = f"its node leader (rank {self.rank}) closed before this rank reported" if self._stop.is_set() else None
+        outcomes = tuple(_member(r, v, 0.7 * self.timeout, why) for r, v in zip(members, values, strict=True))
         self._own.set(store_keys.node_record(scope, s.step, self.node), NodeRecord(members.start, outcomes).encode())
         self._trash.put(keys)
 
@@ -235,6 +238,8 @@ class StoreRelay:
         node_keys = [store_keys.node_record(scope, s.step, n) for n in range(self.nodes)]
         nodes = self._receive(s, node_keys)
         if nodes is None:
+            if self._stop.is_set():       # (rank 0's own close or exit, not a lost node)
+                return self._fail(scope, s, f"rank 0's process closed while step {s.step} was being committed")
             missing = [n for i in range(0, self.nodes, CHUNK) for n, k in enumerate(node_keys[i: i + CHUNK], i)
                        if not self._own.check([k])]
             reason = self._describe_missing(missing)
@@ -349,7 +354,9 @@ class StoreRelay:
 
     def close(self) -> None:
         """Stop: a wait in progress ends within ``WAIT_SLICE_S`` (its save, already resolved by the
-        daemon when the Checkpointer closes, is settled by what the store or the disk says)."""
+        daemon when the Checkpointer closes, is settled by what the store or the disk says). The
+        threads are waited for, so that none uses the job's store after this returns (the caller may
+        be waiting on it: one connection is not for two threads at once)."""
         if self._closed:
             return
         self._closed = True
@@ -362,10 +369,11 @@ class StoreRelay:
 
 
 
-def _member(rank: int, raw: bytes | None, waited_s: float) -> RankOutcome:
-    """A member's outcome as its node record lists it: a missing or malformed one is its failure."""
+def _member(rank: int, raw: bytes | None, waited_s: float, why: str | None = None) -> RankOutcome:
+    """A member's outcome as its node record lists it: a missing or malformed one is its failure
+    (``why`` it is missing, when the wait did not run its course)."""
     if raw is None:
-        return RankOutcome.failed(f"rank {rank} never reported its outcome within {waited_s:g}s "
+        return RankOutcome.failed(why or f"rank {rank} never reported its outcome within {waited_s:g}s "
                                   "(its process or node is gone?)")
     try:
         return RankOutcome.decode(raw, rank)
