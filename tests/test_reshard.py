@@ -721,33 +721,83 @@ def test_region_intersect_and_row_span_match_their_elements() -> None:
     assert list(itertools.islice(_elements(Region((), ())), 2)) == [()]     # a scalar: one element
 
 
-def test_pieces_that_overlap_and_leave_a_gap_as_large_are_refused(daemon: Any) -> None:
-    """An edited step (manifest and index re-signed) whose two pieces of a 128-element tensor cover
-    [0, 64) and [32, 96): the restore counted 128 elements covered, read both (the second over the
-    first) and left [96, 128) as it was, reporting success. Now the overlap is named, nothing written."""
-    import copy
-
+def edited_step(daemon: Any, job: str, state: dict[str, Any], manifest: Any, index: Any) -> Path:
+    """Step 1 of ``job`` saved through the daemon, then its rank 0 manifest and index edited by
+    ``manifest(m)`` and ``index(i)`` and re-signed (digests recomputed), as someone who can write the
+    step could: every check that is not a digest must catch what was changed."""
     from ckptd.core.schema import digest_bytes, index_digest
-    with ckptd_client.Checkpointer("edited", socket=str(daemon.socket)) as ck:
-        ck.save(1, {"w": torch.arange(64.0)}).wait(60)
-    step = daemon.root / "edited" / "step-000000000001"
+    with ckptd_client.Checkpointer(job, socket=str(daemon.socket)) as ck:
+        ck.save(1, state).wait(60)
+    step = Path(daemon.root) / job / "step-000000000001"
     m = json.loads((step / "rank-00000.json").read_text())
-    (w,) = [t for t in m["tensors"] if t["name"] == "w"]
-    w["global"] = {"shape": [128], "offsets": [0]}
-    second = copy.deepcopy(w)
-    second["name"], second["global"] = "wB", {"shape": [128], "offsets": [32], "key": "w"}
-    m["tensors"].append(second)
+    manifest(m)
     body = json.dumps(m).encode()
     (step / "rank-00000.json").write_bytes(body)
-    index = json.loads((step / "index.json").read_text())
-    index["ranks"][0]["manifest_digest"] = digest_bytes(body)
-    index["tensors"]["w"] = {"dtype": "float32", "shape": [128], "kind": "sharded",
+    i = json.loads((step / "index.json").read_text())
+    i["ranks"][0]["manifest_digest"] = digest_bytes(body)
+    index(i)
+    i["digest"] = index_digest(i)
+    (step / "index.json").write_text(json.dumps(i))
+    return step
+
+
+def entry(m: Any, name: str) -> Any:
+    (t,) = [t for t in m["tensors"] if t["name"] == name]
+    return t
+
+
+def test_pieces_that_overlap_and_leave_a_gap_as_large_are_refused(daemon: Any) -> None:
+    """An edited step whose two pieces of a 128-element tensor cover [0, 64) and [32, 96): the restore
+    counted 128 elements covered, read both (the second over the first) and left [96, 128) as it was,
+    reporting success. Now the overlap is named, nothing written."""
+    import copy
+
+    def manifest(m: Any) -> None:
+        w = entry(m, "w")
+        w["global"] = {"shape": [128], "offsets": [0]}
+        second = copy.deepcopy(w)
+        second["name"], second["global"] = "wB", {"shape": [128], "offsets": [32], "key": "w"}
+        m["tensors"].append(second)
+
+    def index(i: Any) -> None:
+        i["tensors"]["w"] = {"dtype": "float32", "shape": [128], "kind": "sharded",
                              "pieces": [{"rank": 0, "name": "w", "offsets": [0], "sizes": [64]},
                                         {"rank": 0, "name": "wB", "offsets": [32], "sizes": [64]}]}
-    index["digest"] = index_digest(index)
-    (step / "index.json").write_text(json.dumps(index))
+    edited_step(daemon, "edited", {"w": torch.arange(64.0)}, manifest, index)
     live = {"w": torch.full((128,), 7.0)}
     reader = ckptd_client.Checkpointer("edited", root=str(daemon.root), memory=False, prepare=False)
     with pytest.raises(ckptd_client.CheckpointError, match="'w': the saved pieces overlap and leave a gap"):
         reader.restore(live, step=1)
     assert torch.equal(live["w"], torch.full((128,), 7.0))
+
+
+@pytest.mark.parametrize("case", ["dim 2**63", "strides past int64", "24 bytes claiming 4 TiB"])
+def test_sizes_beyond_any_tensor_are_format_errors_before_any_allocation(daemon: Any, case: str) -> None:
+    """An edited step's tensor of shape [0, 2**63] or [0, 2**62, 2**62] (numel 0: verify said OK, a
+    restore failed inside torch, export wrote a header safetensors cannot load), or one 24-byte zstd
+    chunk claiming 4 TiB (a restore tried to allocate them; export died with numpy's MemoryError).
+    Each is now refused by the manifest's parse, naming the tensor, by every reader."""
+    from ckptd.core.reader import verify_step
+    shape, chunks = {
+        "dim 2**63": ([0, 2**63], None),
+        "strides past int64": ([0, 2**62, 2**62], None),
+        "24 bytes claiming 4 TiB": ([2**40], [["zstd", 2**42, 24, "2d1a3c579a15eedd", [[24, "z"]],
+                                               "0000000000000000"]]),
+    }[case]
+
+    def manifest(m: Any) -> None:
+        x = entry(m, "x")
+        x["shape"] = shape
+        if chunks is not None:
+            x["chunks"] = chunks
+
+    def index(i: Any) -> None:
+        i["tensors"]["x"]["shape"] = shape
+    step = edited_step(daemon, f"big{len(case)}", {"x": torch.zeros(0), "y": torch.arange(4.0)}, manifest, index)
+    faults = verify_step(str(step))
+    assert faults and all(f.reason for f in faults), faults
+    assert "beyond any tensor" in " ".join(f.reason for f in faults) or \
+        "more than any codec expands to" in " ".join(f.reason for f in faults), faults
+    reader = ckptd_client.Checkpointer(f"big{len(case)}", root=str(daemon.root), memory=False, prepare=False)
+    with pytest.raises(ckptd_client.CheckpointError, match="beyond any tensor|more than any codec expands to"):
+        reader.restore({"y": torch.zeros(4)}, step=1)

@@ -31,7 +31,7 @@ from .names import validate_tensor_name
 from .piece_grid import PieceGrid, fit_arrays
 from .rank_record import RankRecord, RecordEntry, fingerprint, summarize
 from .regions import Region
-from .schema import DTYPE_ITEMSIZE, Manifest
+from .schema import DTYPE_ITEMSIZE, Manifest, sizable
 
 __all__ = ["LOCAL", "SHARDED", "GlobalTensor", "Holders", "Piece", "build_from_records", "build_tensor_map",
            "fingerprint", "parse_tensor_map", "per_rank_keys"]
@@ -266,6 +266,8 @@ def parse_tensor_map(obj: Any, world_size: int) -> dict[str, GlobalTensor]:
         if not (isinstance(t, dict) and t.get("dtype") in DTYPE_ITEMSIZE and t.get("kind") in (SHARDED, LOCAL)
                 and _uints(t.get("shape"))):
             raise FormatError(f"{where}: needs dtype, shape and kind")
+        if not sizable(t["shape"], DTYPE_ITEMSIZE[t["dtype"]]):
+            raise FormatError(f"{where}: shape {str(t['shape'])[:200]} is beyond any tensor (over 2**62 bytes)")
         shape = tuple(t["shape"])
         same = t.get("same", True)
         if type(same) is not bool:

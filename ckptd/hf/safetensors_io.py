@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ckptd.core import storage
 from ckptd.core.errors import FormatError
-from ckptd.core.schema import DTYPE_ITEMSIZE
+from ckptd.core.schema import DTYPE_ITEMSIZE, sizable
 
 MAX_HEADER_BYTES = 100_000_000       # what safetensors itself accepts
 MAX_DIMS = 64
@@ -121,6 +121,8 @@ def read_header(fd: int, path: str) -> tuple[list[StTensor], dict[str, str]]:
         shape, offs = t["shape"], t["data_offsets"]
         if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(type(x) is int and x >= 0 for x in shape)):
             raise FormatError(f"{where}: shape must be a list of at most {MAX_DIMS} non-negative ints")
+        if not sizable(shape, DTYPE_ITEMSIZE[dtype]):
+            raise FormatError(f"{where}: shape {str(shape)[:200]} is beyond any tensor (over 2**62 bytes)")
         if not (isinstance(offs, list) and len(offs) == 2 and all(type(x) is int and x >= 0 for x in offs)
                 and offs[0] <= offs[1]):
             raise FormatError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end")
