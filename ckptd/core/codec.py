@@ -354,3 +354,13 @@ def chunk_ranges(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
     if nbytes == 0:
         return [(0, 0)]
     return [(s, min(chunk_bytes, nbytes - s)) for s in range(0, nbytes, chunk_bytes)]
+
+
+# zstd's best ratio is an RLE block: 3 bytes of header for 128 KiB (43,690:1); no chunk decodes to more
+# than this many times its stored bytes, so a manifest cannot make a reader allocate terabytes for 24 bytes.
+MAX_EXPANSION, MAX_EXPANSION_SLACK = 1 << 16, 1 << 17
+
+
+def max_raw(stored_len: int) -> int:
+    """The most raw bytes a chunk of ``stored_len`` stored bytes can decode to, whatever its codec."""
+    return MAX_EXPANSION * stored_len + MAX_EXPANSION_SLACK

@@ -31,7 +31,8 @@ from .names import validate_tensor_name
 from .piece_grid import PieceGrid, fit_arrays
 from .rank_record import RankRecord, RecordEntry, fingerprint, summarize
 from .regions import Region
-from .schema import DTYPE_ITEMSIZE, Manifest, sizable
+from .schema import DTYPE_ITEMSIZE, Manifest
+from .sizes import sizable
 
 __all__ = ["LOCAL", "SHARDED", "GlobalTensor", "Holders", "Piece", "build_from_records", "build_tensor_map",
            "fingerprint", "parse_tensor_map", "per_rank_keys"]

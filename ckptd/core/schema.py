@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import gc_pause
-from .codec import FLOAT_ITEMSIZE, ChunkMeta
+from .codec import FLOAT_ITEMSIZE, ChunkMeta, max_raw
 from .errors import FormatError
 from .names import (
     MAX_TENSOR_NAME,
@@ -28,6 +28,7 @@ from .names import (
     validate_tensor_name,
 )
 from .regions import Region
+from .sizes import sizable
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)     # format 1: no global placement, no tensor map in the index
@@ -195,17 +196,6 @@ class Manifest:
         return {t.name: t for t in self.tensors}
 
 
-MAX_TENSOR_BYTES = 1 << 62      # a tensor's bytes (its non-zero dimensions'): torch's strides are int64
-
-
-def sizable(shape: Any, itemsize: int) -> bool:
-    """Whether ``shape`` (a list of non-negative ints) is one torch can make: each dimension and
-    the bytes of its non-zero dimensions under ``MAX_TENSOR_BYTES`` (a zero dimension does not make
-    the others' strides fit)."""
-    return all(d < MAX_TENSOR_BYTES for d in shape) and \
-        math.prod(d for d in shape if d) * itemsize <= MAX_TENSOR_BYTES
-
-
 def validate_shape(dtype: Any, shape: Any) -> None:
     # (Messages built only on failure: a commit validates every rank's tensors, 65k at 32k ranks.)
     if not (isinstance(dtype, str) and dtype in DTYPE_ITEMSIZE):
@@ -254,18 +244,13 @@ def load_json(data: bytes, what: str) -> Any:
         raise FormatError(f"{what} nests too deeply to parse") from None
 
 
-# zstd's best ratio is an RLE block: 3 bytes of header for 128 KiB (43,690:1); no chunk decodes to more
-# than this many times its stored bytes, so a manifest cannot make a reader allocate terabytes for 24 bytes.
-MAX_EXPANSION, MAX_EXPANSION_SLACK = 1 << 16, 1 << 17
-
-
 def _check_chunks(entry: TensorEntry) -> None:
     """Chunk metadata consistent with the codec and dtype, so decoding cannot trip over it. (Each
     message built only on failure: this runs for every chunk of a manifest a restore parses.)"""
     for c in entry.chunks:
         if c.stored_len > c.raw_len:
             raise FormatError(f"tensor {entry.name!r}: a chunk stores more bytes than it holds")
-        if c.raw_len > MAX_EXPANSION * c.stored_len + MAX_EXPANSION_SLACK:
+        if c.raw_len > max_raw(c.stored_len):
             raise FormatError(f"tensor {entry.name!r}: a chunk of {c.stored_len} stored bytes claims {c.raw_len}, "
                               "more than any codec expands to")
         if c.codec == "bplane":

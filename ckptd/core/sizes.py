@@ -1,4 +1,5 @@
-"""Byte sizes as people write them: the one parser the daemon's settings and ``ckptd export`` share.
+"""Byte sizes as people write them: the one parser the daemon's settings and ``ckptd export`` share;
+and the largest tensor a shape read from disk may describe (``sizable``).
 
 Units, case-insensitive: none or ``B`` (bytes); ``K``/``KB``, ``M``/``MB``, ``G``/``GB``,
 ``T``/``TB`` are decimal (SI: 1000, as huggingface_hub reads ``"5GB"``); ``KiB``, ``MiB``,
@@ -6,6 +7,7 @@ Units, case-insensitive: none or ``B`` (bytes); ``K``/``KB``, ``M``/``MB``, ``G`
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -30,3 +32,14 @@ def parse_size(v: Any, *, minimum: int = 0) -> int:
     if n < minimum:
         raise ValueError(f"size {v!r} must be at least {minimum} bytes")
     return n
+
+
+MAX_TENSOR_BYTES = 1 << 62      # a tensor's bytes (its non-zero dimensions'): torch's strides are int64
+
+
+def sizable(shape: Any, itemsize: int) -> bool:
+    """Whether ``shape`` (a list of non-negative ints) is one torch can make: each dimension and the
+    bytes of its non-zero dimensions at most ``MAX_TENSOR_BYTES`` (a zero dimension does not make the
+    others' strides fit)."""
+    return all(d < MAX_TENSOR_BYTES for d in shape) and \
+        math.prod(d for d in shape if d) * itemsize <= MAX_TENSOR_BYTES

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from ckptd.core import storage
 from ckptd.core.errors import FormatError
-from ckptd.core.schema import DTYPE_ITEMSIZE, sizable
+from ckptd.core.schema import DTYPE_ITEMSIZE
+from ckptd.core.sizes import sizable
 
 MAX_HEADER_BYTES = 100_000_000       # what safetensors itself accepts
 MAX_DIMS = 64
