@@ -33,9 +33,10 @@ class DaemonSession:
     for before the slots are resized."""
 
     def __init__(self, socket_path: str, job: str, rank: int, world_size: int, num_slots: int,
-                 on_event: EventHandler, on_lost: LostHandler) -> None:
+                 on_event: EventHandler, on_lost: LostHandler, local_ranks: int = 1) -> None:
         self.socket_path = socket_path
         self.job, self.rank, self.world_size = job, rank, world_size
+        self.local_ranks = local_ranks           # the job's ranks on this node (hello: slot budget shares)
         self.num_slots = num_slots
         self.daemon_root: str | None = None      # where the daemon writes, as its hello said
         self.fills = False                       # its daemon takes a save before the slot is full (handoff.py)
@@ -161,6 +162,7 @@ class DaemonSession:
     def _connect(self, slot_bytes: int) -> DaemonConnection:
         conn = DaemonConnection(self.socket_path, self._event, on_lost=self._lost)
         hello = protocol.Hello(job=self.job, rank=self.rank, world_size=self.world_size, pid=os.getpid(),
+                               local_ranks=self.local_ranks,
                                slot_bytes=slot_bytes, num_slots=self.num_slots if slot_bytes else 0)
         try:
             reply = conn.request(hello)

@@ -233,3 +233,23 @@ def test_an_interrupt_while_the_first_part_waits_for_its_answer_leaves_nothing_b
     target = {"w": torch.zeros(10 * MiB)}
     assert ck.restore(target, 2) == 2 and torch.equal(target["w"], state["w"])
     ck.close()
+
+
+def test_a_rank_that_streams_leaves_room_for_the_nodes_other_ranks(daemon_factory) -> None:
+    """Two ranks of a job on one node, the slot budget short: rank 1's state (3 MiB) streams and was lent
+    the whole budget (2 x 2 MiB), so rank 0's hello was refused ("less than 2 x 1 MiB left") and no step of
+    the job could commit while rank 1 stayed. A shrunk grant now leaves the smallest slots for each of the
+    node's ranks not connected yet (hello says how many there are): both ranks save and the step commits."""
+    d = daemon_factory("--slot-memory-limit", "4MiB")
+    cks = [ckptd_client.Checkpointer("greedy", socket=str(d.socket), rank=r, world_size=2, commit="local",
+                                     local_world_size=2) for r in range(2)]
+    states = [{"w": torch.arange(2048.0)}, {"w": torch.randn(3 * MiB // 4)}]
+    h1 = cks[1].save(1, states[1])
+    h0 = cks[0].save(1, states[0])
+    h0.wait(120)
+    h1.wait(120)
+    for r in (0, 1):
+        target = {"w": torch.zeros_like(states[r]["w"])}
+        assert cks[r].restore(target) == 1 and torch.equal(target["w"], states[r]["w"]), r
+    for ck in cks:
+        ck.close()

@@ -94,6 +94,7 @@ class Hello:
     pid: int
     slot_bytes: int
     num_slots: int
+    local_ranks: Any = 1        # the job's ranks on this node: a shrunk grant leaves room for the others'
     op: ClassVar[Op] = Op.HELLO
 
 

@@ -22,6 +22,7 @@ from ckptd.core.rank_record import parse_records
 from ckptd.daemon.filling import FillingSlot
 from ckptd.daemon.runtime import RequestError, bounded, describe_error
 from ckptd.daemon.session import Session
+from ckptd.daemon.slot_pool import MIN_SLOT_BYTES
 from ckptd.daemon.streamed import StreamedShard, check_stream
 from ckptd.daemon.tiers.base import ShardRef
 from ckptd.daemon.tiers.fs.commit import CommitError
@@ -99,9 +100,11 @@ class Requests:
         if not names.is_rank(h.rank, h.world_size):
             raise RequestError(f"bad rank {h.rank} / world size {h.world_size}")
         session.job, session.rank, session.world_size = job, h.rank, h.world_size
+        session.local_ranks = h.local_ranks if type(h.local_ranks) is int and 1 <= h.local_ranks <= h.world_size \
+            else 1
         try:
             session.slots, fds = await self.d.slots.allocate(f"ckptd-{job}-r{h.rank}", h.slot_bytes, h.num_slots,
-                                                             lambda: session.closed)
+                                                             lambda: session.closed, self._spare(session, h.num_slots))
         except RequestError:
             session.job, session.rank, session.world_size = None, -1, 0   # the hello did not happen
             raise
@@ -117,8 +120,15 @@ class Requests:
         self.d.slots.release(session.slots)
         session.slots = []
         session.slots, fds = await self.d.slots.allocate(f"ckptd-{job}-r{session.rank}", r.slot_bytes, r.num_slots,
-                                                         lambda: session.closed)
+                                                         lambda: session.closed, self._spare(session, r.num_slots))
         return {"slots": [s.size for s in session.slots]}, fds
+
+    def _spare(self, session: Session, num_slots: object) -> int:
+        """Slot bytes a shrunk grant leaves for the job's ranks on this node not connected yet (the
+        smallest slots each: ``MIN_SLOT_BYTES``), so a rank whose state streams cannot lock them out."""
+        others = {s.rank for s in self.d.sessions if s is not session and s.job == session.job and not s.closed}
+        missing = max(0, session.local_ranks - 1 - len(others))
+        return missing * MIN_SLOT_BYTES * (num_slots if type(num_slots) is int and num_slots > 0 else 1)
 
     def _job_key(self, session: Session, level: str) -> str:
         """The session's job, or its memory-level job key for ``level="memory"`` (memory tier on)."""

@@ -101,6 +101,7 @@ class Session:
         self.job: str | None = None
         self.rank = -1
         self.world_size = 0
+        self.local_ranks = 1            # the job's ranks on this node, as its hello said (slot budget shares)
         self.slots: list[Slot] = []
         self.streams: dict[int, StreamedShard] = {}     # step → a save streamed through the slots
         self.filling: dict[int, FillingSlot] = {}       # step → a save whose slot is still being filled

@@ -91,7 +91,7 @@ class SlotPool:
         self._executor = executor
 
     async def allocate(self, owner: str, slot_bytes: int, num_slots: object,
-                       abandoned: Callable[[], bool]) -> tuple[list[Slot], list[int]]:
+                       abandoned: Callable[[], bool], spare: int = 0) -> tuple[list[Slot], list[int]]:
         """``num_slots`` slots of ``slot_bytes`` (rounded up to pages), or smaller ones where the budget
         has less left: (slots, copies of their memfds to send; the caller closes those once sent).
 
@@ -104,9 +104,11 @@ class SlotPool:
             raise RequestError(f"bad slot request: {num_slots} slots of {slot_bytes} bytes (1-{MAX_SLOTS} slots)")
         page = mmap.PAGESIZE
         size = -(-slot_bytes // page) * page
-        if self.in_use + size * num_slots > self.limit:
-            # Smaller slots then: the client streams a save through them (streamed.py).
-            fit = (self.limit - self.in_use) // num_slots // page * page
+        if self.in_use + size * num_slots > self.limit - spare:
+            # Smaller slots then: the client streams a save through them (streamed.py); ``spare`` bytes
+            # stay for the sessions of the node's other ranks still to come (else one rank that streams
+            # takes the whole budget, and they can never save).
+            fit = max(0, self.limit - spare - self.in_use) // num_slots // page * page
             if fit < MIN_SLOT_BYTES:
                 raise RequestError(
                     f"slot memory limit: {num_slots} x {size} bytes requested, {self.in_use} of "
