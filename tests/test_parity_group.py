@@ -217,6 +217,37 @@ def test_a_parity_buffer_that_cannot_be_allocated_leaves_no_charge(tmp_path) -> 
     assert extra_used == [0, 0, 0, 0] and units == [0, 0, 0, 0]
 
 
+def rebuild_past_a_liar(nodes: list[Node], sizes: list[int], *, gone: tuple[int, ...], liar: int,
+                        lie: Any, rebuilder: int) -> tuple[bytes | None, list[str]]:
+    """Every node holds and protects its rank's shard (``sizes``); node 1 loses it, the ``gone`` nodes
+    stop, ``liar`` is replaced by a FakePeer answering with ``lie``, and node ``rebuilder`` rebuilds
+    rank 1: (its bytes or None, the ops the liar was asked)."""
+    world = len(nodes)
+
+    async def main() -> tuple[bytes | None, list[str]]:
+        await started(nodes)
+        fake = None
+        try:
+            digests = {}
+            for i, nd in enumerate(nodes):
+                h = nd.hold(i, world, data(sizes[i], i))
+                assert h.meta is not None and await nd.parity.protect_now(h) == 1
+                digests[i] = h.meta.digest
+            nodes[1].store.drop_step(JOB, STEP, {1})            # node 1 lost its shard
+            for g in gone:
+                await nodes[g].server.stop()
+            await nodes[liar].server.stop()
+            fake = FakePeer(nodes[liar].addr, lie)               # it answers, and lies
+            held = await nodes[rebuilder].rebuilder.rebuild(JOB, STEP, 1, digests[1])
+            got = bytes(held.mm[:sizes[1]]) if held is not None and held.mm is not None else None
+            return got, [m["op"] for m in fake.asked]
+        finally:
+            if fake is not None:
+                fake.close()
+            await stopped([nd for i, nd in enumerate(nodes) if i != liar and i not in gone])
+    return asyncio.run(main())
+
+
 def test_a_peer_claiming_a_huge_piece_is_refused_before_allocating_and_the_rebuild_goes_on() -> None:
     """P = 2: node 1's shard is lost and node 2, still answering, lies to the parity holders reducing
     a stripe both are data members of: a piece of 1 TiB (as much as a frame may claim). A holder allocated what the
@@ -232,28 +263,7 @@ def test_a_peer_claiming_a_huge_piece_is_refused_before_allocating_and_the_rebui
             return {"op": "parity", "q": 0, "checksum": "0" * 16, "record": []}, MAX_HELD_BYTES, b""
         return {"op": "missing"}, 0, b""
 
-    async def main() -> tuple[bytes | None, list[str]]:
-        nodes = group(4, 4, 2)
-        await started(nodes)
-        fake = None
-        try:
-            digests = {}
-            for i, nd in enumerate(nodes):
-                h = nd.hold(i, 4, data(sizes[i], i))
-                assert h.meta is not None and await nd.parity.protect_now(h) == 1
-                digests[i] = h.meta.digest
-            nodes[1].store.drop_step(JOB, STEP, {1})            # node 1 lost its shard
-            await nodes[2].server.stop()
-            fake = FakePeer(nodes[2].addr, lie)                  # node 2 answers, and lies
-            held = await nodes[0].rebuilder.rebuild(JOB, STEP, 1, digests[1])
-            got = bytes(held.mm[:sizes[1]]) if held is not None and held.mm is not None else None
-            return got, [m["op"] for m in fake.asked]
-        finally:
-            if fake is not None:
-                fake.close()
-            await stopped([nodes[0], nodes[1], nodes[3]])
-
-    got, asked = asyncio.run(main())
+    got, asked = rebuild_past_a_liar(group(4, 4, 2), sizes, gone=(), liar=2, lie=lie, rebuilder=0)
     assert "get_piece" in asked                               # a holder did ask the liar for its piece
     assert got == data(sizes[1], 1)
 
@@ -275,28 +285,6 @@ def test_a_parity_record_naming_no_member_is_not_used_and_the_rebuild_goes_on() 
 
     nodes = group(5, 5, 3)
     addrs = [nd.addr for nd in nodes]
-
-    async def main() -> tuple[bytes | None, list[str]]:
-        await started(nodes)
-        fake = None
-        try:
-            digests = {}
-            for i, nd in enumerate(nodes):
-                h = nd.hold(i, 5, data(n, i))
-                assert h.meta is not None and await nd.parity.protect_now(h) == 1
-                digests[i] = h.meta.digest
-            nodes[1].store.drop_step(JOB, STEP, {1})            # node 1 lost its shard
-            await nodes[2].server.stop()                       # node 2 is gone
-            await nodes[0].server.stop()
-            fake = FakePeer(nodes[0].addr, lie)                 # node 0 answers, and lies
-            held = await nodes[4].rebuilder.rebuild(JOB, STEP, 1, digests[1])
-            got = bytes(held.mm[:n]) if held is not None and held.mm is not None else None
-            return got, [m["op"] for m in fake.asked]
-        finally:
-            if fake is not None:
-                fake.close()
-            await stopped([nodes[1], nodes[3], nodes[4]])
-
-    got, asked = asyncio.run(main())
+    got, asked = rebuild_past_a_liar(nodes, [n] * 5, gone=(2,), liar=0, lie=lie, rebuilder=4)
     assert "get_parity" in asked                              # a holder did ask the liar for its row
     assert got == data(n, 1)

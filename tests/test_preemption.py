@@ -142,19 +142,15 @@ def test_a_memory_level_save_of_the_step_is_saved_to_storage_as_well(daemon):
     """The loop saved the stop step at memory level: the handler took that save for the preemption
     checkpoint, said committed, and the step was gone with the daemon. It now lets it settle and
     saves the step to storage."""
-    ck = ckptd_client.Checkpointer("mlv", socket=str(daemon.socket))
     state = {"w": torch.arange(8.0)}
-    preempt = ckptd_client.PreemptionHandler(ck, signals=(signal.SIGUSR2,))
-    try:
+    with ckptd_client.Checkpointer("mlv", socket=str(daemon.socket)) as ck, \
+            ckptd_client.PreemptionHandler(ck, signals=(signal.SIGUSR2,)) as preempt:
         ck.save(4, state).wait(60)
         state["w"] += 1
         h = ck.save(5, state, level="memory")
         preempt.request()
         assert preempt.should_stop(5, state) and preempt.saved_step == 5 and preempt.error is None
         assert h.committed
-    finally:
-        preempt.close()
-        ck.close()
     assert ck.latest_step() == 5
     with ckptd_client.Checkpointer("mlv", root=str(daemon.root), memory=False) as fresh:
         live = {"w": torch.zeros(8)}

@@ -29,12 +29,14 @@ from ckptd.daemon.tiers.fs.retention import collect_job, collect_root, plan_job
 DAY = 86400.0
 
 
-def make_step(root: Path, job: str, step: int, committed: bool, age_s: float = 0.0) -> Path:
-    """A step directory with the files ckptd writes; mtimes set ``age_s`` in the past."""
-    d = root / job / step_dir_name(step)
+def make_step(root: Path, job: str, step: int, committed: bool, age_s: float = 0.0, memory: bool = False) -> Path:
+    """A step directory with the files ckptd writes; mtimes set ``age_s`` in the past. ``memory``: a
+    memory-level step's (``<job>/_memory/step-N``: its rank manifests, no data file)."""
+    d = root / job / MEMORY_LEVEL_DIR / step_dir_name(step) if memory else root / job / step_dir_name(step)
     d.mkdir(parents=True)
-    (d / "rank-00000.data").write_bytes(b"x" * 10)
-    (d / "rank-00000.json").write_text("{}")
+    if not memory:
+        (d / "rank-00000.data").write_bytes(b"x" * 10)
+    (d / rank_manifest_name(0)).write_text("{}")
     if committed:
         (d / "index.json").write_text("{}")
     t = time.time() - age_s
@@ -205,16 +207,7 @@ def test_gc_removes_every_file_ckptd_names_whole_steps_only(tmp):
 
 
 def make_memory_level_step(root: Path, job: str, step: int, committed: bool, age_s: float) -> Path:
-    """What a memory-level save leaves on disk: its rank manifests (and index.json once committed)."""
-    d = root / job / MEMORY_LEVEL_DIR / step_dir_name(step)
-    d.mkdir(parents=True)
-    (d / rank_manifest_name(0)).write_text("{}")
-    if committed:
-        (d / "index.json").write_text("{}")
-    t = time.time() - age_s
-    for p in [*d.iterdir(), d]:
-        os.utime(p, (t, t))
-    return d
+    return make_step(root, job, step, committed, age_s, memory=True)
 
 
 def test_uncommitted_memory_level_steps_are_collected_like_abandoned_steps(tmp):
