@@ -21,6 +21,7 @@ DTensors like the parameters) and loaded back through torch's ``set_*_state_dict
 """
 from __future__ import annotations
 
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,7 +48,9 @@ from .restore import apply_loaded
 from .restore_check import Outcome, check_plain, saved_leaves
 
 MEMORY, PEER = "memory", "peer"
+log = logging.getLogger("ckptd_client")
 FETCH_TIMEOUT_S = 300.0       # a replacement node's daemon may first fetch the shard from a peer
+CORRUPT = "corrupt:"          # how a held copy failing its checksums is said (restore_from_memory asks again)
 TASK_BYTES = 64 << 20         # a restore thread's share of a tensor at a time
 SMALL_READS = 256 << 10       # reads this small on average: one thread (more contend for the GIL, see _read_all)
 
@@ -83,7 +86,7 @@ def _read_into(held: HeldMap, t: TensorLayout, out: torch.Tensor, sums: tuple[st
         except ValueError as e:
             raise MemoryUnavailable(f"held shard: tensor {t.name!r}: {e}") from None
         if digest != sums[i]:
-            raise MemoryUnavailable(f"corrupt: memory copy of tensor {t.name!r}: chunk {i} (bytes {start}..{end}) "
+            raise MemoryUnavailable(f"{CORRUPT} memory copy of tensor {t.name!r}: chunk {i} (bytes {start}..{end}) "
                                     "fails its checksum")
 
 
@@ -122,12 +125,13 @@ def _read_all(held: HeldMap, reads: list[tuple[TensorLayout, torch.Tensor, tuple
 
 
 def fetch_held(socket_path: str, job: str, step: int, rank: int,
-               world_size: int) -> tuple[Exchange, HeldMeta, int, str]:
+               world_size: int, verify: bool = False) -> tuple[Exchange, HeldMeta, int, str]:
     """(exchange, meta, memfd, source); the daemon keeps the shard pinned until the exchange is closed.
-    ``job``: a job, or the job key of its memory-level steps (``names.memory_job``)."""
+    ``job``: a job, or the job key of its memory-level steps (``names.memory_job``). ``verify``: the
+    copy served before failed its checksums: the daemon checks its own first (a peer's if it is bad)."""
     level = protocol.SaveLevel.MEMORY if is_memory_job(job) else protocol.SaveLevel.STORAGE
     try:
-        x = Exchange(socket_path, protocol.MemoryFetch(base_job(job), rank, world_size, step, level.value),
+        x = Exchange(socket_path, protocol.MemoryFetch(base_job(job), rank, world_size, step, level.value, verify),
                      timeout=FETCH_TIMEOUT_S, connect_timeout=5.0)
     except Unreachable as e:
         raise MemoryUnavailable(str(e)) from None
@@ -210,8 +214,24 @@ def _check(meta: HeldMeta, layout: dict[str, tuple[TensorLayout, Any]], state: d
 def restore_from_memory(socket_path: str, job: str, step: int, rank: int, world_size: int,
                         state: dict[str, Any], threads: int, strict: bool = True) -> MemoryCopy:
     """Load ``step`` into ``state`` from the daemon's memory (see the module docstring): a state at the
-    saved world size whose tensors are plain, or DTensors whose local shards are the held pieces."""
-    conn, meta, fd, source = fetch_held(socket_path, job, step, rank, world_size)
+    saved world size whose tensors are plain, or DTensors whose local shards are the held pieces. A
+    copy that fails its checksums is asked for again, once, checked by the daemon first: it drops a
+    corrupt copy of its own for a peer's (the bytes read so far are all written over)."""
+    try:
+        return _restore_once(socket_path, job, step, rank, world_size, state, threads, strict, False)
+    except MemoryUnavailable as e:
+        if not str(e).startswith(CORRUPT):
+            raise
+        log.warning("ckptd: %s; asking the daemon for a checked copy", e)
+        try:
+            return _restore_once(socket_path, job, step, rank, world_size, state, threads, strict, True)
+        except MemoryUnavailable as again:
+            raise MemoryUnavailable(f"{e}; asked again for a checked copy: {again}", pieces=again.pieces) from None
+
+
+def _restore_once(socket_path: str, job: str, step: int, rank: int, world_size: int, state: dict[str, Any],
+                  threads: int, strict: bool, verify: bool) -> MemoryCopy:
+    conn, meta, fd, source = fetch_held(socket_path, job, step, rank, world_size, verify)
     try:
         layout = {t.name: (t, sums) for t, sums in zip(meta.layout, meta.checksums, strict=True)}
         model = sharded_model_of(state)

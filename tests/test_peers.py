@@ -303,3 +303,33 @@ def test_two_fetches_of_a_lost_rank_at_once_are_both_served(daemon_factory, tmp)
         t.join(120)
     assert results == ["peer 4000000", "peer 4000000"], results
     assert fresh.log_text().count("rebuilt from parity") == 1
+
+
+def test_a_corrupt_held_copy_of_its_own_gives_way_to_the_peers_replica(nodes, tmp):
+    """Node B's own held copy of its rank's shard goes bad (a flipped byte in its memfd) and the data files
+    are gone; A holds an intact replica. The restore found the bad checksum and gave up on memory (storage:
+    MissingData), and B served the same bad copy on every try. Now the client asks B again for a checked
+    copy: B finds its own corrupt, drops it (counted), fetches A's replica, and the restore is bit-exact."""
+    import os
+
+    import torch
+    a, b, addrs, secret = nodes
+    state = {"w": torch.randn(300_000, generator=torch.Generator().manual_seed(3))}
+    ck = ckptd_client.Checkpointer("lc", socket=str(b.socket), num_slots=1)
+    ck.save(6, state).wait(60)
+    wait_for(lambda: any(s["step"] == 6 and s["replicated"] for s in held_steps(b.socket)), "B's step 6 replicated")
+    fds = [p for p in Path(f"/proc/{b.proc.pid}/fd").iterdir()
+           if os.readlink(p).startswith("/memfd:ckptd-mem-lc-6-r0 ")]
+    assert fds, [os.readlink(p) for p in Path(f"/proc/{b.proc.pid}/fd").iterdir()]     # (one memfd, maybe dup'ed)
+    with open(fds[0], "r+b") as f:               # one bit of B's own copy flipped
+        f.seek(4000)
+        byte = f.read(1)
+        f.seek(4000)
+        f.write(bytes([byte[0] ^ 0x10]))
+    assert remove_data_files(b.root, "lc") == 1
+    target = {"w": torch.zeros(300_000)}
+    assert ck.restore(target) == 6
+    assert ck.last_restore is not None and ck.last_restore.source == "peer", ck.last_restore
+    assert torch.equal(target["w"].view(torch.int32), state["w"].view(torch.int32))
+    assert status(b.socket)["memory"]["totals"]["corrupt"] == 1
+    ck.close()

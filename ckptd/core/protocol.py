@@ -193,6 +193,7 @@ class MemoryFetch:      # no hello; reply: the held shard's layout (core.held.He
     world_size: int
     step: Any = None            # None: the newest committed step
     level: str = "storage"      # "memory": a memory-level step's shard
+    verify: bool = False        # check the held copy first (the one served failed its checksums): a peer's if bad
     op: ClassVar[Op] = Op.MEMORY_FETCH
 
 

@@ -175,7 +175,7 @@ class MemoryService:
             raise RequestError(f"bad rank {m.rank} / world size {m.world_size}")
         fetch_peer = self.replicator.fetch if self.replicator is not None else \
             self._fetch_or_rebuild if self.rebuilder is not None else None
-        held, source = await self.memory.serve(job, m.step, m.rank, m.world_size, fetch_peer)
+        held, source = await self.memory.serve(job, m.step, m.rank, m.world_size, fetch_peer, verify=m.verify)
         self.reading.setdefault(conn, []).append(held)
         assert held.meta is not None
         log.info("restore from memory", extra={"ctx": {"job": job, "step": held.step, "rank": m.rank,

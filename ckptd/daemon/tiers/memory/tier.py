@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from ckptd.core.errors import FormatError
+from ckptd.core.errors import ChecksumError, FormatError
 from ckptd.core.held import HeldMeta, layout_checksums, span, written_checksums
+from ckptd.core.held import verify as verify_chunks
 from ckptd.core.names import INDEX_NAME, base_job, is_memory_job, memory_job, step_dir
 from ckptd.core.rank_record import RankRecord
 from ckptd.core.reader import StepReader
@@ -287,10 +288,12 @@ class MemoryTier(StorageTier):
         return step, digests[rank]
 
     async def serve(self, job: str, step: int | None, rank: int, world_size: int,
-                    fetch_peer: Callable[[str, int, int, str], Awaitable[Held | None]] | None
-                    ) -> tuple[Held, str]:
+                    fetch_peer: Callable[[str, int, int, str], Awaitable[Held | None]] | None,
+                    verify: bool = False) -> tuple[Held, str]:
         """The committed shard (pinned: ``store.unpin`` it when the client is done) and where it came
-        from (``memory`` or ``peer``); RequestError saying why not (the client reads storage)."""
+        from (``memory`` or ``peer``); RequestError saying why not (the client reads storage).
+        ``verify``: the copy served before failed the client's checksums: this one is checked first,
+        and a corrupt one dropped for a peer's."""
         if not self.store.enabled:
             raise RequestError("the memory tier is off on this daemon (memory_steps = 0)")
         step, digest = await self.committed_digest(job, step, rank, world_size)
@@ -299,6 +302,8 @@ class MemoryTier(StorageTier):
             log.warning("held shard is not the committed one; dropped",
                         extra={"ctx": {"job": job, "step": step, "rank": rank}})
             self.store.drop_step(job, step, {rank})
+            held = None
+        if held is not None and held.meta is not None and verify and not await self._intact(held):
             held = None
         if held is None and fetch_peer is not None:
             held, source = await self._fetch_once(fetch_peer, job, step, rank, digest), "peer"
@@ -311,6 +316,32 @@ class MemoryTier(StorageTier):
         self.store.pin(held)
         self.store.totals.served += 1
         return held, source
+
+    async def _intact(self, held: Held) -> bool:
+        """Whether a held shard passes every chunk checksum of its meta (checked on the pool, pinned);
+        a corrupt one is dropped and counted (``corrupt``), and logged."""
+        meta = held.meta
+        assert meta is not None and held.mm is not None
+        mm = held.mm
+
+        def check() -> None:
+            view = memoryview(mm)
+            try:
+                for t, sums in zip(meta.layout, meta.checksums, strict=True):
+                    verify_chunks(view[t.offset:t.offset + t.nbytes], sums, meta.chunk_bytes, meta.what)
+            finally:
+                view.release()
+        self.store.pin(held)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.pool, check)
+        except ChecksumError as e:
+            log.error("held shard corrupt; dropped (a peer's copy is fetched)",
+                      extra={"ctx": {"job": held.job, "step": held.step, "rank": held.rank, "error": str(e)}})
+            self.store.corrupt(held)
+            return False
+        finally:
+            self.store.unpin(held)
+        return True
 
     async def _fetch_once(self, fetch_peer: Callable[[str, int, int, str], Awaitable[Held | None]], job: str,
                           step: int, rank: int, digest: str) -> Held | None:
