@@ -103,6 +103,13 @@ def test_report_op_recorded_in_status_and_metrics(daemon_factory):
         protocol.send_frame(s, {"op": "report", "req": 5, "step": 9, "stall_s": 10**400, "fence_s": 0})
         huge = rx.read()                                            # beyond every float: refused, not internal
         assert huge["op"] == "error" and huge["code"] == "refused" and "non-negative" in huge["reason"]
+        for req, step in ((6, 10**300), (7, -1)):                 # not a step: refused, not echoed or recorded
+            protocol.send_frame(s, {"op": "report", "req": req, "step": step, "stall_s": 0.5, "fence_s": 0})
+            assert rx.read() == {"op": "error", "req": req, "code": "refused",
+                                 "reason": "report: step must be a step number (0..999999999999)"}
+            protocol.send_frame(s, {"op": "abort", "req": 10 + req, "step": step, "reason": "x"})
+            assert rx.read() == {"op": "error", "req": 10 + req, "code": "refused",
+                                 "reason": "abort: step must be a step number (0..999999999999)"}
         st = protocol.request_once(str(d.socket), {"op": "status"})
         [sess] = [x for x in st["sessions"] if x["job"] == "rep"]
         assert sess["last_report"] == {"step": 9, "stall_s": 0.75, "fence_s": 0.25}

@@ -204,6 +204,8 @@ class Requests:
 
     async def abort(self, session: Session, a: Abort) -> Reply:
         job = protocol.level_job(self._require_hello(session), a.level)
+        if not names.is_step(a.step):
+            raise RequestError(f"abort: step must be a step number (0..{names.MAX_STEP - 1})")
         outcome = await self.d.steps.abort(job, a.step, session.rank, a.reason)
         return {"step": a.step, "outcome": outcome}, []
 
@@ -217,6 +219,8 @@ class Requests:
         self._require_hello(session)
         if not (names.is_seconds(r.stall_s, MAX_REPORT_S) and names.is_seconds(r.fence_s, MAX_REPORT_S)):
             raise RequestError("report: stall_s and fence_s must be finite, non-negative seconds")
+        if not names.is_step(r.step):
+            raise RequestError(f"report: step must be a step number (0..{names.MAX_STEP - 1})")
         stall, fence = float(r.stall_s), float(r.fence_s)
         session.last_report = {"step": r.step, "stall_s": stall, "fence_s": fence}
         self.d.metrics.client_report(stall, fence)
