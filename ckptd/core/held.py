@@ -98,6 +98,13 @@ class HeldMeta:
     def what(self) -> str:
         return f"job {self.job!r} step {self.step} rank {self.rank}"
 
+    def verify(self, data: memoryview | bytes) -> None:
+        """ChecksumError naming the first chunk of any tensor whose bytes in ``data`` (the shard, laid
+        out as ``layout`` says) differ from its checksums."""
+        view = memoryview(data)
+        for t, sums in zip(self.layout, self.checksums, strict=True):
+            verify(view[t.offset:t.offset + t.nbytes], sums, self.chunk_bytes, f"{self.what} tensor {t.name!r}")
+
     def to_wire(self) -> dict[str, Any]:
         """A dict of its own; the lists in it are built once per shard and shared (every memory fetch
         and peer copy of the shard sends them: 16 ms a time at 8,192 tensors, on the daemon's event

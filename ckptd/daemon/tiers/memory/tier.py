@@ -29,7 +29,6 @@ import numpy as np
 
 from ckptd.core.errors import ChecksumError, FormatError
 from ckptd.core.held import HeldMeta, layout_checksums, span, written_checksums
-from ckptd.core.held import verify as verify_chunks
 from ckptd.core.names import INDEX_NAME, base_job, is_memory_job, memory_job, step_dir
 from ckptd.core.rank_record import RankRecord
 from ckptd.core.reader import StepReader
@@ -327,8 +326,7 @@ class MemoryTier(StorageTier):
         def check() -> None:
             view = memoryview(mm)
             try:
-                for t, sums in zip(meta.layout, meta.checksums, strict=True):
-                    verify_chunks(view[t.offset:t.offset + t.nbytes], sums, meta.chunk_bytes, meta.what)
+                meta.verify(view)
             finally:
                 view.release()
         self.store.pin(held)

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from ckptd.core import peer_protocol as pp
 from ckptd.core.errors import ChecksumError, FormatError, ProtocolError
-from ckptd.core.held import MAX_HELD_BYTES, HeldMeta, verify
+from ckptd.core.held import MAX_HELD_BYTES, HeldMeta
 from ckptd.core.peer_channel import Channel
 from ckptd.daemon.runtime import describe_error
 from ckptd.daemon.tiers.memory.store import REPLICA, Held, MemoryStore, new_memfd
@@ -75,12 +75,9 @@ async def receive_held(store: MemoryStore, ch: Channel, msg: dict[str, Any], ple
         held.mm = mm
         view = memoryview(mm)
 
-        def check() -> None:
-            for t, sums in zip(meta.layout, meta.checksums, strict=True):
-                verify(view[t.offset:t.offset + t.nbytes], sums, meta.chunk_bytes, f"{meta.what} tensor {t.name!r}")
         try:
             await pp.recv_payload(ch, view[:plen])
-            await loop.run_in_executor(None, check)
+            await loop.run_in_executor(None, meta.verify, view)
         finally:
             view.release()
     except ChecksumError:

@@ -26,7 +26,7 @@ from typing import Any
 from ckptd.core import peer_protocol as pp
 from ckptd.core.codec import checksum
 from ckptd.core.errors import ChecksumError, FormatError, ProtocolError
-from ckptd.core.held import MAX_HELD_BYTES, HeldMeta, verify
+from ckptd.core.held import MAX_HELD_BYTES, HeldMeta
 from ckptd.daemon.runtime import describe_error
 from ckptd.daemon.tiers.memory.store import Held, MemoryStore, new_memfd
 from ckptd.daemon.tiers.peers.layout import ParityLayout
@@ -117,8 +117,7 @@ class Rebuilder:
             assert target.held.mm is not None
             view = memoryview(target.held.mm)
             try:
-                for t, sums in zip(meta.layout, meta.checksums, strict=True):
-                    verify(view[t.offset:t.offset + t.nbytes], sums, meta.chunk_bytes, f"{meta.what} tensor {t.name!r}")
+                meta.verify(view)
             finally:
                 view.release()
         except (GiveUp, ChecksumError, FormatError, ValueError) as e:
