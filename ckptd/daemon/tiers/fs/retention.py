@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ckptd.core import step_files
-from ckptd.core.names import MEMORY_LEVEL_DIR, memory_job, validate_job
-from ckptd.core.reader import list_steps
+from ckptd.core.names import memory_job, validate_job
+from ckptd.core.reader import list_steps, memory_level_steps
 from ckptd.daemon.settings.retention import RetentionPolicy
 
 log = logging.getLogger("ckptd")
@@ -141,12 +141,10 @@ def plan_memory_level(job_path: str, policy: RetentionPolicy, *, now: float,
                       in_flight: Iterable[int] = ()) -> list[Action]:
     """The uncommitted memory-level step directories of one job untouched for ``abandoned_after``
     (the memory tier prunes the committed ones); nothing is touched."""
-    job = memory_job(os.path.basename(os.path.normpath(job_path)))
+    root, name = os.path.split(os.path.normpath(job_path))
+    job = memory_job(name)
     protected, actions = set(in_flight), list[Action]()
-    level_path = os.path.join(job_path, MEMORY_LEVEL_DIR)
-    if os.path.islink(level_path):
-        return actions
-    for s in list_steps(level_path):
+    for s in memory_level_steps(root, name):        # (none through a symlinked _memory)
         if s.committed or s.step in protected:
             continue
         try:
