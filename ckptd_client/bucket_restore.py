@@ -32,11 +32,12 @@ class Staged:
 
 
 def stage(socket_path: str, job: str, step: int | None, rank: int, world_size: int, *,
-          all_ranks: bool = False) -> Staged:
+          all_ranks: bool = False, probe: bool = True) -> Staged:
     """Ask the daemon to stage ``step`` (None: the newest, local or in the bucket) for this rank
-    (every rank's data when ``all_ranks``). CheckpointError when the bucket has it but it cannot be staged."""
+    (every rank's data when ``all_ranks``). CheckpointError when the bucket has it but it cannot be staged.
+    ``probe``: ask first whether it has a bucket (not when an earlier answer of this restore said so)."""
     try:        # first, at once, whether it has a bucket: a daemon that does not answer holds no restore up
-        if ask(socket_path, protocol.Info(), timeout=INFO_TIMEOUT_S).get("bucket") is False:
+        if probe and ask(socket_path, protocol.Info(), timeout=INFO_TIMEOUT_S).get("bucket") is False:
             return Staged(False)
     except NoReply:
         log.warning("ckptd: the daemon at %s did not answer within %gs; restoring without its bucket",
@@ -110,8 +111,9 @@ class BucketStaging:
         """Have this rank's files of ``step`` here: unless the step choice staged this very step
         (or learnt there is no bucket)."""
         if self.staged is None or (self.staged.bucket and self.staged.step != step):
-            self.staged = stage(self.socket_path, self.job, step, self.rank, self.world_size)
+            self.staged = stage(self.socket_path, self.job, step, self.rank, self.world_size,
+                                probe=self.staged is None)
 
     def all_ranks(self, step: int) -> None:
-        """Have every rank's files of ``step`` here."""
-        stage(self.socket_path, self.job, step, self.rank, self.world_size, all_ranks=True)
+        """Have every rank's files of ``step`` here (asked only once ``bucket`` said there is one)."""
+        stage(self.socket_path, self.job, step, self.rank, self.world_size, all_ranks=True, probe=False)
