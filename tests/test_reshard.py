@@ -725,19 +725,11 @@ def edited_step(daemon: Any, job: str, state: dict[str, Any], manifest: Any, ind
     """Step 1 of ``job`` saved through the daemon, then its rank 0 manifest and index edited by
     ``manifest(m)`` and ``index(i)`` and re-signed (digests recomputed), as someone who can write the
     step could: every check that is not a digest must catch what was changed."""
-    from ckptd.core.schema import digest_bytes, index_digest
+    from test_security import craft_manifest
     with ckptd_client.Checkpointer(job, socket=str(daemon.socket)) as ck:
         ck.save(1, state).wait(60)
     step = Path(daemon.root) / job / "step-000000000001"
-    m = json.loads((step / "rank-00000.json").read_text())
-    manifest(m)
-    body = json.dumps(m).encode()
-    (step / "rank-00000.json").write_bytes(body)
-    i = json.loads((step / "index.json").read_text())
-    i["ranks"][0]["manifest_digest"] = digest_bytes(body)
-    index(i)
-    i["digest"] = index_digest(i)
-    (step / "index.json").write_text(json.dumps(i))
+    craft_manifest(step, manifest, index)
     return step
 
 

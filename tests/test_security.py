@@ -58,14 +58,17 @@ def step(genuine, tmp) -> Path:
     return dst
 
 
-def craft_manifest(step: Path, mutate) -> None:
-    """Edit rank 0's manifest AND re-sign it in index.json, as an attacker with write access could."""
+def craft_manifest(step: Path, mutate, mutate_index=None) -> None:
+    """Edit rank 0's manifest (and, with ``mutate_index``, the index) AND re-sign them in index.json,
+    as an attacker with write access could."""
     m = json.loads((step / "rank-00000.json").read_text())
     mutate(m)
     data = json.dumps(m).encode()
     (step / "rank-00000.json").write_bytes(data)
     idx = json.loads((step / "index.json").read_text())
     idx["ranks"][0]["manifest_digest"] = digest_bytes(data)
+    if mutate_index is not None:
+        mutate_index(idx)
     idx["digest"] = index_digest(idx)          # the index digest is a checksum, not a signature
     (step / "index.json").write_text(json.dumps(idx))
 
