@@ -10,9 +10,11 @@ the committed index's manifest digest), keeps the memfd to read from, and answer
 manifest whose entries are raw (uncompressed) chunks at their offsets in the memfd. The region
 arithmetic, the checks before anything is written and the per-rank rules are then the storage
 restore's own; only ranks no daemon holds are read from their files. Each raw chunk is copied out of
-the memfd a cache-sized piece at a time (``preadv``) and hashed while in cache (``held_map``); a chunk
-failing its checksum raises :class:`MemoryUnavailable` (the restore chain then reads the whole step
-from storage: never wrong data). What came from where is counted in ``ReadStats.held`` (``memory``, ``peer``) and
+the memfd a cache-sized piece at a time (``preadv``) and hashed while in cache (``held_map``). A chunk
+failing its checksum has the shard asked for once more with ``memory_fetch verify`` (the daemon checks
+its copy and drops a corrupt one for a peer's replica) and is read again from that; failing again it
+raises :class:`MemoryUnavailable` (the restore chain then reads the whole step from storage: never
+wrong data). What came from where is counted in ``ReadStats.held`` (``memory``, ``peer``) and
 ``ReadStats.bytes`` (storage).
 """
 from __future__ import annotations
@@ -43,6 +45,8 @@ class _Held:
         if size < meta.nbytes:
             raise MemoryUnavailable(f"held shard of rank {meta.rank} is {size} bytes, its layout needs {meta.nbytes}")
         self.map = HeldMap(fd, meta.nbytes)
+        self.readers = 0              # chunk reads in progress (DaemonShards._lock): a replaced shard is
+        self.replaced = False         # closed once the last of them ends
 
     def close(self) -> None:
         self.map.close()
@@ -68,6 +72,8 @@ class DaemonShards(HeldShards):
         self._pending: dict[int, Future[Manifest | None]] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._asked_again: dict[int, threading.Lock] = {}   # rank → held while its checked copy is fetched
+        self._checked: set[int] = set()                     # ranks served a checked copy already
 
     def __enter__(self) -> DaemonShards:
         return self
@@ -123,19 +129,85 @@ class DaemonShards(HeldShards):
                 self._pending[r] = self._pool.submit(self._fetch, r)
 
     def read_chunk(self, rank: int, pos: int, meta: ChunkMeta, out: memoryview, stats: ReadStats | None) -> None:
-        shard = self.shards[rank]
         n = meta.raw_len
         if len(out) != n:
             raise MemoryUnavailable(f"held shard of rank {rank}: chunk at {pos} is {n} bytes, not {len(out)}")
+        shard = self._use(rank)
         try:
-            digest = shard.map.copy_hashed(pos, out)
-        except ValueError as e:
-            raise MemoryUnavailable(f"held shard of rank {rank}: {e}") from None
+            digest = self._copy(rank, shard, pos, out)
+        finally:
+            self._done(shard)
         if digest != meta.checksum:
-            raise MemoryUnavailable(f"corrupt: memory copy of rank {rank} (step {self.step}): the chunk at byte {pos} "
-                                    "of its held shard fails its checksum")
+            bad = (f"corrupt: memory copy of rank {rank} (step {self.step}): the chunk at byte {pos} of its held "
+                   "shard fails its checksum")
+            shard = self._checked_copy(rank, shard, bad)
+            try:
+                digest = self._copy(rank, shard, pos, out)
+            finally:
+                self._done(shard)
+            if digest != meta.checksum:
+                raise MemoryUnavailable(f"{bad}, and so does the checked copy the daemon served next")
         if stats is not None:
             stats.add_chunk(n, shard.source)
+
+    def _use(self, rank: int) -> _Held:
+        with self._lock:
+            shard = self.shards[rank]
+            shard.readers += 1
+            return shard
+
+    def _done(self, shard: _Held) -> None:
+        with self._lock:
+            shard.readers -= 1
+            last = shard.replaced and shard.readers == 0
+        if last:
+            shard.close()
+
+    @staticmethod
+    def _copy(rank: int, shard: _Held, pos: int, out: memoryview) -> str:
+        try:
+            return shard.map.copy_hashed(pos, out)
+        except ValueError as e:
+            raise MemoryUnavailable(f"held shard of rank {rank}: {e}") from None
+
+    def _checked_copy(self, rank: int, seen: _Held, bad: str) -> _Held:
+        """Rank ``rank``'s shard once more, checked by the daemon (``verify``), in place of ``seen`` whose
+        chunk failed its checksum (``bad`` says which), in use (``_done`` it); once per rank: a thread that
+        finds it replaced already uses the replacement, one that finds the checked copy bad too raises."""
+        with self._lock:
+            gate = self._asked_again.setdefault(rank, threading.Lock())
+        with gate:
+            with self._lock:
+                current = self.shards[rank]
+                if current is not seen:
+                    current.readers += 1
+                    return current
+                if rank in self._checked:
+                    raise MemoryUnavailable(f"{bad}, and so does the checked copy the daemon served next")
+                self._checked.add(rank)
+            try:
+                conn, meta, fd, source = fetch_held(self.socket_path, self.job, self.step, rank, self.world_size,
+                                                    verify=True)
+            except MemoryUnavailable as e:
+                raise MemoryUnavailable(f"{bad}; asked again for a checked copy: {e}") from None
+            try:
+                fresh = _Held(conn, meta, fd, source)
+            except BaseException:
+                os.close(fd)
+                conn.close()
+                raise
+            if (meta.layout, meta.checksums, meta.chunk_bytes) != \
+                    (seen.meta.layout, seen.meta.checksums, seen.meta.chunk_bytes):
+                fresh.close()
+                raise MemoryUnavailable(f"{bad}; the checked copy the daemon served next has another layout")
+            with self._lock:
+                self.shards[rank] = fresh
+                fresh.readers += 1
+                seen.replaced = True
+                close_seen = seen.readers == 0
+            if close_seen:
+                seen.close()
+            return fresh
 
     def close(self) -> None:
         """Every fetch started is waited for (each bounded by its timeout), then every shard let go."""

@@ -333,3 +333,35 @@ def test_a_corrupt_held_copy_of_its_own_gives_way_to_the_peers_replica(nodes, tm
     assert torch.equal(target["w"].view(torch.int32), state["w"].view(torch.int32))
     assert status(b.socket)["memory"]["totals"]["corrupt"] == 1
     ck.close()
+
+
+def test_a_corrupt_held_copy_read_as_pieces_gives_way_to_the_peers_replica(nodes, tmp):
+    """The pieces path (memory-level steps, DTensor and resharding restores read held shards as pieces):
+    node B's own held copy of a memory-level step goes bad (a flipped bit) while A holds an intact
+    replica. The chunk failing its checksum made the restore fail after the ranks had agreed to it (the
+    state partly loaded). Now the shard is asked for again, checked by B (which drops its copy and
+    fetches A's), the chunk read again from that, and the restore is bit-exact from the peer."""
+    import os
+
+    import torch
+    a, b, addrs, secret = nodes
+    state = {"w": torch.randn(300_000, generator=torch.Generator().manual_seed(4)), "n": 3}
+    ck = ckptd_client.Checkpointer("lp", socket=str(b.socket), num_slots=2)
+    ck.save(7, state, level="memory").wait(60)
+    fd_dir = Path(f"/proc/{b.proc.pid}/fd")
+    wait_for(lambda: any(s["step"] == 7 and s["replicated"] for s in held_steps(b.socket)), "B's step 7 replicated")
+    slots = {os.readlink(p): p for p in fd_dir.iterdir() if os.readlink(p).startswith("/memfd:ckptd-lp-r0-s")}
+    assert len(slots) == 2, sorted(os.readlink(p) for p in fd_dir.iterdir())   # the step is held in its slot
+    for fd in slots.values():                    # one bit of B's own copy flipped (and of the free slot)
+        with open(fd, "r+b") as f:
+            f.seek(4000)
+            byte = f.read(1)
+            f.seek(4000)
+            f.write(bytes([byte[0] ^ 0x10]))
+    target = {"w": torch.zeros(300_000), "n": 0}
+    assert ck.restore(target) == 7
+    assert ck.last_restore is not None and (ck.last_restore.source, ck.last_restore.level) == ("peer", "memory"), \
+        ck.last_restore
+    assert torch.equal(target["w"].view(torch.int32), state["w"].view(torch.int32)) and target["n"] == 3
+    assert status(b.socket)["memory"]["totals"]["corrupt"] == 1
+    ck.close()
