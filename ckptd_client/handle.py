@@ -56,10 +56,15 @@ class SaveHandle:
         return self._error
 
     def wait(self, timeout: float | None = None) -> None:
+        """Return once the step is committed; CheckpointError why not: failed, not committed within
+        ``timeout`` seconds, or skipped (``when_busy="skip"``: nothing was saved, so nothing committed)."""
         if not self._done.wait(timeout):
             raise CheckpointError(f"step {self.step} not committed within {timeout}s")
         if self._error is not None:
             raise CheckpointError(f"step {self.step} failed: {self._error}")
+        if self.skipped:
+            raise CheckpointError(f"step {self.step} was skipped: every slot was busy (when_busy=\"skip\"), so "
+                                  "nothing was saved; check handle.skipped, or save with when_busy=\"block\"")
 
     def __repr__(self) -> str:
         state = "skipped" if self.skipped else "committed" if self.committed else \

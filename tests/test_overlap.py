@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import ckptd_client
+from ckptd_client import CheckpointError
 
 
 def make_training(width: int = 256):
@@ -92,7 +93,8 @@ def test_busy_policies(daemon_factory):
     first = ck.save(1, state)
     skipped = ck.save(2, state)              # the only slot is still being written
     assert skipped.skipped and skipped.done() and not skipped.committed
-    skipped.wait(1)                          # a skip is not an error
+    with pytest.raises(CheckpointError, match=r"step 2 was skipped: every slot was busy"):
+        skipped.wait(1)                      # nothing was saved: wait() never says committed for it
     first.wait(60)
     blocked = ck.save(3, state, when_busy="block")   # waits for the slot instead
     assert not blocked.skipped
