@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ckptd.core.names import validate_tensor_name
-from ckptd.core.schema import DTYPE_ITEMSIZE, Placement
+from ckptd.core.schema import DTYPE_ITEMSIZE, MAX_DIMS, Placement
 from ckptd.core.tree import encode_tree
 
 from . import dtensor
@@ -60,6 +60,9 @@ def _check_dense(path: str, t: torch.Tensor) -> None:
         raise TypeError(f"cannot checkpoint tensor at {path!r}: it is on the meta device (it has no data)")
     if dtype_name(t.dtype) not in DTYPE_ITEMSIZE:
         raise TypeError(f"cannot checkpoint tensor at {path!r}: dtype {t.dtype} is not supported")
+    if t.dim() > MAX_DIMS:
+        raise TypeError(f"cannot checkpoint tensor at {path!r}: it has {t.dim()} dimensions, over ckptd's limit of "
+                        f"{MAX_DIMS} (FORMAT.md); reshape it before saving")
 
 
 def replacement(obj: Any, path: str, sharded_model: torch.nn.Module | None, top_optimizers: set[int]) -> Any:

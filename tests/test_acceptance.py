@@ -179,6 +179,8 @@ def test_clear_errors(daemon, tmp):
             ckptd_client.Checkpointer(bad, socket=str(daemon.socket))
     with pytest.raises(ValueError, match="invalid tensor name"):
         ck.save(1, {"..": torch.zeros(1)})
+    with pytest.raises(TypeError, match=r"'deep/x': it has 65 dimensions, over ckptd's limit of 64"):
+        ck.save(1, {"deep": {"x": torch.zeros([1] * 65)}})     # (before the hand-off: no daemon refusal)
     # Nothing was written by the refused saves.
     assert not (daemon.root / "errors").exists() or not list((daemon.root / "errors").iterdir())
     ck.save(1, {"ok": torch.ones(2)}).wait(30)

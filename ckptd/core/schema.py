@@ -38,6 +38,7 @@ GAP_MANIFEST_VERSION = 3       # a manifest whose tensors leave gaps in its data
 MANIFEST_VERSIONS = (*READABLE_VERSIONS, GAP_MANIFEST_VERSION)
 MAX_INDEX_BYTES = 64 * 1024 * 1024
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+MAX_DIMS = 64                 # a tensor's dimensions at most (torch's own limit is higher)
 MAX_DATA_BYTES = 1 << 62       # no chunk of a rank's data file ends past this (off_t is signed 64-bit)
 
 # Every torch dtype ckptd stores, by the name torch prints after "torch.", with its item size.
@@ -200,8 +201,8 @@ def validate_shape(dtype: Any, shape: Any) -> None:
     # (Messages built only on failure: a commit validates every rank's tensors, 65k at 32k ranks.)
     if not (isinstance(dtype, str) and dtype in DTYPE_ITEMSIZE):
         raise FormatError(f"unknown dtype {dtype!r}")
-    if not (isinstance(shape, list) and len(shape) <= 64 and all(is_uint(d) for d in shape)):
-        raise FormatError(f"bad shape {shape!r}")
+    if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(is_uint(d) for d in shape)):
+        raise FormatError(f"bad shape {str(shape)[:200]}: not a list of at most {MAX_DIMS} non-negative sizes")
     if not sizable(shape, DTYPE_ITEMSIZE[dtype]):
         raise FormatError(f"shape {str(shape)[:200]} of {dtype} is beyond any tensor (over 2**62 bytes)")
 
