@@ -6,8 +6,9 @@
     w1 = ckptd_client.load_tensor(step_dir, "model/layers.0.w1.weight", (slice(0, 128),))   # one slice, nothing else
 
     with ckptd_client.PreemptionHandler(ckpt) as preempt:   # SIGTERM → checkpoint, then stop
-        for step in ...:
-            if preempt.should_stop(step, state):
+        for step in range(start, total_steps):
+            train_step()
+            if preempt.should_stop(step + 1, state):    # the number save() gives the state after `step`
                 break
 """
 try:

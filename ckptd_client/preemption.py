@@ -8,14 +8,17 @@ training loop polls it at each step boundary, where the state is consistent::
     with ckptd_client.PreemptionHandler(ckpt) as preempt:      # SIGTERM by default
         for step in range(start, total_steps):
             train_step()
-            if preempt.should_stop(step, state):
-                break             # step `step` is committed (or preempt.error says why not)
+            if preempt.should_stop(step + 1, state):
+                break             # step + 1 is committed (or preempt.error says why not)
     ckpt.close()                  # then let the process exit normally (exit code 0)
 
-``should_stop(step, state)`` costs one flag check until a signal arrives. After one, it
-saves ``state`` as ``step`` (unless that step is already committed or being saved to
-storage: a memory-level save of it does not outlive the node, so it is saved again), waits
-until every save in flight has committed (at most ``timeout`` seconds) and returns True.
+``should_stop(n, state)`` takes the number ``save`` would give ``state`` now — the step to train
+next, ``step + 1`` after ``step`` trained (README: a resume trains ``restore()``'s step first), so
+the preemption checkpoint resumes bit-exact; passing ``step`` would train it twice. It costs one
+flag check until a signal arrives. After one, it saves ``state`` as ``n`` (unless that step is
+already committed or being saved to storage: a memory-level save of it does not outlive the
+node, so it is saved again), waits until every save in flight has committed (at most
+``timeout`` seconds) and returns True.
 If the checkpoint fails it still returns True — the machine is going away — and logs the
 reason, which ``error`` keeps. ``saved_step`` is the step it committed.
 
@@ -119,7 +122,8 @@ class PreemptionHandler:
     # ---- training-loop side -------------------------------------------------
 
     def should_stop(self, step: int, state: dict[str, Any]) -> bool:
-        """Call once per step boundary; True once the preemption checkpoint is done (stop training)."""
+        """Call once per step boundary with the number ``save`` would give ``state`` (the step to train
+        next); True once the preemption checkpoint is done (stop training)."""
         if self._done:
             return True
         if self._store is not None:
