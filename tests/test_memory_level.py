@@ -266,10 +266,11 @@ def test_a_step_saved_at_memory_level_can_then_be_saved_to_storage_with_relay_co
         assert ck.restore(live) == 3 and torch.equal(live["w"], torch.full((8,), 12.0))
 
 
-def earlier_run_then_restart(daemon_factory: Any, tmp: Path, memory_steps: tuple[int, ...]) -> tuple[Path, Any]:
+def earlier_run_then_restart(daemon_factory: Any, tmp: Path, memory_steps: tuple[int, ...],
+                             backdate: bool = True) -> tuple[Path, Any]:
     """Run 1 of job "j": storage step 10 (w = 10), then memory-level ``memory_steps`` (w = the step); its
-    daemon killed, its memory-level indexes dated a minute back (a real restart takes longer than
-    remove_stale's clock slack; a test's is at once); (the root, run 2's fresh daemon)."""
+    daemon killed, its memory-level indexes dated a minute back with ``backdate`` (a restart that takes
+    longer than remove_stale's clock slack; a test's is at once); (the root, run 2's fresh daemon)."""
     import time
     root = tmp / "root"
     d = daemon_factory(root=root, name="run1")
@@ -280,10 +281,31 @@ def earlier_run_then_restart(daemon_factory: Any, tmp: Path, memory_steps: tuple
     assert committed_held_steps(root, "j") == [max(memory_steps)]
     d.proc.kill()
     d.proc.wait()
-    for index in (root / "j" / "_memory").glob("step-*/index.json"):
+    for index in (root / "j" / "_memory").glob("step-*/index.json") if backdate else ():
         t = time.time() - 60
         os.utime(index, (t, t))
     return root, daemon_factory(root=root, name="run2")
+
+
+@pytest.mark.parametrize("lost, saved", [((12,), 11), ((11, 12), 12)])
+def test_memory_level_steps_lost_in_a_restart_moments_ago_neither_outrank_nor_block_the_new_run(
+        daemon_factory: Any, tmp: Path, lost: tuple[int, ...], saved: int) -> None:
+    """Run 1's memory-level steps ``lost`` go with its daemon (SIGKILL) and run 2 starts at once, within
+    remove_stale's clock slack, restores storage step 10 and saves memory-level step ``saved``. Below the
+    lost step 12, run 2's committed step 11 was pruned at once (memory.steps = 1 kept the lost 12) and the
+    restart came back from 10; of the same number, save() raised "already committed". The daemon knows
+    which memory-level steps it saw saved: one it never saw nor holds is lost, removed when a lower step
+    commits or its number is saved again; run 2's step restores."""
+    root, d2 = earlier_run_then_restart(daemon_factory, tmp, lost, backdate=False)
+    with ckptd_client.Checkpointer("j", socket=str(d2.socket)) as ck:
+        assert ck.restore({"w": torch.zeros(1024)}) == 10
+        h = ck.save(saved, {"w": torch.full((1024,), 200.0)}, level="memory")
+        h.wait(60)
+        assert h.committed and committed_held_steps(root, "j") == [saved]
+    with ckptd_client.Checkpointer("j", socket=str(d2.socket)) as ck:
+        live = {"w": torch.zeros(1024)}
+        assert ck.restore(live) == saved and ck.last_restore is not None and ck.last_restore.level == "memory"
+        assert torch.equal(live["w"], torch.full((1024,), 200.0))
 
 
 def test_after_a_fallback_to_storage_a_new_runs_memory_level_steps_stand(daemon_factory: Any, tmp: Path) -> None:
@@ -335,5 +357,6 @@ def test_a_newer_memory_level_step_committed_moments_before_is_not_taken_for_an_
         (d / "index.json").write_text("{}")
         t = time.time() - age
         os.utime(d / "index.json", (t, t))
-    assert remove_stale(str(tmp), "j", 100, time.time()) == [106]
+    assert remove_stale(str(tmp), "j", 100, time.time(), {105, 106}) == [106]
     assert committed_held_steps(tmp, "j") == [105]
+    assert remove_stale(str(tmp), "j", 100, time.time(), {106}) == [105]    # never saved through this daemon

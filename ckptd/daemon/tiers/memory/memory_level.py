@@ -26,7 +26,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -120,10 +120,11 @@ async def _remove_manifest(loop: asyncio.AbstractEventLoop, pool: Executor, root
 CLOCK_SLACK_S = 10.0     # remove_stale: how far the file server's clock may be behind this daemon's
 
 
-def remove_stale(root: str, job: str, step: int, began: float) -> list[int]:
+def remove_stale(root: str, job: str, step: int, began: float, saved_here: Collection[int] = ()) -> list[int]:
     """(I/O thread) Remove the committed memory-level steps of ``job`` above ``step`` (just committed,
     memory-level or storage, its save begun at wall time ``began``) that were committed before that save
-    began: another run's.
+    began, or that this daemon never saw saved (not in ``saved_here``: every step of the run committing
+    ``step`` came through this daemon, which holds one of its ranks): another run's.
     A run saves its steps in increasing order, so a higher step committed before a lower one began
     comes from a run that was later restored from an older step (its memory-level step could not be
     read by every rank, so it went to storage): left, the numbers above ``step`` would outrank every
@@ -135,7 +136,8 @@ def remove_stale(root: str, job: str, step: int, began: float) -> list[int]:
         if not s.committed or s.step <= step:
             continue
         try:
-            stale = os.stat(os.path.join(s.path, INDEX_NAME)).st_mtime < began - CLOCK_SLACK_S
+            stale = s.step not in saved_here \
+                or os.stat(os.path.join(s.path, INDEX_NAME)).st_mtime < began - CLOCK_SLACK_S
             if stale:
                 remove_step(s.path)
                 gone.append(s.step)
@@ -143,6 +145,22 @@ def remove_stale(root: str, job: str, step: int, began: float) -> list[int]:
             log.warning("could not remove a memory-level step of an earlier run",
                         extra={"ctx": {"job": job, "step": s.step, "error": str(e)}})
     return gone
+
+
+def remove_lost(root: str, job: str, step: int) -> bool:
+    """(On the loop: a memory-level step is its manifests and index, no data) Remove committed memory-level
+    step ``step`` of job key ``job``, lost (``MemoryTier.is_committed``); whether it is gone."""
+    try:
+        remove_step(step_dir(root, job, step))
+    except FileNotFoundError:
+        return True
+    except OSError as e:
+        log.warning("a lost memory-level step could not be removed: a save of its number is refused",
+                    extra={"ctx": {"job": job, "step": step, "error": str(e)}})
+        return False
+    log.warning("memory-level step removed: committed, but no daemon here held it any more (restarted); a new "
+                "save of its number replaces it", extra={"ctx": {"job": job, "step": step}})
+    return True
 
 
 def prune(root: str, job: str, keep: int, at_or_below: int | None) -> list[int]:

@@ -36,7 +36,7 @@ from ckptd.core.schema import TensorLayout
 from ckptd.core.step_files import is_committed
 from ckptd.daemon.runtime import RequestError, describe_error
 from ckptd.daemon.tiers.base import ShardRef, ShardWritten, SlotLoan, StorageTier, StreamedData
-from ckptd.daemon.tiers.memory.memory_level import Replicate, hold_shard, prune, remove_stale
+from ckptd.daemon.tiers.memory.memory_level import Replicate, hold_shard, prune, remove_lost, remove_stale
 from ckptd.daemon.tiers.memory.store import LOCAL, Held, MemoryStore, new_memfd
 
 log = logging.getLogger("ckptd")
@@ -113,6 +113,9 @@ class MemoryTier(StorageTier):
         self.chunk_bytes, self.pool, self.on_held = chunk_bytes, pool, on_held
         self.replicate, self.k = replicate, k
         self._began: dict[tuple[str, int], float] = {}    # a step's save → when its first shard came here
+        # (job key, step) of each memory-level step a shard of came here in this daemon's life, the newest
+        # MAX_BEGAN: a committed one not among them nor held is another run's, or lost (remove_stale, is_committed)
+        self._saved_here: dict[tuple[str, int], None] = {}
         self._fetching: dict[tuple[str, int, int, str], asyncio.Future[Held | None]] = {}    # (_fetch_once)
         # (job, step) → (index.json's inode, mtime, size; its reader; rank → manifest digest): the
         # ranks of one restore each ask for the same step's index
@@ -124,6 +127,10 @@ class MemoryTier(StorageTier):
         self._began.setdefault((ref.job, ref.step), time.time())      # (remove_stale)
         while len(self._began) > MAX_BEGAN:      # steps another daemon committed: never popped here
             del self._began[next(iter(self._began))]
+        if is_memory_job(ref.job):
+            self._saved_here[(ref.job, ref.step)] = None
+            while len(self._saved_here) > MAX_BEGAN:
+                del self._saved_here[next(iter(self._saved_here))]
         if is_memory_job(ref.job):                # a memory-level step: held and replicated, not written
             if not isinstance(data, memoryview):
                 released()
@@ -216,8 +223,9 @@ class MemoryTier(StorageTier):
         began = self._began.pop((job, step), None)
         if began is not None:           # (a storage step too: memory-level steps above it are as stale)
             try:        # (never an error: the step is committed)
+                mine = frozenset(s for j, s in self._saved_here if j == memory_job(base_job(job)))
                 stale = await asyncio.get_running_loop().run_in_executor(
-                    self.pool, remove_stale, self.root, base_job(job), step, began)
+                    self.pool, remove_stale, self.root, base_job(job), step, began, mine)
             except Exception as e:
                 stale = []
                 log.warning("memory-level steps of an earlier run not removed",
@@ -246,7 +254,15 @@ class MemoryTier(StorageTier):
         await self.inner.abort(job, step, ranks)
 
     async def is_committed(self, job: str, step: int) -> bool:
-        return await self.inner.is_committed(job, step)
+        """As the inner tier's, except for a committed memory-level step that is lost: no shard of it came
+        here in this daemon's life and none is held (its daemons restarted). A run saving its number
+        again restored an older step, since it could not read this one: its directory is removed (on
+        the loop: a few small files; a save's checks stay one step) so that the new save can commit."""
+        if not await self.inner.is_committed(job, step):
+            return False
+        if not is_memory_job(job) or (job, step) in self._saved_here or self.store.holds_step(job, step):
+            return True
+        return not remove_lost(self.root, job, step)
 
     async def latest_committed(self, job: str) -> int | None:
         return await self.inner.latest_committed(job)
