@@ -215,3 +215,41 @@ def test_a_relayed_save_closed_early_says_so(daemon_factory, tmp, closer: int):
     else:      # rank 0 commits later (the documented relay window): rank 1 could not know it
         assert "this process closed before rank 0's commit of step 1 was known" in outcomes[1], outcomes
         assert outcomes[0] == "OUTCOME committed", outcomes
+
+
+DIES_DURABLE = r'''
+import os, signal, sys, time
+import torch
+import ckptd_client
+ck = ckptd_client.Checkpointer("mix", socket=sys.argv[1], rank=1, world_size=2, commit="local", overlap=False)
+h = ck.save(5, {"w": torch.full((1000,), 111.0)})
+deadline = time.monotonic() + 60
+while h.durable_s is None and time.monotonic() < deadline:
+    time.sleep(0.02)
+print("durable" if h.durable_s is not None else "never durable", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
+def test_a_local_step_a_killed_rank_left_is_saved_afresh_not_joined(daemon, tmp):
+    """Local commit, world 2. Run A's rank 1 saves step 5 (durable) and is SIGKILLed before rank 0 saved
+    it. The restarted job's ranks save step 5 again: rank 0's save joined run A's step, committed it with
+    run A's rank 1 shard (111) beside its own, and run B's rank 1 was refused ("already committed"). The
+    daemon now fails the step whose durable shard's process is gone and starts it afresh: step 5 holds
+    run B's two shards."""
+    script = tmp / "dies_durable.py"
+    script.write_text(DIES_DURABLE)
+    r = subprocess.run([sys.executable, str(script), str(daemon.socket)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == -9 and r.stdout.strip() == "durable", (r.returncode, r.stdout, r.stderr[-2000:])
+    cks = [ckptd_client.Checkpointer("mix", socket=str(daemon.socket), rank=rank, world_size=2, commit="local",
+                                     overlap=False) for rank in (0, 1)]
+    handles = [ck.save(5, {"w": torch.full((1000,), 200.0 + rank)}) for rank, ck in enumerate(cks)]
+    for h in handles:
+        h.wait(60)
+    for ck in cks:
+        ck.close()
+    for rank in (0, 1):
+        ck = ckptd_client.Checkpointer("mix", root=str(daemon.root), rank=rank, world_size=2, memory=False)
+        live = {"w": torch.zeros(1000)}
+        assert ck.restore(live) == 5 and torch.equal(live["w"], torch.full((1000,), 200.0 + rank)), (rank, live["w"][0])
+    assert "left (killed?) before step 5 committed and rank 0 saved it again" in daemon.log_text()

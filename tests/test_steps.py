@@ -387,14 +387,34 @@ async def test_waiter_lost_while_writing_fails_the_step_and_the_write_stops(h: H
 
 
 async def test_waiter_lost_after_durable_keeps_a_local_step(h: Harness) -> None:
+    """Rank 0's client leaves once durable while rank 1's save is in the step: its shard is safe on
+    disk and the step goes on to commit."""
+    r0, r1 = Rank(0), Rank(1)
+    await h.save(r0, 1, world=2)
+    await h.save(r1, 1, world=2)
+    await until(lambda: r0.ops() == ["durable"], "rank 0 durable")
+    await h.coord.waiter_lost(r0)
+    await until(lambda: r1.ops() == ["durable", "committed"], "the commit")
+    assert r0.ops() == ["durable"] and h.step_moves(1) == [D, C, OK]
+
+
+async def test_a_save_after_a_durable_ranks_client_left_starts_the_local_step_afresh(h: Harness) -> None:
+    """Rank 0's client leaves once durable (killed) before rank 1 saved: a SAVE of the step arriving
+    now is another run's as far as the daemon can tell, so the step fails (its files go) instead of
+    committing the ended process's shard beside the new one's; the new save starts it afresh."""
     r0, r1 = Rank(0), Rank(1)
     await h.save(r0, 1, world=2)
     await until(lambda: r0.ops() == ["durable"], "rank 0 durable")
     await h.coord.waiter_lost(r0)
-    assert h.step_moves(1) == []                 # its shard is safe on disk; the step goes on
+    assert h.step_moves(1) == []
     await h.save(r1, 1, world=2)
-    await until(lambda: r1.ops() == ["durable", "committed"], "the commit")
-    assert r0.ops() == ["durable"] and h.step_moves(1) == [D, C, OK]
+    assert h.step_moves(1) == [F] and h.shard_moves(1, 0)[-1] == SX
+    await until(lambda: r1.ops() == ["durable"], "rank 1 durable in the fresh step")
+    assert h.step_moves(1) == [F] and not (h.path(1) / "index.json").exists()
+    r0b = Rank(0)
+    await h.save(r0b, 1, world=2)                # the new run's rank 0: the fresh step commits
+    await until(lambda: r0b.ops() == ["durable", "committed"], "the commit")
+    assert r1.ops() == ["durable", "committed"] and h.step_moves(1) == [F, D, C, OK]
 
 
 async def test_relay_leader_lost_after_durable_fails_the_step(h: Harness) -> None:

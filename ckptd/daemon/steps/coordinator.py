@@ -46,6 +46,7 @@ from ckptd.daemon.steps.machine import (
     complete_here,
     handed_off,
     needs_waiter,
+    orphaned,
 )
 from ckptd.daemon.steps.removals import Removals
 from ckptd.daemon.tiers.base import ShardRef, ShardWritten, SlotLoan, StorageTier, StreamedData
@@ -90,10 +91,12 @@ class StepCoordinator(Generic[W]):
     async def save(self, waiter: W, job: str, step: int, rank: int, world_size: int, mode: CommitMode,
                    data: memoryview | StreamedData, layout: Sequence[TensorLayout], tree: Any,
                    released: Callable[[], None], loan: SlotLoan | None = None) -> None:
-        """Start writing one rank's shard; ``released`` runs on the event loop once ``data`` is free
-        (or the tier keeps its slot through ``loan``: ``SlotLoan``).
-        Waits (``removal_wait`` at most, then RequestError) while files of an ended attempt of the
-        step are being removed."""
+        """Start writing one rank's shard; ``released`` runs on the event loop once ``data`` is free (or
+        the tier keeps its slot through ``loan``: ``SlotLoan``). A step with ``orphaned`` shards fails
+        first. Waits (``removal_wait`` at most, then RequestError) while an ended attempt's files go."""
+        if (old := self.table.steps.get((job, step))) is not None and (gone := orphaned(old)):
+            await self._fail(old, f"rank(s) {rank_spans(gone)} left (killed?) before step {step} committed and "
+                                  f"rank {rank} saved it again: it is saved afresh (no shard of an ended process kept)")
         await self.removing.stopped(self.table.writing, job, step, rank)
         await self.removing.settled(job, step)
         if await self.tier.is_committed(job, step):      # (no suspension from here to begin)

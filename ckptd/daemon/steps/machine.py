@@ -155,6 +155,16 @@ def needs_waiter(st: Step[Any], rank: int) -> bool:
         shard.state is ShardState.WRITING or (st.mode is CommitMode.RELAY and rank == 0))
 
 
+def orphaned(st: Step[Any]) -> list[int]:
+    """Local mode, writing: the ranks whose client left after their shard was durable (a process killed
+    before the step committed; one that closes withdraws its open saves). A SAVE of the step arriving
+    now comes from another run as far as the daemon can tell: joining would commit a dead process's
+    shard beside the new one's, so the step is failed first (``Coordinator.save``)."""
+    if st.mode is not CommitMode.LOCAL or st.state is not StepState.WRITING:
+        return []
+    return sorted(r for r, s in st.shards.items() if s.waiter is None)
+
+
 def awaits_commit(st: Step[Any]) -> bool:
     """A step a drain should give its grace to: committing, or its leader here could send COMMIT."""
     leader = st.shards.get(0)
