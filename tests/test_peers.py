@@ -345,7 +345,8 @@ def test_a_corrupt_held_copy_read_as_pieces_gives_way_to_the_peers_replica(nodes
 
     import torch
     a, b, addrs, secret = nodes
-    state = {"w": torch.randn(300_000, generator=torch.Generator().manual_seed(4)), "n": 3}
+    w = torch.randn(300_000, generator=torch.Generator().manual_seed(4))
+    state: dict[str, Any] = {"w": w, "n": 3}
     ck = ckptd_client.Checkpointer("lp", socket=str(b.socket), num_slots=2)
     ck.save(7, state, level="memory").wait(60)
     fd_dir = Path(f"/proc/{b.proc.pid}/fd")
@@ -358,10 +359,11 @@ def test_a_corrupt_held_copy_read_as_pieces_gives_way_to_the_peers_replica(nodes
             byte = f.read(1)
             f.seek(4000)
             f.write(bytes([byte[0] ^ 0x10]))
-    target = {"w": torch.zeros(300_000), "n": 0}
+    out = torch.zeros(300_000)
+    target: dict[str, Any] = {"w": out, "n": 0}
     assert ck.restore(target) == 7
     assert ck.last_restore is not None and (ck.last_restore.source, ck.last_restore.level) == ("peer", "memory"), \
         ck.last_restore
-    assert torch.equal(target["w"].view(torch.int32), state["w"].view(torch.int32)) and target["n"] == 3
+    assert torch.equal(out.view(torch.int32), w.view(torch.int32)) and target["n"] == 3
     assert status(b.socket)["memory"]["totals"]["corrupt"] == 1
     ck.close()
