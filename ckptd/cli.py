@@ -49,6 +49,13 @@ def setting_flags_given(args: argparse.Namespace, keys: list[Key]) -> dict[str, 
     return out
 
 
+def print_warnings(command: str, warnings: list[str]) -> None:
+    """The settings' warnings (an unknown ``CKPTD_*`` variable: a misspelt setting, ignored) on stderr,
+    where ``serve --check-config`` and ``gc`` are read; a running daemon logs them."""
+    for w in warnings:
+        print(f"ckptd {command}: warning: {w}", file=sys.stderr)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(args.config, cli=setting_flags_given(args, SERVE_KEYS))
@@ -56,6 +63,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"ckptd serve: {e}", file=sys.stderr)
         return 2
     if args.check_config:
+        print_warnings("serve", settings.warnings)
         print(settings.render())
         problems = [f"s3: {p}" for p in [bucket_cli.check_bucket(settings.settings.s3)] if p]
         try:
@@ -101,6 +109,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"ckptd gc: {e}", file=sys.stderr)
         return 2
+    print_warnings("gc", settings.warnings)
     root = args.root or settings["root"]
     if not root:
         print("ckptd gc: give ROOT (or root in the config file)", file=sys.stderr)
