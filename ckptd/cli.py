@@ -13,7 +13,6 @@ from ckptd import __version__, bucket_cli, cli_steps
 from ckptd.core import protocol
 from ckptd.core.describe import human_size
 from ckptd.core.errors import ProtocolError
-from ckptd.core.names import validate_job
 from ckptd.daemon.server import Daemon, describe_error
 from ckptd.daemon.service import logs, systemd
 from ckptd.daemon.service.allocator import tune_allocator
@@ -50,6 +49,13 @@ def setting_flags_given(args: argparse.Namespace, keys: list[Key]) -> dict[str, 
     return out
 
 
+def print_warnings(command: str, warnings: list[str]) -> None:
+    """The settings' warnings (an unknown ``CKPTD_*`` variable: a misspelt setting, ignored) on stderr,
+    where ``serve --check-config`` and ``gc`` are read; a running daemon logs them."""
+    for w in warnings:
+        print(f"ckptd {command}: warning: {w}", file=sys.stderr)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(args.config, cli=setting_flags_given(args, SERVE_KEYS))
@@ -57,6 +63,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"ckptd serve: {e}", file=sys.stderr)
         return 2
     if args.check_config:
+        print_warnings("serve", settings.warnings)
         print(settings.render())
         problems = [f"s3: {p}" for p in [bucket_cli.check_bucket(settings.settings.s3)] if p]
         try:
@@ -102,14 +109,19 @@ def cmd_gc(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"ckptd gc: {e}", file=sys.stderr)
         return 2
+    print_warnings("gc", settings.warnings)
     root = args.root or settings["root"]
     if not root:
         print("ckptd gc: give ROOT (or root in the config file)", file=sys.stderr)
         return 2
     policy = settings.settings.retention.policy()  # settings: the Effective settings
     try:
-        for job in args.job or []:
-            validate_job(job)
+        for job in args.job or []:      # a misspelt job would remove nothing and exit 0: as ls, a usage error
+            cli_steps.job_path(root, job)
+    except cli_steps.UsageError as e:
+        print(f"ckptd gc: {e}", file=sys.stderr)
+        return cli_steps.USAGE
+    try:
         result = collect_root(root, policy, dry_run=args.dry_run, jobs=args.job or None)
     except (OSError, ValueError) as e:
         print(f"ckptd gc: {e}", file=sys.stderr)
@@ -220,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("gc", help="apply retention by hand", description=(
         "Apply the retention rules to every job under ROOT (or --job): keep the newest keep_last committed "
         "steps and every keep_every-th, never the newest committed; remove uncommitted step directories "
-        "untouched for abandoned_after. Settings come from the config file like serve's, then these flags."))
+        "untouched for abandoned_after. Settings come from the config file like serve's, then these flags. "
+        "A --job that is not under ROOT is a usage error (exit 2)."))
     s.add_argument("root", nargs="?", help="checkpoint root (default: root from the config)")
     s.add_argument("--job", action="append", help="only this job; repeatable")
     s.add_argument("--dry-run", "-n", action="store_true", help="print what would be removed, remove nothing")

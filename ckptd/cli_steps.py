@@ -20,11 +20,20 @@ from typing import Any
 from ckptd import bucket_cli
 from ckptd.core.describe import describe_step, human_size, render_step
 from ckptd.core.names import MEMORY_LEVEL_DIR, STAGED_NAME, parse_step_dir_name, step_dir_name, validate_job
-from ckptd.core.reader import Fault, StepInfo, StepReader, list_steps, verify_step
+from ckptd.core.reader import (
+    Fault,
+    StepInfo,
+    StepReader,
+    is_memory_level,
+    list_steps,
+    memory_level_steps,
+    verify_step,
+)
 
 USAGE = 2       # argparse's exit status for a usage error; 1 stays a FAULT (or a failed command)
 _STEP_ARG = re.compile(r"^(?:step-)?([0-9]{1,12})\Z")
 STEP_FORMS = "STEP_DIR | ROOT JOB STEP"
+HELD_BYTES = "its bytes are only in the daemons' memory"      # a memory-level step's (FORMAT.md)
 
 
 class UsageError(ValueError):
@@ -91,20 +100,29 @@ def _steps_text(steps: list[StepInfo], near: int | None = None) -> str:
     return _listed([str(n) for n in numbers])
 
 
+def job_steps(root: str, job: str) -> list[StepInfo]:
+    """A job's steps, storage and memory-level (``<job>/_memory``) alike, oldest first."""
+    return sorted(list_steps(job_path(root, job)) + memory_level_steps(root, job), key=lambda s: s.step)
+
+
 def step_path(root: str, job: str, step: str) -> str:
-    """``ROOT JOB STEP`` → the step directory, which must exist (an s3:// ROOT → the step's URL)."""
+    """``ROOT JOB STEP`` → the step directory, which must exist (an s3:// ROOT → the step's URL): the
+    storage step N, else the memory-level step N (``ckptd ls`` lists both by number)."""
     n = parse_step(step)
     if root.startswith("s3://"):
         validate_job(job)
         return f"{root.rstrip('/')}/{job}/{step_dir_name(n)}"
     path = os.path.join(job_path(root, job), step_dir_name(n))
-    if not os.path.lexists(path):
-        steps = list_steps(os.path.dirname(path))
-        nearest = min(steps, key=lambda s: abs(s.step - n)).step if steps else None
-        raise UsageError(f"job {job!r} under {root} has no step {n}"
-                         + (f"; did you mean {nearest}? (its steps near {n}: {_steps_text(steps, n)})" if steps
-                            else "; it has no steps"))
-    return path
+    if os.path.lexists(path):
+        return path
+    steps = job_steps(root, job)
+    held = [s.path for s in steps if s.step == n]        # no storage step N: a memory-level one
+    if held:
+        return held[0]
+    nearest = min(steps, key=lambda s: abs(s.step - n)).step if steps else None
+    raise UsageError(f"job {job!r} under {root} has no step {n}"
+                     + (f"; did you mean {nearest}? (its steps near {n}: {_steps_text(steps, n)})" if steps
+                        else "; it has no steps"))
 
 
 def _not_a_step(path: str, command: str) -> UsageError:
@@ -143,7 +161,7 @@ def resolve(targets: list[str], command: str) -> str:
     if len(targets) == 3:
         return step_path(*targets)
     if len(targets) == 2 and not targets[0].startswith("s3://"):     # ROOT JOB: the step is missing
-        steps = list_steps(job_path(*targets))
+        steps = job_steps(*targets)
         raise UsageError(f"give the step too: `ckptd {command} {targets[0]} {targets[1]} STEP` "
                          f"(its steps: {_steps_text(steps)})")
     if len(targets) != 1:
@@ -260,7 +278,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if faults:
         print(f"{args.step_dir}: {len(faults)} fault(s)")
         return 1
-    print(f"{args.step_dir}: OK")
+    held = f" (memory-level step: its index and manifests check out; {HELD_BYTES}, not checked here)"
+    print(f"{args.step_dir}: OK" + (held if is_memory_level(args.step_dir) else ""))
     return 0
 
 
@@ -278,6 +297,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"ckptd inspect: {e}", file=sys.stderr)
         return 1
     print(json.dumps(desc, indent=1) if args.json else "\n".join(render_step(desc, human_size)))
+    if not args.json and is_memory_level(step_dir):
+        print(f"memory-level step: {HELD_BYTES} (on disk: its index and manifests)")
     return 0
 
 
@@ -294,8 +315,9 @@ def add_parsers(sub: Any) -> None:
     s = sub.add_parser("verify", help="check every checksum and the geometry of a step",
                        usage=f"%(prog)s [-h] [-q] [--s3-endpoint URL] [--config FILE] {STEP_FORMS}", description=(
         "Verify every manifest digest and chunk checksum, and (format 2) that the index's tensor map agrees "
-        "with the manifests and its sharded tensors' pieces tile them exactly. Exit 1 on any fault; exit 2 "
-        "when the arguments name no step."))
+        "with the manifests and its sharded tensors' pieces tile them exactly (a memory-level step: its index "
+        "and manifests; its bytes are only in the daemons' memory). Exit 1 on any fault; exit 2 when the "
+        "arguments name no step."))
     s.add_argument("target", nargs="+", metavar="STEP",
                    help="ROOT JOB STEP (STEP: 20 or step-20; ROOT may be s3://bucket/prefix), or one step "
                         "directory, e.g. from `ckptd ls` (or s3://bucket/prefix/JOB/step-N)")

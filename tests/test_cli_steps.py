@@ -116,3 +116,32 @@ def test_a_step_removed_after_ls_listed_it_is_left_out_not_a_crash(root: Path) -
     shutil.rmtree(listed[1].path)                       # ... and then the rest
     assert [_row(JOB, s, time.time()) for s in listed] == [None, None]
     assert ckptd("ls", str(root), JOB).returncode == 0
+
+
+def test_a_memory_level_step_is_verified_on_disk_found_by_number_and_refused_by_export(root: Path, daemon,
+                                                                                     tmp: Path) -> None:
+    """A memory-level step has its index and manifests on disk and its bytes only in the daemons' memory:
+    verify checked its data files (a FAULT, exit 1), ROOT JOB STEP did not find it although `ckptd ls`
+    lists it by number, and export failed on the missing data file."""
+    ck = ckptd_client.Checkpointer(JOB, socket=str(daemon.socket))
+    ck.save(21, {"model": {"w": torch.arange(4096, dtype=torch.float32)}}, level="memory").wait(60)
+    ck.close(timeout=60)
+    held = root / JOB / "_memory" / "step-000000000021"
+    said = (f"{held}: OK (memory-level step: its index and manifests check out; its bytes are only in the "
+            "daemons' memory, not checked here)")
+    for args in ([str(held)], [str(root), JOB, "21"]):
+        r = ckptd("verify", "-q", *args)
+        assert r.returncode == 0 and r.stdout.strip() == said, r.stdout + r.stderr
+    r = ckptd("inspect", str(root), JOB, "21")
+    assert r.returncode == 0 and "memory-level step: its bytes are only in the daemons' memory" in r.stdout, r.stderr
+    r = ckptd("verify", str(root), JOB, "22")
+    assert r.returncode == 2 and "has no step 22; did you mean 21? (its steps near 22: 10, 20, 21)" in r.stderr
+    r = ckptd("export", str(held), str(tmp / "hf"))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert ("memory-level step 21 has no files: its bytes are only in the daemons' memory; save it to storage "
+            '(level="storage") to export it') in r.stderr, r.stderr
+    assert not (tmp / "hf").exists()
+    manifest = held / "rank-00000.json"              # what is on disk is still checked: a FAULT, exit 1
+    manifest.write_bytes(manifest.read_bytes().replace(b'"step":21', b'"step":22'))
+    r = ckptd("verify", "-q", str(root), JOB, "21")
+    assert r.returncode == 1 and "manifest digest does not match index.json" in r.stdout, r.stdout + r.stderr

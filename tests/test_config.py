@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -195,6 +196,23 @@ def test_check_config_prints_effective_settings(tmp):
     # The printed settings are themselves a valid config file.
     again = load_settings(write(tmp, r.stdout, "eff.toml"), env={})
     assert again["level"] == 5 and again["codec"] == "zstd"
+
+
+def test_an_unknown_environment_variable_is_warned_about_by_check_config_and_gc(tmp):
+    """docs/operations.md promises an unknown CKPTD_* variable is warned about: only a running daemon
+    logged it, so `serve --check-config` and `gc` said nothing of CKPTD_RETENTION_KEEP_LATS=3 (for
+    KEEP_LAST) and ran as if keep_last were unset."""
+    (tmp / "r").mkdir()
+    cfg = write(tmp, f'root = "{tmp}/r"\n')
+    warned = "warning: ignoring unknown environment variable CKPTD_RETENTION_KEEP_LATS"
+    env = {"CKPTD_RETENTION_KEEP_LATS": "3"}
+    r = _serve("--config", cfg, "--socket", str(tmp / "s.sock"), "--check-config", env=env)
+    assert r.returncode == 0 and f"ckptd serve: {warned}" in r.stderr, r.stdout + r.stderr
+    assert "LATS" not in r.stdout and "keep_last = 0    # default" in r.stdout, r.stdout    # the TOML stays clean
+    r = subprocess.run([sys.executable, "-m", "ckptd", "gc", "--config", cfg, "--dry-run", "--json"],
+                       capture_output=True, text=True, env={**os.environ, **env}, timeout=60)
+    assert r.returncode == 0 and f"ckptd gc: {warned}" in r.stderr, r.stdout + r.stderr
+    assert json.loads(r.stdout)["dry_run"] is True                                          # stdout stays JSON
 
 
 def test_daemon_uses_config_file(tmp):

@@ -180,6 +180,22 @@ def test_ckptd_gc_cli(tmp):
     assert r.returncode == 2 and "retention.keep_last" in r.stderr
 
 
+def test_gc_of_a_misspelt_job_is_a_usage_error_with_a_did_you_mean(tmp):
+    """`ckptd gc --job train-7B` (the job is train-7b) removed nothing and exited 0, as if retention had
+    run; `ckptd ls ROOT train-7B` is a usage error naming the job meant, and so is gc's now."""
+    root = tmp / "root"
+    for s in (1, 2):
+        make_step(root, "train-7b", s, committed=True)
+    r = _gc(str(root), "--job", "train-7B", "--keep-last", "1")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"ckptd gc: no job 'train-7B' under {root}; did you mean 'train-7b'? (jobs there: train-7b)" in r.stderr
+    assert r.stdout == "" and steps_left(root, "train-7b") == [1, 2]
+    r = _gc(str(root), "--job", "train-7b", "--job", ".hidden")         # not a job name at all
+    assert r.returncode == 2 and "invalid job name" in r.stderr, r.stderr
+    r = _gc(str(root), "--job", "train-7b", "--keep-last", "1")
+    assert r.returncode == 0 and steps_left(root, "train-7b") == [2], r.stdout + r.stderr
+
+
 def test_gc_removes_every_file_ckptd_names_whole_steps_only(tmp):
     """Rank numbers past 99999 (MAX_RANKS allows 7 digits) and the temp names every writer uses
     (``names.temp_name``: atomic writes, the bucket stager's downloads) belong to ckptd: an expired

@@ -91,6 +91,12 @@ def memory_level_steps(root: str, job: str) -> list[StepInfo]:
     return [] if os.path.islink(path) else list_steps(path)
 
 
+def is_memory_level(step_path: str) -> bool:
+    """Whether ``step_path`` is a memory-level step's directory (``<root>/<job>/_memory/step-N``): its
+    index and manifests are on disk, its bytes only in the daemons' memory (FORMAT.md)."""
+    return os.path.basename(os.path.dirname(os.path.abspath(step_path))) == MEMORY_LEVEL_DIR
+
+
 def latest_committed(job_path: str) -> StepInfo | None:
     committed = [s for s in list_steps(job_path) if s.committed]
     return committed[-1] if committed else None
@@ -302,12 +308,14 @@ class Fault:
 def verify_step(step_path: str, progress: Callable[[str], None] | None = None) -> list[Fault]:
     """Check every manifest digest and every chunk checksum of a committed step (no decompression),
     and a format-2 step's global geometry: the index's tensor map parses, agrees with the manifests,
-    and tiles every sharded tensor exactly (``map_check``)."""
+    and tiles every sharded tensor exactly (``map_check``). A memory-level step (``is_memory_level``)
+    has no data files: its index and manifests are checked, its bytes (in the daemons' memory) are not."""
     try:
         reader = StepReader(step_path)
     except (ValueError, OSError) as e:     # FormatError is a ValueError
         return [Fault(os.path.join(step_path, INDEX_NAME), None, str(e))]
     index_path = os.path.join(reader.path, INDEX_NAME)
+    held_only = is_memory_level(reader.path)
     faults: list[Fault] = []
     check: MapCheck | None = None
     if reader.format_version >= 2:
@@ -329,6 +337,10 @@ def verify_step(step_path: str, progress: Callable[[str], None] | None = None) -
             continue
         if check:
             faults += [Fault(mpath, f.tensor, f.reason) for f in check.rank(manifest)]
+        if held_only:
+            if progress:
+                progress(f"rank {rank}: manifest checked ({len(manifest.tensors)} tensors; its bytes are in memory)")
+            continue
         dpath = reader.data_path(rank)
         try:
             fd = reader.open_data(rank)

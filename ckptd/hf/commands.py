@@ -9,7 +9,7 @@ from typing import Any
 from ckptd.core.describe import human_size
 from ckptd.core.errors import ChecksumError
 
-from .export import OutputExists, export_hf
+from .export import MemoryLevelStep, OutputExists, export_hf
 from .importer import import_hf
 from .layout import EXPORT_DTYPES
 
@@ -18,6 +18,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         r = export_hf(args.step_dir, args.out, max_shard_size=args.max_shard_size, select=args.select,
                       dtype=args.dtype, rename=args.rename, threads=args.threads, force=args.force)
+    except MemoryLevelStep as e:                         # a step export does not take, as a wrong name
+        print(f"ckptd export: {e}", file=sys.stderr)
+        return 2                                         # a usage error (ckptd.cli_steps.USAGE)
     except OutputExists as e:                            # its text speaks of the API's force=True
         print(f"ckptd export: {e.out} exists and is not an empty directory; --force replaces it", file=sys.stderr)
         return 1
@@ -43,7 +46,8 @@ def add_parsers(sub: Any) -> None:
     threads = max(1, min(8, len(os.sched_getaffinity(0))))
     s = sub.add_parser("export", help="write a step as Hugging Face safetensors shards", description=(
         "Consolidate a committed step (any world size and sharding) into model-0000i-of-0000N.safetensors "
-        "and model.safetensors.index.json, laid out as huggingface_hub.save_torch_state_dict does."))
+        "and model.safetensors.index.json, laid out as huggingface_hub.save_torch_state_dict does. A "
+        "memory-level step has no files to export (exit 2)."))
     s.add_argument("step_dir", metavar="STEP_DIR")
     s.add_argument("out", metavar="OUT", help="output directory: new or empty (one holding files only with --force)")
     s.add_argument("--max-shard-size", default="5GB", help="per-file limit, e.g. 5GB, 500MB, 1GiB (default 5GB)")

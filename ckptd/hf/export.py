@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from ckptd.core import storage
 from ckptd.core.errors import FormatError
+from ckptd.core.reader import is_memory_level, split_step_path
 from ckptd.core.sizes import parse_size
 from ckptd.core.tree import decode_tree
 
@@ -34,6 +35,11 @@ from .layout import (
 )
 from .progress import Progress
 from .safetensors_io import build_header, st_dtype
+
+
+class MemoryLevelStep(ValueError):
+    """A memory-level step (``<root>/<job>/_memory/step-N``) has no data files to export: its bytes are
+    only in the daemons' memory (FORMAT.md, "Memory-level steps")."""
 
 
 class OutputExists(FileExistsError):
@@ -135,8 +141,12 @@ def export_hf(step_dir: str | os.PathLike[str], out: str | os.PathLike[str], *,
     Face"). ``dtype``: convert floating tensors (``bfloat16``, ``float16``, ``float32``); ``rename``: a
     mapping (or a JSON file of one) from canonical names to exported names; ``progress``: None = a bar
     on a terminal, a line every ~10 s otherwise; False = quiet.
-    Raises OutputExists (a FileExistsError) when ``out`` exists and is not an empty directory (unless
-    ``force``), FormatError for a bad step."""
+    Raises MemoryLevelStep (a ValueError) for a memory-level step, OutputExists (a FileExistsError)
+    when ``out`` exists and is not an empty directory (unless ``force``), FormatError for a bad step."""
+    if is_memory_level(os.fspath(step_dir)) and os.path.isdir(step_dir):
+        _, _, step = split_step_path(os.fspath(step_dir))
+        raise MemoryLevelStep(f"memory-level step {step} has no files: its bytes are only in the daemons' memory; "
+                              'save it to storage (level="storage") to export it')
     out_path = os.path.abspath(os.fspath(out))
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(EXPORT_DTYPES)}")
