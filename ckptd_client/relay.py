@@ -107,6 +107,7 @@ class StoreRelay:
         self._queue: queue.Queue[RelayedSave | None] = queue.Queue()
         self._trash: queue.Queue[list[str] | None] = queue.Queue()
         self._closed = False
+        self._closing = False          # (close) this rank's outcomes are final: publish ignores later ones
         self._thread = threading.Thread(target=self._run, name="ckptd-client-relay", daemon=True)
         self._thread.start()
         self._trash_thread = threading.Thread(target=self._delete_keys, name="ckptd-client-relay-gc", daemon=True)
@@ -152,8 +153,11 @@ class StoreRelay:
     def publish(self, step: int, outcome: RankOutcome) -> None:
         """How this rank's save of ``step`` went on its daemon. Never blocks: before the run id is
         known it is kept, and the relay thread publishes it once it is. Never raises: with the store
-        gone (rank 0 died) the save is settled by the disk instead."""
+        gone (rank 0 died) the save is settled by the disk instead. Ignored once closing: a save left
+        open then was published failed (``close``), and its outcome must not change after that."""
         with self._lock:
+            if self._closing:
+                return
             s = self._saves.get(step)
             if s is not None:
                 s.outcome = outcome
@@ -359,6 +363,13 @@ class StoreRelay:
         be waiting on it: one connection is not for two threads at once)."""
         if self._closed:
             return
+        with self._lock:
+            open_saves = [s.step for s in self._saves.values() if not s.published.is_set()]
+        for step in open_saves:        # its DURABLE can no longer be relayed: the others hear of it now,
+            self.publish(step, RankOutcome.failed(   # and its wait for that event ends (no thread outlives this)
+                f"rank {self.rank}'s process closed before its shard of step {step} was durable"))
+        with self._lock:
+            self._closing = True
         self._closed = True
         self._stop.set()
         self._queue.put(None)

@@ -253,3 +253,23 @@ def test_a_local_step_a_killed_rank_left_is_saved_afresh_not_joined(daemon, tmp)
         live = {"w": torch.zeros(1000)}
         assert ck.restore(live) == 5 and torch.equal(live["w"], torch.full((1000,), 200.0 + rank)), (rank, live["w"][0])
     assert "left (killed?) before step 5 committed and rank 0 saved it again" in daemon.log_text()
+
+
+def test_close_of_a_relayed_save_not_yet_durable_leaves_no_relay_thread(daemon_factory):
+    """Relay commit, close(timeout=1) while this rank's shard is still being written: its relay thread
+    waited (0.7 × commit_timeout) for a DURABLE event no closed session could bring; close gave up on it
+    after one store-wait slice and returned with the thread alive, which used the job's store a minute
+    later. close now publishes the open save failed (the others hear at once), so the thread ends first."""
+    import random
+    import threading
+
+    from torch.distributed import TCPStore
+    d = daemon_factory("--debug-write-delay", "10", "--chunk-mib", "1")
+    store = TCPStore("127.0.0.1", random.randint(20000, 30000), 2, True, wait_for_workers=False)
+    ck = ckptd_client.Checkpointer("cr", socket=str(d.socket), rank=0, world_size=2, store=store, commit="relay",
+                                   commit_timeout=100, join_timeout=5)
+    h = ck.save(1, {"w": torch.ones(1 << 20)})          # 4 MiB in 1 MiB chunks, 10 s each: never durable here
+    report = ck.close(timeout=1)
+    assert [t.name for t in threading.enumerate() if "relay" in t.name] == []
+    assert h.done() and not h.committed and report.failed and report.failed[0][0] == 1, report
+    assert "rank 0's process closed before its shard of step 1 was durable" in report.failed[0][1], report
