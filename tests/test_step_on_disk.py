@@ -309,3 +309,25 @@ def test_adaptive_encodes_once_the_disk_is_the_limit(tmp_path: Path, monkeypatch
     assert shard.manifest.stored_bytes < w.nbytes
     publish_step(str(path), "job", 1, 1, [summarize(shard.manifest, shard.digest)])
     assert read_back(StepReader(str(path)), 0) == w.tobytes() and verify_step(str(path)) == []
+
+
+def test_a_commit_keeps_nothing_an_earlier_killed_attempt_left(daemon: Any) -> None:
+    """A daemon killed while publishing a large index left its side files (index-head.json, ranks.bin,
+    tensors.json), and an attempt at world size 2 left rank 1's files. The re-saved step at world size 1
+    committed with them inside: `ckptd verify` failed it ("index-head.json belongs to another index.json")
+    and `ls` counted rank 1's bytes. The commit now removes every leftover before index.json is published."""
+    import torch
+
+    import ckptd_client
+    path = Path(step_dir(str(daemon.root), "left", 3))
+    path.mkdir(parents=True)
+    for name in SIDE_FILES:
+        (path / name).write_bytes(b"{\"from\": \"a killed attempt with a larger index\"}")
+    (path / rank_data_name(1)).write_bytes(b"\0" * 4096)
+    (path / rank_manifest_name(1)).write_text("{}")
+    with ckptd_client.Checkpointer("left", socket=str(daemon.socket)) as ck:
+        ck.save(3, {"w": torch.ones(8)}).wait(60)
+    assert sorted(p.name for p in path.iterdir()) == [INDEX_NAME, rank_data_name(0), rank_manifest_name(0)]
+    assert verify_step(str(path)) == []
+    v = ckptd("verify", str(path))
+    assert v.returncode == 0, v.stdout + v.stderr

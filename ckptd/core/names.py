@@ -240,6 +240,12 @@ def parse_step_dir_name(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def parse_rank_file_name(name: str) -> int | None:
+    """The rank of a rank file's name (``rank-NNNNN.data`` or ``.json``), else None."""
+    m = _RANK_FILE_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
 def rank_data_name(rank: int) -> str:
     return f"rank-{rank:05d}.data"
 
@@ -260,6 +266,7 @@ _STEP_FILE = (rf"(?:rank-[0-9]{{5,7}}\.(?:data|json)|{re.escape(INDEX_NAME)}|{re
               rf"|{re.escape(TENSORS_NAME)}|{re.escape(HEAD_NAME)}|{re.escape(STAGED_NAME)})")
 _TEMP_SUFFIX = r"\.tmp\.[0-9]+(?:\.[0-9]+)?"
 _STEP_FILE_RE = re.compile(rf"^{_STEP_FILE}(?:{_TEMP_SUFFIX})?\Z")
+_RANK_FILE_RE = re.compile(r"^rank-([0-9]{5,7})\.(?:data|json)\Z")
 _STEP_TEMP_RE = re.compile(rf"^{_STEP_FILE}{_TEMP_SUFFIX}\Z")
 
 

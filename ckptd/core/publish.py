@@ -24,7 +24,7 @@ from .names import INDEX_NAME
 from .rank_record import RankRecord
 from .rank_table import SMALL_INDEX_BYTES, side_files
 from .schema import make_index_file
-from .step_files import remove_files, stray_temps
+from .step_files import leftovers, remove_files
 
 # Runs the rename that publishes index.json, or refuses by raising (storage.atomic_write's ``publish``).
 Rename = Callable[[Callable[[], None], Callable[[], None]], None]     # (rename, then the fsync of its directory)
@@ -60,10 +60,10 @@ def build_index(job: str, step: int, world_size: int, records: Sequence[RankReco
                                        per_rank))
 
 
-def clear_temps(step_path: str) -> None:
-    """Remove what a writer killed mid-rename (an earlier attempt of this step) left: temp files
-    must not survive inside a committed step. Called before publishing."""
-    remove_files(stray_temps(step_path))
+def clear_leftovers(step_path: str, world_size: int) -> None:
+    """Remove what earlier attempts of this step left (``step_files.leftovers``): nothing of theirs
+    may survive inside the committed step. Called before publishing."""
+    remove_files(leftovers(step_path, world_size))
 
 
 def publish_index(step_path: str, built: BuiltIndex, records: Sequence[RankRecord], *,
@@ -80,6 +80,6 @@ def publish_step(step_path: str, job: str, step: int, world_size: int, records: 
     """Build, check and publish the index of a step whose rank files are all durable in
     ``step_path`` (``ckptd import``); returns the index. IndexRefused: nothing was published."""
     built = build_index(job, step, world_size, records)
-    clear_temps(step_path)
+    clear_leftovers(step_path, world_size)
     publish_index(step_path, built, records, small_index_bytes=small_index_bytes)
     return built.index

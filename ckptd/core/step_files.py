@@ -12,7 +12,17 @@ import os
 import stat
 from collections.abc import Iterable
 
-from .names import INDEX_NAME, is_step_file, is_step_temp, rank_data_name, rank_manifest_name
+from .names import (
+    HEAD_NAME,
+    INDEX_NAME,
+    RANK_TABLE_NAME,
+    TENSORS_NAME,
+    is_step_file,
+    is_step_temp,
+    parse_rank_file_name,
+    rank_data_name,
+    rank_manifest_name,
+)
 from .storage import fsync_dir
 
 
@@ -40,6 +50,21 @@ def stray_temps(step_path: str, older_than: float | None = None) -> list[str]:
         except FileNotFoundError:
             pass
     return found
+
+
+def leftovers(step_path: str, world_size: int) -> list[str]:
+    """What earlier attempts of an uncommitted step left that its commit must not keep, sorted: stray
+    temps (a writer killed mid-rename), lean-index side files (a commit killed before index.json: a
+    smaller index has none, a larger one writes its own) and the files of ranks at or above
+    ``world_size`` (an attempt at a larger world). Removed just before index.json is published."""
+    try:       # names only (a 32,768-rank step holds 65k): lstat is for the few temps
+        names = os.listdir(step_path)
+    except FileNotFoundError:
+        return []
+    side = (RANK_TABLE_NAME, TENSORS_NAME, HEAD_NAME)
+    found = [os.path.join(step_path, n) for n in names
+             if n in side or ((r := parse_rank_file_name(n)) is not None and r >= world_size)]
+    return sorted(found + stray_temps(step_path))
 
 
 def remove_files(paths: Iterable[str]) -> None:

@@ -24,7 +24,7 @@ from ckptd.core.names import rank_manifest_name
 from ckptd.core.publish import BuiltIndex, IndexRefused, build_index, publish_index
 from ckptd.core.rank_record import RankRecord, summarize
 from ckptd.core.schema import MAX_MANIFEST_BYTES, digest_bytes, parse_manifest
-from ckptd.core.step_files import is_committed, remove_files, stray_temps
+from ckptd.core.step_files import is_committed, leftovers, remove_files
 
 # Threads that check manifests: enough to overlap a shared file system's latency, never more
 # than the CPUs (each file costs ~10 µs of Python under the GIL: at 32,768 local files 16 threads
@@ -89,9 +89,9 @@ def write_index(step_path: str, job: str, step: int, world_size: int, digests: d
         raise CommitError(f"cannot commit step {step}: no durable shard from ranks {missing}")
     if is_committed(step_path):
         raise CommitError(f"step {step} is already committed")
-    # The step's stray temps (a writer killed mid-rename), listed beside the build: a 32,768-rank
-    # step directory holds 65,536 names (0.1 s to list); removed before index.json is published.
-    strays = _soon(stray_temps, step_path)
+    # What earlier attempts left (step_files.leftovers: stray temps, side files, ranks beyond the world),
+    # listed beside the build: a 32,768-rank step directory holds 65,536 names (0.1 s to list).
+    strays = _soon(lambda path: leftovers(path, world_size), step_path)
     with gc_paused():       # a large job's records, tensor map and index: see gc_pause
         if records is None:
             records = [_read_record(step_path, job, step, world_size, rank, digests[rank])
