@@ -93,7 +93,8 @@ class Checkpointer:
             self.daemon = OwnDaemon(str(self.root), self, Checkpointer.close)
             self.socket_path = self.daemon.socket
         self._session = DaemonSession(self.socket_path, self.job, self.rank, self.world_size, c.num_slots,
-                                      self._on_event, self._on_lost, min(self.world_size, self.local_world_size))
+                                      self._on_event, self._on_lost, min(self.world_size, self.local_world_size),
+                                      slot_wait=self.commit_timeout)
         self._copies = OverlapCopies(self.fence)
         self.plans = PlanCache()                      # the last save's plan, while the structure holds
         self._handles: dict[int, SaveHandle] = {}      # step → handle (one save per step in flight)

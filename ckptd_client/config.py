@@ -37,7 +37,8 @@ class CheckpointerConfig:
     """``auto``: relay completion through the store when world_size > 1 and a store exists (ranks
     may span daemons), else ``local`` (the daemon counts ranks itself); ``relay`` needs a store."""
     commit_timeout: float = 600.0
-    """Seconds a relayed save may take from ``save`` to its commit (the relay's waits derive from it)."""
+    """Seconds a relayed save may take from ``save`` to its commit (the relay's waits derive from it),
+    and the longest ``save`` waits for a free slot (CheckpointError after: a stalled daemon)."""
     join_timeout: float | None = None
     """Seconds from this ``Checkpointer``'s start within which rank 0 must tell this rank the run id
     (run_scope.py): the window in which a job's ranks may start apart. A restore, and the relay's

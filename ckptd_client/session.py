@@ -33,8 +33,10 @@ class DaemonSession:
     for before the slots are resized."""
 
     def __init__(self, socket_path: str, job: str, rank: int, world_size: int, num_slots: int,
-                 on_event: EventHandler, on_lost: LostHandler, local_ranks: int = 1) -> None:
+                 on_event: EventHandler, on_lost: LostHandler, local_ranks: int = 1,
+                 slot_wait: float | None = None) -> None:
         self.socket_path = socket_path
+        self.slot_wait = slot_wait               # acquire's bound (commit_timeout): a stalled daemon frees none
         self.job, self.rank, self.world_size = job, rank, world_size
         self.local_ranks = local_ranks           # the job's ranks on this node (hello: slot budget shares)
         self.num_slots = num_slots
@@ -212,8 +214,11 @@ class DaemonSession:
 
         When the memory tier keeps every slot (held steps whose commit this rank's daemon has
         not seen yet, or failed steps it was never told of), the daemon is asked to give the
-        oldest back: the trainer's progress comes before a copy in memory (storage has it)."""
+        oldest back: the trainer's progress comes before a copy in memory (storage has it).
+        CheckpointError once ``slot_wait`` seconds pass without one (a daemon stopped or wedged on
+        I/O keeps its connection but reads no slot: no save could commit within that time anyway)."""
         asked = -RECLAIM_EVERY_S
+        deadline = None if self.slot_wait is None else time.monotonic() + self.slot_wait
         while True:
             with self._cond:
                 if self._free:
@@ -221,6 +226,10 @@ class DaemonSession:
                 conn = self.live()
                 if conn is None:
                     raise NotDelivered(f"connection to ckptd at {self.socket_path} lost")
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise CheckpointError(f"no slot came free within {self.slot_wait:g}s (commit_timeout): the "
+                                          f"daemon at {self.socket_path} reads none of the saves in flight (stopped, "
+                                          "or stuck on its disk? see its log and `ckptd status`)")
                 stuck = bool(self.slots) and len(self._held) >= len(self.slots)
                 if not block and not stuck:
                     return None

@@ -51,7 +51,12 @@ def stream_save(session: DaemonSession, conn: DaemonConnection, handle: SaveHand
     tensors = [local_tensor(t).detach() for _, t in plan.flat.tensors]
     pieces = _Pieces(layout, tensors)
     for k in range(-(-total // part)):
-        slot = session.acquire(block=block or k > 0)
+        try:
+            slot = session.acquire(block=block or k > 0)
+        except CheckpointError:
+            if k > 0:           # parts were sent: the connection goes (the daemon fails the step, takes the slots)
+                session.drop()
+            raise
         if slot is None:
             handle.skipped = True
             return

@@ -273,3 +273,37 @@ def test_close_of_a_relayed_save_not_yet_durable_leaves_no_relay_thread(daemon_f
     assert [t.name for t in threading.enumerate() if "relay" in t.name] == []
     assert h.done() and not h.committed and report.failed and report.failed[0][0] == 1, report
     assert "rank 0's process closed before its shard of step 1 was durable" in report.failed[0][1], report
+
+
+def test_a_save_waiting_for_a_slot_of_a_stopped_daemon_fails_within_commit_timeout(daemon_factory):
+    """The daemon is SIGSTOPped (wedged) while the only slot is being written: the next save() waited for
+    a free slot forever (the connection stays up). It now fails after commit_timeout with the reason, and
+    once the daemon runs again the save in flight still commits."""
+    import os
+    import signal
+    import threading
+
+    d = daemon_factory("--debug-write-delay", "0.5")
+    ck = ckptd_client.Checkpointer("stopped", socket=str(d.socket), num_slots=1, commit_timeout=3, overlap=False)
+    first = ck.save(1, {"w": torch.ones(1 << 18)})
+    os.kill(d.proc.pid, signal.SIGSTOP)
+    raised: list[BaseException] = []
+
+    def second() -> None:
+        try:
+            ck.save(2, {"w": torch.ones(1 << 18)})
+        except BaseException as e:
+            raised.append(e)
+    t = threading.Thread(target=second)
+    t0 = time.monotonic()
+    t.start()
+    t.join(30)
+    stuck = t.is_alive()
+    os.kill(d.proc.pid, signal.SIGCONT)
+    t.join(60)
+    assert not stuck, "save() still waiting for a slot 30 s after the daemon stopped"
+    assert time.monotonic() - t0 < 20 and len(raised) == 1, raised
+    assert isinstance(raised[0], ckptd_client.CheckpointError) and "no slot came free within 3s" in str(raised[0])
+    first.wait(60)
+    assert first.committed
+    ck.close()
