@@ -121,8 +121,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
     except cli_steps.UsageError as e:
         print(f"ckptd gc: {e}", file=sys.stderr)
         return cli_steps.USAGE
+    if args.remove_above is not None and not args.job:
+        print("ckptd gc: --remove-above needs --job (it removes a rolled-back run's steps of one job)", file=sys.stderr)
+        return cli_steps.USAGE
     try:
-        result = collect_root(root, policy, dry_run=args.dry_run, jobs=args.job or None)
+        result = collect_root(root, policy, dry_run=args.dry_run, jobs=args.job or None, above=args.remove_above)
     except (OSError, ValueError) as e:
         print(f"ckptd gc: {e}", file=sys.stderr)
         return 2
@@ -239,6 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dry-run", "-n", action="store_true", help="print what would be removed, remove nothing")
     s.add_argument("--config", help=f"TOML config file (default: $CKPTD_CONFIG or {DEFAULT_CONFIG_PATH} if present)")
     add_setting_flags(s, GC_KEYS)
+    s.add_argument("--remove-above", type=int, metavar="N",
+                   help="also remove every step of --job numbered above N, committed or not, memory-level too: "
+                        "a run rolled back to step N (restore(step=N)) saves below them, and they would outrank it "
+                        "(retention and restore() go by number); run with the job's trainers stopped")
     s.add_argument("-v", "--verbose", action="store_true", help="also list what is kept and why")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_gc)

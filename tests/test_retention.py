@@ -196,6 +196,42 @@ def test_gc_of_a_misspelt_job_is_a_usage_error_with_a_did_you_mean(tmp):
     assert r.returncode == 0 and steps_left(root, "train-7b") == [2], r.stdout + r.stderr
 
 
+def storage_steps(root: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in (root / "j").glob("step-*"))
+
+
+def test_gc_remove_above_takes_a_rolled_back_runs_steps_away(daemon_factory, tmp):
+    """A run rolled back to step 20 (steps 10, 20, 30 committed, keep_last 2): its steps 21 and 22 sat
+    below the abandoned 30, so retention deleted 21 as soon as 22 committed and a restart resumed from 30.
+    `ckptd gc --job j --remove-above 20` (with the trainers stopped) removes 30, committed and memory-level
+    steps above 20 alike; the new run's steps then stand and a restart resumes from its own step."""
+    d = daemon_factory("--keep-last", "2")
+    with ckptd_client.Checkpointer("j", socket=str(d.socket)) as ck:
+        for s in (10, 20, 30):
+            ck.save(s, {"w": torch.full((8,), float(s))}).wait(60)
+        ck.save(31, {"w": torch.full((8,), 31.0)}, level="memory").wait(60)
+    r = _gc(str(d.root), "--remove-above", "20")
+    assert r.returncode == 2 and "--remove-above needs --job" in r.stderr, r.stderr
+    r = _gc(str(d.root), "--job", "j", "--remove-above", "20", "--dry-run")
+    assert r.returncode == 0 and storage_steps(d.root) == [20, 30], r.stdout + r.stderr
+    r = _gc(str(d.root), "--job", "j", "--remove-above", "20")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "step above --remove-above" in r.stdout and storage_steps(d.root) == [20], r.stdout
+    assert not list((d.root / "j" / "_memory").glob("step-*"))
+    with ckptd_client.Checkpointer("j", socket=str(d.socket), memory=False) as ck:
+        live = {"w": torch.zeros(8)}
+        assert ck.restore(live) == 20
+        for s in (21, 22):
+            ck.save(s, {"w": torch.full((8,), float(s))}).wait(60)
+    deadline = time.monotonic() + 30             # (retention runs after each commit, off its path)
+    while storage_steps(d.root) != [21, 22] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert storage_steps(d.root) == [21, 22]
+    with ckptd_client.Checkpointer("j", socket=str(d.socket), memory=False) as ck:
+        live = {"w": torch.zeros(8)}
+        assert ck.restore(live) == 22 and torch.equal(live["w"], torch.full((8,), 22.0))
+
+
 def test_gc_removes_every_file_ckptd_names_whole_steps_only(tmp):
     """Rank numbers past 99999 (MAX_RANKS allows 7 digits) and the temp names every writer uses
     (``names.temp_name``: atomic writes, the bucket stager's downloads) belong to ckptd: an expired

@@ -45,6 +45,7 @@ class ActionKind(str, Enum):
     """Why a step directory is removed; the value is what JSON, logs and metric labels show."""
     EXPIRED = "expired"         # committed, past retention
     ABANDONED = "abandoned"     # never committed, untouched for abandoned_after
+    ABOVE = "above"             # numbered above ``ckptd gc --remove-above N``: a rolled-back run's
 
     def __str__(self) -> str:   # plain "expired" in f-strings and metric labels, on every Python
         return self.value
@@ -54,7 +55,8 @@ class ActionKind(str, Enum):
 
 
 _DESCRIBE = {ActionKind.EXPIRED: "committed step past retention",
-             ActionKind.ABANDONED: "abandoned uncommitted step"}
+             ActionKind.ABANDONED: "abandoned uncommitted step",
+             ActionKind.ABOVE: "step above --remove-above (a rolled-back run's)"}
 
 
 @dataclass
@@ -98,15 +100,18 @@ def last_touched(path: str) -> float:
     return newest
 
 
-def plan_job(job_path: str, policy: RetentionPolicy, *, now: float | None = None,
-             in_flight: Iterable[int] = ()) -> tuple[list[Action], list[tuple[str, int, str]]]:
-    """What to delete in one job directory under ``policy``; nothing is touched."""
+def plan_job(job_path: str, policy: RetentionPolicy, *, now: float | None = None, in_flight: Iterable[int] = (),
+             above: int | None = None) -> tuple[list[Action], list[tuple[str, int, str]]]:
+    """What to delete in one job directory under ``policy``; nothing is touched. ``above``: every step
+    numbered above it goes too, committed or not (``ckptd gc --remove-above``: a rolled-back run's steps,
+    which would outrank the new run's), and the newest committed step kept is the newest at or below it."""
     now = time.time() if now is None else now
     job = os.path.basename(os.path.normpath(job_path))
     protected = set(in_flight)
     steps = list_steps(job_path)            # symlinked step directories are already left out
+    actions = [Action(job, s.step, s.path, ActionKind.ABOVE) for s in steps if above is not None and s.step > above]
+    steps = [s for s in steps if above is None or s.step <= above]
     committed = [s for s in steps if s.committed]
-    actions: list[Action] = []
     kept: list[tuple[str, int, str]] = []
     keep: dict[int, str] = {}
     if committed:
@@ -138,13 +143,16 @@ def plan_job(job_path: str, policy: RetentionPolicy, *, now: float | None = None
 
 
 def plan_memory_level(job_path: str, policy: RetentionPolicy, *, now: float,
-                      in_flight: Iterable[int] = ()) -> list[Action]:
+                      in_flight: Iterable[int] = (), above: int | None = None) -> list[Action]:
     """The uncommitted memory-level step directories of one job untouched for ``abandoned_after``
-    (the memory tier prunes the committed ones); nothing is touched."""
+    (the memory tier prunes the committed ones), and every one above ``above``; nothing is touched."""
     root, name = os.path.split(os.path.normpath(job_path))
     job = memory_job(name)
     protected, actions = set(in_flight), list[Action]()
     for s in memory_level_steps(root, name):        # (none through a symlinked _memory)
+        if above is not None and s.step > above:
+            actions.append(Action(job, s.step, s.path, ActionKind.ABOVE))
+            continue
         if s.committed or s.step in protected:
             continue
         try:
@@ -168,9 +176,10 @@ def execute(actions: list[Action], dry_run: bool = False) -> None:
 
 def collect_job(root: str, job: str, policy: RetentionPolicy, *, dry_run: bool = False,
                 in_flight: Iterable[int] = (), memory_in_flight: Iterable[int] = (),
-                now: float | None = None) -> GcResult:
+                now: float | None = None, above: int | None = None) -> GcResult:
     """Apply ``policy`` to one job (the daemon calls this after each storage commit of the job),
-    sparing the storage steps ``in_flight`` and the memory-level ones ``memory_in_flight``."""
+    sparing the storage steps ``in_flight`` and the memory-level ones ``memory_in_flight``; ``above``:
+    see ``plan_job``."""
     validate_job(job)
     job_path = os.path.join(root, job)
     result = GcResult()
@@ -178,8 +187,8 @@ def collect_job(root: str, job: str, policy: RetentionPolicy, *, dry_run: bool =
         result.skipped.append(f"{job_path}: a symlink; gc does not follow links")
         return result
     now = time.time() if now is None else now
-    actions, kept = plan_job(job_path, policy, now=now, in_flight=in_flight)
-    actions += plan_memory_level(job_path, policy, now=now, in_flight=memory_in_flight)
+    actions, kept = plan_job(job_path, policy, now=now, in_flight=in_flight, above=above)
+    actions += plan_memory_level(job_path, policy, now=now, in_flight=memory_in_flight, above=above)
     execute(actions, dry_run)
     result.actions, result.kept = actions, kept
     expired = {a.path for a in actions}
@@ -200,8 +209,8 @@ def collect_job(root: str, job: str, policy: RetentionPolicy, *, dry_run: bool =
 
 
 def collect_root(root: str, policy: RetentionPolicy, *, dry_run: bool = False, jobs: Iterable[str] | None = None,
-                 now: float | None = None) -> GcResult:
-    """Apply ``policy`` to every job under ``root`` (``ckptd gc``)."""
+                 now: float | None = None, above: int | None = None) -> GcResult:
+    """Apply ``policy`` to every job under ``root`` (``ckptd gc``), or ``jobs``; ``above``: see ``plan_job``."""
     result = GcResult()
     if jobs is None:
         try:
@@ -221,7 +230,7 @@ def collect_root(root: str, policy: RetentionPolicy, *, dry_run: bool = False, j
             elif os.path.isdir(path):
                 jobs.append(name)
     for job in jobs:
-        r = collect_job(root, job, policy, dry_run=dry_run, now=now)
+        r = collect_job(root, job, policy, dry_run=dry_run, now=now, above=above)
         result.actions += r.actions
         result.kept += r.kept
         result.skipped += r.skipped
