@@ -292,3 +292,30 @@ def test_a_save_redone_on_a_restarted_daemon_reports_its_commit(daemon_factory, 
     out = {"w": torch.zeros(1024)}
     assert ck.restore(out) == 2 and torch.equal(out["w"], state["w"])
     ck.close()
+
+
+def test_a_daemon_says_at_start_what_it_found_in_its_root(daemon_factory, tmp):
+    """A root left by a killed daemon and a file system that lost writes: step 2's index.json truncated,
+    step 3 never committed. The daemon started as usual and said nothing; every restore() then failed on
+    step 2 with no earlier word. It now logs both at start, with what to run."""
+    import torch
+
+    import ckptd_client
+    root = tmp / "root"
+    d = daemon_factory(root=root, name="first")
+    with ckptd_client.Checkpointer("scan", socket=str(d.socket)) as ck:
+        for s in (1, 2):
+            ck.save(s, {"w": torch.full((8,), float(s))}).wait(60)
+    d.close()
+    index = root / "scan" / "step-000000000002" / "index.json"
+    index.write_bytes(index.read_bytes()[:40])
+    (root / "scan" / "step-000000000003").mkdir()
+    (root / "scan" / "step-000000000003" / "rank-00000.json").write_text("{}")
+    d2 = daemon_factory(root=root, name="second")
+    deadline = time.monotonic() + 30
+    while "uncommitted step directories" not in d2.log_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log = d2.log_text()
+    assert "job scan: its newest committed step 2 does not load" in log, log
+    assert f"ckptd gc {root} --job scan --remove-above 1" in log, log
+    assert "job scan: 1 uncommitted step directories (3)" in log, log

@@ -19,7 +19,7 @@ from ckptd.core import names
 from ckptd.daemon import shm
 from ckptd.daemon.requests import Requests
 from ckptd.daemon.runtime import TaskSet, describe_error
-from ckptd.daemon.service import systemd
+from ckptd.daemon.service import root_scan, systemd
 from ckptd.daemon.service.allocator import release_free_memory
 from ckptd.daemon.service.metrics import DaemonMetrics
 from ckptd.daemon.service.root_check import check_root
@@ -146,6 +146,7 @@ class Daemon:
             log.info("shared memory uses 4 KiB pages (%s): restores from memory copy faster with huge pages "
                      "(docs/operations.md)", f"transparent_hugepage/shmem_enabled is {where.mode}" if where.dir is None
                      else f"shm_dir {where.dir}: its tmpfs is mounted huge={where.mode}")
+        self.tasks.spawn(asyncio.to_thread(root_scan.report, self.root), "start-up scan of the root")
         accept = self.tasks.spawn(self._accept_loop(sock), "accept loop")
         sweeper = self.tasks.spawn(self._sweep_loop(), "step timeout sweep")
         notifier = self.tasks.spawn(self._notify_loop(), "systemd notify loop")
