@@ -20,7 +20,7 @@ from .config import CheckpointerConfig, join_window, with_keywords
 from .connection import DaemonConnection, daemon_root
 from .disk import committed_on_disk
 from .dist import dist_info
-from .errors import CheckpointError, NotDelivered
+from .errors import CheckpointError, NotDelivered, refuse_closed
 from .handle import CloseReport, SaveHandle, wait_all, wait_each
 from .handoff import hand_over
 from .memory_level import is_held_step, newest_held_step, restore_held
@@ -167,6 +167,7 @@ class Checkpointer:
         """Connect and allocate slots sized for ``state`` now, so the first save pays no set-up. Call it once
         the state has its full size (after the first optimizer step: Adam's moments) or a larger first save
         re-allocates the slots."""
+        refuse_closed(self._closed, "prepare")
         self.fence()
         self._ensure_slots(self.plans.plan(state).nbytes)
 
@@ -195,8 +196,7 @@ class Checkpointer:
 
         DTensors are saved as their local shards (``ckptd_client.dtensor``). A tensor ckptd cannot store is a
         TypeError naming its key, raised before any slot is taken."""
-        if self._closed:
-            raise CheckpointError("checkpointer is closed")
+        refuse_closed(self._closed, "save")
         overlap = self.overlap if overlap is None else parse_overlap(overlap)
         busy, level = parse_when_busy(when_busy or self.when_busy), parse_level(level)
         fence_optims = fence_list(fence_on)
@@ -325,6 +325,7 @@ class Checkpointer:
 
         With more than one rank, every rank calls it (it agrees on the step through the job's store), and
         rank 0's returns only once every rank has read that agreement: its process may host the store."""
+        refuse_closed(self._closed, "restore")
         self.fence()
         try:
             got = self._restore(state, step, per_rank, strict)

@@ -6,9 +6,11 @@ keyword given beside a ``config`` that says otherwise is a TypeError: one value,
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ckptd.core.names import MAX_RANKS, MAX_SLOTS
 from ckptd.core.protocol import CommitMode
 
 from .modes import AUTO, WhenBusy, parse_when_busy
@@ -68,7 +70,10 @@ class CheckpointerConfig:
     settle, and at interpreter exit. It gets SIGTERM if this process dies (Linux). No ``socket``."""
 
     def __post_init__(self) -> None:
-        # Bad values fail here, where the config is built, not at the first save.
+        # Bad values fail here, where the config is built, not at the first save (nor in the daemon,
+        # nor in a relay thread): a wrong type is a TypeError, a value out of range a ValueError, each
+        # naming the field, the value and what it takes.
+        _check_fields(self)
         object.__setattr__(self, "overlap", parse_overlap(self.overlap))
         object.__setattr__(self, "when_busy", parse_when_busy(self.when_busy))
         if self.spawn and not self.root:
@@ -76,13 +81,49 @@ class CheckpointerConfig:
         if self.spawn and self.socket:
             raise ValueError(f"spawn=True starts a private daemon on its own socket; drop socket={self.socket!r} "
                              "to spawn one, or drop spawn=True to use the daemon there")
-        if self.join_timeout is not None and not self.join_timeout > 0:
-            raise ValueError(f"join_timeout must be a positive number of seconds, got {self.join_timeout!r}")
         if self.commit != AUTO:
             try:
                 object.__setattr__(self, "commit", CommitMode(self.commit))
             except ValueError:
                 raise ValueError(f"commit must be 'auto', 'local' or 'relay', got {self.commit!r}") from None
+
+
+MAX_TIMEOUT_S = 1e9     # seconds (31 years): any wait longer than this is a mistake, and threads' waits overflow
+
+
+# field → (lowest, highest) of the int fields; None is allowed where the default is None
+_INTS = {"rank": (0, MAX_RANKS - 1), "world_size": (1, MAX_RANKS), "num_slots": (1, MAX_SLOTS),
+         "local_world_size": (1, MAX_RANKS), "restore_threads": (1, 1 << 16)}
+_BOOLS = ("memory", "prepare", "spawn")
+
+
+def _check_fields(c: CheckpointerConfig) -> None:
+    """The numeric and boolean fields' types and ranges (TypeError / ValueError naming the field)."""
+    for name, (low, high) in _INTS.items():
+        v = getattr(c, name)
+        if v is None and name != "num_slots":
+            continue
+        if type(v) is not int:      # not a bool (True is an int), a float or a string
+            raise TypeError(f"CheckpointerConfig: {name} must be an int in [{low}, {high}], got {v!r} "
+                            f"({type(v).__name__}): pass {name}=int(...)")
+        if not low <= v <= high:
+            raise ValueError(f"CheckpointerConfig: {name} must be an int in [{low}, {high}], got {v!r}")
+    if c.rank is not None and c.world_size is not None and not c.rank < c.world_size:
+        raise ValueError(f"CheckpointerConfig: rank {c.rank} is not in [0, world_size={c.world_size}): "
+                         "ranks count from 0")
+    for name in ("commit_timeout", "join_timeout"):
+        v = getattr(c, name)
+        if v is None and name == "join_timeout":
+            continue
+        if type(v) not in (int, float):
+            raise TypeError(f"CheckpointerConfig: {name} must be a number of seconds, got {v!r} "
+                            f"({type(v).__name__}): pass {name}=float(...)")
+        if not (math.isfinite(v) and 0 < v <= MAX_TIMEOUT_S):
+            raise ValueError(f"CheckpointerConfig: {name} must be a positive, finite number of seconds "
+                             f"(at most {MAX_TIMEOUT_S:g}), got {v!r}")
+    for name in _BOOLS:
+        if type(v := getattr(c, name)) is not bool:
+            raise TypeError(f"CheckpointerConfig: {name} must be True or False, got {v!r} ({type(v).__name__})")
 
 
 JOIN_TIMEOUT_FLOOR_S = 300.0      # join_timeout None: commit_timeout, but at least this

@@ -37,3 +37,10 @@ class DaemonRefused(CheckpointError):
     def __init__(self, op: str, code: ErrorCode, reason: str) -> None:
         super().__init__(f"ckptd refused {op}: {reason}")
         self.op, self.code, self.reason = op, code, reason
+
+
+def refuse_closed(closed: bool, what: str) -> None:
+    """A closed ``Checkpointer``'s ``what`` (save, restore, prepare) refused before anything is read or
+    written, and before the daemon is asked for a session or slots again (close() ended them)."""
+    if closed:
+        raise CheckpointError(f"checkpointer is closed: {what}() after close() is refused (make a new Checkpointer)")

@@ -44,7 +44,7 @@ from ckptd.core.schema import TensorLayout
 from . import dtensor
 from .errors import CheckpointError
 from .plan_defer import Segment, segments
-from .plan_tree import counts_of, refill, scalar_counts, zeros
+from .plan_tree import check_size, counts_of, refill, scalar_counts, zeros
 from .plan_walk import Walk
 from .sharded_sd import StateDicts
 from .slots import CopySplit, plan_layout
@@ -105,6 +105,7 @@ class _Cached:
     # indices outside them (the ones whose address the trainer's thread compares when all splice).
     segments: dict[int, Segment]
     lazy_free: list[int]
+    size: int                        # the SAVE's encoded bytes (plan_tree.check_size), kept by refill's count
 
 
 class PlanCache:
@@ -176,6 +177,7 @@ class PlanCache:
         flat = flatten_state(state, fence_on, walk.taken if walk is not None else None)
         layout, nbytes = plan_layout(flat.tensors, flat.placements)
         plan = Plan(flat, layout, nbytes, [e.to_wire() for e in layout])
+        size = check_size(flat.tree, plan.wire)      # over the frame limit: a TypeError naming the largest value
         if walk is not None:
             counts: dict[int, int] = {}
             if scalar_counts(flat.tree, counts) == len(walk.scalars):   # else: never reused
@@ -186,7 +188,7 @@ class PlanCache:
                 self._last = _Cached(plan, walk.tokens, [tensor_key(t) for t in walk.tensors], walk.scalars,
                                      zeros(walk.scalars), counts, walk.objects, len(counts), walk.sharded,
                                      list(lazy_at), [i for i in range(len(walk.tensors)) if i not in lazy_at],
-                                     lazy_at, segs, [i for i in lazy_at if i not in inside])
+                                     lazy_at, segs, [i for i in lazy_at if i not in inside], size)
         return plan
 
     def _takes(self, walk: Walk) -> int | None:
@@ -226,12 +228,13 @@ class PlanCache:
     def _reuse(self, last: _Cached, walk: Walk) -> Plan:
         """The last plan with this save's scalars (its tensors: see tensor_key)."""
         p = last.plan
-        tree = refill(p.flat.tree, last.scalars, last.zeros, last.counts, walk.scalars)
+        tree, grew = refill(p.flat.tree, last.scalars, last.zeros, last.counts, walk.scalars)
         if tree is not p.flat.tree:
+            size = check_size(tree, p.wire, last.size + grew)     # only the changed scalars counted
             known = last.counts if len(last.counts) <= 2 * last.nodes else counts_of(tree)
             last = self._last = dataclasses.replace(
                 last, plan=dataclasses.replace(p, flat=p.flat._replace(tree=tree)), scalars=walk.scalars,
-                zeros=zeros(walk.scalars), counts=known)
+                zeros=zeros(walk.scalars), counts=known, size=size)
         return last.plan
 
 

@@ -1,10 +1,23 @@
 """The plan cache's tree of a save (``ckptd.core.tree``'s encoding) taken again with new scalars:
-only the branches holding a changed one are rebuilt, the rest shared (plan_cache.py)."""
+only the branches holding a changed one are rebuilt, the rest shared (plan_cache.py).
+
+And the SAVE's size: the tree and the layout travel in one frame (``framing.MAX_FRAME_BYTES``),
+which a state holding a large JSON value (a long string) would exceed, failing on the wire with
+neither key nor remedy. A plan's encoded size is measured when it is built and kept up to date
+by the changed scalars alone (``refill``), so a reused plan costs nothing more; a plan over the
+limit is a TypeError naming the largest value, raised before anything is written."""
 from __future__ import annotations
 
+import json
 import math
 from bisect import bisect_left
+from json.encoder import encode_basestring_ascii
 from typing import Any
+
+from ckptd.core.framing import MAX_FRAME_BYTES
+from ckptd.core.tree import join_path
+
+SAVE_FIELDS_BYTES = 1024        # the SAVE's other fields (op, step, slot, commit, level...): less than this
 
 
 def scalar_counts(node: Any, counts: dict[int, int]) -> int:
@@ -35,14 +48,16 @@ def _same(a: Any, b: Any) -> bool:
     return a is b or (a == b and not (type(a) is float and a == 0.0 and math.copysign(1, a) != math.copysign(1, b)))
 
 
-def refill(tree: Any, old: list[Any], zeros: list[int], counts: dict[int, int], scalars: list[Any]) -> Any:
+def refill(tree: Any, old: list[Any], zeros: list[int], counts: dict[int, int], scalars: list[Any]) -> tuple[Any, int]:
     """``tree`` (built with scalars ``old``; ``zeros``: where those are float zeros; ``counts``:
     scalar_counts of it), or a copy of the branches that hold a scalar changed since (the rest
-    shared: the tree is never changed in place, an earlier SAVE may still be encoding it)."""
+    shared: the tree is never changed in place, an earlier SAVE may still be encoding it); and by
+    how many bytes its encoding grew (the changed scalars' difference)."""
     if scalars == old and all(_same(scalars[i], old[i]) for i in zeros):
-        return tree
+        return tree, 0
     changed = [i for i, (a, b) in enumerate(zip(scalars, old, strict=True)) if not _same(a, b)]
-    return _rebuild(tree, 0, changed, scalars, counts)
+    grew = sum(leaf_bytes(scalars[i]) - leaf_bytes(old[i]) for i in changed)
+    return _rebuild(tree, 0, changed, scalars, counts), grew
 
 
 def _rebuild(node: Any, lo: int, changed: list[int], scalars: list[Any], counts: dict[int, int]) -> Any:
@@ -65,3 +80,57 @@ def _rebuild(node: Any, lo: int, changed: list[int], scalars: list[Any], counts:
     new_node = {tag: out}
     counts[id(new_node)] = counts[id(node)]
     return new_node
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=True)      # as framing.encode does
+
+
+def leaf_bytes(value: Any) -> int:
+    """The bytes of a scalar leaf in the SAVE's JSON (framing.encode's), without encoding the common ones."""
+    t = type(value)
+    if t is str:
+        return len(encode_basestring_ascii(value))
+    if t is int or (t is float and math.isfinite(value)):
+        return len(repr(value))
+    return len(_json(value))        # bool, None, NaN and infinities, int and str subclasses
+
+
+def save_bytes(tree: Any, wire: list[Any]) -> int:
+    """The encoded bytes of a SAVE carrying ``tree`` and the layout ``wire`` (at most; the other fields
+    counted as ``SAVE_FIELDS_BYTES``)."""
+    return len(_json(tree)) + len(_json(wire)) + SAVE_FIELDS_BYTES
+
+
+def check_size(tree: Any, wire: list[Any], size: int | None = None) -> int:
+    """``size`` (else measured): the SAVE's bytes, or a TypeError naming the largest value when they
+    are over the frame limit (re-measured first: ``size`` may be a running count)."""
+    if size is None or size > MAX_FRAME_BYTES:
+        size = save_bytes(tree, wire)
+    if size <= MAX_FRAME_BYTES:
+        return size
+    path, n = _largest(tree, "")
+    where = (f"its largest value is at {path or '<root>'!r} ({n:,} bytes encoded)" if n * 4 >= size else
+             f"its largest value ({path or '<root>'!r}) takes only {n:,} bytes: the state tree holds many values")
+    if len(_json(wire)) * 2 >= size:
+        where = f"the layout of its {len(wire):,} tensors takes {len(_json(wire)):,} bytes (their names)"
+    raise TypeError(f"cannot checkpoint the state: its JSON part takes {size:,} bytes, over the "
+                    f"{MAX_FRAME_BYTES:,}-byte limit of a message to the daemon; {where}. Save large data as "
+                    "a tensor (a string s: torch.frombuffer(bytearray(s.encode()), dtype=torch.uint8)) or "
+                    "in a file of its own, not as a JSON value")
+
+
+def _largest(node: Any, path: str) -> tuple[str, int]:
+    """The key path and encoded bytes of the largest scalar leaf under ``node``."""
+    if not isinstance(node, dict):
+        return path, leaf_bytes(node)
+    (tag, value), = node.items()
+    if tag == "T":
+        return path, 0
+    best = (path, 0)
+    for i, item in enumerate(value):
+        key, child = (item[0], item[1]) if tag == "d" else (i, item)
+        got = _largest(child, join_path(path, key))
+        if got[1] > best[1]:
+            best = got
+    return best

@@ -77,15 +77,34 @@ def replacement(obj: Any, path: str, sharded_model: torch.nn.Module | None, top_
                     if sharded_model is not None and id(obj) in top_optimizers else obj.state_dict())
         return obj.state_dict()
     if isinstance(obj, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(obj))
+        return _numpy_tensor(obj, path)
     if isinstance(obj, np.generic):
-        return obj.item()
+        value = obj.item()
+        if isinstance(value, np.generic):       # no Python equivalent (np.longdouble): .item() gives it back
+            raise TypeError(f"cannot checkpoint value at {path or '<root>'!r}: a NumPy {obj.dtype} scalar has no "
+                            "Python equivalent to save it as; convert it first (float(x), or np.float64(x))")
+        return value
     if isinstance(obj, torch.Generator):      # no state_dict(): its state is a tensor it hands out
         raise TypeError(f"cannot checkpoint value at {path or '<root>'!r}: a torch.Generator is not saved "
                         "as it is; save its state, a tensor: {..., 'gen': gen.get_state()}, and after "
                         "restore call gen.set_state(state['gen']) (the global RNGs: ckptd_client.RNGState())")
     raise TypeError(f"cannot checkpoint value at {path or '<root>'!r}: {type(obj).__name__} is neither "
                     "a tensor, a JSON-able value, nor an object with state_dict()/load_state_dict()")
+
+
+def _numpy_tensor(arr: np.ndarray[Any, Any], path: str) -> torch.Tensor:
+    """A NumPy array as the tensor it is saved as (a view where it is contiguous), or a TypeError naming
+    ``path`` for one torch cannot hold (object, str, bytes, datetime, structured, longdouble, non-native
+    byte order)."""
+    if not arr.dtype.isnative:
+        raise TypeError(f"cannot checkpoint NumPy array at {path or '<root>'!r}: its dtype {arr.dtype.str} is not "
+                        "in this machine's byte order; convert it first: arr.astype(arr.dtype.newbyteorder('='))")
+    try:
+        return torch.from_numpy(np.ascontiguousarray(arr))
+    except (TypeError, ValueError):
+        raise TypeError(f"cannot checkpoint NumPy array at {path or '<root>'!r}: dtype {arr.dtype} has no torch "
+                        "equivalent; only arrays of numbers (bool, int, uint, float16/32/64, complex64/128) are "
+                        "saved as arrays: convert it (arr.astype(...)), or save it as JSON (arr.tolist())") from None
 
 
 def packed_groups(opt: torch.optim.Optimizer, params: Sequence[Any]) -> list[dict[str, Any]]:

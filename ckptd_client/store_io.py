@@ -3,6 +3,7 @@ polling, chunked reads, a non-blocking peek, a broadcast's last reader deleting 
 read, for a writer that must outlast its readers)."""
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -73,7 +74,10 @@ class StoreWaiter:
 
     def wait(self, keys: Sequence[str], timeout: float) -> bool:
         """True once every key exists; False after ``timeout`` seconds (or once stopped). Raises if
-        the store is gone."""
+        the store is gone. A NaN or infinite ``timeout`` is a ValueError: NaN would never end (every
+        comparison with it is false) and spin, re-checking the store without waiting."""
+        if not math.isfinite(timeout):
+            raise ValueError(f"store wait: timeout must be a finite number of seconds, got {timeout!r}")
         keys = list(keys)
         end = time.monotonic() + timeout
         while True:

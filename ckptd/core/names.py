@@ -26,6 +26,7 @@ RANK_TABLE_NAME, TENSORS_NAME, HEAD_NAME = "ranks.bin", "tensors.json", "index-h
 # A step directory staged from the bucket for a restore (FORMAT.md): a copy, not this root's own commit.
 STAGED_NAME = "staged.json"
 MAX_RANKS = 1 << 20            # world size (FORMAT.md, "Size limits"); rank files have 5-7 digits
+MAX_SLOTS = 8                  # shared-memory slots one client may hold (the daemon's slot pool refuses more)
 MAX_STEP = 10**12              # steps are 0 <= step < MAX_STEP: a step directory has 12 digits
 
 _STEP_RE = re.compile(r"^step-([0-9]{12})\Z")   # not \d (any Unicode digit) nor $ (allows "\n")

@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
+from ckptd.core.names import MAX_SLOTS
 from ckptd.daemon.runtime import RequestError, describe_error
 from ckptd.daemon.shm import new_memfd, shortage
 
 log = logging.getLogger("ckptd")
-MAX_SLOTS = 8
 MIN_SLOT_BYTES = 1 << 20     # less than this per slot left in the budget: refused
 # The daemon keeps each slot's memfd (the memory tier may keep the slot as a step's resident copy
 # and pass it to a restoring client). Python's mmap keeps a duplicate of the descriptor open for

@@ -1,0 +1,102 @@
+"""CheckpointerConfig refuses bad values where it is built, naming the field: not at the first save,
+in the daemon's hello, or in a relay thread that never ends."""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from ports import free_port
+from torch.distributed import TCPStore
+
+import ckptd_client
+from ckptd.core.names import MAX_SLOTS
+from ckptd_client.store_io import StoreWaiter
+
+BAD: list[tuple[dict[str, Any], type[Exception]]] = [
+    ({"commit_timeout": float("nan")}, ValueError),
+    ({"commit_timeout": float("inf")}, ValueError),
+    ({"commit_timeout": 0}, ValueError),
+    ({"commit_timeout": -1}, ValueError),
+    ({"commit_timeout": "600"}, TypeError),
+    ({"commit_timeout": True}, TypeError),
+    ({"join_timeout": float("nan")}, ValueError),
+    ({"join_timeout": -5.0}, ValueError),
+    ({"join_timeout": "30"}, TypeError),
+    ({"num_slots": 0}, ValueError),
+    ({"num_slots": MAX_SLOTS + 1}, ValueError),
+    ({"num_slots": "2"}, TypeError),
+    ({"num_slots": 2.5}, TypeError),
+    ({"num_slots": True}, TypeError),
+    ({"rank": True}, TypeError),
+    ({"rank": "0"}, TypeError),
+    ({"rank": -1}, ValueError),
+    ({"world_size": 1.0}, TypeError),
+    ({"world_size": 0}, ValueError),
+    ({"world_size": 10**9}, ValueError),
+    ({"local_world_size": 0}, ValueError),
+    ({"local_world_size": -3}, ValueError),
+    ({"local_world_size": "8"}, TypeError),
+    ({"restore_threads": 0}, ValueError),
+    ({"restore_threads": -2}, ValueError),
+    ({"restore_threads": 4.0}, TypeError),
+    ({"memory": "no"}, TypeError),
+    ({"prepare": 0}, TypeError),
+    ({"spawn": "no"}, TypeError),
+]
+
+
+@pytest.mark.parametrize(("given", "error"), BAD, ids=[repr(g) for g, _ in BAD])
+def test_a_bad_setting_is_refused_naming_its_field_and_value(given: dict[str, Any], error: type[Exception]) -> None:
+    (field, value), = given.items()
+    with pytest.raises(error) as got:
+        ckptd_client.CheckpointerConfig(**given)
+    text = str(got.value)
+    assert field in text and repr(value) in text, text
+    assert "must be" in text, text              # and what it takes
+
+
+def test_rank_beyond_world_size_is_refused_in_the_config() -> None:
+    with pytest.raises(ValueError, match=r"rank 2 is not in \[0, world_size=2\)"):
+        ckptd_client.CheckpointerConfig(rank=2, world_size=2)
+
+
+def test_bad_keywords_fail_at_construction_before_the_daemon_is_asked(daemon_factory) -> None:
+    d = daemon_factory()
+    for kw in ({"num_slots": "2"}, {"rank": True, "world_size": 2, "commit": "local"}, {"world_size": 1.0}):
+        with pytest.raises(TypeError, match=next(iter(kw))):
+            ckptd_client.Checkpointer("cfg", socket=str(d.socket), **kw)
+    good = ckptd_client.Checkpointer("cfg", socket=str(d.socket), rank=0, world_size=1, num_slots=MAX_SLOTS,
+                                     commit_timeout=30, join_timeout=10.5, restore_threads=1, local_world_size=1)
+    try:
+        h = good.save(1, {"w": torch.ones(10)})
+        h.wait(30)
+        assert h.committed
+    finally:
+        good.close(timeout=10)
+
+
+def test_a_store_wait_with_a_nan_timeout_raises_instead_of_spinning() -> None:
+    store = TCPStore("127.0.0.1", free_port(), 1, True, wait_for_workers=False)
+    stop = threading.Event()
+    waiter = StoreWaiter(store, stop)
+    got: list[BaseException | bool] = []
+
+    def wait() -> None:
+        try:
+            got.append(waiter.wait(["never-set"], math.nan))
+        except BaseException as e:
+            got.append(e)
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    t.join(5)
+    stop.set()                  # (ends a wait that spun)
+    t.join(15)
+    assert len(got) == 1 and isinstance(got[0], ValueError) and "finite" in str(got[0]), got
+    t0 = time.monotonic()
+    assert StoreWaiter(store).wait(["never-set"], 0.3) is False       # a finite one still waits and answers
+    assert time.monotonic() - t0 >= 0.25
