@@ -33,7 +33,7 @@ from .restore import PerRank
 from .run_scope import RunScope
 from .session import DaemonSession
 from .slots import ClientSlot
-from .sources import Reader, RestoreInfo, restore_chain, run_chain
+from .sources import Reader, RestoreInfo, outranked, restore_chain, run_chain
 from .store_io import CloneShelf
 from .streamed import needs_stream, stream_save
 
@@ -317,14 +317,11 @@ class Checkpointer:
         ``per_rank``, at another world size, for entries that differed between saved ranks (loader positions,
         RNG): ``"fresh"``, ``"rank0"``, ``"same-rank"`` or ``(rank, saved_world, world) -> saved rank | None``.
 
-        Sources (sources.py), in order: a newer memory-level step, when every rank can read it from the daemons'
-        memory (memory_level.py); the daemon's memory (``memory=True``: held shards, this node's or a peer's,
-        checksummed, resharded as from storage); the files under the root (a daemon with a bucket stages them
-        first); every rank's files staged from the bucket. ``last_restore`` says which served, why each before it
-        could not, and the bytes from each.
-
-        With more than one rank, every rank calls it (it agrees on the step through the job's store), and
-        rank 0's returns only once every rank has read that agreement: its process may host the store."""
+        Sources (sources.py), in order: a newer memory-level step every rank can read from the daemons' memory;
+        the daemon's memory (held shards, this node's or a peer's); the files under the root (staged from the
+        bucket first by a daemon with one); every rank's files staged. ``last_restore`` says which served, why
+        each before it could not, and the bytes from each. With more than one rank, every rank calls it (the
+        step is agreed through the store); rank 0's returns once every rank has read the agreement."""
         refuse_closed(self._closed, "restore")
         self.fence()
         try:
@@ -339,7 +336,7 @@ class Checkpointer:
         staging = BucketStaging(self.socket_path, self.job, self.rank, self.world_size)
         reader = Reader(self.socket_path, self.job, self.rank, self.world_size, self.restore_threads,
                         self.resolve_root)
-        held = None            # a memory-level step to try first (memory_level.py)
+        held, explicit = None, step is not None     # a memory-level step to try first (memory_level.py)
         if step is None:                # the newest committed step, here or in the bucket
             step = self._agreements.step(staging.newest(self.latest_step))
             if self.memory:
@@ -358,6 +355,8 @@ class Checkpointer:
             self._session.prepare_soon(nbytes, lambda slots: [s.views(split.later_cpu) for s in slots])
             self._copies.pool().submit(time.sleep, 0)   # and finds its copy thread started
         log.info("ckptd: %s", info)
+        if explicit and self.rank == 0 and (newest := self.latest_step()) is not None and newest > info.step:
+            log.warning("ckptd: %s", outranked(self.job, info.step, newest))
         return info.step
 
     # ---- lifetime ----------------------------------------------------------

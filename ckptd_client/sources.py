@@ -287,3 +287,10 @@ def run_chain(chain: Sequence[Source], step: int, state: dict[str, Any],
         raise first
     raise CheckpointError(f"no source could restore step {step}: " + "; ".join(f"{u.source}: {u.reason}"
                                                                                for u in passed))
+
+
+def outranked(job: str, restored: int, newest: int) -> str:
+    """Why a restore of an explicit step with a newer committed step left behind deserves a warning."""
+    return (f"restored step {restored} of job {job!r} while step {newest} is newer: this run's saves rank below it "
+            "(retention and restore() go by number); if this run replaces it, remove the newer steps first: "
+            f"ckptd gc ROOT --job {job} --remove-above {restored}")

@@ -200,7 +200,7 @@ def storage_steps(root: Path) -> list[int]:
     return sorted(int(p.name[5:]) for p in (root / "j").glob("step-*"))
 
 
-def test_gc_remove_above_takes_a_rolled_back_runs_steps_away(daemon_factory, tmp):
+def test_gc_remove_above_takes_a_rolled_back_runs_steps_away(daemon_factory, tmp, caplog):
     """A run rolled back to step 20 (steps 10, 20, 30 committed, keep_last 2): its steps 21 and 22 sat
     below the abandoned 30, so retention deleted 21 as soon as 22 committed and a restart resumed from 30.
     `ckptd gc --job j --remove-above 20` (with the trainers stopped) removes 30, committed and memory-level
@@ -210,6 +210,10 @@ def test_gc_remove_above_takes_a_rolled_back_runs_steps_away(daemon_factory, tmp
         for s in (10, 20, 30):
             ck.save(s, {"w": torch.full((8,), float(s))}).wait(60)
         ck.save(31, {"w": torch.full((8,), 31.0)}, level="memory").wait(60)
+    with ckptd_client.Checkpointer("j", socket=str(d.socket), memory=False) as ck, caplog.at_level("WARNING"):
+        assert ck.restore({"w": torch.zeros(8)}, step=20) == 20       # the rollback: the client says what it leaves
+    assert "restored step 20 of job 'j' while step 30 is newer" in caplog.text, caplog.text
+    assert "ckptd gc ROOT --job j --remove-above 20" in caplog.text
     r = _gc(str(d.root), "--remove-above", "20")
     assert r.returncode == 2 and "--remove-above needs --job" in r.stderr, r.stderr
     r = _gc(str(d.root), "--job", "j", "--remove-above", "20", "--dry-run")
