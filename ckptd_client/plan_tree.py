@@ -15,7 +15,7 @@ from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from ckptd.core.framing import MAX_FRAME_BYTES
-from ckptd.core.tree import join_path
+from ckptd.core.tree import MAX_INT_BITS, check_int, join_path
 
 SAVE_FIELDS_BYTES = 1024        # the SAVE's other fields (op, step, slot, commit, level...): less than this
 
@@ -56,8 +56,23 @@ def refill(tree: Any, old: list[Any], zeros: list[int], counts: dict[int, int], 
     if scalars == old and all(_same(scalars[i], old[i]) for i in zeros):
         return tree, 0
     changed = [i for i, (a, b) in enumerate(zip(scalars, old, strict=True)) if not _same(a, b)]
+    if any(type(scalars[i]) is int and scalars[i].bit_length() > MAX_INT_BITS for i in changed):
+        _check_ints(_rebuild(tree, 0, changed, scalars, counts), "")     # (raises, naming the int's key)
     grew = sum(leaf_bytes(scalars[i]) - leaf_bytes(old[i]) for i in changed)
     return _rebuild(tree, 0, changed, scalars, counts), grew
+
+
+def _check_ints(node: Any, path: str) -> None:
+    """``tree.check_int`` of every int leaf under ``node`` (a cached plan's new scalars: no encode_tree)."""
+    if not isinstance(node, dict):
+        if type(node) is int:
+            check_int(path, node)
+        return
+    (tag, value), = node.items()
+    if tag != "T":
+        for i, item in enumerate(value):
+            key, child = (item[0], item[1]) if tag == "d" else (i, item)
+            _check_ints(child, join_path(path, key))
 
 
 def _rebuild(node: Any, lo: int, changed: list[int], scalars: list[Any], counts: dict[int, int]) -> Any:

@@ -25,6 +25,7 @@ BAD: list[tuple[str, Any]] = [
     ("big-endian array", np.arange(4, dtype=">f4")),
     ("longdouble array", np.zeros(2, dtype=np.longdouble)),
     ("20 MiB string", "x" * (20 << 20)),
+    ("int of 5,000 digits", 10 ** 5000),       # (JSON's int-to-str limit: a ValueError naming nothing)
 ]
 
 
@@ -92,3 +93,24 @@ def test_the_cached_plans_running_size_matches_a_fresh_measure() -> None:
         last = cache._last
         assert last is not None and last.size == save_bytes(plan.flat.tree, plan.wire)
     assert cache.hits == len(values)
+
+
+def test_an_int_grown_past_jsons_limit_on_the_cached_plan_is_refused_naming_it(daemon: Any) -> None:
+    """A scalar that changes between saves takes the cached plan's path (no encode_tree): an int grown past
+    JSON's 4,300 digits raised a bare ValueError from deep inside; it is the keyed TypeError there too."""
+    ck = ckptd_client.Checkpointer("bigint", socket=str(daemon.socket), overlap=False)
+    try:
+        state: dict[str, Any] = {"w": torch.ones(4), "meta": {"n": 5}}
+        for step in (1, 2):
+            ck.save(step, state).wait(30)
+        hits = ck.plans.hits
+        state["meta"]["n"] = 10 ** 5000
+        with pytest.raises(TypeError, match=r"cannot checkpoint the int at 'meta/n': 16610 bits"):
+            ck.save(3, state)
+        assert ck.plans.hits == hits + 1 and "step-000000000003" not in steps_on_disk(daemon.root, "bigint")
+        state["meta"]["n"] = 2 ** 70
+        h = ck.save(4, state)
+        h.wait(30)
+        assert h.committed
+    finally:
+        ck.close(timeout=10)

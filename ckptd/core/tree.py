@@ -28,6 +28,8 @@ def encode_tree(obj: Any, on_tensor: Callable[[str, Any], str], on_other: Callab
             _too_deep(path)
         return {"T": on_tensor(path, obj)}
     if isinstance(obj, _SCALARS):
+        if type(obj) is int and obj.bit_length() > MAX_INT_BITS:
+            check_int(path, obj)
         return obj
     if isinstance(obj, dict):
         if depth + 3 > MAX_TREE_DEPTH:
@@ -46,6 +48,18 @@ def encode_tree(obj: Any, on_tensor: Callable[[str, Any], str], on_other: Callab
         return {tag: [encode_tree(v, on_tensor, on_other, is_tensor, join_path(path, i), depth + 2)
                       for i, v in enumerate(obj)]}
     return encode_tree(on_other(path, obj), on_tensor, on_other, is_tensor, path, depth)
+
+
+MAX_INT_BITS = 14_000       # an int JSON can write: Python's default limit is 4,300 decimal digits (14,284 bits)
+
+
+def check_int(path: str, n: int) -> None:
+    """TypeError naming ``path`` for an int too long for the tree's JSON (Python's int-to-str limit)."""
+    if n.bit_length() <= MAX_INT_BITS:
+        return
+    raise TypeError(f"cannot checkpoint the int at {path[:200] or '<root>'!r}: {n.bit_length()} bits, over the "
+                    f"{MAX_INT_BITS} bits (about 4,200 digits) the state tree's JSON takes; save it as a string "
+                    "(str(n)) or bytes in a uint8 tensor")
 
 
 def _too_deep(path: str) -> None:
