@@ -48,6 +48,10 @@ class SizeMismatch(BucketError):
     """An object whose size is not the one expected (index.json's, or the file uploaded)."""
 
 
+class TooLarge(BucketError):
+    """An object over the size its reader accepts (an index.json no daemon wrote)."""
+
+
 EXPIRED_CODES = ("ExpiredToken", "TokenRefreshRequired", "RequestExpired")
 
 
@@ -210,8 +214,28 @@ class Bucket:
     def get_bytes(self, key: str, limit: int) -> bytes:
         size = self._call(f"head {key}", self._ob.head, self.store, key)["size"]
         if size > limit:
-            raise BucketError(f"{key}: {size} bytes, over the {limit}-byte limit")
+            raise TooLarge(f"{key}: {size} bytes, over the {limit}-byte limit")
         return bytes(self._call(f"get {key}", lambda: self._ob.get(self.store, key).bytes()))
+
+    def get_if_exists(self, key: str, limit: int) -> bytes | None:
+        """The object's bytes, None when there is none; over ``limit`` bytes: TooLarge."""
+        try:
+            size = self._ob.head(self.store, key)["size"]
+        except (self._ob.exceptions.NotFoundError, FileNotFoundError):
+            return None
+        except Exception as e:
+            raise self._explain(e, f"head {key}") from None
+        if size > limit:
+            raise TooLarge(f"{key}: {size} bytes, over the {limit}-byte limit")
+        try:
+            return bytes(self._ob.get(self.store, key).bytes())
+        except (self._ob.exceptions.NotFoundError, FileNotFoundError):    # deleted since the HEAD
+            return None
+        except Exception as e:
+            raise self._explain(e, f"get {key}") from None
+
+    def delete(self, key: str) -> None:
+        self._call(f"delete {key}", self._ob.delete, self.store, key)
 
     def exists(self, key: str) -> bool:
         try:

@@ -42,7 +42,7 @@ from ckptd.core.schema import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES, Manifest, dig
 from ckptd.core.step_files import is_committed, remove_step
 from ckptd.daemon.runtime import RequestError
 from ckptd.daemon.tiers.s3.bucket import Bucket, BucketError, SizeMismatch
-from ckptd.daemon.tiers.s3.uploader import in_thread
+from ckptd.daemon.tiers.s3.upload_jobs import in_thread
 
 log = logging.getLogger("ckptd")
 
