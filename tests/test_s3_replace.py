@@ -9,12 +9,18 @@ restarted daemon, or a flush, took "index.json of step 8 is there" for "this nod
 from __future__ import annotations
 
 import signal
+import threading
 from pathlib import Path
+from typing import Any
 
 import boto3
+import pytest
+import torch
 from test_s3_tier import JOB, assert_state, bucket_of, cli, make_bucket, restore, s3_args, save, uploads, wait_for
 
-from ckptd.core.names import INDEX_NAME, rank_manifest_name, step_dir_name
+import ckptd_client
+from ckptd.core import protocol
+from ckptd.core.names import INDEX_NAME, STAGED_NAME, rank_data_name, rank_manifest_name, step_dir_name
 from ckptd.daemon.tiers.s3.bucket import Bucket
 from ckptd.s3_local import SeaweedServer
 from ckptd_client import bucket_restore
@@ -31,11 +37,15 @@ def bucket_with_4_and_8(seaweed: SeaweedServer, daemon_factory, tmp: Path) -> tu
     return bucket, bucket_of(seaweed, bucket)
 
 
+def s3_client(seaweed: SeaweedServer) -> Any:
+    env = seaweed.env()
+    return boto3.client("s3", endpoint_url=seaweed.endpoint, aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
+
+
 def object_bytes(seaweed: SeaweedServer, bucket: str, key: str) -> bytes | None:
     """The bytes of ``key`` (below the prefix) as boto3 reads them; None when there is no such object."""
-    env = seaweed.env()
-    s3 = boto3.client("s3", endpoint_url=seaweed.endpoint, aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-                      aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
+    s3 = s3_client(seaweed)
     try:
         return bytes(s3.get_object(Bucket=bucket, Key=f"ckpt/{key}")["Body"].read())
     except s3.exceptions.NoSuchKey:
@@ -107,3 +117,68 @@ def test_a_restart_and_a_flush_compare_the_buckets_step_with_the_local_one(seawe
     got, state = restore(fresh.socket, 8)
     assert got == 8
     assert_state(state, 80)
+
+
+def rank_state(rank: int, seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed * 10 + rank)
+    return {"w": torch.randn(1 << 18, generator=g), "meta": {"seed": seed, "rank": rank}}
+
+
+def save_both_ranks(sock: Path, step: int, seed: int) -> None:
+    """Ranks 0 and 1 of a 2-rank job save ``step`` through one daemon (a local commit)."""
+    errors: list[BaseException] = []
+
+    def one(rank: int) -> None:
+        try:
+            ck = ckptd_client.Checkpointer(JOB, rank=rank, world_size=2, socket=str(sock))
+            ck.save(step, rank_state(rank, seed)).wait(120)
+            ck.close()
+        except BaseException as e:     # re-raised in the test's thread
+            errors.append(e)
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_a_partial_stage_from_a_bucket_step_since_replaced_is_not_reused(seaweed, daemon_factory, tmp):
+    """A stage that a bucket error interrupts keeps what landed (staged.json, the manifests, rank 0's data)
+    for the next try. The bucket's step is then replaced by another save of its number: the next stage
+    checked nothing it found against the new index.json (a manifest there was taken as verified, a data
+    file of the right size as landed), wrote the new index over the old files, and the step never restored."""
+    bucket, env = make_bucket(seaweed), seaweed.env()
+    a = daemon_factory(*s3_args(seaweed, bucket), name="a", root=tmp / "root-a", env=env)
+    save_both_ranks(a.socket, 8, seed=8)
+    assert bucket_restore.flush(str(a.socket), JOB, 8, 60).uploaded
+    a.stop()
+    data_1 = f"{JOB}/{step_dir_name(8)}/{rank_data_name(1)}"
+    saved = object_bytes(seaweed, bucket, data_1)
+    assert saved is not None
+    s3_client(seaweed).delete_object(Bucket=bucket, Key=f"ckpt/{data_1}")       # a fault: rank 1's data not there
+
+    c = daemon_factory(*s3_args(seaweed, bucket), name="c", root=tmp / "root-c", env=env)
+    with pytest.raises(RuntimeError, match="cannot stage step 8"):
+        protocol.request_once(str(c.socket), {"op": "stage", "job": JOB, "step": 8, "reader": None}, timeout=120)
+    staged = tmp / "root-c" / JOB / step_dir_name(8)
+    assert sorted(p.name for p in staged.iterdir()) == [
+        rank_data_name(0), rank_manifest_name(0), rank_manifest_name(1), STAGED_NAME]
+
+    # Meanwhile node B saves step 8 again (another state) and uploads it whole: a valid bucket step.
+    b = daemon_factory(*s3_args(seaweed, bucket), name="b", root=tmp / "root-b", env=env)
+    save_both_ranks(b.socket, 8, seed=80)
+    assert bucket_restore.flush(str(b.socket), JOB, 8, 60).uploaded
+    b.stop()
+
+    for rank in range(2):
+        ck = ckptd_client.Checkpointer(JOB, rank=rank, world_size=2, socket=str(c.socket), memory=False)
+        state: dict[str, Any] = {"w": torch.zeros(1 << 18), "meta": {}}
+        try:
+            assert ck.restore(state, 8) == 8
+        finally:
+            ck.close()
+        want = rank_state(rank, 80)
+        assert torch.equal(state["w"], want["w"]) and state["meta"] == want["meta"], rank
+    verify = cli("verify", str(tmp / "root-c"), JOB, "8")
+    assert verify.returncode == 0, verify.stdout + verify.stderr
