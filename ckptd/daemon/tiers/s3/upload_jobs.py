@@ -53,6 +53,9 @@ class JobUploads:
     # in_bucket``: after a restore of an older step the job commits steps below the bucket's newest,
     # and those are not there.
     known: set[int] = field(default_factory=set)
+    # Steps bucket retention removed, the newest KNOWN_KEPT: a flush of one answers not uploaded, and why
+    # (uploading it again would only have retention remove it again), until it is committed here again.
+    removed: set[int] = field(default_factory=set)
     uploaded: int = 0
     skipped: int = 0
     failures: int = 0
@@ -69,6 +72,13 @@ class JobUploads:
         self.known.add(step)
         if len(self.known) > KNOWN_KEPT:
             self.known.discard(min(self.known))
+
+    def forget(self, step: int) -> None:
+        """Bucket retention removed ``step`` from the bucket."""
+        self.known.discard(step)
+        self.removed.add(step)
+        if len(self.removed) > KNOWN_KEPT:
+            self.removed.discard(min(self.removed))
 
     def view(self) -> dict[str, Any]:
         return {"uploading": self.uploading, "queued": list(self.queued), "in_bucket": self.in_bucket,

@@ -82,6 +82,7 @@ class Uploader:
             return
         self._committed_at[(job, step)] = time.monotonic()
         j = self.jobs.setdefault(job, JobUploads())
+        j.removed.discard(step)            # committed again here: uploaded again
         if j.tracks(step):
             return
         j.queued.append(step)
@@ -116,6 +117,8 @@ class Uploader:
         if not (known is not None and known.tracks(step)) and not is_committed(step_dir(self.root, job, step)):
             return False, f"step {step} of job {job!r} is not committed on this node"
         j = self.jobs.setdefault(job, JobUploads())
+        if step in j.removed and not j.tracks(step):
+            return False, self._removed_why(step)
         if not j.tracks(step):
             if await self._same_there(job, step, j):   # there already (a copy staged from it, an upload of a restart)
                 return True, f"step {step} is committed in the bucket"
@@ -123,6 +126,8 @@ class Uploader:
         deadline = time.monotonic() + timeout
         while step not in j.known:
             if step != j.uploading and step not in j.queued:      # its upload ended without it
+                if step in j.removed:
+                    return False, self._removed_why(step)
                 return False, f"step {step} did not reach the bucket" + (
                     f": {j.last_error}" if j.last_error else " (skipped: a newer step was queued)")
             left = deadline - time.monotonic()
@@ -135,6 +140,10 @@ class Uploader:
             except asyncio.TimeoutError:
                 pass
         return True, f"step {step} is committed in the bucket"
+
+    def _removed_why(self, step: int) -> str:
+        return (f"step {step} was committed in the bucket and then removed by bucket retention (s3.keep_last = "
+                f"{self.settings.keep_last}: newer steps are kept there); not uploaded again")
 
     async def finish(self, timeout: float) -> None:
         """Shutdown: uploads running get ``timeout`` s to complete; logs, per job, whether the
@@ -287,8 +296,6 @@ class Uploader:
                 delay *= 2
                 continue
             since = self._committed_at.pop((job, step), t0)
-            j.in_bucket = max(step, j.in_bucket if j.in_bucket is not None else -1)
-            j.know(step)
             j.uploaded += 1
             j.bytes += nbytes
             j.last_error = None
@@ -297,11 +304,22 @@ class Uploader:
             log.info("uploaded", extra={"ctx": {"job": job, "step": step, "bytes": nbytes,
                                                 "upload_s": round(time.monotonic() - t0, 3),
                                                 "since_commit_s": round(j.last_seconds, 3)}})
-            self._changed.set()
+            # Retention before the step is known: it may remove this very step (newer ones there), and a
+            # flush waiting for it must not answer uploaded for a step already being deleted.
+            gone: list[int] = []
+            kept: list[int] = []
             try:
-                await in_thread(lambda: self._bucket_retention(job, step))
+                kept = await in_thread(functools.partial(self._bucket_retention, job, step, gone))
             except BucketError as e:
                 log.warning("bucket retention failed", extra={"ctx": {"job": job, "error": str(e)}})
+            for old in gone:
+                j.forget(old)
+            if step not in gone:
+                j.know(step)
+                j.in_bucket = max(step, j.in_bucket if j.in_bucket is not None else -1)
+            if j.in_bucket in gone:        # (newer steps are there: retention keeps the newest)
+                j.in_bucket = max(kept, default=None)
+            self._changed.set()
             return
 
     def _upload_step(self, job: str, step: int) -> int:
@@ -350,13 +368,16 @@ class Uploader:
         self.bucket.put_bytes(index_key, index_bytes)
         return total + len(index_bytes)
 
-    def _bucket_retention(self, job: str, newest: int) -> None:
+    def _bucket_retention(self, job: str, newest: int, gone: list[int]) -> list[int]:
         """Keep the newest ``keep_last`` committed steps; drop prefixes older than ``newest``
-        that never got an index (uploads killed or skipped halfway)."""
+        that never got an index (uploads killed or skipped halfway). Each committed step it
+        removes is put in ``gone`` as its removal starts; returns the committed steps kept."""
         committed, partial = self.bucket.steps(job)
         keep = self.settings.keep_last
         doomed = committed[:-keep] if keep and len(committed) > keep else []
-        doomed += [s for s in partial if s < newest]
-        for step in doomed:
+        for step in doomed + [s for s in partial if s < newest]:
+            if step in doomed:
+                gone.append(step)
             self.bucket.delete_step(job, step)
             log.info("bucket retention removed step", extra={"ctx": {"job": job, "step": step}})
+        return [s for s in committed if s not in doomed]
