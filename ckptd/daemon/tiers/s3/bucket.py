@@ -17,6 +17,11 @@ itself (ECS container credentials, EC2 instance metadata). They are never logged
 fails because the credentials cannot be renewed (or expired) raises ``CredentialsError``: retrying
 it cannot help until someone fixes them.
 
+Timeouts: listings, HEADs, deletes and GETs of small objects (index.json, manifests) go through a
+client whose requests time out in seconds (an endpoint that accepts connections and never answers
+fails them in about 15 s); uploads and ranged GETs of data through one that allows minutes
+(``SHORT_TIMEOUT``, ``DATA_TIMEOUT``).
+
 Every method blocks: callers run them on their own threads.
 """
 from __future__ import annotations
@@ -47,6 +52,22 @@ class CredentialsError(BucketError):
 class SizeMismatch(BucketError):
     """An object whose size is not the one expected (index.json's, or the file uploaded)."""
 
+
+class TooLarge(BucketError):
+    """An object over the size its reader accepts (an index.json no daemon wrote)."""
+
+
+CONNECT_TIMEOUT = "5s"
+# A request's whole time (response and body) on the client for listings, HEADs, deletes and GETs of small
+# objects (an index.json or manifest up to SMALL_OBJECT_BYTES: 200 KB/s suffices); obstore retries one that
+# times out until SHORT_RETRY_TIMEOUT_S has passed, so an endpoint that never answers fails such a call in
+# about 15 s (a restore of a step this node has, `ckptd ls ROOT`), not in DATA_TIMEOUT.
+SHORT_TIMEOUT = "5s"
+SHORT_RETRY_TIMEOUT_S = 15.0
+SMALL_OBJECT_BYTES = 1 << 20
+# Data: every upload (a background one may be slow), ranged GETs of ``part_size``, larger GETs.
+DATA_TIMEOUT = "300s"
+DATA_RETRY_TIMEOUT_S = 120.0
 
 EXPIRED_CODES = ("ExpiredToken", "TokenRefreshRequired", "RequestExpired")
 
@@ -101,7 +122,7 @@ class Bucket:
         self.url = settings.url
         self.bucket, self.prefix = split_url(settings.url)
         env = os.environ if env is None else env
-        options: Any = {"connect_timeout": "5s", "timeout": "300s"}
+        options: Any = {"connect_timeout": CONNECT_TIMEOUT}
         if settings.endpoint and settings.endpoint.startswith("http://"):
             options["allow_http"] = True
         try:
@@ -111,13 +132,25 @@ class Bucket:
         config: Any = {"region": settings.region, **static}
         if settings.endpoint:
             config["endpoint"] = settings.endpoint
-        retry: Any = {"max_retries": 6, "retry_timeout": timedelta(seconds=120),
-                      "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=8),
-                                  "base": 2}}
+        backoff = {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=8), "base": 2}
         self._ob = ob = _obstore()
-        self.store = ob.store.S3Store(self.bucket, prefix=self.prefix or None, config=config,
-                                      client_options=options, retry_config=retry,
-                                      credential_provider=self.credentials)
+
+        def store(timeout: str, retry_timeout: float) -> Any:
+            return ob.store.S3Store(self.bucket, prefix=self.prefix or None, config=config,
+                                    client_options={**options, "timeout": timeout},
+                                    credential_provider=self.credentials,
+                                    retry_config={"max_retries": 6, "retry_timeout": timedelta(seconds=retry_timeout),
+                                                  "backoff": backoff})
+        # Two clients: an endpoint that accepts connections and never answers holds a request until its
+        # timeout (obstore retries a timed-out request within retry_timeout). Listings, HEADs, deletes and
+        # GETs of small objects go through ``store``, bounded in seconds (a restore, `ckptd ls`); uploads and
+        # data through ``data_store``, whose requests may take minutes.
+        self.store = store(SHORT_TIMEOUT, SHORT_RETRY_TIMEOUT_S)
+        self.data_store = store(DATA_TIMEOUT, DATA_RETRY_TIMEOUT_S)
+
+    def _store_for(self, size: int) -> Any:
+        """The client for a GET of ``size`` bytes: the short one up to SMALL_OBJECT_BYTES."""
+        return self.store if size <= SMALL_OBJECT_BYTES else self.data_store
 
     @staticmethod
     def step_key(job: str, step: int, name: str = "") -> str:
@@ -195,7 +228,7 @@ class Bucket:
         try:
             size = st.st_size
             # A Path: obstore reads the file in Rust, without the GIL.
-            self._call(f"upload {key}", self._ob.put, self.store, key, Path(f"/proc/self/fd/{fd}"),
+            self._call(f"upload {key}", self._ob.put, self.data_store, key, Path(f"/proc/self/fd/{fd}"),
                        use_multipart=size > s.part_size, chunk_size=s.part_size, max_concurrency=s.concurrency)
         finally:
             os.close(fd)
@@ -205,13 +238,33 @@ class Bucket:
         return size
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        self._call(f"upload {key}", self._ob.put, self.store, key, data)
+        self._call(f"upload {key}", self._ob.put, self.data_store, key, data)
 
     def get_bytes(self, key: str, limit: int) -> bytes:
         size = self._call(f"head {key}", self._ob.head, self.store, key)["size"]
         if size > limit:
-            raise BucketError(f"{key}: {size} bytes, over the {limit}-byte limit")
-        return bytes(self._call(f"get {key}", lambda: self._ob.get(self.store, key).bytes()))
+            raise TooLarge(f"{key}: {size} bytes, over the {limit}-byte limit")
+        return bytes(self._call(f"get {key}", lambda: self._ob.get(self._store_for(size), key).bytes()))
+
+    def get_if_exists(self, key: str, limit: int) -> bytes | None:
+        """The object's bytes, None when there is none; over ``limit`` bytes: TooLarge."""
+        try:
+            size = self._ob.head(self.store, key)["size"]
+        except (self._ob.exceptions.NotFoundError, FileNotFoundError):
+            return None
+        except Exception as e:
+            raise self._explain(e, f"head {key}") from None
+        if size > limit:
+            raise TooLarge(f"{key}: {size} bytes, over the {limit}-byte limit")
+        try:
+            return bytes(self._ob.get(self._store_for(size), key).bytes())
+        except (self._ob.exceptions.NotFoundError, FileNotFoundError):    # deleted since the HEAD
+            return None
+        except Exception as e:
+            raise self._explain(e, f"get {key}") from None
+
+    def delete(self, key: str) -> None:
+        self._call(f"delete {key}", self._ob.delete, self.store, key)
 
     def exists(self, key: str) -> bool:
         try:
@@ -238,7 +291,8 @@ class Bucket:
                 for base in range(0, total, batch):
                     starts = list(range(base, min(base + batch, total), part))
                     ends = [min(s + part, total) for s in starts]
-                    pieces = self._call(f"get {key}", self._ob.get_ranges, self.store, key, starts=starts, ends=ends)
+                    pieces = self._call(f"get {key}", self._ob.get_ranges, self.data_store, key,
+                                        starts=starts, ends=ends)
                     for start, piece in zip(starts, pieces, strict=True):
                         view = memoryview(piece)
                         written = 0

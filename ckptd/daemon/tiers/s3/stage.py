@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -39,12 +40,13 @@ from ckptd.core.names import (
 )
 from ckptd.core.reader import chunk_faults, latest_committed
 from ckptd.core.schema import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES, Manifest, digest_bytes, parse_index, parse_manifest
-from ckptd.core.step_files import is_committed, remove_step
+from ckptd.core.step_files import is_committed, remove_files, remove_step
 from ckptd.daemon.runtime import RequestError
 from ckptd.daemon.tiers.s3.bucket import Bucket, BucketError, SizeMismatch
-from ckptd.daemon.tiers.s3.uploader import in_thread
+from ckptd.daemon.tiers.s3.upload_jobs import in_thread
 
 log = logging.getLogger("ckptd")
+_RANK_FILE = re.compile(r"^rank-([0-9]{5,7})\.(data|json)\Z")     # names.rank_data_name, rank_manifest_name
 
 
 class CorruptInBucket(FormatError):
@@ -111,7 +113,7 @@ class Stager:
     def fetch(self, job: str, step: int, reader: tuple[int, int] | None) -> int:
         """Stage ``step`` for ``reader`` (None: every rank); bytes fetched. CorruptInBucket when a
         file fails its check (the staged copy is removed first), BucketError when a request fails
-        (what landed stays, verified, for the next try)."""
+        (what landed stays, verified, for the next try, which checks it against the index it fetches)."""
         path = step_dir(self.root, job, step)
         own_commit = is_committed(path) and not os.path.isfile(os.path.join(path, STAGED_NAME))
         t0, tally = time.monotonic(), [0]
@@ -162,6 +164,8 @@ class Stager:
                     "created_unix": round(time.time(), 3)}).encode())
         world = index["world_size"]
         wanted = [reader[0]] if reader is not None and reader[1] == world else list(range(world))
+        if not local:
+            self._drop_stale(path, index)
         manifests: dict[int, Manifest] = {}
         for rank in range(world):
             name = rank_manifest_name(rank)
@@ -198,6 +202,35 @@ class Stager:
             tally[0] += size
         if not local:
             storage.atomic_write(index_path, index_bytes)      # last: every file here has been verified
+
+    @staticmethod
+    def _drop_stale(path: str, index: dict[str, Any]) -> None:
+        """A partial stage (no index.json yet) keeps what landed for the next try; but the bucket's step
+        may have been replaced since (another save of that number uploaded). Every manifest here is
+        checked against the digest the index just fetched holds for it: one that differs goes, its data
+        file FIRST (a data file here was checked against the manifest beside it, so it is good for the
+        new index exactly when that manifest is), and so do rank files beyond the index's world size."""
+        world = index["world_size"]
+        for entry in os.listdir(path):
+            found = _RANK_FILE.match(entry)
+            if found is None:
+                continue
+            rank = int(found.group(1))
+            if entry not in (rank_data_name(rank), rank_manifest_name(rank)):
+                continue                   # not a name ckptd gives (rank-0000003.json): not ours to judge
+            if rank >= world:
+                remove_files([os.path.join(path, entry)])
+                continue
+            if found.group(2) != "json":
+                continue
+            manifest = os.path.join(path, entry)
+            try:
+                same = digest_bytes(storage.read_limited(manifest, MAX_MANIFEST_BYTES)) == \
+                    index["ranks"][rank]["manifest_digest"]
+            except (OSError, ValueError):
+                same = False
+            if not same:
+                remove_files([os.path.join(path, rank_data_name(rank)), manifest])
 
     def _checker(self, manifest: Manifest, where: str) -> Any:
         """The check of a downloaded data file: every chunk's checksum against its manifest."""

@@ -4,14 +4,19 @@ A step commits locally exactly as without a bucket; then ``committed`` queues it
 upload per job runs at a time: the step's manifests and data files (multipart, parallel), then
 its ``index.json`` LAST, so a step is committed in the bucket only once every file it names is
 there; an upload killed halfway leaves a prefix without an index, which readers ignore and the
-next upload's bucket retention removes. Nothing here blocks a save or a local commit.
+next upload's bucket retention removes. A step number the bucket already holds committed with
+another index.json (another save of that number) has that index.json deleted before any file is
+replaced, so the bucket never shows a committed step mixing two saves. Whether a step is "in the
+bucket" is always its index.json there compared byte for byte with the local one, never its
+number alone. Nothing here blocks a save or a local commit.
 
 Queue policy (uploads falling behind): per job at most ``queue_depth`` steps wait behind the one
 uploading; a commit that finds the queue full drops the oldest waiting step (counted as
 skipped in status and metrics), so the newest committed step is always uploaded. A failed
 upload is retried with exponential backoff and jitter until it succeeds or a newer step
-waits (then it is skipped). At start, the newest committed local step of each job newer than
-the bucket's newest is queued again (an upload a killed daemon left unfinished is redone).
+waits (then it is skipped). At start, the newest committed local step of each job is queued
+again when it is newer than the bucket's newest, or the bucket holds its number with another
+index.json (an upload a killed daemon left unfinished is redone).
 
 Call order: ``start`` once (on the event loop), ``committed`` after each local commit,
 ``flush`` when a step must reach the bucket now (preemption), ``finish`` at shutdown.
@@ -20,15 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import os
 import random
 import stat
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ckptd.core import storage
@@ -46,74 +49,15 @@ from ckptd.core.reader import latest_committed
 from ckptd.core.schema import MAX_INDEX_BYTES, parse_index
 from ckptd.core.step_files import is_committed
 from ckptd.daemon.runtime import TaskSet, describe_error
-from ckptd.daemon.tiers.s3.bucket import Bucket, BucketError, CredentialsError
+from ckptd.daemon.tiers.s3.bucket import Bucket, BucketError, CredentialsError, TooLarge
+from ckptd.daemon.tiers.s3.upload_jobs import JobUploads, in_thread
 
 log = logging.getLogger("ckptd")
 T = TypeVar("T")
 
 
-async def in_thread(fn: Callable[[], T]) -> T:
-    """Run ``fn`` on a daemon thread: an upload stuck in the network never holds up the exit."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if fut.done():
-            return
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
-
-    def run() -> None:
-        try:
-            result = fn()
-        except BaseException as e:    # handed to the awaiting task
-            loop.call_soon_threadsafe(settle, None, e)
-            return
-        loop.call_soon_threadsafe(settle, result, None)
-    threading.Thread(target=run, name="ckptd-upload", daemon=True).start()
-    return await fut
-
-
-KNOWN_KEPT = 64          # steps a job's uploads remember as in the bucket (JobUploads.known)
-
-
 class IncompleteStep(Exception):
     """The local step is a copy staged from the bucket, or lacks files: never uploaded."""
-
-
-@dataclass
-class JobUploads:
-    """One job's uploads (what status and metrics show)."""
-    uploading: int | None = None
-    queued: deque[int] = field(default_factory=deque)
-    in_bucket: int | None = None          # newest step this daemon uploaded or found committed there
-    # Steps known committed in the bucket (uploaded here, or listed there), the newest KNOWN_KEPT: what
-    # a flush trusts. Not ``step <= in_bucket``: after a restore of an older step the job commits steps
-    # below the bucket's newest, and those are not there.
-    known: set[int] = field(default_factory=set)
-    uploaded: int = 0
-    skipped: int = 0
-    failures: int = 0
-    bytes: int = 0
-    last_error: str | None = None
-    last_seconds: float | None = None     # local commit → bucket commit of the last upload
-
-    def tracks(self, step: int) -> bool:
-        """Whether ``step`` is uploading, queued, or known in the bucket (nothing to file for it)."""
-        return step == self.uploading or step in self.queued or step in self.known
-
-    def know(self, step: int) -> None:
-        """``step`` is committed in the bucket (the newest ``KNOWN_KEPT`` are remembered)."""
-        self.known.add(step)
-        if len(self.known) > KNOWN_KEPT:
-            self.known.discard(min(self.known))
-
-    def view(self) -> dict[str, Any]:
-        return {"uploading": self.uploading, "queued": list(self.queued), "in_bucket": self.in_bucket,
-                "uploaded": self.uploaded, "skipped": self.skipped, "failures": self.failures, "bytes": self.bytes,
-                "last_error": self.last_error, "last_seconds": self.last_seconds}
 
 
 class Uploader:
@@ -138,6 +82,7 @@ class Uploader:
             return
         self._committed_at[(job, step)] = time.monotonic()
         j = self.jobs.setdefault(job, JobUploads())
+        j.removed.discard(step)            # committed again here: uploaded again
         if j.tracks(step):
             return
         j.queued.append(step)
@@ -172,13 +117,17 @@ class Uploader:
         if not (known is not None and known.tracks(step)) and not is_committed(step_dir(self.root, job, step)):
             return False, f"step {step} of job {job!r} is not committed on this node"
         j = self.jobs.setdefault(job, JobUploads())
+        if step in j.removed and not j.tracks(step):
+            return False, self._removed_why(step)
         if not j.tracks(step):
-            if await self._listed(job, step, j):     # there already (a copy staged from it, an upload of a restart)
+            if await self._same_there(job, step, j):   # there already (a copy staged from it, an upload of a restart)
                 return True, f"step {step} is committed in the bucket"
             self.committed(job, step)
         deadline = time.monotonic() + timeout
         while step not in j.known:
             if step != j.uploading and step not in j.queued:      # its upload ended without it
+                if step in j.removed:
+                    return False, self._removed_why(step)
                 return False, f"step {step} did not reach the bucket" + (
                     f": {j.last_error}" if j.last_error else " (skipped: a newer step was queued)")
             left = deadline - time.monotonic()
@@ -191,6 +140,10 @@ class Uploader:
             except asyncio.TimeoutError:
                 pass
         return True, f"step {step} is committed in the bucket"
+
+    def _removed_why(self, step: int) -> str:
+        return (f"step {step} was committed in the bucket and then removed by bucket retention (s3.keep_last = "
+                f"{self.settings.keep_last}: newer steps are kept there); not uploaded again")
 
     async def finish(self, timeout: float) -> None:
         """Shutdown: uploads running get ``timeout`` s to complete; logs, per job, whether the
@@ -230,32 +183,59 @@ class Uploader:
                 continue
             if info is None:
                 continue
-            newest = await self._bucket_latest(job)
+            newest = await self._until_answered(functools.partial(self.bucket.latest, job))
             j = self.jobs.setdefault(job, JobUploads())
             j.in_bucket = newest if j.in_bucket is None else max(j.in_bucket, newest or -1)
-            if newest is not None:
+            if newest is not None and newest != info.step:
                 j.know(newest)
             if newest is None or info.step > newest:
                 log.info("upload resumed after restart", extra={"ctx": {"job": job, "step": info.step,
                                                                         "bucket_newest": newest}})
                 self.committed(job, info.step)
+                continue
+            # The bucket holds this step number: this node's save, or another of the same number (a job
+            # rolled back and trained on elsewhere), or a re-upload of it killed halfway. Compared by content.
+            there = await self._until_answered(functools.partial(self._bucket_index, job, info.step))
+            if there is None:
+                continue            # older than the bucket's newest and not there: nothing to redo
+            if there == self._local_index(job, info.step):
+                j.know(info.step)
+            else:
+                log.info("upload resumed after restart: the bucket's step of this number is another save",
+                         extra={"ctx": {"job": job, "step": info.step, "bucket_newest": newest}})
+                self.committed(job, info.step)
 
-    async def _listed(self, job: str, step: int, j: JobUploads) -> bool:
-        """Whether the bucket lists ``step`` committed (then it is known); False when it cannot be asked."""
+    async def _same_there(self, job: str, step: int, j: JobUploads) -> bool:
+        """Whether the bucket holds ``step`` committed with this node's index.json, byte for byte (then
+        it is known); False when it does not, holds another save of that number, or cannot be asked."""
         try:
-            committed, _ = await in_thread(lambda: self.bucket.steps(job))
+            there = await in_thread(lambda: self._bucket_index(job, step))
         except BucketError:
             return False
-        if step in committed:
+        if there is not None and there == self._local_index(job, step):
             j.know(step)
             return True
         return False
 
-    async def _bucket_latest(self, job: str) -> int | None:
+    def _bucket_index(self, job: str, step: int) -> bytes | None:
+        """The bucket's index.json of ``step``, None when it has none (blocking)."""
+        try:
+            return self.bucket.get_if_exists(self.bucket.step_key(job, step, INDEX_NAME), MAX_INDEX_BYTES)
+        except TooLarge:
+            return b"\0"       # no index a daemon writes: unlike every local one
+
+    def _local_index(self, job: str, step: int) -> bytes | None:
+        try:
+            return storage.read_limited(os.path.join(step_dir(self.root, job, step), INDEX_NAME), MAX_INDEX_BYTES)
+        except (OSError, ValueError):
+            return None
+
+    async def _until_answered(self, fn: Callable[[], T]) -> T:
+        """``fn`` (a bucket request) on a thread, again with backoff until the bucket answers."""
         delay = 1.0
         while True:
             try:
-                return await in_thread(lambda: self.bucket.latest(job))
+                return await in_thread(fn)
             except BucketError as e:
                 self.problem = str(e)
                 await asyncio.sleep(self._backoff(delay))
@@ -316,8 +296,6 @@ class Uploader:
                 delay *= 2
                 continue
             since = self._committed_at.pop((job, step), t0)
-            j.in_bucket = max(step, j.in_bucket if j.in_bucket is not None else -1)
-            j.know(step)
             j.uploaded += 1
             j.bytes += nbytes
             j.last_error = None
@@ -326,11 +304,22 @@ class Uploader:
             log.info("uploaded", extra={"ctx": {"job": job, "step": step, "bytes": nbytes,
                                                 "upload_s": round(time.monotonic() - t0, 3),
                                                 "since_commit_s": round(j.last_seconds, 3)}})
-            self._changed.set()
+            # Retention before the step is known: it may remove this very step (newer ones there), and a
+            # flush waiting for it must not answer uploaded for a step already being deleted.
+            gone: list[int] = []
+            kept: list[int] = []
             try:
-                await in_thread(lambda: self._bucket_retention(job, step))
+                kept = await in_thread(functools.partial(self._bucket_retention, job, step, gone))
             except BucketError as e:
                 log.warning("bucket retention failed", extra={"ctx": {"job": job, "error": str(e)}})
+            for old in gone:
+                j.forget(old)
+            if step not in gone:
+                j.know(step)
+                j.in_bucket = max(step, j.in_bucket if j.in_bucket is not None else -1)
+            if j.in_bucket in gone:        # (newer steps are there: retention keeps the newest)
+                j.in_bucket = max(kept, default=None)
+            self._changed.set()
             return
 
     def _upload_step(self, job: str, step: int) -> int:
@@ -351,6 +340,16 @@ class Uploader:
                 raise IncompleteStep(f"step {step}'s {name} here is "
                                      f"{'a symlink' if stat.S_ISLNK(mode) else 'not a regular file'}; not uploaded "
                                      "(step files are never read through links)")
+        index_key = self.bucket.step_key(job, step, INDEX_NAME)
+        there = self._bucket_index(job, step)
+        if there is not None and there != index_bytes:
+            # Another save of this step number is committed there (a job rolled back and trained on
+            # elsewhere, or this node's own earlier commit of it). Its files are about to be replaced one by
+            # one: uncommit it first, so that no reader ever takes its index.json over a mix of two saves,
+            # nor does one after this upload is killed halfway (the step reads as an upload in progress).
+            self.bucket.delete(index_key)
+            log.warning("bucket step replaced: another save of this step number was committed there",
+                        extra={"ctx": {"job": job, "step": step}})
         total = 0
         for name in files:
             if self.debug_delay:
@@ -366,16 +365,19 @@ class Uploader:
                                      "never read through links)") from None
         if self.debug_delay:
             time.sleep(self.debug_delay)
-        self.bucket.put_bytes(self.bucket.step_key(job, step, INDEX_NAME), index_bytes)
+        self.bucket.put_bytes(index_key, index_bytes)
         return total + len(index_bytes)
 
-    def _bucket_retention(self, job: str, newest: int) -> None:
+    def _bucket_retention(self, job: str, newest: int, gone: list[int]) -> list[int]:
         """Keep the newest ``keep_last`` committed steps; drop prefixes older than ``newest``
-        that never got an index (uploads killed or skipped halfway)."""
+        that never got an index (uploads killed or skipped halfway). Each committed step it
+        removes is put in ``gone`` as its removal starts; returns the committed steps kept."""
         committed, partial = self.bucket.steps(job)
         keep = self.settings.keep_last
         doomed = committed[:-keep] if keep and len(committed) > keep else []
-        doomed += [s for s in partial if s < newest]
-        for step in doomed:
+        for step in doomed + [s for s in partial if s < newest]:
+            if step in doomed:
+                gone.append(step)
             self.bucket.delete_step(job, step)
             log.info("bucket retention removed step", extra={"ctx": {"job": job, "step": step}})
+        return [s for s in committed if s not in doomed]
