@@ -419,3 +419,24 @@ def test_a_symlinked_step_file_is_never_uploaded(seaweed, daemon_factory, tmp):
     save(d2.socket, 2, seed=2)
     assert bucket_restore.flush(str(d2.socket), JOB, 2, 60).uploaded
     assert b.steps(JOB) == ([2], [])
+
+
+def test_a_downloaded_file_has_its_directory_entry_synced(seaweed, tmp, monkeypatch):
+    """A data file staged into a step already committed locally (a restore reading more ranks) is renamed
+    into place with no index.json rename after it: its directory entry was never fsynced, so a power loss
+    could lose a file of a committed step. download now fsyncs the directory after its rename."""
+    from ckptd.core import storage
+    name = make_bucket(seaweed)
+    b = bucket_of(seaweed, name)
+    b.put_bytes("ckpt/x/blob", b"z" * 1000)
+    synced: list[tuple[str, bool]] = []
+    real = storage.fsync_dir
+
+    def spy(path: str) -> None:               # the real fsync, recorded with whether the file was in place
+        synced.append((path, (tmp / "dl" / "blob").exists()))
+        real(path)
+    monkeypatch.setattr(storage, "fsync_dir", spy)
+    (tmp / "dl").mkdir()
+    assert b.download("ckpt/x/blob", str(tmp / "dl" / "blob"), 1000) == 1000
+    assert (tmp / "dl" / "blob").read_bytes() == b"z" * 1000
+    assert (str(tmp / "dl"), True) in synced, synced

@@ -308,7 +308,8 @@ class Bucket:
                 os.unlink(tmp)
             raise
         os.rename(tmp, path)
-        return total
+        storage.fsync_dir(os.path.dirname(path))   # the entry too: into a staged step already committed, no later
+        return total                               # index.json rename fsyncs the directory for it
 
     def delete_step(self, job: str, step: int) -> None:
         """index.json first (the step stops being committed), then the rest."""
