@@ -7,6 +7,7 @@ keyword given beside a ``config`` that says otherwise is a TypeError: one value,
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -98,14 +99,16 @@ _BOOLS = ("memory", "prepare", "spawn")
 
 
 def _check_fields(c: CheckpointerConfig) -> None:
-    """The numeric and boolean fields' types and ranges (TypeError / ValueError naming the field)."""
+    """The numeric and boolean fields' types and ranges (TypeError / ValueError naming the field); an
+    integral or real value of another type (a NumPy scalar) is kept as the plain int or float it is."""
     for name, (low, high) in _INTS.items():
         v = getattr(c, name)
         if v is None and name != "num_slots":
             continue
-        if type(v) is not int:      # not a bool (True is an int), a float or a string
+        if not isinstance(v, numbers.Integral) or isinstance(v, bool):   # not a bool, a float or a string
             raise TypeError(f"CheckpointerConfig: {name} must be an int in [{low}, {high}], got {v!r} "
                             f"({type(v).__name__}): pass {name}=int(...)")
+        object.__setattr__(c, name, v := int(v))
         if not low <= v <= high:
             raise ValueError(f"CheckpointerConfig: {name} must be an int in [{low}, {high}], got {v!r}")
     if c.rank is not None and c.world_size is not None and not c.rank < c.world_size:
@@ -115,9 +118,10 @@ def _check_fields(c: CheckpointerConfig) -> None:
         v = getattr(c, name)
         if v is None and name == "join_timeout":
             continue
-        if type(v) not in (int, float):
+        if not isinstance(v, numbers.Real) or isinstance(v, bool) or type(v).__name__ == "bool_":
             raise TypeError(f"CheckpointerConfig: {name} must be a number of seconds, got {v!r} "
                             f"({type(v).__name__}): pass {name}=float(...)")
+        object.__setattr__(c, name, v := float(v))
         if not (math.isfinite(v) and 0 < v <= MAX_TIMEOUT_S):
             raise ValueError(f"CheckpointerConfig: {name} must be a positive, finite number of seconds "
                              f"(at most {MAX_TIMEOUT_S:g}), got {v!r}")

@@ -100,3 +100,19 @@ def test_a_store_wait_with_a_nan_timeout_raises_instead_of_spinning() -> None:
     t0 = time.monotonic()
     assert StoreWaiter(store).wait(["never-set"], 0.3) is False       # a finite one still waits and answers
     assert time.monotonic() - t0 >= 0.25
+
+
+def test_numpy_scalars_are_taken_as_the_plain_numbers_they_are() -> None:
+    """A value read from a NumPy array or a config library (np.float64, np.int64) worked before the
+    fields were checked; it is taken, as a plain float or int, and a NumPy bool is still refused."""
+    import numpy as np
+    c = ckptd_client.CheckpointerConfig(commit_timeout=np.float64(600.0), join_timeout=np.int64(300),
+                                        num_slots=np.int64(2), rank=np.int32(0), world_size=np.int64(2),
+                                        restore_threads=np.uint8(3))
+    assert (c.commit_timeout, c.join_timeout, c.num_slots, c.rank, c.world_size, c.restore_threads) == \
+        (600.0, 300.0, 2, 0, 2, 3)
+    assert [type(v) for v in (c.commit_timeout, c.join_timeout, c.num_slots, c.rank)] == [float, float, int, int]
+    with pytest.raises(TypeError, match="commit_timeout must be a number of seconds"):
+        ckptd_client.CheckpointerConfig(commit_timeout=np.bool_(True))   # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="num_slots must be an int"):
+        ckptd_client.CheckpointerConfig(num_slots=np.float64(2.0))
