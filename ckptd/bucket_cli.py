@@ -47,6 +47,28 @@ def check_bucket(s3: S3Settings) -> str | None:
     return None
 
 
+def remove_above(s3: S3Settings, jobs: list[str], above: int, dry_run: bool) -> tuple[list[str], list[str]]:
+    """``ckptd gc --remove-above``'s bucket side: the steps of ``jobs`` numbered above ``above`` in the
+    configured bucket (else none), removed unless ``dry_run`` (``index.json`` first, as bucket retention
+    does): left there, restore() would stage the abandoned step back. (what was, or would be, removed;
+    errors)"""
+    if s3.url is None:
+        return [], []
+    done: list[str] = []
+    errors: list[str] = []
+    try:
+        bucket = Bucket(s3)
+        for job in jobs:
+            committed, partial = bucket.steps(job)
+            for step in sorted(s for s in committed + partial if s > above):
+                if not dry_run:
+                    bucket.delete_step(job, step)
+                done.append(f"{s3.url.rstrip('/')}/{job}/step-{step:012d}")
+    except BucketError as e:
+        errors.append(str(e))
+    return done, errors
+
+
 def ls_bucket(args: argparse.Namespace) -> int:
     try:
         bucket = Bucket(s3_settings(args, args.root))

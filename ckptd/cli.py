@@ -124,6 +124,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if args.remove_above is not None and not args.job:
         print("ckptd gc: --remove-above needs --job (it removes a rolled-back run's steps of one job)", file=sys.stderr)
         return cli_steps.USAGE
+    in_bucket, bucket_errors = ([], []) if args.remove_above is None else \
+        bucket_cli.remove_above(settings.settings.s3, args.job, args.remove_above, args.dry_run)
     try:
         result = collect_root(root, policy, dry_run=args.dry_run, jobs=args.job or None, above=args.remove_above)
     except (OSError, ValueError) as e:
@@ -134,7 +136,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
                           "actions": [{"job": a.job, "step": a.step, "path": a.path, "kind": a.kind,
                                        "removed": a.done, "error": a.error} for a in result.actions],
                           "kept": [{"job": j, "step": st, "why": why} for j, st, why in result.kept],
-                          "skipped": result.skipped}, indent=1))
+                          "skipped": result.skipped, "bucket_removed": in_bucket, "bucket_errors": bucket_errors},
+                         indent=1))
     else:
         verb = "would remove" if args.dry_run else "removed"
         for a in result.actions:
@@ -147,10 +150,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 print(f"kept {job} step {step}: {why}")
         for sk in result.skipped:
             print(f"skipped {sk}")
+        for key in in_bucket:
+            print(f"{verb} {key}: a bucket step above --remove-above")
+        for err in bucket_errors:
+            print(f"FAILED the bucket's steps above --remove-above: {err}")
         n = len(result.actions) if args.dry_run else len(result.removed)
         print(f"{verb} {n} step(s), kept {len(result.kept)}"
               + (f", {len(result.errors)} failed" if result.errors else ""))
-    return 1 if result.errors else 0
+    return 1 if result.errors or bucket_errors else 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:

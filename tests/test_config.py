@@ -262,7 +262,8 @@ SERVE_FLAGS["--debug-upload-delay"] = "debug.upload_delay"
 def test_flags_come_from_the_definition():
     from ckptd.cli import GC_KEYS, SERVE_KEYS
     assert {f.name: k.name for k in SERVE_KEYS for f in k.flags} == SERVE_FLAGS
-    assert [k.name for k in GC_KEYS] == ["retention.keep_last", "retention.keep_every", "retention.abandoned_after"]
+    assert [k.name for k in GC_KEYS] == ["retention.keep_last", "retention.keep_every", "retention.abandoned_after",
+                                        "s3.url", "s3.endpoint", "s3.region"]     # (--remove-above: the bucket too)
     assert all(k.spec.doc for k in SERVE_KEYS)
 
 

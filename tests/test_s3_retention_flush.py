@@ -7,7 +7,7 @@ bucket no longer held.
 # mypy: disable-error-code="union-attr,index,operator"
 from __future__ import annotations
 
-from test_s3_tier import JOB, bucket_of, make_bucket, s3_args, save, uploads, wait_for
+from test_s3_tier import JOB, bucket_of, make_bucket, restore, s3_args, save, uploads, wait_for
 
 from ckptd_client import bucket_restore
 
@@ -34,3 +34,30 @@ def test_a_flush_of_a_step_bucket_retention_removed_answers_not_uploaded(seaweed
     assert b.steps(JOB) == ([2], [])
     up = uploads(d.socket)
     assert up["in_bucket"] == 2 and up["uploaded"] == 3, up
+
+
+def test_gc_remove_above_takes_the_buckets_steps_above_too(seaweed, daemon_factory, tmp):
+    """A run rolled back to step 20 of a job whose step 30 reached the bucket: `ckptd gc --remove-above 20`
+    removed the local step 30, and the next restore() staged it back from the bucket and resumed there. With
+    the bucket given (its config, CKPTD_S3_*, or --s3-url), gc removes the bucket's steps above 20 too."""
+    import os
+    import subprocess
+    import sys
+    bucket = make_bucket(seaweed)
+    b = bucket_of(seaweed, bucket)
+    d = daemon_factory(*s3_args(seaweed, bucket), env=seaweed.env())
+    for step in (10, 20, 30):
+        save(d.socket, step, seed=step)
+    assert bucket_restore.flush(str(d.socket), JOB, 30, 60).uploaded
+    gc = [sys.executable, "-m", "ckptd", "gc", str(d.root), "--job", JOB, "--remove-above", "20",
+          "--s3-url", f"s3://{bucket}/ckpt", "--s3-endpoint", seaweed.endpoint]
+    env = {**os.environ, **seaweed.env()}
+    r = subprocess.run([*gc, "--dry-run"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and f"would remove s3://{bucket}/ckpt/{JOB}/step-000000000030" in r.stdout, r.stdout
+    assert 30 in b.steps(JOB)[0]
+    r = subprocess.run(gc, capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert all(s <= 20 for s in b.steps(JOB)[0] + b.steps(JOB)[1]), b.steps(JOB)
+    save(d.socket, 21, seed=21)
+    got, _ = restore(d.socket)
+    assert got == 21

@@ -51,15 +51,15 @@ def _show_opt(v: object) -> str:
 class S3Settings:
     """``[s3]``: uploads of committed steps to an S3-compatible bucket, and restores from it."""
     url: str | None = setting(
-        None, parse=parse_bucket_url, show=_show_opt, default_doc="off", flags=(Flag("--s3-url"),),
+        None, parse=parse_bucket_url, show=_show_opt, default_doc="off", flags=(Flag("--s3-url"),), gc=True,
         doc="Bucket and prefix, `\"s3://bucket/prefix\"`: each committed step is uploaded to "
             "`<prefix>/<job>/step-<N>/` (index.json last). Unset: no object-storage tier.")
     endpoint: str | None = setting(
-        None, parse=parse_endpoint, show=_show_opt, default_doc="AWS", flags=(Flag("--s3-endpoint"),),
+        None, parse=parse_endpoint, show=_show_opt, default_doc="AWS", flags=(Flag("--s3-endpoint"),), gc=True,
         doc="S3 API endpoint of a non-AWS store (MinIO, Ceph RGW, SeaweedFS, GCS): `\"https://host:port\"`. "
             "`http://` is allowed (for a loopback or private endpoint).")
     region: str = setting(
-        "us-east-1", parse=parse_region, flags=(Flag("--s3-region"),),
+        "us-east-1", parse=parse_region, flags=(Flag("--s3-region"),), gc=True,
         doc="Region of the bucket (signing region for other stores).")
     concurrency: int = setting(
         8, parse=integer(1, 256), flags=(Flag("--s3-concurrency"),),
