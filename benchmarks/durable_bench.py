@@ -503,7 +503,7 @@ def run(cfg: argparse.Namespace, base: Path, state: State) -> dict[str, Any]:
                             rec[name] = methods[name].save(step, state)
                             methods[name].settle(step)
                     rec["free_gib_after_saves"] = round(shutil.disk_usage(base).free / 2**30, 1)
-                    rorder = RESTORES[r % 3:] + RESTORES[:r % 3]
+                    rorder = RESTORES[r % len(RESTORES):] + RESTORES[:r % len(RESTORES)]   # each first equally often
                     for mode in ("warm", "cold"):
                         for name in rorder:
                             m = methods[name]

@@ -14,8 +14,9 @@ mutates every tensor after each iteration's fence):
 - peak RSS of the trainer process, and of the daemon for ckptd.
 Methods: ckptd blocking copy; ckptd overlapped (``save(..., overlap=True)`` + ``fence()``);
 ``torch.save`` + fsync + rename; DCP ``save``;
-DCP ``async_save`` with a shared-memory ``DefaultStager`` (the strongest peer: staging hides
-most of DCP's copy, as ckptd's slots do).
+DCP ``async_save`` with a shared-memory ``DefaultStager`` (staging in the call:
+``use_async_staging=False``; stall_bench.py and sharded_bench.py also measure DCP's async staging,
+which hides part of its copy as ckptd's overlap does).
 States: a synthetic GPT (bf16 weights, fp32 master weights and Adam moments; ``--size-mib``),
 the real all-MiniLM-L6-v2 weights in fp32 and in bf16. Then several ranks (``--ranks``
 client processes, commit="local") on one daemon for aggregate throughput, and the codec
@@ -311,7 +312,17 @@ class Ckptd(Method):
         return dir_bytes(step_dir(self.root, self.job, step))
 
     def restore(self, step: int, ts: TrainState) -> None:
-        self.ck.restore(ts.objects(), step=step)
+        # From its files, as every peer reads its own: through the saving Checkpointer the daemon's memory
+        # tier (on by default) served it instead (benchmarks/memory_restore_bench.py measures that path).
+        reader = self.Checkpointer(self.job, socket=self.spec["socket"], root=self.root, memory=False,
+                                   prepare=False, rank=self.spec.get("rank", 0),
+                                   world_size=self.spec.get("world_size", 1), commit="local")
+        try:
+            reader.restore(ts.objects(), step=step)
+            assert reader.last_restore is not None
+            self.restore_source = reader.last_restore.source
+        finally:
+            reader.close()
 
     def close(self) -> None:
         if self.ck is not None:
@@ -514,6 +525,7 @@ def run_loop(spec: dict[str, Any]) -> dict[str, Any]:
     method.restore(last, ts)
     out["restore_s"] = time.perf_counter() - t0
     out["restore_bit_exact"] = ts.digest() == digest
+    out["restore_source"] = getattr(method, "restore_source", "files")     # ckptd's: "storage", never memory
     say(f"restore {out['restore_s']:.2f} s, bit-exact: {out['restore_bit_exact']}")
     method.close()
     out["rss_peak_trainer_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -761,7 +773,9 @@ def to_markdown(res: dict[str, Any]) -> str:
               " p99 over 10 saves is close to the maximum.",
               "- Time to committed: from the save call until the step is durable and complete (ckptd: index.json"
               " renamed into place; DCP: `.metadata` written, files fsynced; torch.save: fsync + rename + dir fsync).",
-              "- Restore reads files still in the page cache; it measures decode and copy speed, not the disk.",
+              "- Restore reads files still in the page cache; it measures decode and copy speed, not the disk. ckptd's "
+              "reads its files too (a Checkpointer with memory=False: the daemon's memory tier would serve it "
+              "otherwise; memory_restore_bench.py measures that).",
               "- Peak RSS: the trainer's counts the shared-memory slots or staging buffers it touched; the"
               " daemon's counts the same slot pages again (shared memory), so the two do not add up.",
               "- The machine is shared with other work; figures vary from run to run by 10-30 %.",

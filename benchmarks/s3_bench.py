@@ -101,7 +101,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mib", type=int, default=256, help="file size of the throughput comparison")
     p.add_argument("--commit-mib", type=int, default=1024, help="state size of the commit-to-bucket timing")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4,
+                   help="measured rounds, each client first in half of them (after one warm-up round)")
     p.add_argument("--commit-rounds", type=int, default=3, help="after one warm-up round")
     p.add_argument("--part-mib", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=8)
