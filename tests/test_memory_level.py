@@ -164,11 +164,12 @@ rank = int(os.environ["RANK"])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank, world_size=2)
 sock, phase = sys.argv[1].split(",")[rank], sys.argv[2]
 ck = ckptd_client.Checkpointer("vote", socket=sock, join_timeout=60, commit_timeout=float(os.environ.get("CT", "60")))
-if phase == "restore" and rank == 1:
+if (phase, rank) in (("restore", 1), ("save", 0)):
     import time
-    time.sleep(float(os.environ.get("LATE", "0")))
+    time.sleep(float(os.environ.get("LATE" if rank else "R0_LATE", "0")))
 if phase == "save":
-    ck.save(3, {"w": torch.full((8,), 100.0 + rank), "meta": {"pos": 77}}, level="memory").wait(60)
+    plus = float(os.environ.get("PLUS", "0"))
+    ck.save(3, {"w": torch.full((8,), 100.0 + plus + rank), "meta": {"pos": 77}}, level="memory").wait(60)
     out = {}
 else:
     live = {"w": torch.zeros(8), "meta": {"pos": 0}}
@@ -214,6 +215,29 @@ def test_a_memory_level_step_one_rank_cannot_read_is_written_into_no_rank(daemon
     got = group(f"{a.socket},{b2.socket}", "restore")
     for rank, r in enumerate(got):
         assert (r["got"], r["w"], r["pos"], r["info"]) == (None, [0.0] * 8, 0, "None"), (rank, r)
+
+
+def test_a_memory_level_step_saved_again_after_one_daemon_restarted_replaces_it(daemon_factory: Any,
+                                                                                tmp: Path) -> None:
+    """Relay commit over daemons A (rank 0) and B (rank 1): memory-level step 3 commits; A restarts (its
+    memory gone, B's not), so run 2 cannot restore step 3 and saves it again. A took it for lost and removed
+    it while B, which had seen it saved, refused the save as "already committed": the new step failed and
+    the old one was gone. A memory-level step saved again now replaces the committed one on every daemon."""
+    script = tmp / "vote_worker.py"
+    script.write_text(VOTE_WORKER)
+    a, b = daemon_factory(name="a"), daemon_factory(name="b", root=tmp / "root")
+    vote_group(script, f"{a.socket},{b.socket}", "save")
+    assert committed_held_steps(a.root, "vote") == [3]
+    a.proc.kill()
+    a.proc.wait()
+    a2 = daemon_factory(name="a2", root=tmp / "root")
+    for delay in ("0", "2"):          # rank 0's save first, or rank 1's: both orders
+        vote_group(script, f"{a2.socket},{b.socket}", "save", PLUS="50" if delay == "0" else "60", R0_LATE=delay)
+        got = vote_group(script, f"{a2.socket},{b.socket}", "restore")
+        want = 150.0 if delay == "0" else 160.0
+        for rank, r in enumerate(got):
+            assert (r["got"], r["w"], r["pos"]) == (3, [want + rank] * 8, 77), (delay, rank, r)
+    assert "memory-level step saved again: the committed one is replaced" in a2.log_text() + b.log_text()
 
 
 def test_a_rank_that_starts_its_restore_later_than_the_commit_timeout_still_votes(daemon_factory: Any,

@@ -99,7 +99,7 @@ class StepCoordinator(Generic[W]):
                                   f"rank {rank} saved it again: it is saved afresh (no shard of an ended process kept)")
         await self.removing.stopped(self.table.writing, job, step, rank)
         await self.removing.settled(job, step)
-        if await self.tier.is_committed(job, step):      # (no suspension from here to begin)
+        if await self.tier.refuses_save(job, step):      # (no suspension from here to begin)
             self.handed.ended(job, step)
             raise RequestError(f"step {step} of job {job!r} is already committed")
         if self.handed.refuses(job, step, rank, waiter):

@@ -141,7 +141,12 @@ class StorageTier(ABC):
 
     @abstractmethod
     async def is_committed(self, job: str, step: int) -> bool:
-        """Whether the step is already published (a save of it must be refused)."""
+        """Whether the step is already published."""
+
+    async def refuses_save(self, job: str, step: int) -> bool:
+        """Whether a new save of the step must be refused, it being committed (asked once per SAVE, before
+        it begins, with no suspension after; the memory tier replaces a memory-level step instead)."""
+        return await self.is_committed(job, step)
 
     @abstractmethod
     async def latest_committed(self, job: str) -> int | None:

@@ -147,19 +147,23 @@ def remove_stale(root: str, job: str, step: int, began: float, saved_here: Colle
     return gone
 
 
-def remove_lost(root: str, job: str, step: int) -> bool:
-    """(On the loop: a memory-level step is its manifests and index, no data) Remove committed memory-level
-    step ``step`` of job key ``job``, lost (``MemoryTier.is_committed``); whether it is gone."""
+def retire(root: str, job: str, step: int) -> bool:
+    """(On the loop: one unlink and a directory fsync) Un-commit memory-level step ``step`` of job key
+    ``job``, saved again (``MemoryTier.refuses_save``): its index.json goes; its rank manifests stay for
+    the new save's to replace (another daemon's ranks may be writing theirs into it now), and its lean
+    side files for the commit to remove (``step_files.leftovers``). Whether it is no longer committed."""
+    path = step_dir(root, job, step)
     try:
-        remove_step(step_dir(root, job, step))
+        os.unlink(os.path.join(path, INDEX_NAME))
+        storage.fsync_dir(path)
     except FileNotFoundError:
         return True
     except OSError as e:
-        log.warning("a lost memory-level step could not be removed: a save of its number is refused",
+        log.warning("a memory-level step saved again could not be un-committed: the save is refused",
                     extra={"ctx": {"job": job, "step": step, "error": str(e)}})
         return False
-    log.warning("memory-level step removed: committed, but no daemon here held it any more (restarted); a new "
-                "save of its number replaces it", extra={"ctx": {"job": job, "step": step}})
+    log.warning("memory-level step saved again: the committed one is replaced (the run saving its number restored "
+                "an older step)", extra={"ctx": {"job": job, "step": step}})
     return True
 
 

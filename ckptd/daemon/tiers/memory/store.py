@@ -239,10 +239,6 @@ class MemoryStore:
 
     # ---- serving ---------------------------------------------------------------------
 
-    def holds_step(self, job: str, step: int) -> bool:
-        """Whether any shard of the step is here (held, or being copied in)."""
-        return any(h.job == job and h.step == step for h in self.entries.values())
-
     def get(self, job: str, step: int, rank: int) -> Held | None:
         h = self.entries.get((job, step, rank))
         return h if h is not None and h.meta is not None and not h.gone else None

@@ -36,7 +36,7 @@ from ckptd.core.schema import TensorLayout
 from ckptd.core.step_files import is_committed
 from ckptd.daemon.runtime import RequestError, describe_error
 from ckptd.daemon.tiers.base import ShardRef, ShardWritten, SlotLoan, StorageTier, StreamedData
-from ckptd.daemon.tiers.memory.memory_level import Replicate, hold_shard, prune, remove_lost, remove_stale
+from ckptd.daemon.tiers.memory.memory_level import Replicate, hold_shard, prune, remove_stale, retire
 from ckptd.daemon.tiers.memory.store import LOCAL, Held, MemoryStore, new_memfd
 
 log = logging.getLogger("ckptd")
@@ -254,15 +254,20 @@ class MemoryTier(StorageTier):
         await self.inner.abort(job, step, ranks)
 
     async def is_committed(self, job: str, step: int) -> bool:
-        """As the inner tier's, except for a committed memory-level step that is lost: no shard of it came
-        here in this daemon's life and none is held (its daemons restarted). A run saving its number
-        again restored an older step, since it could not read this one: its directory is removed (on
-        the loop: a few small files; a save's checks stay one step) so that the new save can commit."""
+        return await self.inner.is_committed(job, step)
+
+    async def refuses_save(self, job: str, step: int) -> bool:
+        """A storage step's as the inner tier's. A committed memory-level step saved again is replaced: the
+        run saving its number restored an older step (it could not read this one, lost in a daemon restart,
+        or went back on purpose), and with several daemons each must take the new save alike. It is
+        un-committed here (``retire``: index.json removed, on the loop) and this node's copies of it
+        dropped; the rank manifests are replaced as the new save's arrive."""
         if not await self.inner.is_committed(job, step):
             return False
-        if not is_memory_job(job) or (job, step) in self._saved_here or self.store.holds_step(job, step):
+        if not is_memory_job(job) or not retire(self.root, job, step):
             return True
-        return not remove_lost(self.root, job, step)
+        self.store.drop_step(job, step)
+        return False
 
     async def latest_committed(self, job: str) -> int | None:
         return await self.inner.latest_committed(job)
