@@ -249,9 +249,9 @@ def test_a_local_step_a_killed_rank_left_is_saved_afresh_not_joined(daemon, tmp)
     for ck in cks:
         ck.close()
     for rank in (0, 1):
-        ck = ckptd_client.Checkpointer("mix", root=str(daemon.root), rank=rank, world_size=2, memory=False)
-        live = {"w": torch.zeros(1000)}
-        assert ck.restore(live) == 5 and torch.equal(live["w"], torch.full((1000,), 200.0 + rank)), (rank, live["w"][0])
+        with ckptd_client.Checkpointer("mix", root=str(daemon.root), rank=rank, world_size=2, memory=False) as ck:
+            live = {"w": torch.zeros(1000)}
+            assert ck.restore(live) == 5 and torch.equal(live["w"], torch.full((1000,), 200.0 + rank)), rank
     assert "left (killed?) before step 5 committed and rank 0 saved it again" in daemon.log_text()
 
 

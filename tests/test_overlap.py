@@ -128,11 +128,12 @@ def test_the_copy_thread_is_batch_work(daemon):
     """The copy thread runs as SCHED_BATCH: woken by save(), it does not preempt the trainer's thread that
     woke it (on a 2-core VM with four ranks that preemption was most of a save's 2 ms stall)."""
     model, opt, step = make_training()
+    before = set(threading.enumerate())          # (another test's Checkpointer may not be collected yet)
     ck = ckptd_client.Checkpointer("batch", socket=str(daemon.socket))
     handle = ck.save(1, {"model": model, "optim": opt}, overlap=True)
     step()
     handle.wait(60)
-    copy = [t for t in threading.enumerate() if t.name.startswith("ckptd-client-copy")]
+    copy = [t for t in set(threading.enumerate()) - before if t.name.startswith("ckptd-client-copy")]
     assert len(copy) == 1 and copy[0].native_id is not None
     assert os.sched_getscheduler(copy[0].native_id) == os.SCHED_BATCH
     assert os.sched_getscheduler(0) == os.SCHED_OTHER            # the trainer's own thread is left as it was
