@@ -48,6 +48,16 @@ class _Held:
         self.readers = 0              # chunk reads in progress (DaemonShards._lock): a replaced shard is
         self.replaced = False         # closed once the last of them ends
 
+    @staticmethod
+    def taking(conn: Exchange, meta: HeldMeta, fd: int, source: str) -> _Held:
+        """A fetched shard as ``_Held``; its memfd and connection closed if it is refused."""
+        try:
+            return _Held(conn, meta, fd, source)
+        except BaseException:
+            os.close(fd)
+            conn.close()
+            raise
+
     def close(self) -> None:
         self.map.close()
         os.close(self.fd)
@@ -101,12 +111,7 @@ class DaemonShards(HeldShards):
             with self._lock:
                 self.refused[rank] = str(e)
             return None
-        try:
-            shard = _Held(conn, meta, fd, source)
-        except BaseException:
-            os.close(fd)
-            conn.close()
-            raise
+        shard = _Held.taking(conn, meta, fd, source)
         m = held_manifest(meta.job, meta.step, meta.rank, meta.world_size, meta.layout, meta.checksums,
                           meta.chunk_bytes, meta.tree)
         with self._lock:
@@ -190,12 +195,7 @@ class DaemonShards(HeldShards):
                                                     verify=True)
             except MemoryUnavailable as e:
                 raise MemoryUnavailable(f"{bad}; asked again for a checked copy: {e}") from None
-            try:
-                fresh = _Held(conn, meta, fd, source)
-            except BaseException:
-                os.close(fd)
-                conn.close()
-                raise
+            fresh = _Held.taking(conn, meta, fd, source)
             if (meta.layout, meta.checksums, meta.chunk_bytes) != \
                     (seen.meta.layout, seen.meta.checksums, seen.meta.chunk_bytes):
                 fresh.close()
