@@ -6,6 +6,8 @@ step logic (the shape follows torch.distributed.checkpoint's StorageWriter/Stora
 
 Call order, per step of a job, on the daemon serving some of its ranks::
 
+    refuses_save(job, step)        at each SAVE, before the step begins here (a committed step is refused,
+                                   a memory-level one replaced)
     write_shard(ref, ...)          once per rank served here; ranks run concurrently
     then exactly one of
       commit(job, step, world_size, digests, records)
@@ -26,7 +28,7 @@ A tier that wraps another (the memory tier) implements every call itself and pas
 argument on: there is one commit method, so none can be dropped (tests/test_tier_contract.py).
 
 At shutdown, ``withdraw_commits`` settles commits still running (a drain that ran out of
-time reports their true outcome). Reading entry points (status, the save checks):
+time reports their true outcome). Reading entry points (status, the drain's checks):
 ``is_committed``, ``latest_committed``, ``written_bytes``. Every method is a coroutine: a tier
 does its blocking I/O on its own threads (or with async I/O), never on the caller's event loop.
 """
@@ -143,10 +145,10 @@ class StorageTier(ABC):
     async def is_committed(self, job: str, step: int) -> bool:
         """Whether the step is already published."""
 
+    @abstractmethod
     async def refuses_save(self, job: str, step: int) -> bool:
         """Whether a new save of the step must be refused, it being committed (asked once per SAVE, before
         it begins, with no suspension after; the memory tier replaces a memory-level step instead)."""
-        return await self.is_committed(job, step)
 
     @abstractmethod
     async def latest_committed(self, job: str) -> int | None:

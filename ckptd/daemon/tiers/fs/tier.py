@@ -122,6 +122,9 @@ class FsTier(StorageTier):
         # One stat, on the caller's loop as it always was: a save's checks stay one atomic step.
         return step_files.is_committed(self.step_path(job, step))
 
+    async def refuses_save(self, job: str, step: int) -> bool:
+        return step_files.is_committed(self.step_path(job, step))        # (as is_committed: one stat, no suspension)
+
     async def latest_committed(self, job: str) -> int | None:
         def latest() -> int | None:
             try:
