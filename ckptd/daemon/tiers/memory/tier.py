@@ -114,7 +114,7 @@ class MemoryTier(StorageTier):
         self.replicate, self.k = replicate, k
         self._began: dict[tuple[str, int], float] = {}    # a step's save → when its first shard came here
         # (job key, step) of each memory-level step a shard of came here in this daemon's life, the newest
-        # MAX_BEGAN: a committed one not among them nor held is another run's, or lost (remove_stale, is_committed)
+        # MAX_BEGAN: a committed one above a new commit and not among them is another run's (remove_stale)
         self._saved_here: dict[tuple[str, int], None] = {}
         self._fetching: dict[tuple[str, int, int, str], asyncio.Future[Held | None]] = {}    # (_fetch_once)
         # (job, step) → (index.json's inode, mtime, size; its reader; rank → manifest digest): the
@@ -127,11 +127,10 @@ class MemoryTier(StorageTier):
         self._began.setdefault((ref.job, ref.step), time.time())      # (remove_stale)
         while len(self._began) > MAX_BEGAN:      # steps another daemon committed: never popped here
             del self._began[next(iter(self._began))]
-        if is_memory_job(ref.job):
+        if is_memory_job(ref.job):                # a memory-level step: held and replicated, not written
             self._saved_here[(ref.job, ref.step)] = None
             while len(self._saved_here) > MAX_BEGAN:
                 del self._saved_here[next(iter(self._saved_here))]
-        if is_memory_job(ref.job):                # a memory-level step: held and replicated, not written
             if not isinstance(data, memoryview):
                 released()
                 raise RequestError("a memory-level save must fit in one slot (it was streamed)")
