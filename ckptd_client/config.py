@@ -118,7 +118,7 @@ def _check_fields(c: CheckpointerConfig) -> None:
         v = getattr(c, name)
         if v is None and name == "join_timeout":
             continue
-        if not isinstance(v, numbers.Real) or isinstance(v, bool) or type(v).__name__ == "bool_":
+        if not isinstance(v, numbers.Real) or isinstance(v, bool):    # (NumPy's bool_ is no numbers.Real)
             raise TypeError(f"CheckpointerConfig: {name} must be a number of seconds, got {v!r} "
                             f"({type(v).__name__}): pass {name}=float(...)")
         object.__setattr__(c, name, v := float(v))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 from bisect import bisect_left
+from collections.abc import Iterator
 from json.encoder import encode_basestring_ascii
 from typing import Any
 
@@ -56,23 +57,24 @@ def refill(tree: Any, old: list[Any], zeros: list[int], counts: dict[int, int], 
     if scalars == old and all(_same(scalars[i], old[i]) for i in zeros):
         return tree, 0
     changed = [i for i, (a, b) in enumerate(zip(scalars, old, strict=True)) if not _same(a, b)]
+    new = _rebuild(tree, 0, changed, scalars, counts)
     if any(type(scalars[i]) is int and scalars[i].bit_length() > MAX_INT_BITS for i in changed):
-        _check_ints(_rebuild(tree, 0, changed, scalars, counts), "")     # (raises, naming the int's key)
-    grew = sum(leaf_bytes(scalars[i]) - leaf_bytes(old[i]) for i in changed)
-    return _rebuild(tree, 0, changed, scalars, counts), grew
+        for path, leaf in _leaves(new, ""):      # (a cached plan's new scalars meet no encode_tree: named here)
+            if type(leaf) is int:
+                check_int(path, leaf)
+    return new, sum(leaf_bytes(scalars[i]) - leaf_bytes(old[i]) for i in changed)
 
 
-def _check_ints(node: Any, path: str) -> None:
-    """``tree.check_int`` of every int leaf under ``node`` (a cached plan's new scalars: no encode_tree)."""
+def _leaves(node: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """Every scalar leaf under ``node`` of an encoded tree, with its key path, in tree order."""
     if not isinstance(node, dict):
-        if type(node) is int:
-            check_int(path, node)
+        yield path, node
         return
     (tag, value), = node.items()
     if tag != "T":
         for i, item in enumerate(value):
             key, child = (item[0], item[1]) if tag == "d" else (i, item)
-            _check_ints(child, join_path(path, key))
+            yield from _leaves(child, join_path(path, key))
 
 
 def _rebuild(node: Any, lo: int, changed: list[int], scalars: list[Any], counts: dict[int, int]) -> Any:
@@ -124,7 +126,7 @@ def check_size(tree: Any, wire: list[Any], size: int | None = None) -> int:
         size = save_bytes(tree, wire)
     if size <= MAX_FRAME_BYTES:
         return size
-    path, n = _largest(tree, "")
+    path, n = max(((p, leaf_bytes(leaf)) for p, leaf in _leaves(tree, "")), key=lambda pn: pn[1], default=("", 0))
     where = (f"its largest value is at {path or '<root>'!r} ({n:,} bytes encoded)" if n * 4 >= size else
              f"its largest value ({path or '<root>'!r}) takes only {n:,} bytes: the state tree holds many values")
     if len(_json(wire)) * 2 >= size:
@@ -133,19 +135,3 @@ def check_size(tree: Any, wire: list[Any], size: int | None = None) -> int:
                     f"{MAX_FRAME_BYTES:,}-byte limit of a message to the daemon; {where}. Save large data as "
                     "a tensor (a string s: torch.frombuffer(bytearray(s.encode()), dtype=torch.uint8)) or "
                     "in a file of its own, not as a JSON value")
-
-
-def _largest(node: Any, path: str) -> tuple[str, int]:
-    """The key path and encoded bytes of the largest scalar leaf under ``node``."""
-    if not isinstance(node, dict):
-        return path, leaf_bytes(node)
-    (tag, value), = node.items()
-    if tag == "T":
-        return path, 0
-    best = (path, 0)
-    for i, item in enumerate(value):
-        key, child = (item[0], item[1]) if tag == "d" else (i, item)
-        got = _largest(child, join_path(path, key))
-        if got[1] > best[1]:
-            best = got
-    return best
