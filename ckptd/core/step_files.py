@@ -13,16 +13,14 @@ import stat
 from collections.abc import Iterable
 
 from .names import (
-    HEAD_NAME,
     INDEX_NAME,
-    RANK_TABLE_NAME,
-    TENSORS_NAME,
     is_step_file,
     is_step_temp,
     parse_rank_file_name,
     rank_data_name,
     rank_manifest_name,
 )
+from .rank_table import SIDE_FILES
 from .storage import fsync_dir
 
 
@@ -61,9 +59,8 @@ def leftovers(step_path: str, world_size: int) -> list[str]:
         names = os.listdir(step_path)
     except FileNotFoundError:
         return []
-    side = (RANK_TABLE_NAME, TENSORS_NAME, HEAD_NAME)
     found = [os.path.join(step_path, n) for n in names
-             if n in side or ((r := parse_rank_file_name(n)) is not None and r >= world_size)]
+             if n in SIDE_FILES or ((r := parse_rank_file_name(n)) is not None and r >= world_size)]
     return sorted(found + stray_temps(step_path))
 
 

@@ -248,12 +248,9 @@ class Bucket:
 
     def get_if_exists(self, key: str, limit: int) -> bytes | None:
         """The object's bytes, None when there is none; over ``limit`` bytes: TooLarge."""
-        try:
-            size = self._ob.head(self.store, key)["size"]
-        except (self._ob.exceptions.NotFoundError, FileNotFoundError):
+        size = self._size_if_exists(key)
+        if size is None:
             return None
-        except Exception as e:
-            raise self._explain(e, f"head {key}") from None
         if size > limit:
             raise TooLarge(f"{key}: {size} bytes, over the {limit}-byte limit")
         try:
@@ -267,11 +264,14 @@ class Bucket:
         self._call(f"delete {key}", self._ob.delete, self.store, key)
 
     def exists(self, key: str) -> bool:
+        return self._size_if_exists(key) is not None
+
+    def _size_if_exists(self, key: str) -> int | None:
+        """The object's size (a HEAD), None when there is none."""
         try:
-            self._ob.head(self.store, key)
-            return True
+            return int(self._ob.head(self.store, key)["size"])
         except (self._ob.exceptions.NotFoundError, FileNotFoundError):    # obstore's head: the builtin
-            return False
+            return None
         except Exception as e:
             raise self._explain(e, f"head {key}") from None
 

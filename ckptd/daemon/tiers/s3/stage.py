@@ -22,7 +22,6 @@ import asyncio
 import json
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +32,7 @@ from ckptd.core.names import (
     INDEX_NAME,
     STAGED_NAME,
     job_dir,
+    parse_rank_file_name,
     rank_data_name,
     rank_manifest_name,
     step_dir,
@@ -46,7 +46,6 @@ from ckptd.daemon.tiers.s3.bucket import Bucket, BucketError, SizeMismatch
 from ckptd.daemon.tiers.s3.upload_jobs import in_thread
 
 log = logging.getLogger("ckptd")
-_RANK_FILE = re.compile(r"^rank-([0-9]{5,7})\.(data|json)\Z")     # names.rank_data_name, rank_manifest_name
 
 
 class CorruptInBucket(FormatError):
@@ -212,16 +211,13 @@ class Stager:
         new index exactly when that manifest is), and so do rank files beyond the index's world size."""
         world = index["world_size"]
         for entry in os.listdir(path):
-            found = _RANK_FILE.match(entry)
-            if found is None:
-                continue
-            rank = int(found.group(1))
-            if entry not in (rank_data_name(rank), rank_manifest_name(rank)):
+            rank = parse_rank_file_name(entry)
+            if rank is None or entry not in (rank_data_name(rank), rank_manifest_name(rank)):
                 continue                   # not a name ckptd gives (rank-0000003.json): not ours to judge
             if rank >= world:
                 remove_files([os.path.join(path, entry)])
                 continue
-            if found.group(2) != "json":
+            if entry != rank_manifest_name(rank):
                 continue
             manifest = os.path.join(path, entry)
             try:
