@@ -50,7 +50,6 @@ from .restore_check import Outcome, check_plain, saved_leaves
 MEMORY, PEER = "memory", "peer"
 log = logging.getLogger("ckptd_client")
 FETCH_TIMEOUT_S = 300.0       # a replacement node's daemon may first fetch the shard from a peer
-CORRUPT = "corrupt:"          # how a held copy failing its checksums is said (restore_from_memory asks again)
 TASK_BYTES = 64 << 20         # a restore thread's share of a tensor at a time
 SMALL_READS = 256 << 10       # reads this small on average: one thread (more contend for the GIL, see _read_all)
 
@@ -62,6 +61,10 @@ class MemoryUnavailable(Exception):
     def __init__(self, reason: str, pieces: bool = False) -> None:
         super().__init__(reason)
         self.pieces = pieces
+
+
+class CorruptCopy(MemoryUnavailable):
+    """A held copy's chunk failed its checksum: the daemon is asked once more, for a checked copy."""
 
 
 @dataclass(frozen=True)
@@ -86,8 +89,8 @@ def _read_into(held: HeldMap, t: TensorLayout, out: torch.Tensor, sums: tuple[st
         except ValueError as e:
             raise MemoryUnavailable(f"held shard: tensor {t.name!r}: {e}") from None
         if digest != sums[i]:
-            raise MemoryUnavailable(f"{CORRUPT} memory copy of tensor {t.name!r}: chunk {i} (bytes {start}..{end}) "
-                                    "fails its checksum")
+            raise CorruptCopy(f"corrupt: memory copy of tensor {t.name!r}: chunk {i} (bytes {start}..{end}) "
+                              "fails its checksum")
 
 
 def _read_all(held: HeldMap, reads: list[tuple[TensorLayout, torch.Tensor, tuple[str, ...], int, int]], chunk: int,
@@ -219,9 +222,7 @@ def restore_from_memory(socket_path: str, job: str, step: int, rank: int, world_
     corrupt copy of its own for a peer's (the bytes read so far are all written over)."""
     try:
         return _restore_once(socket_path, job, step, rank, world_size, state, threads, strict, False)
-    except MemoryUnavailable as e:
-        if not str(e).startswith(CORRUPT):
-            raise
+    except CorruptCopy as e:
         log.warning("ckptd: %s; asking the daemon for a checked copy", e)
         try:
             return _restore_once(socket_path, job, step, rank, world_size, state, threads, strict, True)
