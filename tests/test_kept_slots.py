@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from procfd import memfd_inodes
 
 import ckptd_client
 from ckptd.core.schema import TensorLayout
@@ -129,19 +130,6 @@ async def test_a_slot_the_trainer_cannot_spare_is_copied_and_released(tmp_path: 
         a.close()
     assert a.calls == ["released"]
 
-
-def memfd_inodes(pid: int) -> dict[int, str]:
-    """The memfds the process holds by inode (a mapping's descriptor copy counts once, and two
-    sessions' slots of the same name are told apart) and their names."""
-    out: dict[int, str] = {}
-    for link in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target, ino = os.readlink(link), os.stat(link).st_ino
-        except OSError:
-            continue
-        if target.startswith("/memfd:"):
-            out[ino] = target[len("/memfd:"):].split(" ")[0]
-    return out
 
 
 def memfds(pid: int) -> list[str]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from procfd import memfds_named
 
 import ckptd_client
 from ckptd.core import protocol
@@ -75,13 +76,9 @@ def test_sigkilled_trainer_restores_from_memory_reading_no_data(daemon, tmp):
 
 
 def _memfd_of(pid: int, name: str) -> Path:
-    for link in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            if os.readlink(link).startswith(f"/memfd:{name} "):
-                return link
-        except OSError:
-            continue
-    raise AssertionError(f"no memfd {name} in daemon {pid}")
+    links = memfds_named(pid, name)
+    assert links, f"no memfd {name} in daemon {pid}"
+    return links[0]
 
 
 @pytest.mark.parametrize("num_slots", [2, 1])

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import zygote
+from procfd import open_fds
 
 import ckptd_client
 from ckptd.daemon.settings.config import ConfigError, load_settings
@@ -202,11 +203,7 @@ def test_corrupt_parity_is_detected_never_served(group, daemon_factory):
     the rebuilt shard's checksums; the restore reads storage, bit-exact."""
     nodes, addrs, secret = group
     flipped = set()
-    for fd in Path(f"/proc/{nodes[0].pid}/fd").iterdir():
-        try:
-            target, inode = os.readlink(fd), os.stat(fd).st_ino
-        except OSError:
-            continue
+    for fd, target, inode in open_fds(nodes[0].pid):
         # stripe 0 holds rank 1's first piece, its parity on member 0 (the buffer's fd and its mapping's dup)
         if f"ckptd-parity-{JOB}-{STEP}-s0-" in target and inode not in flipped:
             with open(fd, "r+b") as f:

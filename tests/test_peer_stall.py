@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from procfd import memfds_named
 
 import ckptd_client
 
@@ -28,13 +29,7 @@ SHARD_MIB = 4
 
 def has_memfd(pid: int, name: str) -> bool:
     """Whether the daemon has a memfd of that name open (a replica it is receiving or holds)."""
-    for link in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            if os.readlink(link).startswith(f"/memfd:{name} "):
-                return True
-        except OSError:
-            continue
-    return False
+    return bool(memfds_named(pid, name))
 
 
 def peer_counts(sock: Path, peer: str) -> dict[str, int]:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from procfd import fd_targets, memfds_named, open_fds
 
 import ckptd_client
 from ckptd.launch import spawn_daemon
@@ -310,7 +311,6 @@ def test_a_corrupt_held_copy_of_its_own_gives_way_to_the_peers_replica(nodes, tm
     are gone; A holds an intact replica. The restore found the bad checksum and gave up on memory (storage:
     MissingData), and B served the same bad copy on every try. Now the client asks B again for a checked
     copy: B finds its own corrupt, drops it (counted), fetches A's replica, and the restore is bit-exact."""
-    import os
 
     import torch
     a, b, addrs, secret = nodes
@@ -318,9 +318,8 @@ def test_a_corrupt_held_copy_of_its_own_gives_way_to_the_peers_replica(nodes, tm
     ck = ckptd_client.Checkpointer("lc", socket=str(b.socket), num_slots=1)
     ck.save(6, state).wait(60)
     wait_for(lambda: any(s["step"] == 6 and s["replicated"] for s in held_steps(b.socket)), "B's step 6 replicated")
-    fds = [p for p in Path(f"/proc/{b.proc.pid}/fd").iterdir()
-           if os.readlink(p).startswith("/memfd:ckptd-mem-lc-6-r0 ")]
-    assert fds, [os.readlink(p) for p in Path(f"/proc/{b.proc.pid}/fd").iterdir()]     # (one memfd, maybe dup'ed)
+    fds = memfds_named(b.proc.pid, "ckptd-mem-lc-6-r0")
+    assert fds, fd_targets(b.proc.pid)           # (one memfd, maybe dup'ed)
     with open(fds[0], "r+b") as f:               # one bit of B's own copy flipped
         f.seek(4000)
         byte = f.read(1)
@@ -341,7 +340,6 @@ def test_a_corrupt_held_copy_read_as_pieces_gives_way_to_the_peers_replica(nodes
     replica. The chunk failing its checksum made the restore fail after the ranks had agreed to it (the
     state partly loaded). Now the shard is asked for again, checked by B (which drops its copy and
     fetches A's), the chunk read again from that, and the restore is bit-exact from the peer."""
-    import os
 
     import torch
     a, b, addrs, secret = nodes
@@ -349,10 +347,9 @@ def test_a_corrupt_held_copy_read_as_pieces_gives_way_to_the_peers_replica(nodes
     state: dict[str, Any] = {"w": w, "n": 3}
     ck = ckptd_client.Checkpointer("lp", socket=str(b.socket), num_slots=2)
     ck.save(7, state, level="memory").wait(60)
-    fd_dir = Path(f"/proc/{b.proc.pid}/fd")
     wait_for(lambda: any(s["step"] == 7 and s["replicated"] for s in held_steps(b.socket)), "B's step 7 replicated")
-    slots = {os.readlink(p): p for p in fd_dir.iterdir() if os.readlink(p).startswith("/memfd:ckptd-lp-r0-s")}
-    assert len(slots) == 2, sorted(os.readlink(p) for p in fd_dir.iterdir())   # the step is held in its slot
+    slots = {t: p for p, t, _ in open_fds(b.proc.pid) if t.startswith("/memfd:ckptd-lp-r0-s")}
+    assert len(slots) == 2, sorted(fd_targets(b.proc.pid))   # the step is held in its slot
     for fd in slots.values():                    # one bit of B's own copy flipped (and of the free slot)
         with open(fd, "r+b") as f:
             f.seek(4000)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from procfd import fd_targets
 
 import ckptd_client
 from ckptd.core import protocol
@@ -454,12 +455,7 @@ def test_slots_are_anonymous_memfds_never_in_dev_shm(daemon):
     ck = ckptd_client.Checkpointer("shm", socket=str(daemon.socket))
     ck.save(1, {"w": torch.randn(256, 256)}).wait(60)
     try:
-        links = []
-        for fd in os.listdir(f"/proc/{daemon.proc.pid}/fd"):
-            try:
-                links.append(os.readlink(f"/proc/{daemon.proc.pid}/fd/{fd}"))
-            except OSError:
-                pass
+        links = fd_targets(daemon.proc.pid)
         slots = [ln for ln in links if ln.startswith("/memfd:ckptd-shm-r0-")]
         assert len(slots) >= 1, links                 # the slots exist, as memfds ...
         assert all("(deleted)" in ln for ln in slots)  # ... with no name in any file system

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from procfd import fd_targets
 
 import ckptd_client
 from ckptd.daemon import shm
@@ -46,16 +47,6 @@ def huge_tmpfs(tmp: Path) -> Iterator[Path]:
 def small_tmpfs(tmp: Path) -> Iterator[Path]:
     """An 8 MiB tmpfs, mode 0700."""
     yield from mounted_tmpfs(tmp / "small-shm", "size=8m,mode=0700")
-
-
-def fd_targets(pid: int) -> list[str]:
-    out = []
-    for link in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            out.append(os.readlink(link))
-        except OSError:
-            continue
-    return out
 
 
 def pmd_mapped_kib(pid: int) -> int:
