@@ -22,10 +22,10 @@ Codecs:
   shrink.
 Any segment that does not shrink below ``RAW_IF_ABOVE`` of its size is stored raw.
 
-Speed: the byte planes are split and merged with whole-array shifts and narrowing or
-widening casts (contiguous, vectorized numpy loops) instead of a strided (n, k) → (k, n)
-transpose, decoding writes straight into the caller's buffer, and the temporaries are
-per-thread scratch arrays reused across chunks. The zstd frames dominate what is left.
+Speed: the byte planes are split with whole-array shifts and narrowing casts (contiguous,
+vectorized numpy loops) instead of a strided (n, k) → (k, n) transpose; decoding copies each
+plane into its byte of the caller's buffer (a strided copy per plane) and rotates the words
+there; the temporaries are per-thread scratch arrays reused across chunks.
 """
 from __future__ import annotations
 
@@ -243,32 +243,26 @@ def _split_planes(raw: memoryview, itemsize: int) -> np.ndarray:
 
 
 def _merge_planes(planes: list[Any], itemsize: int, out: memoryview) -> None:
-    """Inverse of ``_split_planes``: interleave the planes, rotate right by one, into ``out``."""
+    """Inverse of ``_split_planes``: the words assembled in ``out``, then rotated right by one bit in place.
+    Two planes are widened and shifted into the words; four or eight are each copied into their byte of
+    every word (a strided byte copy, one pass per plane): each the faster way for its item size (the strided
+    copy: 1.3x the widening way at four, 1.7x at eight; measured alternating on 4 MiB chunks)."""
     ut = _UINT[itemsize]
-    rot = _interleave([np.frombuffer(p, dtype=np.uint8) for p in planes], 0)
-    target = np.frombuffer(out, dtype=ut)
-    np.right_shift(rot, ut.type(1), out=target)
-    np.left_shift(rot, ut.type(itemsize * 8 - 1), out=rot)
-    np.bitwise_or(target, rot, out=target)
-
-
-def _interleave(planes: list[np.ndarray], first: int) -> np.ndarray:
-    """Words whose byte ``i`` is ``planes[i]``, built pairwise (bytes → 2-byte → 4-byte words):
-    plain widening copies and in-place shifts run several times faster in numpy than a
-    strided transpose or a shift that widens on the fly. ``first`` keys the scratch arrays."""
-    if len(planes) == 1:
-        return planes[0]
-    half = len(planes) // 2
-    lo = _interleave(planes[:half], first)
-    hi = _interleave(planes[half:], first + half)
-    wt = _UINT[len(planes)]
-    acc = _scratch(f"acc{first}", wt, len(lo))
-    tmp = _scratch("tmp", wt, len(lo))
-    np.copyto(acc, lo)
-    np.copyto(tmp, hi)
-    np.left_shift(tmp, wt.type(8 * half), out=tmp)
-    np.bitwise_or(acc, tmp, out=acc)
-    return acc
+    words = np.frombuffer(out, dtype=ut)
+    n = len(words)
+    low = _scratch("a", ut, n)
+    if itemsize == 2:
+        np.copyto(words, np.frombuffer(planes[0], dtype=np.uint8))
+        np.copyto(low, np.frombuffer(planes[1], dtype=np.uint8))
+        np.left_shift(low, ut.type(8), out=low)
+        np.bitwise_or(words, low, out=words)
+    else:
+        as_bytes = words.view(np.uint8).reshape(n, itemsize)
+        for i, plane in enumerate(planes):
+            as_bytes[:, i] = np.frombuffer(plane, dtype=np.uint8)
+    np.right_shift(words, ut.type(1), out=low)
+    np.left_shift(words, ut.type(itemsize * 8 - 1), out=words)
+    np.bitwise_or(words, low, out=words)
 
 
 # ---- chunks -------------------------------------------------------------------------
