@@ -21,7 +21,7 @@ from .connection import DaemonConnection, daemon_root
 from .disk import committed_on_disk
 from .dist import dist_info
 from .errors import CheckpointError, NotDelivered, refuse_closed
-from .handle import CloseReport, SaveHandle, wait_all, wait_each
+from .handle import CloseReport, SaveHandle, await_rank0, wait_all, wait_each
 from .handoff import hand_over
 from .memory_level import is_held_step, newest_held_step, restore_held
 from .modes import WhenBusy, parse_level, parse_when_busy, resolve_commit_mode
@@ -143,9 +143,7 @@ class Checkpointer:
             if h.durable_s is None and (relay := self._relays.get(h.level)) is not None:
                 relay.publish(h.step, RankOutcome.failed(reason))
             if h.durable_s is None or self.commit_mode is CommitMode.LOCAL:
-                # The daemon may have committed just before it went away: the index decides.
-                committed = h.durable_s is not None and self._on_disk(h.step, h)
-                self._finish(h, None if committed else reason)
+                self._finish(h, reason)     # (committed just before the daemon went away? _finish asks the disk)
 
     def _finish(self, h: SaveHandle, error: str | None) -> None:
         """Settle a handle. A failure reported after this rank's shard was durable (a lost daemon or peer rank, a
@@ -363,10 +361,10 @@ class Checkpointer:
 
     def close(self, timeout: float | None = None) -> CloseReport:
         """Wait for every save in flight, each to its own outcome, within ``timeout`` seconds in all;
-        then disconnect. Returns a :class:`CloseReport` (failures are also logged, not raised).
-        A save still open then is withdrawn (local commit: it cannot commit after its handle said failed);
-        one already committing is waited for (``commit_timeout``). The rest are settled by the disk:
-        committed if its index.json exists, else failed; no handle is left unresolved."""
+        then disconnect. Returns a :class:`CloseReport` (failures are also logged, not raised). A save
+        still open then is withdrawn (local commit: it cannot commit after its handle said failed); one
+        committing, or with relay commit durable on this rank, is waited for (bounded: ``commit_timeout``;
+        ``handle.await_rank0``). The rest are settled by the disk: committed if its index.json exists."""
         if self._closed:
             return CloseReport()
         self.fence()
@@ -375,6 +373,8 @@ class Checkpointer:
         wait_all(handles, timeout)
         if self._handles and self.commit_mode is CommitMode.LOCAL:
             self._session.withdraw(list(self._handles.values()), f"close timeout {timeout}s", self.commit_timeout)
+        elif durable := [h for h in self._handles.values() if h.durable_s is not None]:
+            await_rank0(durable, self.commit_timeout)   # relay: no longer this rank's to withdraw
         self._closed = True
         for relay in self._relays.values():
             relay.close()

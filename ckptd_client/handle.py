@@ -1,6 +1,7 @@
 """``SaveHandle``: what ``Checkpointer.save`` returns, resolved later by the daemon's events."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -8,6 +9,8 @@ from dataclasses import dataclass
 from ckptd.core.protocol import SaveLevel
 
 from .errors import CheckpointError
+
+log = logging.getLogger("ckptd_client")
 
 
 class SaveHandle:
@@ -107,6 +110,16 @@ class CloseReport:
         return CloseReport(tuple(h.step for h in done if h.committed),
                            tuple((h.step, h.error or "") for h in done if h.error is not None),
                            tuple(h.step for h in done if h.skipped))
+
+
+def await_rank0(handles: list[SaveHandle], commit_timeout: float) -> None:
+    """Relay commit, at close: these saves' shards are durable on this rank, so their outcomes are out of
+    its hands (in a node record, or in rank 0's commit): settling them "failed" now could contradict an
+    index.json rank 0 writes later. Wait for rank 0's decision instead; the relay resolves each within
+    2 ``commit_timeout`` (+5 s) of its start (relay.py), which bounds this wait too."""
+    log.info("ckptd: close waits for rank 0's decision on step(s) %s (this rank's shards are durable; at most "
+             "%gs)", ", ".join(str(h.step) for h in handles), 2 * commit_timeout + 10)
+    wait_all(handles, 2 * commit_timeout + 10)
 
 
 def wait_all(handles: list[SaveHandle], timeout: float | None) -> None:
