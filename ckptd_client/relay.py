@@ -335,7 +335,8 @@ class StoreRelay:
         """Publish the result (best effort: without a store the followers settle by the disk), then
         hand this step's other keys to the deleting thread (the result is its readers' to delete)."""
         try:
-            self._own.set(store_keys.save_result(scope, s.step), result.encode())
+            if self.world_size > 1:         # (alone, no rank reads it, so none would delete it)
+                self._own.set(store_keys.save_result(scope, s.step), result.encode())
         except Exception:
             return
         self._trash.put([store_keys.node_record(scope, s.step, n) for n in range(self.nodes)])
@@ -373,8 +374,8 @@ class StoreRelay:
         self._closed = True
         self._stop.set()
         self._queue.put(None)
-        self._trash.put(None)
         self._thread.join(timeout=WAIT_SLICE_S + 5)
+        self._trash.put(None)           # after the relay thread: the keys of a step it just settled go too
         self._trash_thread.join(timeout=5)
         atexit.unregister(self.close)
 
