@@ -115,13 +115,18 @@ class OverlapCopies:
         pool.submit(_hand_off, copy, send, failed)
 
     def fence(self) -> SaveHandle | None:
-        """Wait for the unfenced copy, if any; return its handle with the wait added to fence_s."""
-        inflight, self.inflight = self.inflight, None
+        """Wait for the unfenced copy, if any; return its handle with the wait added to fence_s. The copy
+        stays unfenced until its wait returns: a wait interrupted (Ctrl-C caught, and training went on)
+        leaves the next fence — the optimizer's hook, ``save``, ``close`` — to wait for it, so the state
+        is not changed under a copy still reading it."""
+        inflight = self.inflight
         if inflight is None:
             return None
         handle, copy = inflight
         t0 = time.perf_counter()
         copy.fence()
+        if self.inflight is inflight:
+            self.inflight = None
         handle.fence_s += time.perf_counter() - t0
         return handle
 

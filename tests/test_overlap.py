@@ -164,3 +164,57 @@ def test_a_new_optimizer_at_a_freed_ones_address_still_fences_the_copy(daemon):
             seen.add(id(opt))
             del opt
     assert reused, "no optimizer got a freed one's address: the case is not exercised"
+
+
+def test_a_fence_interrupted_by_ctrl_c_still_holds_the_next_step(daemon):
+    """A SIGINT (Ctrl-C, a notebook's interrupt) lands while the optimizer's pre-hook waits for an
+    overlapped copy; the KeyboardInterrupt is caught and the user runs the step again. The interrupted
+    fence had forgotten the copy, so the second step changed parameters the copy had still to read: a
+    committed step holding values from after save(). The copy stays unfenced until its wait returns."""
+    import signal
+    import sys
+    import time
+
+    model, opt, step = make_training(width=4096)      # ~200 MiB of state: the copy outlasts the signal
+    ck = ckptd_client.Checkpointer("intr", socket=str(daemon.socket))
+    state = {"model": model, "optim": opt}
+    ck.save(1, state).wait(60)                        # slots sized, the plan cached
+    step()
+    want = snapshot(model, opt)
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def in_fence() -> bool:
+        frame = sys._current_frames().get(main)
+        while frame is not None:
+            if frame.f_code.co_name == "fence" and frame.f_code.co_filename.endswith("slots.py"):
+                return True
+            frame = frame.f_back
+        return False
+
+    seen: list[bool] = []
+
+    def interrupt() -> None:
+        deadline = time.monotonic() + 30
+        while not in_fence() and time.monotonic() < deadline:
+            time.sleep(0.0001)
+        if in_fence():
+            seen.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    h = ck.save(2, state)                             # overlapped: the copy runs on its thread ...
+    killer = threading.Thread(target=interrupt)
+    killer.start()
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()                                    # ... and the step's pre-hook waits for it: SIGINT there
+    killer.join(30)
+    assert seen == [True]
+    opt.step()                                        # run again: the hook must wait for the copy first
+    h.wait(60)
+    model2, opt2, _ = make_training(width=4096)
+    reader = ckptd_client.Checkpointer("intr", root=str(daemon.root), memory=False, prepare=False)
+    got = restored(reader, model2, opt2)
+    reader.close()
+    ck.close()
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
