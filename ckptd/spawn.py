@@ -23,7 +23,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptd.core import protocol
@@ -43,6 +43,7 @@ class DaemonProcess:
     log: Path
     proc: subprocess.Popen
     private_dir: Path | None = None     # a temporary directory of its own (spawn_private), removed by close()
+    owner_pid: int = field(default_factory=os.getpid)   # the process that started it (a fork's close: no-op)
 
     @property
     def pid(self) -> int:
@@ -60,7 +61,10 @@ class DaemonProcess:
         return self.proc.wait(timeout=60)
 
     def close(self, timeout: float = 60.0) -> int:
-        """``stop(timeout)``, then remove the private directory (its socket and log) if it has one."""
+        """``stop(timeout)``, then remove the private directory (its socket and log) if it has one. In a
+        forked child of the process that started it, nothing: the daemon and its directory are the parent's."""
+        if os.getpid() != self.owner_pid:
+            return 0
         try:
             return self.stop(timeout)
         finally:

@@ -15,6 +15,7 @@ from ckptd.core.reader import latest_committed
 from ckptd.core.relay_record import RankOutcome
 
 from .agreement import RestoreAgreements
+from .api_guard import ApiGuard, guarded
 from .bucket_restore import BucketStaging
 from .config import CheckpointerConfig, join_window, with_keywords
 from .connection import DaemonConnection, daemon_root
@@ -60,6 +61,7 @@ class Checkpointer:
                  restore_threads: int | None = None, overlap: bool | str | None = None,
                  when_busy: WhenBusy | str | None = None, memory: bool | None = None,
                  local_world_size: int | None = None, spawn: bool | None = None, prepare: bool | None = None) -> None:
+        self.guard = ApiGuard()     # one call at a time, in this process only (api_guard.py)
         self.config = c = with_keywords(config, socket=socket, root=root, rank=rank, world_size=world_size,
                                         store=store, num_slots=num_slots, commit=commit, commit_timeout=commit_timeout,
                                         join_timeout=join_timeout, restore_threads=restore_threads, overlap=overlap,
@@ -81,8 +83,7 @@ class Checkpointer:
             if self.store is not None and (self.world_size > 1 or self.commit_mode is CommitMode.RELAY) else None
         # Ranks per node (one daemon each, sharing its CPUs): the relay's fan-in groups (relay.py), 8 if unknown.
         known = c.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-        self.local_world_size = known or 8
-        self.num_slots = c.num_slots
+        self.local_world_size, self.num_slots = known or 8, c.num_slots
         self.restore_threads = c.restore_threads or max(1, len(os.sched_getaffinity(0)) // (known or 1))
         self.overlap, self.when_busy = parse_overlap(c.overlap), parse_when_busy(c.when_busy)
         self.daemon: OwnDaemon | None = None          # spawn=True: this process's own daemon (own_daemon.py)
@@ -98,11 +99,10 @@ class Checkpointer:
         self._copies = OverlapCopies(self.fence)
         self.plans = PlanCache()                      # the last save's plan, while the structure holds
         self._handles: dict[int, SaveHandle] = {}      # step → handle (one save per step in flight)
-        self._seq = 0
         self._agreements = RestoreAgreements(self.store, self.run_scope, self.rank, self.world_size,
                                              self.commit_timeout, self._lines)
         self._relays: dict[SaveLevel, StoreRelay] = {}     # relay commit: one per level (its own keys)
-        self._closed = False
+        self._seq, self._closed = 0, False
         self.memory = c.memory                         # restore asks the daemon's memory tier first
         self.last_restore: RestoreInfo | None = None   # the source (memory, peer, storage) of the last restore
 
@@ -161,6 +161,7 @@ class Checkpointer:
 
     # ---- saving ------------------------------------------------------------
 
+    @guarded()
     def prepare(self, state: dict[str, Any]) -> None:
         """Connect and allocate slots sized for ``state`` now, so the first save pays no set-up. Call it once
         the state has its full size (after the first optimizer step: Adam's moments) or a larger first save
@@ -169,6 +170,7 @@ class Checkpointer:
         self.fence()
         self._ensure_slots(self.plans.plan(state).nbytes)
 
+    @guarded()
     def save(self, step: int, state: dict[str, Any], *, overlap: bool | str | None = None,
              when_busy: WhenBusy | str | None = None, fence_on: Optimizer | Sequence[Optimizer] | None = None,
              level: SaveLevel | str = SaveLevel.STORAGE) -> SaveHandle:
@@ -255,7 +257,7 @@ class Checkpointer:
         """Wait until the state may be mutated (only an overlapped save's copy can be pending)."""
         done = self._copies.fence()
         if done is not None:     # the metrics report goes from the copy thread, after that save's hand-off
-            self._copies.pool().submit(self._session.report, done.step, done.stall_s, done.fence_s)
+            self._copies.after_copies(self._session.report, done.step, done.stall_s, done.fence_s)
 
     def fail(self, step: int, reason: str, level: SaveLevel | str = SaveLevel.STORAGE) -> None:
         """This rank's save of ``step`` failed before reaching the daemon: every rank's fails now (relay commit)."""
@@ -300,26 +302,23 @@ class Checkpointer:
         info = latest_committed(job_dir(self.resolve_root(), self.job))
         return info.step if info else None
 
+    @guarded()
     def restore(self, state: dict[str, Any], step: int | None = None, *, per_rank: PerRank = None,
                 strict: bool = True) -> int | None:
         """Load the newest committed step (or ``step``) into ``state`` in place; returns it (None: there is none).
 
-        The live ``state`` says what to read, whatever the saved layout was (README, "Restore"): each tensor is
-        found in the step's tensor map by its key path; a DTensor gets the region its local shard holds, a plain
-        tensor the whole tensor, assembled from whichever saved pieces overlap it, reading only the chunks it
-        touches. So a step restores at another world size or mesh. ``strict`` (default): an entry of ``state``
+        The live ``state`` says what to read, whatever the saved layout was (README, "Restore"): a DTensor gets
+        the region its local shard holds, a plain tensor the whole tensor, assembled from whichever saved pieces
+        overlap it, so a step restores at another world size or mesh. ``strict`` (default): an entry of ``state``
         the step lacks is a CheckpointError naming every one; ``strict=False`` leaves them and lists them in
         ``last_restore.missing``. Everything is checked before anything is written; nothing is unpickled.
         Models and optimizers load through ``set_model_state_dict``/``set_optimizer_state_dict``; RNG state last.
-
         ``per_rank``, at another world size, for entries that differed between saved ranks (loader positions,
         RNG): ``"fresh"``, ``"rank0"``, ``"same-rank"`` or ``(rank, saved_world, world) -> saved rank | None``.
 
-        Sources (sources.py), in order: a newer memory-level step every rank can read from the daemons' memory;
-        the daemon's memory (held shards, this node's or a peer's); the files under the root (staged from the
-        bucket first by a daemon with one); every rank's files staged. ``last_restore`` says which served, why
-        each before it could not, and the bytes from each. With more than one rank, every rank calls it (the
-        step is agreed through the store); rank 0's returns once every rank has read the agreement."""
+        Sources, in order (sources.py): a newer memory-level step every rank can read from memory; the daemons'
+        memory; the files under the root (staged from the bucket first); ``last_restore`` says which served, why
+        each before it could not, and the bytes from each. With more than one rank, every rank calls it."""
         refuse_closed(self._closed, "restore")
         self.fence()
         try:
@@ -359,6 +358,7 @@ class Checkpointer:
 
     # ---- lifetime ----------------------------------------------------------
 
+    @guarded(in_child=CloseReport)
     def close(self, timeout: float | None = None) -> CloseReport:
         """Wait for every save in flight, each to its own outcome, within ``timeout`` seconds in all;
         then disconnect. Returns a :class:`CloseReport` (failures are also logged, not raised). A save

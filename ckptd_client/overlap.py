@@ -75,6 +75,14 @@ class OverlapCopies:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-client-copy", initializer=_batch)
         return self._pool
 
+    def after_copies(self, fn: Callable[..., object], *args: object) -> None:
+        """``fn(*args)`` on the copy thread, after the copies and hand-offs queued there; here, at once,
+        once the interpreter's exit has shut that thread down (its queue ran out first)."""
+        try:
+            self.pool().submit(fn, *args)
+        except RuntimeError:            # "cannot schedule new futures after interpreter shutdown"
+            fn(*args)
+
     @staticmethod
     def deferred(flat: FlatState, overlap: bool | str) -> frozenset[int]:
         """The tensors ``snapshot`` leaves to the copy thread: with ``overlap=True`` the deferrable

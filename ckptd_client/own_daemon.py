@@ -14,6 +14,8 @@ from typing import Any
 
 from ckptd.spawn import DaemonProcess, spawn_private
 
+from .api_guard import ProcessOwner
+
 log = logging.getLogger("ckptd_client")
 
 STOP_TIMEOUT = 30.0    # seconds the daemon gets to exit after SIGTERM once every save has settled
@@ -27,8 +29,11 @@ class OwnDaemon:
         self.socket = str(self.process.socket)
         self.stopped = self.exiting = False
         owner_ref = weakref.ref(owner)      # atexit must not keep a dropped Checkpointer alive
+        here = ProcessOwner()               # a forked child's exit leaves the parent's daemon alone
 
         def at_exit() -> None:
+            if not here.here():
+                return
             self.exiting = True             # stop() must not unregister the callback that is running
             alive = owner_ref()
             try:

@@ -50,6 +50,7 @@ from ckptd.core.gc_pause import gc_paused
 from ckptd.core.relay_record import NodeRecord, RankOutcome, StepResult, commit_inputs
 
 from . import store_keys
+from .api_guard import ProcessOwner
 from .errors import CheckpointError, NoReply
 from .store_io import CHUNK, WAIT_SLICE_S, CloneShelf, StoreWaiter, multi_get, read_once
 
@@ -113,6 +114,7 @@ class StoreRelay:
         self._trash_thread = threading.Thread(target=self._delete_keys, name="ckptd-client-relay-gc", daemon=True)
         self._trash_thread.start()
         atexit.register(self.close)     # a relay left open must not be inside a store call at exit
+        self._owner = ProcessOwner()    # (a forked child's exit must not publish on the parent's store)
 
     def members(self, node: int) -> range:
         return range(node * self.node_size, min((node + 1) * self.node_size, self.world_size))
@@ -361,8 +363,8 @@ class StoreRelay:
         """Stop: a wait in progress ends within ``WAIT_SLICE_S`` (its save, already resolved by the
         daemon when the Checkpointer closes, is settled by what the store or the disk says). The
         threads are waited for, so that none uses the job's store after this returns (the caller may
-        be waiting on it: one connection is not for two threads at once)."""
-        if self._closed:
+        be waiting on it: one connection is not for two threads at once). Nothing in a forked child."""
+        if self._closed or not self._owner.here():
             return
         with self._lock:
             open_saves = [s.step for s in self._saves.values() if not s.published.is_set()]
