@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -46,6 +45,7 @@ from .live_state import fqn_keyed, live_tensors, tree_items
 from .reshard import DTYPES, decodable_into, tensor_bytes
 from .restore import apply_loaded
 from .restore_check import Outcome, check_plain, saved_leaves
+from .restore_threads import RestoreThreads
 
 MEMORY, PEER = "memory", "peer"
 log = logging.getLogger("ckptd_client")
@@ -97,31 +97,28 @@ def _read_all(held: HeldMap, reads: list[tuple[TensorLayout, torch.Tensor, tuple
               threads: int) -> None:
     """Every ``_read_into`` of ``reads``: on ``threads`` restore threads, or in this one when it is 1.
     Each thread takes the next read from one shared list until none is left (a task per read cost a
-    future and a hand-off each: ~4 ms of 13 for 108 MiB in 96 tensors); the first error stops them all.
+    future and a hand-off each: ~4 ms of 13 for 108 MiB in 96 tensors); the first error stops them all,
+    and so does this thread raising (``restore_threads``: a KeyboardInterrupt too; none writes after).
     Reads of ``SMALL_READS`` or less on average run on this thread alone: each releases the GIL for a
     short ``preadv`` and waits to get it back, so two threads took 85 ms where one took 47 (30 MiB in
     2,048 tensors; 21 against 16 ms at 256 tensors; 6 against 9 ms at 80)."""
     if threads > 1 and sum(min(last * chunk, t.nbytes) - first * chunk for t, _, _, first, last in reads) \
             <= SMALL_READS * len(reads):
         threads = 1
-    if threads <= 1:
-        for t, out, sums, first, last in reads:
-            _read_into(held, t, out, sums, chunk, first, last)
-        return
     todo = iter(reads)              # (a list iterator hands each item to one thread: its next() holds the GIL)
     failed: list[BaseException] = []
+    with RestoreThreads(threads, "ckptd-memrestore") as pool:     # one thread: ``work`` runs here
 
-    def work() -> None:
-        for t, out, sums, first, last in todo:
-            if failed:
-                return
-            try:
-                _read_into(held, t, out, sums, chunk, first, last)
-            except BaseException as e:
-                failed.append(e)
-                return
-    with ThreadPoolExecutor(threads, thread_name_prefix="ckptd-memrestore") as pool:
-        for f in [pool.submit(work) for _ in range(min(threads, len(reads)))]:
+        def work() -> None:
+            for t, out, sums, first, last in todo:
+                if failed or pool.stopping:
+                    return
+                try:
+                    _read_into(held, t, out, sums, chunk, first, last)
+                except BaseException as e:
+                    failed.append(e)
+                    return
+        for f in [pool.submit(work) for _ in range(min(max(1, threads), len(reads)))]:
             f.result()
     if failed:
         raise failed[0]

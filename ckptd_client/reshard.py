@@ -6,7 +6,8 @@ its tensor and, for every non-empty intersection, reads that piece's rank manife
 load, digest-checked by ``StepReader``) and only the chunks of the piece's entry covering the
 bytes the intersection touches (``regions.row_span``: a slice along the first dimension costs
 its own bytes, a slice along a later one every row it crosses). Chunks are read, checksum-verified
-and decoded in parallel on a thread pool.
+and decoded in parallel on the restore threads (``restore_threads``: none of them writes into the
+destination once the read has raised, a KeyboardInterrupt included).
 
 Where the intersection is contiguous both in the piece and in the destination (a rank reading
 its own shard back, a ``Shard(0)`` tensor split at another world size, a whole plain tensor)
@@ -19,7 +20,6 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from ckptd.core.schema import DTYPE_ITEMSIZE, TensorEntry
 
 from .errors import CheckpointError
 from .load_files import StepFiles
+from .restore_threads import RestoreThreads
 
 STAGING_BYTES = 256 * 1024 * 1024       # decoded bytes waiting for a strided copy, at most (one read may exceed it)
 BATCH = 4 << 20                         # small whole chunks read in one restore task, about this many bytes
@@ -196,8 +197,7 @@ class _Runner:
     def __init__(self, files: StepFiles, threads: int, budget: int) -> None:
         self.files = files
         self.budget = budget
-        self.pool: ThreadPoolExecutor | _Inline = _Inline() if threads <= 1 else \
-            ThreadPoolExecutor(threads, thread_name_prefix="ckptd-restore")
+        self.pool = RestoreThreads(threads, "ckptd-restore")     # one thread: each read runs as it is submitted
         self.cond = threading.Condition()
         self.staged = 0
         self.error: BaseException | None = None
@@ -211,14 +211,12 @@ class _Runner:
             if id(r.need) not in self.flat:
                 u8 = r.need.out.detach().reshape(-1).view(torch.uint8)
                 self.flat[id(r.need)] = u8, memoryview(u8.numpy())  # type: ignore[arg-type]
-        try:
+        with self.pool:          # raising (a KeyboardInterrupt too): the chunks stop, none written after
             for r in reads:
                 if self.error is not None:
                     break
                 self._submit(r)
             self._flush()
-        finally:
-            self.pool.shutdown(wait=True)
         if self.error is not None:
             raise self.error
 
@@ -279,7 +277,7 @@ class _Runner:
     def _chunk(self, job: _Job, r: _Read, file_pos: int, meta: ChunkMeta, dst: memoryview | None,
                partial: tuple[memoryview, int] | None) -> None:
         try:
-            if self.error is None:
+            if self.error is None and not self.pool.stopping:
                 if dst is not None:
                     self.files.read_chunk(r.rank, r.entry, file_pos, meta, dst)
                 elif partial is not None:
@@ -299,7 +297,7 @@ class _Runner:
         if not last:
             return
         try:
-            if job.finish is not None and job.ok and self.error is None:
+            if job.finish is not None and job.ok and self.error is None and not self.pool.stopping:
                 job.finish()
         except BaseException as e:
             with self.cond:
@@ -309,17 +307,6 @@ class _Runner:
             with self.cond:
                 self.staged -= job.staged
                 self.cond.notify_all()
-
-
-class _Inline:
-    """One restore thread: each read runs in the restoring thread itself as it is submitted (no pool
-    to hand it to; the staging budget is free again before the next is planned)."""
-
-    def submit(self, fn: Callable[..., None], *args: Any) -> None:
-        fn(*args)
-
-    def shutdown(self, wait: bool = True) -> None:
-        pass
 
 
 def read_needs(files: StepFiles, needs: Sequence[Need], threads: int, staging_bytes: int = STAGING_BYTES,

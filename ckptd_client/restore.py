@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -51,6 +51,7 @@ from .load_files import ReadAt, StepFiles
 from .read_stats import HeldShards, ReadStats
 from .reshard import DTYPES, Need, decodable_into, read_needs, tensor_bytes
 from .restore_check import Check, Outcome, check_plain, saved_leaves
+from .restore_threads import RestoreThreads
 from .state import RNGState, apply_state
 
 FRESH, RANK0, SAME_RANK = "fresh", "rank0", "same-rank"
@@ -76,7 +77,8 @@ def load_shard(files: StepFiles, manifest: Manifest, rank: int, threads: int,
 
     ``targets``: tensors of the live state by name; a CPU, contiguous one of the saved dtype and
     shape is decoded into directly (already-touched memory, no second copy) — fresh memory
-    would cost a page fault per 4 KiB, which dominates decoding on large states."""
+    would cost a page fault per 4 KiB, which dominates decoding on large states. A chunk per task on
+    the restore threads (``restore_threads``: raising, none is decoded into ``targets`` after)."""
     reader, step_path = files.reader, files.path
     tensors: dict[str, torch.Tensor] = {}
     try:
@@ -84,7 +86,7 @@ def load_shard(files: StepFiles, manifest: Manifest, rank: int, threads: int,
     except FormatError as e:
         raise CheckpointError(f"cannot restore from {step_path}: {e}") from None
     try:
-        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptd-restore") as pool:
+        with RestoreThreads(threads, "ckptd-restore") as pool:
             futures: list[Future[None]] = []
             for entry in manifest.tensors:
                 live = (targets or {}).get(entry.name)
