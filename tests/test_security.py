@@ -354,6 +354,15 @@ def test_a_client_stalled_inside_a_frame_is_disconnected_and_an_idle_one_is_not(
         assert reply["op"] == "error" and reply.get("fatal") and "did not arrive within 1 s" in reply["reason"]
         assert stalled.recv(1) == b""                  # and the connection is closed
         assert "stalled inside a frame" in d.log_text()
+        torn = protocol.connect(str(d.socket))         # stalled inside a header (3 of its 8 bytes): the same
+        try:
+            torn.settimeout(60)
+            torn.sendall(protocol.HEADER.pack(protocol.MAGIC, protocol.PROTOCOL_VERSION, 100)[:3])
+            reply = protocol.FrameReceiver(torn).read()
+            assert reply["op"] == "error" and reply.get("fatal") and "did not arrive within 1 s" in reply["reason"]
+            assert torn.recv(1) == b""
+        finally:
+            torn.close()
         idle.settimeout(60)                            # idle between frames for longer than the deadline: served
         protocol.send_frame(idle, {"op": "status", "req": 1})
         assert _reply(idle_rx, 1)["op"] == "ok"

@@ -110,17 +110,20 @@ class FrameReceiver:
         return taken
 
 
-async def recv_exact_async(loop: Any, sock: socket.socket, n: int, timeout: float | None = None) -> bytes | None:
+async def recv_exact_async(loop: Any, sock: socket.socket, n: int, timeout: float | None = None, *,
+                           idle_first: bool = False) -> bytes | None:
     """Exactly ``n`` bytes from a non-blocking socket; None at an end of stream before the first.
 
     The buffer grows as bytes arrive (from RECV_STEP, doubling), never ahead of them: a header
     alone claiming 16 MiB costs the reader 64 KiB, not 16 MiB. Bytes already here are taken
     without a wait (a small frame arrives whole). ``timeout``: all ``n`` must be here within it,
-    else ProtocolError, so a peer stalled inside a frame keeps neither a buffer nor the reader."""
+    else ProtocolError, so a peer stalled inside a frame keeps neither a buffer nor the reader;
+    ``idle_first``: the wait for the first byte is not bounded, the rest is (a header: a connection
+    may idle between frames, not inside one)."""
     buf = bytearray(min(n, RECV_STEP))
     view = memoryview(buf)
     got = 0
-    deadline = None if timeout is None else loop.time() + timeout
+    deadline = None if timeout is None or idle_first else loop.time() + timeout
     while got < n:
         if got == len(buf):              # a new buffer, not a resize: a cancelled read may still hold a view
             bigger = bytearray(min(n, 2 * len(buf)))
@@ -135,13 +138,16 @@ async def recv_exact_async(loop: Any, sock: socket.socket, n: int, timeout: floa
                 try:
                     k = await asyncio.wait_for(loop.sock_recv_into(sock, view[got:]), deadline - loop.time())
                 except asyncio.TimeoutError:
-                    raise ProtocolError(f"{n - got} of a frame's {n} bytes did not arrive within {timeout:g} s "
-                                        "of its header (a peer stalled inside a frame)") from None
+                    raise ProtocolError(f"{n - got} of {n} bytes did not arrive within {timeout:g} s of "
+                                        f"{'their first' if idle_first else 'the header'} (a peer stalled inside a "
+                                        "frame)") from None
         if k == 0:
             if got:
                 raise ProtocolError("connection closed inside a frame")
             return None
         got += k
+        if deadline is None and timeout is not None:     # (idle_first: the first bytes are here)
+            deadline = loop.time() + timeout
     return bytes(buf)
 
 

@@ -97,7 +97,7 @@ class Session:
                  frame_timeout: float = protocol.FRAME_TIMEOUT_S) -> None:
         self.sock = sock
         self.peer = peer
-        self.frame_timeout = frame_timeout     # a request's body must follow its header within this
+        self.frame_timeout = frame_timeout     # a frame, once its first byte is here, must arrive within this
         self.job: str | None = None
         self.rank = -1
         self.world_size = 0
@@ -236,7 +236,8 @@ class Session:
 
     async def _read(self, loop: asyncio.AbstractEventLoop) -> dict[str, Any] | None:
         """The next frame, or None at the end of the stream or once the session is closed."""
-        header = await protocol.recv_exact_async(loop, self.sock, protocol.HEADER.size)
+        header = await protocol.recv_exact_async(loop, self.sock, protocol.HEADER.size, self.frame_timeout,
+                                                 idle_first=True)   # (idle between frames, not inside one)
         if header is None or self.closed:
             return None
         length = protocol.parse_header(header)
