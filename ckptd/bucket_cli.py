@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -67,6 +68,25 @@ def remove_above(s3: S3Settings, jobs: list[str], above: int, dry_run: bool) -> 
     except BucketError as e:
         errors.append(str(e))
     return done, errors
+
+
+def sweep_above(s3: S3Settings, jobs: list[str], above: int, passes: int = 3,
+                pause: float = 0.5) -> tuple[list[str], list[str]]:
+    """``ckptd gc --remove-above``'s bucket side again, after the local steps are gone: an upload the
+    daemon had in flight when gc began may have put files or index.json there since its first pass.
+    The uploader puts a step's index.json only while the local step still holds it, and reads it again
+    after the put (withdrawing it if gone), so once the local steps are removed one more listing finds
+    whatever an upload published before; passes (``pause`` s apart) go on while one finds something, at
+    most ``passes``. (what was removed; errors)"""
+    done: list[str] = []
+    for n in range(passes):
+        if n:
+            time.sleep(pause)
+        found, errors = remove_above(s3, jobs, above, dry_run=False)
+        done += found
+        if errors or not found:
+            return done, errors
+    return done, []
 
 
 def ls_bucket(args: argparse.Namespace) -> int:

@@ -131,12 +131,17 @@ def cmd_gc(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"ckptd gc: {e}", file=sys.stderr)
         return 2
+    # The bucket again, now that the local steps are gone: an upload in flight may have landed meanwhile.
+    late, late_errors = ([], []) if args.remove_above is None or args.dry_run or bucket_errors else \
+        bucket_cli.sweep_above(settings.settings.s3, args.job, args.remove_above)
+    bucket_errors += late_errors
     if args.json:
         print(json.dumps({"dry_run": args.dry_run,
                           "actions": [{"job": a.job, "step": a.step, "path": a.path, "kind": a.kind,
                                        "removed": a.done, "error": a.error} for a in result.actions],
                           "kept": [{"job": j, "step": st, "why": why} for j, st, why in result.kept],
-                          "skipped": result.skipped, "bucket_removed": in_bucket, "bucket_errors": bucket_errors},
+                          "skipped": result.skipped, "bucket_removed": in_bucket, "bucket_removed_late": late,
+                          "bucket_errors": bucket_errors},
                          indent=1))
     else:
         verb = "would remove" if args.dry_run else "removed"
@@ -152,6 +157,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
             print(f"skipped {sk}")
         for key in in_bucket:
             print(f"{verb} {key}: a bucket step above --remove-above")
+        for key in late:
+            print(f"removed {key}: a bucket step above --remove-above that an upload in flight put there while gc ran")
         for err in bucket_errors:
             print(f"FAILED the bucket's steps above --remove-above: {err}")
         n = len(result.actions) if args.dry_run else len(result.removed)

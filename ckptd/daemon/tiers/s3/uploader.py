@@ -4,11 +4,13 @@ A step commits locally exactly as without a bucket; then ``committed`` queues it
 upload per job runs at a time: the step's manifests and data files (multipart, parallel), then
 its ``index.json`` LAST, so a step is committed in the bucket only once every file it names is
 there; an upload killed halfway leaves a prefix without an index, which readers ignore and the
-next upload's bucket retention removes. A step number the bucket already holds committed with
-another index.json (another save of that number) has that index.json deleted before any file is
-replaced, so the bucket never shows a committed step mixing two saves. Whether a step is "in the
-bucket" is always its index.json there compared byte for byte with the local one, never its
-number alone. Nothing here blocks a save or a local commit.
+next upload's bucket retention removes. The index.json is put only while the local step still
+holds it (step_upload.py): a step removed locally while it uploads (``ckptd gc --remove-above``)
+is withdrawn, its uploaded files deleted, never committed in the bucket. A step number the
+bucket already holds committed with another index.json (another save of that number) has that
+index.json deleted before any file is replaced, so the bucket never shows a committed step
+mixing two saves. Whether a step is "in the bucket" is always its index.json there compared byte
+for byte with the local one, never its number alone. Nothing here blocks a save or a local commit.
 
 Queue policy (uploads falling behind): per job at most ``queue_depth`` steps wait behind the one
 uploading; a commit that finds the queue full drops the oldest waiting step (counted as
@@ -24,40 +26,26 @@ Call order: ``start`` once (on the event loop), ``committed`` after each local c
 from __future__ import annotations
 
 import asyncio
-import errno
 import functools
 import logging
 import os
 import random
-import stat
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ckptd.core import storage
 from ckptd.core.errors import FormatError
-from ckptd.core.names import (
-    INDEX_NAME,
-    STAGED_NAME,
-    job_dir,
-    rank_data_name,
-    rank_manifest_name,
-    step_dir,
-    validate_job,
-)
+from ckptd.core.names import INDEX_NAME, job_dir, step_dir, validate_job
 from ckptd.core.reader import latest_committed
-from ckptd.core.schema import MAX_INDEX_BYTES, parse_index
+from ckptd.core.schema import MAX_INDEX_BYTES
 from ckptd.core.step_files import is_committed
 from ckptd.daemon.runtime import TaskSet, describe_error
 from ckptd.daemon.tiers.s3.bucket import Bucket, BucketError, CredentialsError, TooLarge
+from ckptd.daemon.tiers.s3.step_upload import IncompleteStep, StepWithdrawn, local_index, upload_step
 from ckptd.daemon.tiers.s3.upload_jobs import JobUploads, in_thread
 
 log = logging.getLogger("ckptd")
 T = TypeVar("T")
-
-
-class IncompleteStep(Exception):
-    """The local step is a copy staged from the bucket, or lacks files: never uploaded."""
 
 
 class Uploader:
@@ -225,10 +213,7 @@ class Uploader:
             return b"\0"       # no index a daemon writes: unlike every local one
 
     def _local_index(self, job: str, step: int) -> bytes | None:
-        try:
-            return storage.read_limited(os.path.join(step_dir(self.root, job, step), INDEX_NAME), MAX_INDEX_BYTES)
-        except (OSError, ValueError):
-            return None
+        return local_index(self.root, job, step)
 
     async def _until_answered(self, fn: Callable[[], T]) -> T:
         """``fn`` (a bucket request) on a thread, again with backoff until the bucket answers."""
@@ -263,7 +248,14 @@ class Uploader:
         while True:
             t0 = time.monotonic()
             try:
-                nbytes = await in_thread(lambda: self._upload_step(job, step))
+                nbytes = await in_thread(lambda: upload_step(self.bucket, self.root, job, step,
+                                                             lambda: self._bucket_index(job, step), self.debug_delay))
+            except StepWithdrawn as e:        # ckptd gc --remove-above, or a save of this number again
+                j.skipped += 1
+                j.last_error = str(e)
+                log.warning("upload withdrawn: the local step went while it uploaded",
+                            extra={"ctx": {"job": job, "step": step, "error": str(e)}})
+                return
             except (IncompleteStep, FormatError, ValueError) as e:
                 j.skipped += 1
                 j.last_error = str(e)
@@ -321,52 +313,6 @@ class Uploader:
                 j.in_bucket = max(kept, default=None)
             self._changed.set()
             return
-
-    def _upload_step(self, job: str, step: int) -> int:
-        """Every file of the committed local step, index.json last; bytes uploaded."""
-        path = step_dir(self.root, job, step)
-        index = os.path.join(path, INDEX_NAME)
-        index_bytes = storage.read_limited(index, MAX_INDEX_BYTES)   # first: without it, not committed
-        if os.path.exists(os.path.join(path, STAGED_NAME)):
-            raise IncompleteStep(f"step {step} here is a copy staged from the bucket; not uploaded")
-        world = parse_index(index_bytes, job=job, step=step)["world_size"]
-        files = [rank_manifest_name(r) for r in range(world)] + [rank_data_name(r) for r in range(world)]
-        for name in files:    # all checked before any upload: a refused step leaves nothing in the bucket
-            try:
-                mode = os.lstat(os.path.join(path, name)).st_mode
-            except FileNotFoundError:       # staged here for one rank's restore: never publish a partial step
-                raise IncompleteStep(f"step {step} lacks {name} here (staged for a restore); not uploaded") from None
-            if not stat.S_ISREG(mode):
-                raise IncompleteStep(f"step {step}'s {name} here is "
-                                     f"{'a symlink' if stat.S_ISLNK(mode) else 'not a regular file'}; not uploaded "
-                                     "(step files are never read through links)")
-        index_key = self.bucket.step_key(job, step, INDEX_NAME)
-        there = self._bucket_index(job, step)
-        if there is not None and there != index_bytes:
-            # Another save of this step number is committed there (a job rolled back and trained on
-            # elsewhere, or this node's own earlier commit of it). Its files are about to be replaced one by
-            # one: uncommit it first, so that no reader ever takes its index.json over a mix of two saves,
-            # nor does one after this upload is killed halfway (the step reads as an upload in progress).
-            self.bucket.delete(index_key)
-            log.warning("bucket step replaced: another save of this step number was committed there",
-                        extra={"ctx": {"job": job, "step": step}})
-        total = 0
-        for name in files:
-            if self.debug_delay:
-                time.sleep(self.debug_delay)
-            try:
-                total += self.bucket.upload_file(os.path.join(path, name), self.bucket.step_key(job, step, name))
-            except storage.NotRegular:
-                raise IncompleteStep(f"step {step}'s {name} here is not a regular file; not uploaded") from None
-            except OSError as e:
-                if e.errno != errno.ELOOP:
-                    raise
-                raise IncompleteStep(f"step {step}'s {name} here is a symlink; not uploaded (step files are "
-                                     "never read through links)") from None
-        if self.debug_delay:
-            time.sleep(self.debug_delay)
-        self.bucket.put_bytes(index_key, index_bytes)
-        return total + len(index_bytes)
 
     def _bucket_retention(self, job: str, newest: int, gone: list[int]) -> list[int]:
         """Keep the newest ``keep_last`` committed steps; drop prefixes older than ``newest``
