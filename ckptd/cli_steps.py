@@ -150,7 +150,8 @@ def _not_a_step(path: str, command: str) -> UsageError:
         hint = (f"; did you mean {os.path.join(where, step_dir_name(int(m.group(1))))} "
                 f"(or `ckptd {command} {os.path.dirname(where)} {os.path.basename(where)} {int(m.group(1))}`)?")
     else:
-        close = difflib.get_close_matches(wrong, sorted(os.listdir(where)), n=1, cutoff=0.6)
+        names = sorted(n for n in os.listdir(where) if not n.startswith("."))     # (.removing-…: no step)
+        close = difflib.get_close_matches(wrong, names, n=1, cutoff=0.6)
         if close:
             hint = f"; did you mean {os.path.join(where, close[0], *rest)}?"
     return UsageError(f"{path}: no such step directory{hint}")
