@@ -3,7 +3,8 @@
 Real files, the daemon's real commit (``write_index``) and real ``ckptd`` processes. A removal renames
 the step directory away first (``step_files.remove_step``), so a commit still running fails instead of
 publishing an index over files being unlinked; what a killed removal leaves is hidden from every
-reader and finished by ``ckptd gc`` and by a daemon's start.
+reader and finished by ``ckptd gc`` and by a daemon's start; a step another remover took first is no
+error.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from ckptd.core.names import step_dir_name
 from ckptd.core.rank_record import summarize
 from ckptd.core.reader import verify_step
 from ckptd.core.step_files import is_committed, remove_step
+from ckptd.daemon.settings.retention import RetentionPolicy
+from ckptd.daemon.tiers.fs.retention import execute, plan_job
 
 REMOVING_PREFIX = ".removing-"      # FORMAT.md, "Layout": a step directory being removed
 
@@ -119,3 +122,23 @@ def test_a_killed_removal_is_hidden_from_readers_and_finished_by_gc_and_by_a_dae
     assert sorted(p.name for p in job.iterdir()) == ["_memory", step_dir_name(1)]
     assert list((job / "_memory").iterdir()) == []
     assert "job j: finished 1 step removals killed midway" in d2.log.read_text()
+
+
+def test_a_step_another_remover_took_first_is_no_error(tmp: Path):
+    """The daemon's retention and `ckptd gc` racing: the step one planned to remove was removed by the
+    other meanwhile. That is not a failure (`FAILED …: No such file or directory`, gc exit 1, the
+    daemon's "could not remove step" and ckptd_gc_errors_total): it is gone, as both wanted."""
+    root = tmp / "root"
+    for s in (1, 2, 3):
+        d = root / "j" / step_dir_name(s)
+        d.mkdir(parents=True)
+        (d / "rank-00000.data").write_bytes(b"x")
+        (d / "rank-00000.json").write_text("{}")
+        (d / "index.json").write_text("{}")
+    actions, _ = plan_job(str(root / "j"), RetentionPolicy(keep_last=1))
+    assert [a.step for a in actions] == [1, 2]
+    r = ckptd("gc", str(root), "--keep-last", "1")        # the other remover, a real process, first
+    assert r.returncode == 0 and "removed 2 step(s)" in r.stdout, r.stdout + r.stderr
+    execute(actions)
+    assert [a.error for a in actions] == [None, None] and all(a.gone and not a.done for a in actions)
+    assert remove_step(str(root / "j" / step_dir_name(1))) is False

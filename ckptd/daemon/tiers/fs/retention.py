@@ -16,7 +16,8 @@ Per job (the same rules as Orbax's ``max_to_keep`` / ``keep_period``):
 A step is removed by ``ckptd.core.step_files.remove_step``: its directory renamed away to a hidden
 name first (``.removing-…``, never taken for a step), so a commit racing the removal fails and a crash
 in the middle leaves a leftover invisible to readers, finished by the next pass here
-(``step_files.finish_removals``) — never a half-deleted step that still looks committed.
+(``step_files.finish_removals``) — never a half-deleted step that still looks committed. A step
+another process removed first (the daemon's retention and ``ckptd gc`` racing) is not an error.
 Nothing here follows a symlink: symlinked job or step directories are skipped, and the entries of a
 step directory are unlinked (a link is removed, never its target). Only names that ckptd itself
 creates are removed; a step directory holding anything else is kept whole, and reported.
@@ -68,6 +69,7 @@ class Action:
     kind: ActionKind
     done: bool = False
     error: str | None = None
+    gone: bool = False          # removed by another process first (not by this pass; no error)
 
     def describe(self) -> str:
         return f"{self.path}: {_DESCRIBE[self.kind]}"
@@ -169,8 +171,8 @@ def execute(actions: list[Action], dry_run: bool = False) -> None:
         if dry_run:
             continue
         try:
-            step_files.remove_step(a.path)
-            a.done = True
+            a.done = step_files.remove_step(a.path)
+            a.gone = not a.done
         except OSError as e:
             a.error = str(e) if not e.strerror else f"{e.strerror}: {e.filename or a.path}"
 
