@@ -19,7 +19,7 @@ from typing import Any
 
 from ckptd import bucket_cli
 from ckptd.core.describe import describe_step, human_size, render_step
-from ckptd.core.names import MEMORY_LEVEL_DIR, STAGED_NAME, parse_step_dir_name, step_dir_name, validate_job
+from ckptd.core.names import INDEX_NAME, MEMORY_LEVEL_DIR, STAGED_NAME, parse_step_dir_name, step_dir_name, validate_job
 from ckptd.core.reader import (
     Fault,
     StepInfo,
@@ -209,7 +209,12 @@ def _row_of(job: str, info: StepInfo, now: float, memory: bool) -> dict[str, Any
         except (ValueError, OSError) as e:      # FormatError, or a file over its size limit
             if not os.path.lexists(info.path):
                 return None                     # removed while read, not invalid
-            state = f"invalid ({e})"
+            if not os.path.lexists(os.path.join(info.path, INDEX_NAME)):
+                # un-committed since it was listed (its index.json went first: a removal, a memory-level
+                # step saved again): what it is now, not a false alarm
+                state = "uncommitted" if state != "staged" else "staging"
+            else:
+                state = f"invalid ({e})"
     return {"job": job, "step": info.step, "state": state, "level": "memory" if memory else "storage",
             "path": info.path, "bytes_on_disk": _dir_bytes(info.path),
             "raw_bytes": raw, "stored_bytes": stored, "sizes_verified": verified,
