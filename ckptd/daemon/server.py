@@ -155,7 +155,8 @@ class Daemon:
         self.notifier.ready(self.snapshot().status_line())
         try:
             await self._stopped.wait()
-            accept.cancel()
+            # (Accepting goes on while draining: `ckptd status` is answered, a new session or save is
+            # refused at once, not left in the listen backlog until the drain ends.)
             sweeper.cancel()
             self.notifier.stopping(f"draining {len(self.steps.writes)} saves in flight",
                                    extend_s=self.config.drain_grace + 30)
@@ -164,6 +165,7 @@ class Daemon:
             if self.s3:          # the newest committed step gets what is left of the grace to reach the bucket
                 await self.s3.finish(self.config.drain_grace - (loop.time() - t_drain))
             await self.events.wait(5)       # committed/failed events of the drain reach their clients
+            accept.cancel()
             notifier.cancel()
             for s in list(self.sessions):
                 s.close()
