@@ -49,3 +49,20 @@ def test_a_draining_daemon_answers_status_and_refuses_new_sessions_at_once(daemo
     ck.close(timeout=30)
     assert d.proc.wait(60) == 0
     assert verify_step(str(d.root / "j" / "step-000000000001")) == []
+
+
+def test_sighup_drains_like_sigterm(daemon_factory):
+    """`ckptd serve … &` from a terminal that closes gets SIGHUP: it killed the daemon at once (rc 129,
+    no drain, no log line, its socket left behind, the save in flight lost). Now it drains: the save
+    commits, the log names the signal, the socket is removed, exit 0."""
+    d = daemon_factory("--debug-write-delay", "0.3", "--drain-grace", "20", "--chunk-mib", "1")
+    ck = ckptd_client.Checkpointer("j", socket=str(d.socket), memory=False, commit_timeout=60)
+    h = ck.save(1, {"w": torch.ones(1 << 20)})
+    time.sleep(0.4)
+    d.proc.send_signal(signal.SIGHUP)
+    h.wait(60)
+    ck.close(timeout=30)
+    assert d.proc.wait(60) == 0
+    assert verify_step(str(d.root / "j" / "step-000000000001")) == []
+    assert not d.socket.exists()
+    assert "stopping on SIGHUP" in d.log.read_text()

@@ -128,9 +128,11 @@ class Daemon:
                 log.warning("serving the socket systemd passed, not the configured one",
                             extra={"ctx": {"socket": self.socket_path, "configured": self.config.socket_path}})
         sock.setblocking(False)
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        # SIGHUP too: a daemon started by hand (`ckptd serve … &`) gets it when its terminal closes, and
+        # its default action killed it at once (no drain: the saves in flight lost, the socket left).
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             try:
-                loop.add_signal_handler(sig, self.stop)
+                loop.add_signal_handler(sig, self.stop, sig)
             except (RuntimeError, ValueError):
                 pass
         where = shm.place()
@@ -189,7 +191,9 @@ class Daemon:
                 self._trim.cancel()
             self.io_pool.shutdown(wait=False, cancel_futures=True)
 
-    def stop(self) -> None:
+    def stop(self, sig: signal.Signals | None = None) -> None:
+        if sig is not None and not self.draining:
+            log.info(f"stopping on {sig.name}", extra={"ctx": {"signal": sig.name}})
         self.draining = True
         self.retention.stop()
         if self._stopped is not None:
