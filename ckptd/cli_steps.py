@@ -19,7 +19,7 @@ from typing import Any
 
 from ckptd import bucket_cli
 from ckptd.core.describe import describe_step, human_size, render_step
-from ckptd.core.names import MEMORY_LEVEL_DIR, STAGED_NAME, parse_step_dir_name, step_dir_name, validate_job
+from ckptd.core.names import INDEX_NAME, MEMORY_LEVEL_DIR, STAGED_NAME, parse_step_dir_name, step_dir_name, validate_job
 from ckptd.core.reader import (
     Fault,
     StepInfo,
@@ -150,7 +150,8 @@ def _not_a_step(path: str, command: str) -> UsageError:
         hint = (f"; did you mean {os.path.join(where, step_dir_name(int(m.group(1))))} "
                 f"(or `ckptd {command} {os.path.dirname(where)} {os.path.basename(where)} {int(m.group(1))}`)?")
     else:
-        close = difflib.get_close_matches(wrong, sorted(os.listdir(where)), n=1, cutoff=0.6)
+        names = sorted(n for n in os.listdir(where) if not n.startswith("."))     # (.removing-…: no step)
+        close = difflib.get_close_matches(wrong, names, n=1, cutoff=0.6)
         if close:
             hint = f"; did you mean {os.path.join(where, close[0], *rest)}?"
     return UsageError(f"{path}: no such step directory{hint}")
@@ -208,7 +209,12 @@ def _row_of(job: str, info: StepInfo, now: float, memory: bool) -> dict[str, Any
         except (ValueError, OSError) as e:      # FormatError, or a file over its size limit
             if not os.path.lexists(info.path):
                 return None                     # removed while read, not invalid
-            state = f"invalid ({e})"
+            if not os.path.lexists(os.path.join(info.path, INDEX_NAME)):
+                # un-committed since it was listed (its index.json went first: a removal, a memory-level
+                # step saved again): what it is now, not a false alarm
+                state = "uncommitted" if state != "staged" else "staging"
+            else:
+                state = f"invalid ({e})"
     return {"job": job, "step": info.step, "state": state, "level": "memory" if memory else "storage",
             "path": info.path, "bytes_on_disk": _dir_bytes(info.path),
             "raw_bytes": raw, "stored_bytes": stored, "sizes_verified": verified,

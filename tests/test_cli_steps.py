@@ -118,6 +118,25 @@ def test_a_step_removed_after_ls_listed_it_is_left_out_not_a_crash(root: Path) -
     assert ckptd("ls", str(root), JOB).returncode == 0
 
 
+def test_a_step_whose_index_went_after_ls_listed_it_is_uncommitted_not_invalid(root: Path) -> None:
+    """Listed committed, then its index.json unlinked while ls read it (a removal's first act, a
+    memory-level step saved again, torchtitan's keep_latest_k), the directory still there: `ckptd ls`
+    showed `invalid (... not committed (no index.json))`, a false alarm; the row says what it is now."""
+    import time
+
+    from ckptd.cli_steps import _row
+    from ckptd.core.reader import list_steps
+
+    listed = list_steps(str(root / JOB))
+    assert [s.committed for s in listed] == [True, True]
+    (Path(listed[0].path) / "index.json").unlink()     # step 10 loses its index after the listing
+    (Path(listed[0].path) / "rank-00000.json").unlink()    # and a file more, as a removal goes on
+    rows = [_row(JOB, s, time.time()) for s in listed]
+    assert [(r["step"], r["state"]) for r in rows if r] == [(10, "uncommitted"), (20, "committed")], rows
+    r = ckptd("ls", str(root), JOB)
+    assert r.returncode == 0 and "invalid" not in r.stdout and "uncommitted" in r.stdout, r.stdout + r.stderr
+
+
 def test_a_memory_level_step_is_verified_on_disk_found_by_number_and_refused_by_export(root: Path, daemon,
                                                                                      tmp: Path) -> None:
     """A memory-level step has its index and manifests on disk and its bytes only in the daemons' memory:

@@ -46,7 +46,8 @@ def make_step(root: Path, job: str, step: int, committed: bool, age_s: float = 0
 
 
 def steps_left(root: Path, job: str) -> list[int]:
-    return sorted(int(p.name[5:]) for p in (root / job).iterdir())
+    """The job's step directories (not a removal's hidden ``.removing-…`` one, which is no step)."""
+    return sorted(int(p.name[5:]) for p in (root / job).iterdir() if not p.name.startswith("."))
 
 
 def test_keep_last_and_keep_every(tmp):
@@ -145,8 +146,9 @@ def test_foreign_files_keep_the_directory(tmp):
     (d / "notes.txt").write_text("operator's notes")
     r = collect_job(str(tmp), "j", RetentionPolicy(keep_last=1))
     assert r.removed == [] and len(r.errors) == 1 and "notes.txt" in r.errors[0].error
-    # the index went first: the step is no longer committed, the foreign file is intact
-    assert not (d / "index.json").exists() and (d / "notes.txt").exists()
+    # kept whole: nothing of it removed (still committed), the foreign file intact, no hidden leftover
+    assert (d / "index.json").exists() and (d / "rank-00000.data").exists() and (d / "notes.txt").exists()
+    assert sorted(p.name for p in (tmp / "j").iterdir()) == [step_dir_name(1), step_dir_name(2)]
 
 
 def _gc(*args: str) -> subprocess.CompletedProcess:

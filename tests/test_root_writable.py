@@ -52,7 +52,24 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 def assert_names_the_fix(text: str, root: Path) -> None:
     assert f"cannot write the checkpoint root {root}" in text, text
-    assert "chown" in text and "ReadWritePaths=" in text, text
+    if root.parent.is_file():       # a file in the way: no chown makes it a directory
+        assert f"{root.parent} exists and is not a directory (a regular file)" in text, text
+        assert "chown" not in text, text
+    else:
+        assert "chown" in text and "ReadWritePaths=" in text, text
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["check-config", "serve"])
+def test_a_root_that_is_a_file_is_named_as_such(tmp: Path, check: bool) -> None:
+    """`--root` naming a regular file: the start failed on makedirs' EEXIST ("File exists; … make the
+    root a directory it owns (chown …)"), a fix that cannot work; it says what is wrong now."""
+    root = tmp / "a-file"
+    root.write_text("not a directory\n")
+    r = run("serve", "--root", str(root), "--socket", str(tmp / "d.sock"), *(["--check-config"] if check else []))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert (f"cannot write the checkpoint root {root}: {root} exists and is not a directory (a regular file); "
+            f"give a directory as the root") in r.stderr, r.stderr
+    assert "EEXIST" not in r.stderr and "chown" not in r.stderr, r.stderr
 
 
 def test_the_unwritable_root_is_real(bad_root: Path) -> None:

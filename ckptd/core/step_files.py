@@ -2,13 +2,16 @@
 
 One definition for the daemon's commit and cleanup, retention, bucket staging and uploads, the
 readers and ``ckptd import`` (FORMAT.md, "Layout"): a step is committed exactly when its
-``index.json`` is a file in its directory; it is deleted ``index.json`` first, so a crash midway
-leaves an uncommitted directory, never a half-deleted step that still looks committed. Only the
+``index.json`` is a file in its directory. A step is deleted by renaming its directory away first (a
+hidden name no reader or scan takes for a step: ``remove_step``), then ``index.json``, then the rest: a
+commit racing the removal fails, and a crash midway leaves a hidden leftover that is never loaded and
+that ``finish_removals`` completes, never a half-deleted step that still looks committed. Only the
 names ckptd writes (``names.is_step_file``) are ever removed, and no link is followed.
 """
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 from collections.abc import Iterable
 
@@ -81,17 +84,62 @@ def remove_rank_files(step_path: str, rank: int) -> None:
     remove_files(os.path.join(step_path, name) for name in (rank_data_name(rank), rank_manifest_name(rank)))
 
 
-def remove_step(path: str) -> None:
-    """Delete one step directory: index.json first (it stops being committed), then the rest.
+# A step being removed is first renamed to ``.removing-<step-dir-name>-<8 hex>`` in its own job directory:
+# a name no reader, scan or retention takes for a step (nor for a job: a job name never starts with a dot),
+# so it vanishes from every listing at once, and a commit still running for it fails (ckptd writes by
+# path). Leftovers of a removal that was killed are finished by ``finish_removals`` (retention, `ckptd gc`).
+REMOVING_PREFIX = ".removing-"
 
-    Raises OSError naming what could not be removed; anything ckptd did not create stays.
+
+def _is_removing(name: str) -> bool:
+    return name.startswith(REMOVING_PREFIX) and len(name) > len(REMOVING_PREFIX)
+
+
+def remove_step(path: str) -> bool:
+    """Delete one step directory. It is first renamed away (``REMOVING_PREFIX``): from that instant it is
+    no step, and a commit racing the removal (its index.json renamed in by path) fails rather than
+    publish an index over files being unlinked. Then index.json (so a leftover is never committed), the
+    rest, the directory. False when it was already gone (removed by someone else): not an error.
+
+    Raises OSError naming what could not be removed. A step directory holding names ckptd did not
+    write is not touched at all (nothing of it removed: it stays a step, as it was).
     """
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise OSError(f"{path} is not a directory (a symlink?); not removed")
-    index = os.path.join(path, INDEX_NAME)
     try:
-        os.unlink(index)
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            raise OSError(f"{path} is not a directory (a symlink?); not removed")
+        foreign = [n for n in os.listdir(path) if not is_step_file(n)]
+    except FileNotFoundError:
+        return False
+    if foreign:
+        raise OSError(f"{path}: kept whole, it holds files ckptd did not write: {', '.join(sorted(foreign)[:5])}")
+    parent, name = os.path.split(os.path.normpath(path))
+    hidden = os.path.join(parent, f"{REMOVING_PREFIX}{name}-{secrets.token_hex(4)}")
+    try:
+        os.rename(path, hidden)
+    except FileNotFoundError:
+        return False                        # another removal renamed it first
+    moved = os.lstat(hidden)
+    if (moved.st_dev, moved.st_ino) != (st.st_dev, st.st_ino) or not stat.S_ISDIR(moved.st_mode):
+        os.rename(hidden, path)             # replaced between the two (by a link?): never emptied through
+        raise OSError(f"{path} changed while being removed (replaced by a symlink?); not removed")
+    fsync_dir(parent)
+    try:
+        foreign = _empty(hidden)
+        if foreign:     # (written in the instant between the listing and the rename): stays hidden, named
+            raise OSError(f"{hidden}: kept, it holds files ckptd did not write: {', '.join(sorted(foreign)[:5])}")
+        _rmdir(hidden)
+    except FileNotFoundError:
+        pass                                # finished by ``finish_removals`` elsewhere meanwhile
+    fsync_dir(parent)
+    return True
+
+
+def _empty(path: str) -> list[str]:
+    """Unlink index.json (then fsync), then every other name ckptd writes in ``path``; the names it did
+    not write, left in place."""
+    try:
+        os.unlink(os.path.join(path, INDEX_NAME))
         fsync_dir(path)
     except FileNotFoundError:
         pass
@@ -106,7 +154,41 @@ def remove_step(path: str) -> None:
                 pass
         else:
             foreign.append(e.name)
-    if foreign:
-        raise OSError(f"{path}: kept, it holds files ckptd did not write: {', '.join(sorted(foreign)[:5])}")
-    os.rmdir(path)
-    fsync_dir(os.path.dirname(path))
+    return foreign
+
+
+def _rmdir(path: str) -> None:
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+
+
+def finish_removals(job_path: str) -> tuple[list[str], list[str]]:
+    """Finish the removals killed midway in one job directory (``REMOVING_PREFIX`` directories): (what
+    was removed, why each of the others stays). One finished meanwhile by another process is not
+    an error; one holding files ckptd did not write stays and is named."""
+    try:
+        names = [n for n in os.listdir(job_path) if _is_removing(n)]
+    except (FileNotFoundError, NotADirectoryError):
+        return [], []
+    done, kept = [], []
+    for n in sorted(names):
+        p = os.path.join(job_path, n)
+        try:
+            if not stat.S_ISDIR(os.lstat(p).st_mode):
+                kept.append(f"{p}: not a directory; not removed")
+                continue
+            foreign = _empty(p)
+            if foreign:
+                kept.append(f"{p}: kept, it holds files ckptd did not write: {', '.join(sorted(foreign)[:5])}")
+                continue
+            _rmdir(p)
+            done.append(p)
+        except FileNotFoundError:
+            continue                        # finished by another removal meanwhile
+        except OSError as e:
+            kept.append(str(e) if not e.strerror else f"{p}: {e.strerror}")
+    if done:
+        fsync_dir(job_path)
+    return done, kept

@@ -96,6 +96,8 @@ class Requests:
     async def hello(self, session: Session, h: Hello) -> Reply:
         if session.job is not None:
             raise RequestError("hello sent twice on one connection")
+        if self.d.draining:     # (status and info are still answered while the daemon drains)
+            raise RequestError("daemon is shutting down; no new sessions")
         job = names.validate_job(h.job)
         if not names.is_rank(h.rank, h.world_size):
             raise RequestError(f"bad rank {h.rank} / world size {h.world_size}")
@@ -115,6 +117,8 @@ class Requests:
 
     async def resize(self, session: Session, r: Resize) -> Reply:
         job = self._require_hello(session)
+        if self.d.draining:
+            raise RequestError("daemon is shutting down; no new slots")
         if any(s.busy and not s.lent for s in session.slots):
             raise RequestError("cannot resize slots while a save still holds one")
         self.d.slots.release(session.slots)

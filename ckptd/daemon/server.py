@@ -128,9 +128,11 @@ class Daemon:
                 log.warning("serving the socket systemd passed, not the configured one",
                             extra={"ctx": {"socket": self.socket_path, "configured": self.config.socket_path}})
         sock.setblocking(False)
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        # SIGHUP too: a daemon started by hand (`ckptd serve … &`) gets it when its terminal closes, and
+        # its default action killed it at once (no drain: the saves in flight lost, the socket left).
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             try:
-                loop.add_signal_handler(sig, self.stop)
+                loop.add_signal_handler(sig, self.stop, sig)
             except (RuntimeError, ValueError):
                 pass
         where = shm.place()
@@ -155,7 +157,8 @@ class Daemon:
         self.notifier.ready(self.snapshot().status_line())
         try:
             await self._stopped.wait()
-            accept.cancel()
+            # (Accepting goes on while draining: `ckptd status` is answered, a new session or save is
+            # refused at once, not left in the listen backlog until the drain ends.)
             sweeper.cancel()
             self.notifier.stopping(f"draining {len(self.steps.writes)} saves in flight",
                                    extend_s=self.config.drain_grace + 30)
@@ -164,6 +167,7 @@ class Daemon:
             if self.s3:          # the newest committed step gets what is left of the grace to reach the bucket
                 await self.s3.finish(self.config.drain_grace - (loop.time() - t_drain))
             await self.events.wait(5)       # committed/failed events of the drain reach their clients
+            accept.cancel()
             notifier.cancel()
             for s in list(self.sessions):
                 s.close()
@@ -187,7 +191,9 @@ class Daemon:
                 self._trim.cancel()
             self.io_pool.shutdown(wait=False, cancel_futures=True)
 
-    def stop(self) -> None:
+    def stop(self, sig: signal.Signals | None = None) -> None:
+        if sig is not None and not self.draining:
+            log.info(f"stopping on {sig.name}", extra={"ctx": {"signal": sig.name}})
         self.draining = True
         self.retention.stop()
         if self._stopped is not None:

@@ -54,14 +54,22 @@ def check_root(root: str, *, create: bool) -> None:
     ``create``: make the root if it is missing (the daemon's start). Without it (``--check-config``)
     a missing root is checked where the daemon would create it: its nearest existing ancestor."""
     root = os.path.abspath(root)
+    where = root
+    while not os.path.lexists(where):
+        where = os.path.dirname(where)
+    if not os.path.isdir(where):    # (a file in the way: no chown or mode makes it a root; EEXIST said so badly)
+        raise RootNotWritable(f"cannot write the checkpoint root {root}: {where} exists and is not a directory "
+                              f"({_kind(where)}); give a directory as the root, or move {where} away")
     try:
         if create:
             os.makedirs(root, exist_ok=True)
-        where = root
-        while not os.path.lexists(where):
-            where = os.path.dirname(where)
-        if not os.path.isdir(where):
-            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), where)
+            where = root
         probe(where)
     except OSError as e:
         raise RootNotWritable(_fix(root, e)) from None
+
+
+def _kind(path: str) -> str:
+    if os.path.islink(path):
+        return "a symlink to no directory"
+    return "a regular file" if os.path.isfile(path) else "not a regular file nor a directory"

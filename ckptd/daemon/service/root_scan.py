@@ -4,7 +4,8 @@ A daemon or node killed mid-save leaves uncommitted step directories (retention 
 ``abandoned_after`` passes), and a file system that lost writes can leave a job's newest committed
 step unreadable (a truncated ``index.json``): every ``restore()`` without a step then fails on it.
 Neither is an error of the daemon's, and it starts as usual; the log says what it found and what to
-do. Bounded: at most ``MAX_JOBS`` jobs, per job its step listing and what a restore reads first of its
+do. Step removals a killed daemon or ``ckptd gc`` left midway (hidden ``.removing-…`` directories) are
+finished first. Bounded: at most ``MAX_JOBS`` jobs, per job its step listing and what a restore reads first of its
 newest committed step (``StepReader``: the index, or its head when large), on a thread after serving
 begins.
 """
@@ -14,8 +15,9 @@ import logging
 import os
 from dataclasses import dataclass
 
+from ckptd.core import step_files
 from ckptd.core.errors import FormatError
-from ckptd.core.names import validate_job
+from ckptd.core.names import MEMORY_LEVEL_DIR, validate_job
 from ckptd.core.reader import StepReader, list_steps
 
 log = logging.getLogger("ckptd")
@@ -33,14 +35,13 @@ class JobFindings:
     newest_fault: str | None
 
 
-def scan(root: str) -> tuple[list[JobFindings], bool]:
-    """The jobs under ``root`` with something to report, and whether the scan stopped at ``MAX_JOBS``."""
+def _jobs(root: str) -> tuple[list[str], bool]:
+    """The job directories under ``root`` (at most ``MAX_JOBS``), and whether there were more."""
     try:
         names = sorted(os.listdir(root))
     except OSError:
         return [], False
-    found: list[JobFindings] = []
-    jobs = 0
+    jobs: list[str] = []
     for name in names:
         path = os.path.join(root, name)
         try:
@@ -49,9 +50,18 @@ def scan(root: str) -> tuple[list[JobFindings], bool]:
             continue
         if os.path.islink(path) or not os.path.isdir(path):
             continue
-        jobs += 1
-        if jobs > MAX_JOBS:
-            return found, True
+        if len(jobs) == MAX_JOBS:
+            return jobs, True
+        jobs.append(name)
+    return jobs, False
+
+
+def scan(root: str) -> tuple[list[JobFindings], bool]:
+    """The jobs under ``root`` with something to report, and whether the scan stopped at ``MAX_JOBS``."""
+    jobs, partial = _jobs(root)
+    found: list[JobFindings] = []
+    for name in jobs:
+        path = os.path.join(root, name)
         steps = list_steps(path)
         committed = [s for s in steps if s.committed]
         fault = None
@@ -63,11 +73,28 @@ def scan(root: str) -> tuple[list[JobFindings], bool]:
         uncommitted = tuple(s.step for s in steps if not s.committed)
         if uncommitted or fault:
             found.append(JobFindings(name, uncommitted, committed[-1].step if committed else None, fault))
-    return found, False
+    return found, partial
+
+
+def finish_removals(root: str) -> None:
+    """Finish the step removals a killed daemon or ``ckptd gc`` left midway (hidden ``.removing-…``
+    directories: never read as steps, ``step_files.remove_step``), in each job and its ``_memory``."""
+    for name in _jobs(root)[0]:
+        for path in (os.path.join(root, name), os.path.join(root, name, MEMORY_LEVEL_DIR)):
+            if os.path.islink(path):
+                continue
+            done, kept = step_files.finish_removals(path)
+            if done:
+                log.info(f"job {name}: finished {len(done)} step removals killed midway",
+                         extra={"ctx": {"job": name, "removed": done[:SHOWN]}})
+            for why in kept:
+                log.warning(f"job {name}: could not finish a step removal killed midway: {why}",
+                            extra={"ctx": {"job": name}})
 
 
 def report(root: str) -> None:
-    """(A thread) Scan ``root`` and log what was found."""
+    """(A thread) Finish interrupted removals, scan ``root`` and log what was found."""
+    finish_removals(root)
     found, partial = scan(root)
     for f in found:
         if f.newest_fault is not None:

@@ -13,12 +13,14 @@ Per job (the same rules as Orbax's ``max_to_keep`` / ``keep_period``):
   here only their uncommitted directories (a daemon killed mid-save leaves a manifest there) go,
   by the same ``abandoned_after`` rule.
 
-A step is removed by ``ckptd.core.step_files.remove_step``: index.json first, so a crash in the
-middle leaves an uncommitted directory — invisible to readers and removed later as abandoned —
-never a half-deleted step that still looks committed. Nothing here follows a symlink: symlinked
-job or step directories are skipped, and the entries of a step directory are unlinked (a link is
-removed, never its target). Only names that ckptd itself creates are removed; a step directory
-holding anything else keeps those files and the directory with them, and is reported.
+A step is removed by ``ckptd.core.step_files.remove_step``: its directory renamed away to a hidden
+name first (``.removing-…``, never taken for a step), so a commit racing the removal fails and a crash
+in the middle leaves a leftover invisible to readers, finished by the next pass here
+(``step_files.finish_removals``) — never a half-deleted step that still looks committed. A step
+another process removed first (the daemon's retention and ``ckptd gc`` racing) is not an error.
+Nothing here follows a symlink: symlinked job or step directories are skipped, and the entries of a
+step directory are unlinked (a link is removed, never its target). Only names that ckptd itself
+creates are removed; a step directory holding anything else is kept whole, and reported.
 
 The daemon runs :func:`collect_job` for a job after each commit of it; ``ckptd gc``
 runs :func:`collect_root` by hand.
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ckptd.core import step_files
-from ckptd.core.names import memory_job, validate_job
+from ckptd.core.names import MEMORY_LEVEL_DIR, memory_job, validate_job
 from ckptd.core.reader import list_steps, memory_level_steps
 from ckptd.daemon.settings.retention import RetentionPolicy
 
@@ -67,6 +69,7 @@ class Action:
     kind: ActionKind
     done: bool = False
     error: str | None = None
+    gone: bool = False          # removed by another process first (not by this pass; no error)
 
     def describe(self) -> str:
         return f"{self.path}: {_DESCRIBE[self.kind]}"
@@ -168,8 +171,8 @@ def execute(actions: list[Action], dry_run: bool = False) -> None:
         if dry_run:
             continue
         try:
-            step_files.remove_step(a.path)
-            a.done = True
+            a.done = step_files.remove_step(a.path)
+            a.gone = not a.done
         except OSError as e:
             a.error = str(e) if not e.strerror else f"{e.strerror}: {e.filename or a.path}"
 
@@ -191,6 +194,8 @@ def collect_job(root: str, job: str, policy: RetentionPolicy, *, dry_run: bool =
     actions += plan_memory_level(job_path, policy, now=now, in_flight=memory_in_flight, above=above)
     execute(actions, dry_run)
     result.actions, result.kept = actions, kept
+    if not dry_run:         # what removals killed midway left (hidden ``.removing-…`` directories)
+        _finish_removals(job, job_path, result)
     expired = {a.path for a in actions}
     # A temp file in a committed step is garbage once nothing writes it: one untouched for
     # abandoned_after (a rank staging its files into a step staged from the bucket writes one there).
@@ -206,6 +211,17 @@ def collect_job(root: str, job: str, policy: RetentionPolicy, *, dry_run: bool =
     for a in result.errors:
         log.warning("could not remove step", extra={"ctx": {"job": a.job, "step": a.step, "error": a.error}})
     return result
+
+
+def _finish_removals(job: str, job_path: str, result: GcResult) -> None:
+    memory_path = os.path.join(job_path, MEMORY_LEVEL_DIR)
+    for path in [job_path] + ([] if os.path.islink(memory_path) else [memory_path]):
+        done, kept = step_files.finish_removals(path)
+        result.skipped += kept
+        if done:
+            log.info("finished removals killed midway", extra={"ctx": {"job": job, "removed": done[:20]}})
+        for why in kept:
+            log.warning("could not finish a removal killed midway", extra={"ctx": {"job": job, "error": why}})
 
 
 def collect_root(root: str, policy: RetentionPolicy, *, dry_run: bool = False, jobs: Iterable[str] | None = None,
