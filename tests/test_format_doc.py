@@ -10,10 +10,12 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from ckptd.core.names import HEAD_NAME, RANK_TABLE_NAME, TENSORS_NAME
 from ckptd.core.rank_record import RankRecord
 from ckptd.core.rank_table import parse_head, side_files
-from ckptd.core.schema import DTYPE_ITEMSIZE, _canonical, digest_bytes, make_index_file, parse_index
+from ckptd.core.schema import DTYPE_ITEMSIZE, _canonical, digest_bytes, make_index_file, parse_index, parse_layout
 
 FORMAT_MD = Path(__file__).resolve().parent.parent / "FORMAT.md"
 
@@ -143,3 +145,27 @@ def test_head_digest_is_prefixed_and_block_hashes_bare() -> None:
     assert head["digest"] == "sha256:" + hashlib.sha256(doc_canonical(rest).encode()).hexdigest()
     assert files[HEAD_NAME] != doc_canonical(head).encode()
     parse_head(files[HEAD_NAME], job="demo", step=1)
+
+
+def test_the_save_piece_example_and_rules_are_parse_layout_s() -> None:
+    """FORMAT.md's six-element `save` entry is a piece parse_layout takes; what its rules refuse, it refuses."""
+    text = format_text()
+    start = text.index("`", text.index("E.g. rank 1's half of a `[4, 6]` float32 tensor split by rows:") + 62) + 1
+    example = json.loads(text[start: text.index("`", start)])
+    (t,) = parse_layout([example], 48)
+    assert t.placement is not None and t.placement.global_shape == (4, 6) and t.placement.offsets == (2, 0)
+    assert t.placement.key is None and t.nbytes == 48
+    name, dtype, shape, offset, nbytes, glob = example
+    for bad in ([name, dtype, shape, offset, nbytes, {**glob, "other": 1}],          # no other member
+                [name, dtype, shape, offset, nbytes, {**glob, "offsets": [3, 0]}],  # 3 + 2 > 4
+                [name, dtype, shape, offset, nbytes, {**glob, "offsets": [2]}],     # as long as the shape
+                [name, dtype, shape, offset, nbytes, {**glob, "key": "/w"}],        # key: a tensor name
+                [name, dtype, shape, True, nbytes, glob],                           # integers, not booleans
+                [name, dtype, shape, offset, 47, glob],                             # prod(shape) x itemsize
+                [name, dtype, shape, 1, nbytes, glob]):                             # within the slot
+        with pytest.raises(ValueError):
+            parse_layout([bad], 48)
+    with pytest.raises(ValueError):                                                  # names unique
+        parse_layout([example, example], 96)
+    (keyless,) = parse_layout([[name, dtype, shape, offset, nbytes, {**glob, "key": None}]], 48)
+    assert keyless.placement is not None and keyless.placement.key is None
