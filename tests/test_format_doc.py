@@ -7,11 +7,15 @@ import hashlib
 import json
 import math
 import re
+import socket
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import ckptd
+from ckptd.core import protocol
 from ckptd.core.names import HEAD_NAME, RANK_TABLE_NAME, TENSORS_NAME
 from ckptd.core.rank_record import RankRecord
 from ckptd.core.rank_table import parse_head, side_files
@@ -169,3 +173,73 @@ def test_the_save_piece_example_and_rules_are_parse_layout_s() -> None:
         parse_layout([example, example], 96)
     (keyless,) = parse_layout([[name, dtype, shape, offset, nbytes, {**glob, "key": None}]], 48)
     assert keyless.placement is not None and keyless.placement.key is None
+
+
+# ---- the wire protocol: request field types, fatal errors, versions ----------------------------
+
+_TYPE_WORDS = {"str": "str", "int": "int", "float": "num", "bool": "bool", "Any": "any", "list[Any]": "array",
+               "dict[str, Any]": "object"}
+
+
+def test_the_request_field_types_are_parse_request_s() -> None:
+    """FORMAT.md's field-type block (Fatal errors) lists every request op and field as protocol.py types it."""
+    text = format_text()
+    start = text.index("```\n", text.index("The types\n  (`ckptd.core.protocol`'s request classes")) + 4
+    block = text[start: text.index("```", start)]
+    documented: dict[str, list[str]] = {}
+    op = ""
+    for line in block.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        first = line.split()[0]
+        if not first.endswith(":") and first != "(none)":
+            op, line = first, line[len(first):].strip()
+            documented[op] = []
+        if line != "(none)":
+            documented[op] += [f.strip() for f in line.split(",") if f.strip()]
+    expected = {o: [f"{f.name}{'' if f.default is MISSING else '?'}: {_TYPE_WORDS[str(f.type)]}" for f in fields(t)]
+                for o, t in protocol.REQUEST_TYPES.items()}
+    assert documented == expected
+
+
+def _frame(body: bytes) -> bytes:
+    return protocol.HEADER.pack(protocol.MAGIC, protocol.PROTOCOL_VERSION, len(body)) + body
+
+
+def _ask(sock_path: Path, data: bytes) -> tuple[dict[str, Any] | None, bool]:
+    """(the daemon's first reply to ``data`` on a fresh connection, whether it then closed the connection)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(str(sock_path))
+        s.sendall(data)
+        reply = protocol.FrameReceiver(s).read()
+        s.settimeout(5)
+        try:
+            closed = s.recv(1) == b""
+        except TimeoutError:
+            closed = False
+    return reply, closed
+
+
+def test_fatal_errors_answer_req_0_and_close_and_version_is_the_package_s(daemon) -> None:
+    """Against a real daemon: each documented fatal case of a request (unknown op, req missing or not an
+    integer, no string op, a required field missing or mistyped) gets req 0, fatal, and the connection
+    closed; an ordinary refusal keeps it; info's version is ckptd.__version__, not the protocol version."""
+    fatal_bodies = [{"op": "nosuch", "req": 5}, {"op": "ok", "req": 5}, {"op": "info"}, {"op": "info", "req": 1.0},
+                    {"op": "info", "req": True}, {"req": 5}, {"op": 7, "req": 5}, {"op": "flush", "req": 5, "job": "j"},
+                    {"op": "abort", "req": 5, "step": 1, "reason": 3}]
+    for body in fatal_bodies:
+        reply, closed = _ask(daemon.socket, _frame(json.dumps(body).encode()))
+        assert reply is not None and reply["op"] == "error" and reply.get("fatal") is True, (body, reply)
+        assert reply["req"] == 0 and reply["code"] == "refused" and reply["reason"].startswith("protocol error: ")
+        assert closed, body
+    reply, closed = _ask(daemon.socket, b"XX" + _frame(b"{}")[2:])
+    assert reply is not None and reply.get("fatal") is True and "not a ckptd peer" in reply["reason"] and closed
+    reply, closed = _ask(daemon.socket, _frame(b'{"op": "resize", "req": 6, "slot_bytes": 1, "bogus": 1}'))
+    assert reply == {"op": "error", "req": 6, "code": "refused", "reason": "send hello first"} and not closed
+    reply, closed = _ask(daemon.socket, _frame(b'{"op": "info", "req": 7, "op": "nosuch"}'))   # the last key counts
+    assert reply is not None and reply["op"] == "error" and reply["req"] == 0 and closed
+    reply, _ = _ask(daemon.socket, _frame(b'{"op": "info", "req": 8}'))
+    assert reply is not None and reply["op"] == "ok" and reply["req"] == 8
+    assert reply["version"] == ckptd.__version__ and isinstance(reply["version"], str)
