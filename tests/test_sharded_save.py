@@ -327,6 +327,12 @@ def test_fsdp2_saves_local_shards_keyed_by_fqn(daemon, tmp):
         assert rep.pieces[0].region.sizes == (2, 3)
         assert "extra/rep" not in reader.manifest(1).by_name()
         assert "extra/rep" in tree_names(reader.manifest(1).tree)
+        # FORMAT.md (tree): every {"T": name} is a key of the tensor map; a local one is the rank's own entry
+        for r in (0, 1):
+            entries = reader.manifest(r).by_name()
+            for name in tree_names(reader.manifest(r).tree):
+                assert name in tmap, (r, name)
+                assert tmap[name].kind == SHARDED or name in entries, (r, name)
         assert torch.equal(read_entry(reader, 0, "extra/rep"), expected[1]["extra/rep"])
         # a column-sharded DTensor (3 + 2 columns) and a per-rank plain tensor
         col = tmap["extra/col"]
