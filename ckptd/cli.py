@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dry-run", "-n", action="store_true", help="print what would be removed, remove nothing")
     s.add_argument("--config", help=f"TOML config file (default: $CKPTD_CONFIG or {DEFAULT_CONFIG_PATH} if present)")
     add_setting_flags(s, GC_KEYS)
-    s.add_argument("--remove-above", type=int, metavar="N",
+    s.add_argument("--remove-above", type=cli_steps.step_argument, metavar="N",
                    help="also remove every step of --job numbered above N, committed or not, memory-level too: "
                         "a run rolled back to step N (restore(step=N)) saves below them, and they would outrank it "
                         "(retention and restore() go by number); run with the job's trainers stopped")

@@ -61,6 +61,15 @@ def parse_step(text: str) -> int:
     return int(m.group(1))
 
 
+def step_argument(text: str) -> int:
+    """``parse_step`` as an option's type: a bad step (negative, too long, not a number) is a usage error
+    (exit 2) before anything is looked at, never a number that widens what the option touches."""
+    try:
+        return parse_step(text)
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def jobs_under(root: str) -> list[str]:
     """The job directories under a root (names a job may have; dot-files and others are not jobs)."""
     out = []

@@ -218,6 +218,10 @@ def test_gc_remove_above_takes_a_rolled_back_runs_steps_away(daemon_factory, tmp
     assert "ckptd gc ROOT --job j --remove-above 20" in caplog.text
     r = _gc(str(d.root), "--remove-above", "20")
     assert r.returncode == 2 and "--remove-above needs --job" in r.stderr, r.stderr
+    for bad in ("-1", "1000000000000", "x"):     # -1 (a script's restored-1 after step 0) removed every step
+        r = _gc(str(d.root), "--job", "j", "--remove-above", bad)
+        assert r.returncode == 2 and "give a step number" in r.stderr, (bad, r.stderr)
+        assert storage_steps(d.root) == [20, 30], bad
     r = _gc(str(d.root), "--job", "j", "--remove-above", "20", "--dry-run")
     assert r.returncode == 0 and storage_steps(d.root) == [20, 30], r.stdout + r.stderr
     r = _gc(str(d.root), "--job", "j", "--remove-above", "20")
