@@ -163,3 +163,23 @@ def test_writer_pickles_as_job_config_and_step(tmp: Path) -> None:
     spawning = StorageWriter("j", config=CheckpointerConfig(root=str(tmp / "root"), spawn=True))
     with pytest.raises(CheckpointError, match="thread mode"):
         pickle.dumps(spawning)
+
+
+@pytest.mark.parametrize("checkpoint_id", ["²", "step-٣", "/ckpt/step-١٠٠", "9" * 5000, "step-" + "1" * 14, "-3",
+                                           "/ckpt/latest"])
+def test_a_checkpoint_id_that_names_no_step_is_refused_as_such(checkpoint_id: str):
+    """DCP asks the storage writer whether a checkpoint_id is its own (``validate_checkpoint_id``) before
+    anything else. '²' (str.isdigit's) and 5,000 digits (int()'s limit) raised a bare ValueError there,
+    and 'step-١٠٠' (\\d's Arabic-Indic digits) was taken as step 100. Now: not a ckptd step, said so."""
+    from ckptd_client.dcp.step_id import step_of
+    assert StorageWriter.validate_checkpoint_id(checkpoint_id) is False
+    with pytest.raises(CheckpointError, match="names no step"):
+        step_of(checkpoint_id)
+
+
+@pytest.mark.parametrize("checkpoint_id,step", [(100, 100), ("100", 100), ("/ckpt/step-100", 100),
+                                                ("/r/j/step-000000000100", 100), ("step-0", 0)])
+def test_a_checkpoint_id_that_names_a_step(checkpoint_id: Any, step: int):
+    from ckptd_client.dcp.step_id import step_of
+    assert StorageWriter.validate_checkpoint_id(checkpoint_id) is True
+    assert step_of(checkpoint_id) == step

@@ -9,7 +9,7 @@ from ckptd.core.names import INDEX_NAME, MAX_STEP
 
 from ..errors import CheckpointError
 
-_STEP = re.compile(r"^step-(\d+)\Z")
+_STEP = re.compile(r"^(?:step-)?([0-9]{1,13})\Z")     # ASCII digits only (\d takes '²' and '٣'), bounded
 
 
 def step_of(checkpoint_id: Any) -> int:
@@ -23,10 +23,10 @@ def step_of(checkpoint_id: Any) -> int:
         except TypeError:
             base = ""
         m = _STEP.match(base)
-        if not (base.isdigit() or m):
+        if not m:
             raise CheckpointError(f"checkpoint_id {checkpoint_id!r} names no step: ckptd keeps checkpoints by "
                                   "step number; pass the step (100), or a path ending in 'step-100'")
-        step = int(m.group(1) if m else base)
+        step = int(m.group(1))
     if not 0 <= step < MAX_STEP:
         raise CheckpointError(f"checkpoint_id {checkpoint_id!r}: step {step} is not in [0, {MAX_STEP})")
     return step
