@@ -176,9 +176,7 @@ def flatten_state(state: dict[str, Any], fence_on: Sequence[torch.optim.Optimize
 
     def on_other(path: str, obj: Any) -> Any:
         sd = taken[id(obj)] if id(obj) in taken else replacement(obj, path, sharded_model, top_optimizers)
-        if isinstance(obj, torch.nn.Module):
-            stable.update(dtensor.storage_key(p) for p in obj.parameters())
-        elif isinstance(obj, torch.optim.Optimizer):
+        if isinstance(obj, torch.optim.Optimizer):
             add_optimizer(obj)        # after: get_optimizer_state_dict may create the state
         return sd
 
@@ -194,7 +192,9 @@ def flatten_state(state: dict[str, Any], fence_on: Sequence[torch.optim.Optimize
     for opt in fence_on:
         add_optimizer(opt)
     stable.discard(0)
-    # Without an optimizer whose step is fenced there is nothing to fence on: nothing is deferred.
+    # Without an optimizer whose step is fenced there is nothing to fence on: nothing is deferred. Only what
+    # the fence guards is: a fenced optimizer's parameters and state. A module's other parameters (an EMA
+    # model, frozen layers) may change when no step runs (an AMP scaler skips one, then the EMA updates).
     deferrable = frozenset(i for i, (_, t) in enumerate(tensors)
                            if optimizers and t.numel() and t.data_ptr() in stable)
     return FlatState(tree, tensors, deferrable, optimizers, placements, sharded)

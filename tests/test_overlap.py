@@ -218,3 +218,42 @@ def test_a_fence_interrupted_by_ctrl_c_still_holds_the_next_step(daemon):
     ck.close()
     assert sorted(got) == sorted(want)
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
+
+
+def test_an_ema_updated_when_the_scaler_skips_the_step_is_saved_as_it_was(daemon):
+    """An AMP loop with an EMA model (AveragedModel) and overlapped saves: when the scaler skips the
+    optimizer's step (inf grads, as an fp16 overflow gives), the step pre-hook, the only fence, never runs,
+    and the EMA update after it wrote into parameters the copy thread was still copying: a committed step
+    holding an EMA that never existed. Only what the fence guards (a fenced optimizer's parameters and
+    state) is deferred now; an EMA's parameters are copied before save() returns."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+    torch.manual_seed(0)
+    width = 2048
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+    state = {"model": model, "optim": opt, "scaler": scaler, "ema": ema}
+    x = torch.randn(2, width)
+
+    def train_step(overflow: bool) -> None:
+        opt.zero_grad()
+        loss = model(x).pow(2).mean() * (float("inf") if overflow else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)                  # skipped when the grads are not finite: no optimizer.step()
+        scaler.update()
+        ema.update_parameters(model)
+
+    ck = ckptd_client.Checkpointer("ema", socket=str(daemon.socket))
+    torn = []
+    for rnd in range(1, 7):
+        train_step(overflow=False)
+        want = {k: v.clone() for k, v in ema.state_dict().items()}
+        h = ck.save(rnd, state)
+        train_step(overflow=True)
+        h.wait(60)
+        step_path = f"{ck.resolve_root()}/ema/step-{rnd:012d}"
+        torn += [(rnd, k) for k, v in want.items()
+                 if not torch.equal(ckptd_client.load_tensor(step_path, f"ema/{k}"), v)]
+    ck.close()
+    assert torn == []
