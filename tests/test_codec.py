@@ -348,3 +348,17 @@ def test_scratch_is_per_thread() -> None:
     for t in threads:
         t.join()
     assert not np.shares_memory(grabbed[0], grabbed[1])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
+def test_bplane_round_trips_where_words_are_big_endian(monkeypatch, dtype: str) -> None:
+    """The decoder copies each plane into its byte of every word; plane i is the word's value byte i,
+    which lies at memory byte i only on a little-endian host. With the words' byte order big-endian (as
+    numpy's native uints are on such a host, simulated here) 4- and 8-byte floats failed their checksum."""
+    monkeypatch.setattr(codec, "_UINT", {2: np.dtype(">u2"), 4: np.dtype(">u4"), 8: np.dtype(">u8")})
+    t = torch.randn(10_007).to(getattr(torch, dtype))
+    raw = memoryview(t.view(torch.uint8).numpy())
+    parts, meta = codec.encode_chunk(raw, dtype, "bplane")
+    out = bytearray(len(raw))
+    codec.decode_chunk(b"".join(bytes(p) for p in parts), meta, dtype, memoryview(out))
+    assert bytes(out) == bytes(raw)

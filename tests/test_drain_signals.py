@@ -66,3 +66,27 @@ def test_sighup_drains_like_sigterm(daemon_factory):
     assert verify_step(str(d.root / "j" / "step-000000000001")) == []
     assert not d.socket.exists()
     assert "stopping on SIGHUP" in d.log.read_text()
+
+
+def test_a_daemon_started_under_nohup_outlives_sighup(tmp):
+    """`nohup ckptd serve …` (README, docs/operations.md: to outlive the terminal) starts the daemon
+    with SIGHUP ignored; its SIGHUP handler replaced that, so a closing terminal drained and stopped it.
+    Where SIGHUP is ignored at start it stays ignored: the daemon goes on serving."""
+    from conftest import wait_for_socket
+    sock = tmp / "d.sock"
+    log = open(tmp / "d.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "ckptd", "serve", "--root", str(tmp / "root"),
+                             "--socket", str(sock)], stdout=log, stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        wait_for_socket(sock, proc)
+        proc.send_signal(signal.SIGHUP)
+        with ckptd_client.Checkpointer("j", socket=str(sock)) as ck:    # still serving after it
+            ck.save(1, {"w": torch.ones(64)}).wait(60)
+        r, _ = status(str(sock))
+        assert r.returncode == 0 and proc.poll() is None, r.stderr
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        log.close()
+    assert "stopping on SIGHUP" not in (tmp / "d.log").read_text()

@@ -29,6 +29,7 @@ there; the temporaries are per-thread scratch arrays reused across chunks.
 """
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -258,8 +259,9 @@ def _merge_planes(planes: list[Any], itemsize: int, out: memoryview) -> None:
         np.bitwise_or(words, low, out=words)
     else:
         as_bytes = words.view(np.uint8).reshape(n, itemsize)
-        for i, plane in enumerate(planes):
-            as_bytes[:, i] = np.frombuffer(plane, dtype=np.uint8)
+        big = ut.byteorder == ">" or (ut.byteorder == "=" and sys.byteorder == "big")
+        for i, plane in enumerate(planes):          # plane i: the words' value byte i, wherever it lies in memory
+            as_bytes[:, itemsize - 1 - i if big else i] = np.frombuffer(plane, dtype=np.uint8)
     np.right_shift(words, ut.type(1), out=low)
     np.left_shift(words, ut.type(itemsize * 8 - 1), out=words)
     np.bitwise_or(words, low, out=words)

@@ -129,8 +129,10 @@ class Daemon:
                             extra={"ctx": {"socket": self.socket_path, "configured": self.config.socket_path}})
         sock.setblocking(False)
         # SIGHUP too: a daemon started by hand (`ckptd serve … &`) gets it when its terminal closes, and
-        # its default action killed it at once (no drain: the saves in flight lost, the socket left).
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        # its default action killed it at once (no drain: the saves in flight lost, the socket left). But
+        # not where it is ignored already: `nohup ckptd serve` asked to outlive its terminal.
+        hup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
+        for sig in (signal.SIGTERM, signal.SIGINT, *hup):
             try:
                 loop.add_signal_handler(sig, self.stop, sig)
             except (RuntimeError, ValueError):
