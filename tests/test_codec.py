@@ -357,7 +357,7 @@ def test_bplane_round_trips_where_words_are_big_endian(monkeypatch, dtype: str) 
     numpy's native uints are on such a host, simulated here) 4- and 8-byte floats failed their checksum."""
     monkeypatch.setattr(codec, "_UINT", {2: np.dtype(">u2"), 4: np.dtype(">u4"), 8: np.dtype(">u8")})
     t = torch.randn(10_007).to(getattr(torch, dtype))
-    raw = memoryview(t.view(torch.uint8).numpy())
+    raw = memoryview(t.view(torch.uint8).numpy().tobytes())
     parts, meta = codec.encode_chunk(raw, dtype, "bplane")
     out = bytearray(len(raw))
     codec.decode_chunk(b"".join(bytes(p) for p in parts), meta, dtype, memoryview(out))
