@@ -114,3 +114,19 @@ def test_daemon_refuses_to_serve_an_unwritable_root(bad_root: Path, tmp: Path) -
     assert proc.returncode == 1, out
     assert "serving" not in out, out
     assert_names_the_fix(out, bad_root)
+
+
+def test_a_read_only_root_is_named_as_such(tmp: Path) -> None:
+    """A root on a read-only mount (a bind mount with -o ro here; ProtectSystem=strict under systemd)
+    was refused with "chown …, or chmod u+rwx", which fail the same way there (EROFS). Now the message
+    says the file system is read-only, and what to do."""
+    from test_shm_dir import mounted_tmpfs
+    mounts = mounted_tmpfs(tmp / "ro", "size=1m,ro")
+    root = next(mounts)
+    try:
+        r = run("serve", "--check-config", "--root", str(root), "--socket", str(tmp / "d.sock"))
+        text = r.stdout + r.stderr
+        assert r.returncode != 0 and "EROFS" in text and "read-only here: remount it read-write" in text, text
+        assert "chown" not in text, text
+    finally:
+        next(mounts, None)

@@ -29,9 +29,13 @@ def _user() -> str:
 def _fix(root: str, e: OSError) -> str:
     code = errno.errorcode.get(e.errno or 0, str(e.errno))
     user = _user()
-    return (f"cannot write the checkpoint root {root}: {code}: {e.strerror or e}"
-            + (f" ({e.filename})" if e.filename and e.filename != root else "")
-            + f"; the daemon runs as user {user!r}: make the root a directory it owns "
+    head = (f"cannot write the checkpoint root {root}: {code}: {e.strerror or e}"
+            + (f" ({e.filename})" if e.filename and e.filename != root else ""))
+    if e.errno == errno.EROFS:          # (chown and chmod would fail the same way)
+        return (head + "; its file system is read-only here: remount it read-write or give another root; "
+                f"under systemd (ProtectSystem=strict makes paths read-only) list it in the unit's "
+                f"ReadWritePaths= (`systemctl edit ckptd.service`: [Service] ReadWritePaths={root})")
+    return (head + f"; the daemon runs as user {user!r}: make the root a directory it owns "
             f"(`chown {user}: {root}`, or `chmod u+rwx`), and under systemd list it in the unit's "
             f"ReadWritePaths= (`systemctl edit ckptd.service`: [Service] ReadWritePaths={root})")
 
