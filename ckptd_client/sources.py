@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from ckptd.core import step_files
 from ckptd.core.errors import FormatError
 from ckptd.core.gc_pause import gc_paused
-from ckptd.core.names import step_dir
+from ckptd.core.names import memory_job, step_dir
 from ckptd.core.reader import StepReader
 
 from .bucket_restore import BucketStaging
@@ -234,6 +235,12 @@ class LocalFiles(Source):
         self.staging.for_rank(step)
         path = step_dir(r.root(), r.job, step)
         if not os.path.isdir(path):
+            if step_files.is_committed(step_dir(r.root(), memory_job(r.job), step)):
+                raise CheckpointError(
+                    f"step {step} of job {r.job!r} is a memory-level step: no files hold it, only the daemons' "
+                    "memory, and none served it (a Checkpointer with memory=False does not ask them; a restart of "
+                    "every daemon holding it loses it): restore it with memory=True while a daemon holds it, or "
+                    "restore an earlier storage step (`ckptd ls` lists both)")
             raise CheckpointError(f"step {step} of job {r.job!r} does not exist under {r.root()}")
         try:
             stats = ReadStats()
@@ -278,7 +285,13 @@ def run_chain(chain: Sequence[Source], step: int, state: dict[str, Any],
     passed: list[Unavailable] = [] if skipped is None else [skipped]
     for source in chain:
         with gc_paused():     # a trainer's heap is large: a full collection mid-restore cost 17 ms a go
-            got = source.serve(step, state)
+            try:
+                got = source.serve(step, state)
+            except CheckpointError as e:        # (and why the sources before it could not)
+                if passed and type(e) is CheckpointError:
+                    raise CheckpointError(f"{e}; before it, " + "; ".join(f"{u.source}: {u.reason}"
+                                                                          for u in passed)) from e
+                raise
         if isinstance(got, Served):
             return RestoreInfo.of(step, got, started, tuple(passed))
         passed.append(got)

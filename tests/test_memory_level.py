@@ -156,6 +156,28 @@ def test_memory_level_save_needs_the_memory_tier(daemon_factory: Any) -> None:
     ck.close()
 
 
+def test_an_explicit_memory_level_step_no_daemon_holds_says_so(daemon_factory: Any) -> None:
+    """restore(step=N) of a memory-level step the daemons no longer hold (every one restarted), or with
+    memory=False (which does not ask them), said "step N does not exist" while `ckptd ls` lists it as
+    memory-level. Now the error says what it is, why memory did not serve it, and what to do."""
+    d = daemon_factory()
+    with ckptd_client.Checkpointer("gone", socket=str(d.socket)) as ck:
+        ck.save(4, {"w": torch.full((8,), 4.0)}).wait(60)
+        ck.save(5, {"w": torch.full((8,), 5.0)}, level="memory").wait(60)
+    with ckptd_client.Checkpointer("gone", socket=str(d.socket), memory=False) as ck:
+        with pytest.raises(CheckpointError, match="step 5 of job 'gone' is a memory-level step") as e:
+            ck.restore({"w": torch.zeros(8)}, step=5)
+        assert "memory=False" in str(e.value)
+    d.kill()
+    d = daemon_factory(root=d.root)                 # every daemon holding it restarted
+    with ckptd_client.Checkpointer("gone", socket=str(d.socket)) as ck:
+        with pytest.raises(CheckpointError, match="is a memory-level step") as e:
+            ck.restore({"w": torch.zeros(8)}, step=5)
+        assert "before it, memory-level: " in str(e.value), str(e.value)
+        live = {"w": torch.zeros(8)}
+        assert ck.restore(live) == 4 and torch.equal(live["w"], torch.full((8,), 4.0))
+
+
 VOTE_WORKER = '''
 import json, os, sys
 import torch, torch.distributed as dist
