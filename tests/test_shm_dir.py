@@ -130,3 +130,27 @@ def test_a_full_shm_dir_refuses_the_slots_and_names_it(small_tmpfs: Path, daemon
     assert ck.restore(out) == 1 and torch.equal(out["w"], state["w"])
     ck.close()
     assert d.proc.poll() is None
+
+
+def test_a_memory_level_save_that_does_not_fit_shm_dir_names_it(tmp: Path, daemon_factory) -> None:
+    """A memory-level save whose held copy does not fit memory.shm_dir failed with "rank 0 shard write
+    failed: ENOSPC", sending the user to the root's disk; a memory-level step writes no shard. The
+    reason now names the daemon's shared memory (the shm_dir) and what to do."""
+    mounts = mounted_tmpfs(tmp / "mnt16", "size=16m,mode=0700")
+    mnt = next(mounts)
+    try:
+        shm_dir = mnt / "shm"
+        shm_dir.mkdir(mode=0o700)
+        d = daemon_factory("--shm-dir", str(shm_dir), "--memory-steps", "1")
+        ck = ckptd_client.Checkpointer("j", socket=str(d.socket), num_slots=1)
+        state = {"w": torch.randn(9 << 18)}                            # 9 MiB: a slot and no second copy fit
+        ck.save(1, state).wait(60)
+        with pytest.raises(ckptd_client.CheckpointError) as e:
+            ck.save(2, state, level="memory").wait(60)
+        assert f"shared memory (memory.shm_dir {shm_dir.resolve()})" in str(e.value), str(e.value)
+        assert "ENOSPC" in str(e.value) and "save this step to storage" in str(e.value)
+        out = {"w": torch.zeros(9 << 18)}
+        assert ck.restore(out) == 1 and torch.equal(out["w"], state["w"])
+        ck.close()
+    finally:
+        next(mounts, None)

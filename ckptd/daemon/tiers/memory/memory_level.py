@@ -37,6 +37,8 @@ from ckptd.core.rank_record import summarize
 from ckptd.core.reader import memory_level_steps
 from ckptd.core.schema import TensorLayout, digest_bytes, encode_json
 from ckptd.core.step_files import remove_rank_files, remove_step
+from ckptd.daemon import shm
+from ckptd.daemon.runtime import describe_error
 from ckptd.daemon.tiers.base import ShardRef, ShardWritten, SlotLoan
 from ckptd.daemon.tiers.memory.store import LOCAL, Held, MemoryStore, new_memfd
 
@@ -72,7 +74,14 @@ async def hold_shard(store: MemoryStore, pool: Executor, root: str, chunk_bytes:
             sums = await loop.run_in_executor(pool, layout_checksums, data, layout, chunk_bytes)
         else:
             def copy() -> tuple[tuple[str, ...], ...]:
-                held.fd, held.mm = new_memfd(f"ckptd-mem-{ref.step}-r{ref.rank}", nbytes)
+                try:
+                    held.fd, held.mm = new_memfd(f"ckptd-mem-{ref.step}-r{ref.rank}", nbytes)
+                except OSError as e:        # (named: not a write to the root's disk, where one would look)
+                    where = shm.place().dir
+                    in_ = f"memory.shm_dir {where}" if where else "memfds"
+                    raise NotHeld(f"memory-level step {ref.step}: rank {ref.rank}'s {nbytes}-byte copy could not "
+                                  f"be made in the daemon's shared memory ({in_}): {describe_error(e)}; free or "
+                                  "grow it, or save this step to storage") from e
                 return copy_in(held, data, layout, chunk_bytes)
             try:
                 sums = await loop.run_in_executor(pool, copy)
