@@ -9,7 +9,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ckptd.core import names, protocol
-from ckptd.core.names import job_dir, step_dir_name
+from ckptd.core.names import job_dir
 from ckptd.core.protocol import CommitMode, EventOp, SaveLevel
 from ckptd.core.reader import latest_committed
 from ckptd.core.relay_record import RankOutcome
@@ -200,7 +200,7 @@ class Checkpointer:
         overlap = self.overlap if overlap is None else parse_overlap(overlap)
         busy, level = parse_when_busy(when_busy or self.when_busy), parse_level(level)
         fence_optims = fence_list(fence_on)
-        step_dir_name(step)  # validates the step number
+        step = names.step_number(step)   # validated (a NumPy int taken as an int)
         try:
             self.fence()
             t0 = time.perf_counter()
@@ -322,7 +322,7 @@ class Checkpointer:
         refuse_closed(self._closed, "restore")
         self.fence()
         try:
-            got = self._restore(state, step, per_rank, strict)
+            got = self._restore(state, None if step is None else names.step_number(step), per_rank, strict)
         except BaseException:
             self._agreements.settle(wait=False)     # a failed restore fails the job: say so now
             raise

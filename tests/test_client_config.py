@@ -116,3 +116,18 @@ def test_numpy_scalars_are_taken_as_the_plain_numbers_they_are() -> None:
         ckptd_client.CheckpointerConfig(commit_timeout=np.bool_(True))   # type: ignore[arg-type]
     with pytest.raises(TypeError, match="num_slots must be an int"):
         ckptd_client.CheckpointerConfig(num_slots=np.float64(2.0))
+
+
+def test_a_numpy_step_number_is_taken_and_a_bool_or_float_is_not(daemon) -> None:
+    """A loop counting steps in NumPy (np.int64) had save(np.int64(7), …) refused: "step must be an
+    integer …, got np.int64(7)". An integer type that says it is one is taken; bools and floats are not."""
+    import numpy as np
+    with ckptd_client.Checkpointer("np", socket=str(daemon.socket)) as ck:
+        ck.save(np.int64(7), {"w": torch.full((4,), 7.0)}).wait(60)
+        live = {"w": torch.zeros(4)}
+        assert ck.restore(live, np.uint16(7)) == 7 and torch.equal(live["w"], torch.full((4,), 7.0))
+        bad: Any
+        for bad in (True, np.True_, 7.0, np.float64(8)):
+            with pytest.raises(ValueError, match="step must be an integer"):
+                ck.save(bad, {"w": torch.zeros(4)})
+    assert sorted(p.name for p in (daemon.root / "np").iterdir()) == ["step-000000000007"]

@@ -9,6 +9,7 @@ protocol.py) and builds it from these checks, so a bound is written once.
 """
 from __future__ import annotations
 
+import operator
 import os
 import re
 import time
@@ -78,6 +79,17 @@ def is_uint(v: Any) -> TypeGuard[int]:
 def is_step(v: Any) -> TypeGuard[int]:
     """A step number: an integer in [0, MAX_STEP)."""
     return type(v) is int and 0 <= v < MAX_STEP
+
+
+def step_number(v: Any) -> int:
+    """``v`` as a step number (``check_step``), an integer of another type that says it is one (NumPy's,
+    through ``__index__``) taken as the int it is; a bool never is one."""
+    if type(v) is not int and not isinstance(v, bool):
+        try:
+            v = operator.index(v)
+        except TypeError:
+            pass
+    return check_step(v)
 
 
 def check_step(v: Any) -> int:
