@@ -155,7 +155,8 @@ def flatten_state(state: dict[str, Any], fence_on: Sequence[torch.optim.Optimize
     def claim(path: str) -> str:
         validate_tensor_name(path)
         if path in names:
-            raise ValueError(f"two tensors map to the same name {path!r} (a key containing '/'?)")
+            raise ValueError(f"two tensors map to the same name {path!r} (a key containing '/', or an int key "
+                             "and a str key of the same text?): rename one of the keys")
         names.add(path)
         return path
 

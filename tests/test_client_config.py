@@ -131,3 +131,19 @@ def test_a_numpy_step_number_is_taken_and_a_bool_or_float_is_not(daemon) -> None
             with pytest.raises(ValueError, match="step must be an integer"):
                 ck.save(bad, {"w": torch.zeros(4)})
     assert sorted(p.name for p in (daemon.root / "np").iterdir()) == ["step-000000000007"]
+
+
+def test_a_socket_path_over_af_unix_s_limit_is_named_as_such() -> None:
+    """A socket path over 107 bytes failed with "cannot reach the ckptd daemon … Start one with `ckptd serve
+    … --socket <that same path>`", which no daemon can listen on either. It now says the path is too long."""
+    ck = ckptd_client.Checkpointer("long", socket="/tmp/" + "s" * 120 + ".sock")
+    with pytest.raises(ckptd_client.CheckpointError, match=r"is 130 bytes, over AF_UNIX's 107: give the daemon"):
+        ck.save(1, {"w": torch.zeros(2)})
+    ck.close()
+
+
+def test_an_int_and_a_str_key_of_one_text_are_named_as_the_collision_they_are(daemon) -> None:
+    """{1: t, "1": u} map to one tensor name; the error guessed "a key containing '/'", the wrong cause."""
+    with ckptd_client.Checkpointer("keys", socket=str(daemon.socket)) as ck:
+        with pytest.raises(ValueError, match="an int key and a str key of the same text"):
+            ck.save(1, {"d": {1: torch.zeros(2), "1": torch.ones(2)}})

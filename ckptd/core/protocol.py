@@ -273,6 +273,9 @@ def connect(path: str, timeout: float | None = 10.0) -> socket.socket:
         sock.connect(path)
     except OSError as e:
         sock.close()
+        if len(os.fsencode(path)) > 107:        # (AF_UNIX's limit: no daemon can listen there either)
+            raise ConnectionError(f"the socket path {path} is {len(os.fsencode(path))} bytes, over AF_UNIX's 107: "
+                                  "give the daemon and socket= a shorter path (e.g. under /tmp or /run)") from None
         raise ConnectionError(
             f"cannot reach the ckptd daemon at {path}: {e.strerror or e}. Start one with "
             f"`ckptd serve --root DIR --socket {path}` (or `systemctl start ckptd.socket`), "
