@@ -287,8 +287,8 @@ def run_chain(chain: Sequence[Source], step: int, state: dict[str, Any],
         with gc_paused():     # a trainer's heap is large: a full collection mid-restore cost 17 ms a go
             try:
                 got = source.serve(step, state)
-            except CheckpointError as e:        # (and why the sources before it could not)
-                if passed and type(e) is CheckpointError:
+            except CheckpointError as e:        # (and why a newer memory-level step could not serve)
+                if skipped is not None and type(e) is CheckpointError:
                     raise CheckpointError(f"{e}; before it, " + "; ".join(f"{u.source}: {u.reason}"
                                                                           for u in passed)) from e
                 raise

@@ -51,35 +51,48 @@ def test_a_draining_daemon_answers_status_and_refuses_new_sessions_at_once(daemo
     assert verify_step(str(d.root / "j" / "step-000000000001")) == []
 
 
-def test_sighup_drains_like_sigterm(daemon_factory):
+def serve(tmp, *args: str, hup: object) -> subprocess.Popen[bytes]:
+    """``ckptd serve`` on tmp/root and tmp/d.sock (log tmp/d.log) with SIGHUP's disposition set to ``hup``
+    first: a daemon inherits it, and the test runner may itself run with SIGHUP ignored (nohup)."""
+    from conftest import wait_for_socket
+    with open(tmp / "d.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "ckptd", "serve", "--root", str(tmp / "root"),
+                                 "--socket", str(tmp / "d.sock"), "--log-format", "plain", *args],
+                                stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: signal.signal(signal.SIGHUP, hup))   # type: ignore[arg-type]
+    wait_for_socket(tmp / "d.sock", proc)
+    return proc
+
+
+def test_sighup_drains_like_sigterm(tmp):
     """`ckptd serve … &` from a terminal that closes gets SIGHUP: it killed the daemon at once (rc 129,
     no drain, no log line, its socket left behind, the save in flight lost). Now it drains: the save
     commits, the log names the signal, the socket is removed, exit 0."""
-    d = daemon_factory("--debug-write-delay", "0.3", "--drain-grace", "20", "--chunk-mib", "1")
-    ck = ckptd_client.Checkpointer("j", socket=str(d.socket), memory=False, commit_timeout=60)
-    h = ck.save(1, {"w": torch.ones(1 << 20)})
-    time.sleep(0.4)
-    d.proc.send_signal(signal.SIGHUP)
-    h.wait(60)
-    ck.close(timeout=30)
-    assert d.proc.wait(60) == 0
-    assert verify_step(str(d.root / "j" / "step-000000000001")) == []
-    assert not d.socket.exists()
-    assert "stopping on SIGHUP" in d.log.read_text()
+    proc = serve(tmp, "--debug-write-delay", "0.3", "--drain-grace", "20", "--chunk-mib", "1", hup=signal.SIG_DFL)
+    try:
+        ck = ckptd_client.Checkpointer("j", socket=str(tmp / "d.sock"), memory=False, commit_timeout=60)
+        h = ck.save(1, {"w": torch.ones(1 << 20)})
+        time.sleep(0.4)
+        proc.send_signal(signal.SIGHUP)
+        h.wait(60)
+        ck.close(timeout=30)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(60)
+    assert verify_step(str(tmp / "root" / "j" / "step-000000000001")) == []
+    assert not (tmp / "d.sock").exists()
+    assert "stopping on SIGHUP" in (tmp / "d.log").read_text()
 
 
 def test_a_daemon_started_under_nohup_outlives_sighup(tmp):
     """`nohup ckptd serve …` (README, docs/operations.md: to outlive the terminal) starts the daemon
     with SIGHUP ignored; its SIGHUP handler replaced that, so a closing terminal drained and stopped it.
     Where SIGHUP is ignored at start it stays ignored: the daemon goes on serving."""
-    from conftest import wait_for_socket
+    proc = serve(tmp, hup=signal.SIG_IGN)
     sock = tmp / "d.sock"
-    log = open(tmp / "d.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "ckptd", "serve", "--root", str(tmp / "root"),
-                             "--socket", str(sock)], stdout=log, stderr=subprocess.STDOUT,
-                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
     try:
-        wait_for_socket(sock, proc)
         proc.send_signal(signal.SIGHUP)
         with ckptd_client.Checkpointer("j", socket=str(sock)) as ck:    # still serving after it
             ck.save(1, {"w": torch.ones(64)}).wait(60)
@@ -88,5 +101,4 @@ def test_a_daemon_started_under_nohup_outlives_sighup(tmp):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
-        log.close()
     assert "stopping on SIGHUP" not in (tmp / "d.log").read_text()
