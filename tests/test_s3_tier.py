@@ -193,8 +193,12 @@ def test_server_down_while_uploading_local_commits_go_on_and_uploads_complete(da
             save(d.socket, step, seed=step)
             assert os.path.exists(os.path.join(step_dir(str(d.root), JOB, step), INDEX_NAME))
         wait_for(lambda: uploads(d.socket).get("failures", 0) > 0, "a failed upload attempt")
+        # ... and it says so: uploads.problem and ckptd_bucket_ok 0 (they stayed None and 1 while every upload
+        # failed; only the start-up check set them)
+        assert protocol.request_once(str(d.socket), {"op": "status"})["uploads"]["problem"]
         srv.start()
         wait_for(lambda: uploads(d.socket).get("in_bucket") == 3, "step 3 in the bucket after the server returned")
+        assert protocol.request_once(str(d.socket), {"op": "status"})["uploads"]["problem"] is None
         up = uploads(d.socket)
         assert up["skipped"] >= 1 and up["last_error"] is None, up      # step 2 was behind step 3: skipped
         committed, _ = b.steps(JOB)

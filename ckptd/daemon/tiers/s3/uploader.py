@@ -54,7 +54,7 @@ class Uploader:
         self.settings = bucket.settings
         self.debug_delay = debug_delay            # TEST ONLY: seconds slept before each file
         self.jobs: dict[str, JobUploads] = {}
-        self.problem: str | None = None           # the start check's error, if any
+        self.problem: str | None = None           # the start check's or the last failed upload's error
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._committed_at: dict[tuple[str, int], float] = {}
         self._changed = asyncio.Event()
@@ -272,6 +272,7 @@ class Uploader:
             except (BucketError, OSError) as e:
                 j.failures += 1
                 j.last_error = describe_error(e) if isinstance(e, OSError) else str(e)
+                self.problem = j.last_error     # (ckptd_bucket_ok 0, status's problem) until an upload succeeds
                 if not is_committed(step_dir(self.root, job, step)):
                     j.skipped += 1
                     log.warning("upload skipped: the local step is gone", extra={"ctx": {"job": job, "step": step}})
