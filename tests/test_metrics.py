@@ -186,3 +186,7 @@ def test_ckptd_status_shows_ranks_progress_and_last_committed(daemon_factory, ca
     capsys.readouterr()
     assert main(["status", "--socket", str(d.socket) + ".nope"]) == 1
     assert "cannot reach the ckptd daemon" in capsys.readouterr().err
+    d.stop()                     # a restarted daemon knows the root's jobs: it said "none" until a new commit
+    d = daemon_factory(root=d.root)
+    assert "last committed step per job:\n  st: 2" in status()
+    assert json.loads(status("--json"))["last_committed"]["st"] == {"step": 2, "committed_here_unix": None}

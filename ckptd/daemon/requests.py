@@ -21,6 +21,7 @@ from ckptd.core.protocol import Abort, Commit, CommitMode, Hello, Info, MemoryFe
 from ckptd.core.rank_record import parse_records
 from ckptd.daemon.filling import FillingSlot
 from ckptd.daemon.runtime import RequestError, bounded, describe_error
+from ckptd.daemon.service import root_scan
 from ckptd.daemon.session import Session
 from ckptd.daemon.slot_pool import MIN_SLOT_BYTES
 from ckptd.daemon.streamed import StreamedShard, check_stream
@@ -89,7 +90,8 @@ class Requests:
         tier = self.d.tier
         progress = {(w.job, w.step, w.rank): await tier.written_bytes(ShardRef(w.job, w.step, w.rank, w.world_size))
                     for w in snap.shard_writes}
-        latest = {job: await tier.latest_committed(job) for job in snap.jobs()}
+        on_disk = await asyncio.get_running_loop().run_in_executor(None, root_scan.job_names, self.d.root)
+        latest = {job: await tier.latest_committed(job) for job in sorted({*snap.jobs(), *on_disk})}
         return {**snap.status(progress, latest), **({"uploads": self.d.s3.status()} if self.d.s3 else {}),
                 **({"groups": groups} if req.group else {})}, []
 

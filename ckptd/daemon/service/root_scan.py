@@ -56,6 +56,12 @@ def _jobs(root: str) -> tuple[list[str], bool]:
     return jobs, False
 
 
+def job_names(root: str) -> list[str]:
+    """The job directories under ``root``, at most ``MAX_JOBS`` (``ckptd status``: a restarted daemon's
+    jobs committed before it started, which it has no session or commit of its own for)."""
+    return _jobs(root)[0]
+
+
 def scan(root: str) -> tuple[list[JobFindings], bool]:
     """The jobs under ``root`` with something to report, and whether the scan stopped at ``MAX_JOBS``."""
     jobs, partial = _jobs(root)

@@ -125,7 +125,7 @@ class DaemonSnapshot:
                   "written_bytes": progress.get((w.job, w.step, w.rank), 0), "elapsed_s": w.elapsed_s}
                  for w in self.shard_writes]
         last: dict[str, Any] = {}
-        for job in self.jobs():
+        for job in sorted({*self.jobs(), *latest}):        # (``latest``: the root's jobs too)
             mine = self.last_committed.get(job)
             known = [s for s in (latest.get(job), mine.step if mine else None) if s is not None]
             last[job] = {"step": max(known, default=None), "committed_here_unix": mine.unix if mine else None}
