@@ -77,10 +77,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for w in settings.warnings:
         logging.getLogger("ckptd").warning(w)
     config = settings.to_daemon_config()
+    log = logging.getLogger("ckptd")      # (set up: a fatal start-up error goes out in the log's format too)
     try:
         listen_sock = systemd.listen_socket()
     except systemd.ActivationError as e:
-        print(f"ckptd serve: {e}", file=sys.stderr)
+        log.error("cannot start", extra={"ctx": {"error": str(e)}})
         return 1
     tune_allocator()
     try:
@@ -88,9 +89,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import uvloop
         uvloop.run(daemon.serve(listen_sock))
     except (RuntimeError, OSError) as e:
-        print(f"ckptd serve: {describe_error(e) if isinstance(e, OSError) else e}", file=sys.stderr)
+        log.error("cannot start", extra={"ctx": {"error": describe_error(e) if isinstance(e, OSError) else str(e)}})
         return 1
-    log = logging.getLogger("ckptd")
     if daemon.unfinished:
         # Writer threads of unfinished saves cannot be interrupted and must not be waited for:
         # their steps stay uncommitted (no index.json) and are collected as abandoned later.

@@ -190,3 +190,26 @@ def test_ckptd_status_shows_ranks_progress_and_last_committed(daemon_factory, ca
     d = daemon_factory(root=d.root)
     assert "last committed step per job:\n  st: 2" in status()
     assert json.loads(status("--json"))["last_committed"]["st"] == {"step": 2, "committed_here_unix": None}
+
+
+def test_a_fatal_start_error_is_a_log_line_in_the_log_s_format(tmp):
+    """With --log-format json, the one line a pipeline most needs (why the daemon could not start: here,
+    the metrics port taken) was printed as plain text. It is now a JSON log line like every other."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    try:
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "ckptd", "serve", "--root", str(tmp / "root"), "--socket",
+                            str(tmp / "d.sock"), "--log-format", "json", "--metrics-address", f"127.0.0.1:{port}"],
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        taken.close()
+    assert r.returncode == 1, r.stderr
+    lines = [json.loads(ln) for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]   # every line is JSON
+    fatal = [ln for ln in lines if ln["msg"] == "cannot start"]
+    assert fatal and fatal[0]["level"] == "error" and "cannot serve metrics" in fatal[0]["error"], lines

@@ -109,7 +109,8 @@ def explain(e: BaseException, what: str) -> BucketError:
     if detail == "NoSuchBucket" or (status and status.group(1) == "404" and "list request" in full):
         return BucketError(f"{what}: the bucket does not exist ({detail})")
     if "error sending request" in full or "connect" in full.lower():
-        return BucketError(f"{what}: cannot reach the endpoint ({full.split(chr(10), 1)[0][-200:]})")
+        first = full.split(chr(10), 1)[0]       # (its start: the end of a long line cut "Generic" to "ic")
+        return BucketError(f"{what}: cannot reach the endpoint ({first[:200]}{'…' if len(first) > 200 else ''})")
     return BucketError(f"{what}: {type(e).__name__}: {detail}")
 
 
