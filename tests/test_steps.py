@@ -441,7 +441,7 @@ async def test_step_timeout_fails_a_step_missing_ranks(h: Harness) -> None:
     h.now += 0.5
     await h.coord.expire()
     assert h.step_moves(1) == [F] and h.shard_moves(1, 0) == [SD, SX]
-    assert r0.last()["reason"] == "timed out after 5s waiting for ranks 1-2 to be durable"
+    assert r0.last()["reason"] == "timed out after 5s waiting for ranks 1-2 to be durable (the daemon's step_timeout)"
     assert not h.path(1).exists()
 
 
@@ -565,7 +565,8 @@ async def test_drain_fails_steps_still_waiting_for_ranks(h: Harness) -> None:
     await h.save(r0, 1, world=2)
     await until(lambda: r0.ops() == ["durable"], "rank 0 durable")
     assert await h.coord.drain(grace=5.0) == []
-    assert h.step_moves(1) == [F] and r0.last()["reason"] == "daemon shut down before every rank was durable"
+    assert h.step_moves(1) == [F]
+    assert r0.last()["reason"] == "daemon shut down before every rank was durable (see drain_grace)"
     assert not h.path(1).exists()
 
 

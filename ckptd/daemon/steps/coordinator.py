@@ -168,7 +168,7 @@ class StepCoordinator(Generic[W]):
                 continue
             try:
                 await self._fail(st, f"timed out after {self.step_timeout:g}s waiting for ranks "
-                                     f"{rank_spans(st.missing())} to be durable")
+                                     f"{rank_spans(st.missing())} to be durable (the daemon's step_timeout)")
             except Exception:  # one bad step must not stop every later timeout
                 log.exception("failing a timed-out step failed", extra={"ctx": {"job": st.job, "step": st.step}})
 
@@ -196,7 +196,7 @@ class StepCoordinator(Generic[W]):
             await asyncio.sleep(0.05)
         for st in list(self.table.steps.values()):
             if st.state is StepState.WRITING:
-                await self._fail(st, "daemon shut down before every rank was durable")
+                await self._fail(st, "daemon shut down before every rank was durable (see drain_grace)")
         return unfinished + await self._settle_commits(max(0.0, deadline - loop.time()) + self.commit_overtime)
 
     async def _settle_commits(self, timeout: float) -> list[str]:
