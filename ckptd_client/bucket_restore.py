@@ -37,8 +37,8 @@ def stage(socket_path: str, job: str, step: int | None, rank: int, world_size: i
     (every rank's data when ``all_ranks``). CheckpointError when the bucket has it but it cannot be staged.
     ``probe``: ask first whether it has a bucket (not when an earlier answer of this restore said so)."""
     try:        # first, at once, whether it has a bucket: a daemon that does not answer holds no restore up
-        if probe and ask(socket_path, protocol.Info(), timeout=INFO_TIMEOUT_S).get("bucket") is False:
-            return Staged(False)
+        if probe and ask(socket_path, protocol.Info(), timeout=INFO_TIMEOUT_S).get("bucket") is not True:
+            return Staged(False)    # (FORMAT.md: stage only where info says bucket: true; an older daemon says nothing)
     except NoReply:
         log.warning("ckptd: the daemon at %s did not answer within %gs; restoring without its bucket",
                     socket_path, INFO_TIMEOUT_S)

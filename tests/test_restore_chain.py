@@ -298,3 +298,40 @@ def test_a_stopped_daemon_does_not_hold_a_restore_for_the_bucket_timeout(daemon,
     assert r.returncode == 0, r.stderr
     assert f"RESTORED 1 {[float(i) for i in range(8)]}" in r.stdout, r.stdout + r.stderr
     assert "did not answer within 10s; restoring without its bucket" in r.stderr, r.stderr
+
+
+def test_a_daemon_whose_info_says_nothing_of_a_bucket_is_not_asked_to_stage(tmp):
+    """A daemon from before `info` carried `bucket` (2026-12-01's) answered it without the field, and
+    refused `stage` without an error code: a current client asked it to stage anyway and turned the refusal
+    into "restore from the bucket: this daemon has no object-storage tier", so a job that upgraded its
+    client before its nodes' daemons could not restore, nor even start. FORMAT.md: stage only where info
+    says bucket: true. The daemon here is such an old one, speaking the wire protocol on a real socket."""
+    from ckptd.core import protocol
+    from ckptd_client.bucket_restore import stage
+    path = str(tmp / "old.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(4)
+    asked: list[str] = []
+
+    def serve() -> None:
+        for _ in range(2):
+            conn, _ = server.accept()
+            with conn:
+                msg = protocol.FrameReceiver(conn).read()
+                assert msg is not None
+                asked.append(msg["op"])
+                if msg["op"] == "info":
+                    protocol.send_frame(conn, {"op": "ok", "req": msg["req"], "root": str(tmp), "version": "0.1.0",
+                                               "pid": 1})
+                else:
+                    protocol.send_frame(conn, {"op": "error", "req": msg["req"],
+                                               "reason": "this daemon has no object-storage tier (s3.url is not set)"})
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        assert stage(path, "j", None, 0, 1).bucket is False     # no bucket: the root's files decide
+        assert asked == ["info"]
+    finally:
+        server.close()

@@ -271,7 +271,7 @@ def parse_manifest(data: bytes, *, job: str, step: int, rank: int) -> Manifest:
     require(isinstance(obj, dict), "manifest is not an object")
     require(obj.get("format_version") in MANIFEST_VERSIONS,
              f"unsupported manifest format_version {obj.get('format_version')!r} (this build reads "
-             f"{', '.join(map(str, MANIFEST_VERSIONS))})")
+             f"{', '.join(map(str, MANIFEST_VERSIONS))}; a newer ckptd wrote it: upgrade ckptd here to read it)")
     require(obj.get("kind") == "ckptd.rank-manifest", "not a rank manifest")
     require(obj.get("job") == job and obj.get("step") == step and obj.get("rank") == rank,
              f"manifest names job/step/rank {obj.get('job')!r}/{obj.get('step')!r}/{obj.get('rank')!r}, "
@@ -366,7 +366,7 @@ def parse_index(data: bytes, *, job: str, step: int) -> dict[str, Any]:
     require(isinstance(obj, dict) and obj.get("kind") == "ckptd.index", "not a ckptd index")
     require(obj.get("format_version") in INDEX_VERSIONS,
              f"unsupported index format_version {obj.get('format_version')!r} (this build reads "
-             f"{', '.join(map(str, INDEX_VERSIONS))})")
+             f"{', '.join(map(str, INDEX_VERSIONS))}; a newer ckptd wrote it: upgrade ckptd here to read it)")
     require(obj.get("job") == job and obj.get("step") == step,
              f"index names job/step {obj.get('job')!r}/{obj.get('step')!r}, expected {job!r}/{step}")
     ws = obj.get("world_size")
