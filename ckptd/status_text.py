@@ -31,6 +31,12 @@ def memory_lines(mem: dict[str, Any] | None) -> list[str]:
     out = [f"memory tier: {_mib(mem['used_bytes'])} of {_mib(mem['budget_bytes'])} held, newest "
            f"{mem['steps_per_job']} committed step(s) per job; held={t['held']} evicted={t['evicted']} "
            f"not-held={t['skipped']} served={t['served']} corrupt={t['corrupt']}"]
+    level = mem.get("memory_level")
+    if level and (level["saves_started"] or level["last_committed"]):     # (save(level="memory"), counted apart)
+        newest = ", ".join(f"{j}@{c['step']}" for j, c in level["last_committed"].items())
+        out.append(f"memory-level saves: held={level['saves_held']} failed={level['saves_failed']} "
+                   f"({_mib(level['bytes_held'])} held, never written), steps committed={level['steps_committed']} "
+                   f"failed={level['steps_failed']}" + (f"; newest {newest}" if newest else ""))
     if mem.get("peer_address") or mem.get("replicas_k"):
         kind = (f"parity, {_mib(mem.get('parity_held_bytes', 0))} of parity held" if mem.get("redundancy") == "parity"
                 else f"K={mem['replicas_k']}")

@@ -83,10 +83,13 @@ class Daemon:
             steps=self.steps.step_views(), shard_writes=self.steps.shard_views(),
             slot_bytes_in_use=self.slots.in_use, slot_memory_limit=self.slots.limit,
             last_committed=dict(self.steps.last_committed),
-            metrics_address=f"{address[0]}:{address[1]}" if address else None, memory=self.memory.view(),
+            metrics_address=f"{address[0]}:{address[1]}" if address else None, memory=self.memory.view(
+                self.steps.counters(memory_level=True), dict(self.steps.table.memory_last_committed)),
             shmem_huge_pages=where.mode, shm_dir=where.dir, direct_io=self.tier.way.view())
 
-    def _durable(self, result: ShardWritten) -> None:
+    def _durable(self, job: str, result: ShardWritten) -> None:
+        if names.is_memory_job(job):      # held, never compressed or written: not a write's figures
+            return
         self.metrics.shard_durable(result.raw_bytes, result.stored_bytes, result.seconds)
         if self._trim is not None:
             self._trim.cancel()

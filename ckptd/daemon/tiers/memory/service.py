@@ -18,6 +18,7 @@ from ckptd.core import names
 from ckptd.core.protocol import MemoryFetch, level_job
 from ckptd.daemon import shm
 from ckptd.daemon.runtime import RequestError, TaskSet, describe_error
+from ckptd.daemon.service.snapshot import Counters, LastCommit
 from ckptd.daemon.settings.config import DaemonConfig
 from ckptd.daemon.tiers.base import StorageTier
 from ckptd.daemon.tiers.memory.store import Held, HeldView, MemoryStore, MemoryTotals
@@ -57,6 +58,8 @@ class MemoryView:
     rebuild_in: int = 0                      # decoded pieces this node received rebuilding lost shards
     reduce_in: int = 0                       # rows this node fetched as a holder decoding others' pieces
     pieces_out: int = 0                      # pieces and parity this node served (get_piece/parity, reduce)
+    level: Counters = field(default_factory=Counters)    # memory-level steps' own counters (steps.machine)
+    level_last: dict[str, LastCommit] = field(default_factory=dict)   # newest memory-level commit per base job
 
     def to_json(self) -> dict[str, Any]:
         copies = {(r.job, r.step, r.rank): r.copies for r in self.replicas}
@@ -82,6 +85,12 @@ class MemoryView:
                 "parity_held_bytes": self.parity_bytes, "parity_sent_bytes": self.parity_sent,
                 "rebuild_received_bytes": self.rebuild_in, "reduce_fetched_bytes": self.reduce_in,
                 "pieces_served_bytes": self.pieces_out,
+                "memory_level": {"saves_started": self.level.saves_started, "saves_held": self.level.saves_durable,
+                                 "saves_failed": self.level.saves_failed, "bytes_held": self.level.bytes_raw,
+                                 "steps_committed": self.level.steps_committed,
+                                 "steps_failed": self.level.steps_failed,
+                                 "last_committed": {j: {"step": c.step, "committed_here_unix": c.unix}
+                                                    for j, c in sorted(self.level_last.items())}},
                 "peers": {p: {"sent_bytes": c.sent_bytes, "failures": c.failures} for p, c in self.per_peer.items()}}
 
 
@@ -198,7 +207,8 @@ class MemoryService:
         for held in self.reading.pop(conn, []):
             self.store.unpin(held)
 
-    def view(self) -> MemoryView:
+    def view(self, level: Counters | None = None, level_last: dict[str, LastCommit] | None = None) -> MemoryView:
+        """``level``, ``level_last``: the memory-level steps' counters and newest commits (the coordinator's)."""
         r = self.replicator
         address = self.server.address if self.server is not None else None
         return MemoryView(self.store.steps if self.store.enabled else 0, self.store.budget, self.store.used,
@@ -212,7 +222,7 @@ class MemoryService:
                           self.parity.sent_bytes if self.parity else 0,
                           self.rebuilder.received if self.rebuilder else 0,
                           self.rebuilder.fetched if self.rebuilder else 0,
-                          self.holder.served if self.holder else 0)
+                          self.holder.served if self.holder else 0, level or Counters(), dict(level_last or {}))
 
     async def group_state(self) -> list[dict[str, Any]] | None:
         """Parity mode: every step of this node's group, protected or degraded (each member asked, each
