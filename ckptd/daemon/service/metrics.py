@@ -113,18 +113,24 @@ def _memory_metrics(m: Any) -> Iterable[Any]:
     yield GaugeMetricFamily("ckptd_memory_shards", "Shards held by the memory tier.", value=len(m.held))
     for key, doc in _MEMORY_COUNTERS.items():
         yield CounterMetricFamily(f"ckptd_memory_{key}_shards", doc, value=getattr(m.totals, key))
-    held = m.to_json()["held"]
+    shown = m.to_json()
+    held = shown["held"]
     yield GaugeMetricFamily("ckptd_memory_replicated_steps", "Steps held here whose own shards all have K + 1 "
                             "copies in memory.", value=sum(1 for s in held if s["replicated"]))
     yield CounterMetricFamily("ckptd_peer_refused", "Peer connections refused (failed authentication).",
                               value=m.peers_refused)
-    yield CounterMetricFamily("ckptd_peer_replication_failures", "Shard copies to a peer that failed.",
-                              value=m.replication_failures)
-    yield CounterMetricFamily("ckptd_peer_sent_bytes", "Bytes of shards copied to peers.", value=m.replicated_bytes)
-    sent = CounterMetricFamily("ckptd_peer_target_sent_bytes", "Bytes of shards copied to one peer.", labels=["peer"])
+    yield GaugeMetricFamily("ckptd_memory_degraded_steps", "Steps held here whose own shards are not (yet) fully "
+                            "protected by peers: a parity piece not in its holders' parity (parity mode), a shard "
+                            "short of its K + 1 copies (copies mode).", value=shown["degraded_steps"])
+    yield CounterMetricFamily("ckptd_peer_replication_failures", "Sends to peers that failed: shard copies (copies "
+                              "mode) or parity pieces (parity mode).", value=m.replication_failures)
+    yield CounterMetricFamily("ckptd_peer_sent_bytes", "Bytes sent to peers: shard copies (copies mode) or parity "
+                              "pieces (parity mode).", value=m.replicated_bytes)
+    sent = CounterMetricFamily("ckptd_peer_target_sent_bytes", "Bytes of shard copies or parity pieces sent to one "
+                               "peer.", labels=["peer"])
     failed = CounterMetricFamily("ckptd_peer_target_replication_failures",
-                                 "Shard copies to one peer that failed (stalled, refused, unreachable).",
-                                 labels=["peer"])
+                                 "Shard copies or parity pieces to one peer that failed (stalled, refused, "
+                                 "unreachable).", labels=["peer"])
     for peer, c in sorted(m.per_peer.items()):
         sent.add_metric([peer], c.sent_bytes)
         failed.add_metric([peer], c.failures)
