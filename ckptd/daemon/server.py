@@ -21,6 +21,7 @@ from ckptd.daemon.requests import Requests
 from ckptd.daemon.runtime import TaskSet, describe_error
 from ckptd.daemon.service import root_scan, systemd
 from ckptd.daemon.service.allocator import release_free_memory
+from ckptd.daemon.service.logs import Throttled
 from ckptd.daemon.service.metrics import DaemonMetrics
 from ckptd.daemon.service.root_check import check_root
 from ckptd.daemon.service.snapshot import DaemonSnapshot
@@ -68,6 +69,7 @@ class Daemon:
         self.requests = Requests(self)
         self._stopped: asyncio.Event | None = None
         self._trim: asyncio.TimerHandle | None = None
+        self.refusals = Throttled(log, "refused peer")     # one line per uid a minute (each counted: metrics)
 
     @property
     def stats(self) -> dict[str, int]:
@@ -250,8 +252,8 @@ class Daemon:
             return
         if not peer_allowed(peer, self.config.allowed_uids, self.config.allowed_gids):
             self.metrics.peers_refused.inc()
-            log.warning("refused peer", extra={"ctx": {"pid": peer.pid, "uid": peer.uid, "gid": peer.gid,
-                                                      "groups": list(peer.groups)}})
+            self.refusals.warning(f"uid {peer.uid}", {"pid": peer.pid, "uid": peer.uid, "gid": peer.gid,
+                                                      "groups": list(peer.groups)})
             await refuse(sock, peer, f"uid {peer.uid} / gid {peer.gid} is not allowed to use this ckptd daemon "
                                      f"(not in its allowed_users / allowed_groups)")
             return
