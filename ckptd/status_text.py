@@ -31,14 +31,24 @@ def memory_lines(mem: dict[str, Any] | None) -> list[str]:
     out = [f"memory tier: {_mib(mem['used_bytes'])} of {_mib(mem['budget_bytes'])} held, newest "
            f"{mem['steps_per_job']} committed step(s) per job; held={t['held']} evicted={t['evicted']} "
            f"not-held={t['skipped']} served={t['served']} corrupt={t['corrupt']}"]
+    level = mem.get("memory_level")
+    if level and (level["saves_started"] or level["last_committed"]):     # (save(level="memory"), counted apart)
+        newest = ", ".join(f"{j}@{c['step']}" for j, c in level["last_committed"].items())
+        out.append(f"memory-level saves: held={level['saves_held']} failed={level['saves_failed']} "
+                   f"({_mib(level['bytes_held'])} held, never written), steps committed={level['steps_committed']} "
+                   f"failed={level['steps_failed']}" + (f"; newest {newest}" if newest else ""))
     if mem.get("peer_address") or mem.get("replicas_k"):
-        kind = (f"parity, {_mib(mem.get('parity_held_bytes', 0))} of parity held" if mem.get("redundancy") == "parity"
-                else f"K={mem['replicas_k']}")
+        parity = mem.get("redundancy") == "parity"      # (then the sends are parity pieces, not shard copies)
+        kind = f"parity, {_mib(mem.get('parity_held_bytes', 0))} of parity held" if parity \
+            else f"K={mem['replicas_k']}"
+        what = "piece" if parity else "replication"
+        degraded = f", {mem['degraded_steps']} held step(s) degraded" if mem.get("degraded_steps") else ""
         out.append(f"peers: listening on {mem.get('peer_address') or '-'}, {kind}, "
-                   f"refused={mem['peers_refused']} replication failures={mem['replication_failures']} "
-                   f"sent {_mib(mem['replicated_bytes'])}")
+                   f"refused={mem['peers_refused']} {what} failures={mem['replication_failures']} "
+                   f"sent {_mib(mem['replicated_bytes'])}{' of pieces' if parity else ''}{degraded}")
         for peer, c in sorted(mem.get("peers", {}).items()):
-            out.append(f"  peer {peer}: sent {_mib(c['sent_bytes'])}, {c['failures']} failed copies")
+            out.append(f"  peer {peer}: sent {_mib(c['sent_bytes'])}, {c['failures']} failed "
+                       f"{'pieces' if parity else 'copies'}")
     for s in mem["held"]:
         ranks = ", ".join(f"{r}:{v['origin']}" + (" (in its slot)" if v.get("in_slot") else "")
                           + (f" {v['copies']} copies" if v["copies"] is not None else "")

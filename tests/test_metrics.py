@@ -213,3 +213,45 @@ def test_a_fatal_start_error_is_a_log_line_in_the_log_s_format(tmp):
     lines = [json.loads(ln) for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]   # every line is JSON
     fatal = [ln for ln in lines if ln["msg"] == "cannot start"]
     assert fatal and fatal[0]["level"] == "error" and "cannot serve metrics" in fatal[0]["error"], lines
+
+
+def test_memory_level_saves_counted_apart_from_storage_writes(daemon_factory, capsys):
+    """save(level="memory") holds raw bytes, never compressed or written: it is in its own counters
+    (ckptd_memory_level_*), not in the storage saves, bytes, ratio, write histograms or per-job gauges."""
+    from ckptd.cli import main
+    d = daemon_factory("--metrics-address", "0")
+    address = protocol.request_once(str(d.socket), {"op": "status"})["metrics"]
+    ck = ckptd_client.Checkpointer("ml", socket=str(d.socket))
+    state = {"w": torch.randn(1 << 18)}                    # 1 MiB, random: stored about raw
+    ck.save(10, state).wait(60)
+    for step in (11, 12, 13):
+        ck.save(step, state, level="memory").wait(60)
+    deadline = time.monotonic() + 30
+    while (m := scrape(address))["ckptd_queue_depth"] != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    raw = 1 << 20
+    assert m["ckptd_saves_started_total"] == 1 and m["ckptd_saves_durable_total"] == 1
+    assert m["ckptd_steps_committed_total"] == 1
+    assert m["ckptd_bytes_raw_total"] == raw
+    assert m["ckptd_compression_ratio_overall"] == pytest.approx(raw / m["ckptd_bytes_stored_total"])
+    assert m["ckptd_compression_ratio_overall"] < 1.2                  # (was ~4: three unwritten shards in it)
+    assert m["ckptd_compression_ratio_count"] == 1
+    assert m["ckptd_write_throughput_bytes_per_second_count"] == 1 and m["ckptd_shard_write_seconds_count"] == 1
+    assert m["ckptd_memory_level_saves_started_total"] == 3 and m["ckptd_memory_level_saves_held_total"] == 3
+    assert m["ckptd_memory_level_saves_failed_total"] == 0 and m["ckptd_memory_level_bytes_held_total"] == 3 * raw
+    assert m["ckptd_memory_level_steps_committed_total"] == 3
+    assert m['ckptd_memory_level_last_committed_step{job="ml"}'] == 13
+    assert m['ckptd_last_committed_step{job="ml"}'] == 10             # storage steps only
+    assert not [k for k in m if "_memory\"" in k or "/_memory" in k], [k for k in m if "/_memory" in k]
+    assert m['ckptd_host_bytes{job="ml",kind="held"}'] > 0
+    st = protocol.request_once(str(d.socket), {"op": "status"})
+    assert list(st["last_committed"]) == ["ml"] and st["stats"]["saves_durable"] == 1
+    level = st["memory"]["memory_level"]
+    assert level["saves_held"] == 3 and level["last_committed"]["ml"]["step"] == 13
+    capsys.readouterr()
+    assert main(["status", "--socket", str(d.socket)]) == 0
+    out = capsys.readouterr().out
+    assert "last committed step per job:\n  ml: 10\n" in out
+    assert "memory-level saves: held=3 failed=0 (3.0 MiB held, never written), steps committed=3 failed=0; " \
+        "newest ml@13" in out
+    ck.close()

@@ -284,3 +284,40 @@ def test_parity_settings_are_checked(tmp):
     with pytest.raises(ConfigError, match="must be one of"):
         load_settings(None, env={**env, "CKPTD_PEERS_REDUNDANCY": "raid"})
     assert load_settings(None, env={**env, "CKPTD_PEERS_GROUP": "3"})["peers.group"] == 3
+
+
+def test_parity_piece_sends_and_failures_in_status_and_metrics(daemon_factory, tmp, capsys):
+    """Parity mode's sends are its pieces: status and the ckptd_peer_* metrics count them (they read only
+    copies mode's replicator, so a node whose holders were all gone showed 0 failures, 0 bytes sent), the
+    text says pieces, and ckptd_memory_degraded_steps counts the held step left unprotected."""
+    from ckptd.cli import main
+
+    from test_metrics import scrape
+    addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    secret = secret_file(tmp / "secret", "s3cret-shared-by-every-node-0123456789")
+    args = ("--peer-redundancy", "parity", "--peer-group", "3", "--peer-parity", "1", "--peer-io-timeout", "2",
+            "--metrics-address", "0")
+    nodes = [daemon_factory(*peer_args(a, addrs, secret, *args), name=f"n{i}") for i, a in enumerate(addrs)]
+    address = status(nodes[0].socket)["metrics"]
+    ck = ckptd_client.Checkpointer(JOB, socket=str(nodes[0].socket))
+    ck.save(1, {"w": torch.randn(1 << 18)}).wait(60)
+    wait_for(lambda: any(s.get("protected") for s in status(nodes[0].socket)["memory"]["held"]), "step 1 protected")
+    m = scrape(address)
+    assert m["ckptd_peer_sent_bytes_total"] == 1 << 20 and m["ckptd_peer_replication_failures_total"] == 0
+    assert sum(v for k, v in m.items() if k.startswith("ckptd_peer_target_sent_bytes_total{")) == 1 << 20
+    assert m["ckptd_memory_degraded_steps"] == 0
+    nodes[1].kill()
+    nodes[2].kill()
+    ck.save(2, {"w": torch.randn(1 << 18)}).wait(60)
+    wait_for(lambda: status(nodes[0].socket)["memory"]["replication_failures"] == 2, "both piece sends failed")
+    mem = status(nodes[0].socket)["memory"]
+    assert mem["degraded_steps"] == 1 and {c["failures"] for c in mem["peers"].values()} == {1}
+    m = scrape(address)
+    assert m["ckptd_peer_replication_failures_total"] == 2 and m["ckptd_memory_degraded_steps"] == 1
+    assert {m[f'ckptd_peer_target_replication_failures_total{{peer="{a}"}}'] for a in addrs[1:]} == {1}
+    capsys.readouterr()
+    assert main(["status", "--socket", str(nodes[0].socket)]) == 0
+    out = capsys.readouterr().out
+    assert "piece failures=2 sent 1.0 MiB of pieces, 1 held step(s) degraded" in out, out
+    assert f"  peer {addrs[1]}: sent 0.5 MiB, 1 failed pieces" in out, out
+    ck.close()

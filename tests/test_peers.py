@@ -364,3 +364,39 @@ def test_a_corrupt_held_copy_read_as_pieces_gives_way_to_the_peers_replica(nodes
     assert torch.equal(out.view(torch.int32), w.view(torch.int32)) and target["n"] == 3
     assert status(b.socket)["memory"]["totals"]["corrupt"] == 1
     ck.close()
+
+
+def test_refused_peer_connections_are_counted_each_and_logged_rate_limited(daemon_factory, tmp):
+    """500 unauthenticated connections to the peer port: every one counted (peers_refused), but one
+    'peer refused' line per remote host a minute, not 500 (journald would then drop the daemon's own)."""
+    addr = f"127.0.0.1:{free_port()}"
+    d = daemon_factory(*peer_args(addr, [addr], secret_file(tmp / "s", "the-right-secret-0123456789abcdef")))
+    host, port = addr.rsplit(":", 1)
+    for _ in range(500):
+        socket.create_connection((host, int(port)), timeout=10).close()
+    wait_for(lambda: status(d.socket)["memory"]["peers_refused"] == 500, "500 refusals counted")
+    lines = [line for line in d.log_text().splitlines() if "peer refused" in line]
+    assert 1 <= len(lines) < 10, lines
+
+
+def test_throttled_logs_first_per_source_then_a_summary(caplog):
+    """logs.Throttled: the first event of each source in an interval logged, the rest counted and said in
+    one line at the interval's end (a timer on the loop)."""
+    import asyncio
+    import logging
+
+    from ckptd.daemon.service.logs import Throttled
+    logger = logging.getLogger("ckptd.test_throttled")
+
+    async def flood() -> None:
+        t = Throttled(logger, "peer refused", interval=0.3)
+        for i in range(100):
+            t.warning(f"10.0.0.{i % 2}", {"remote": f"10.0.0.{i % 2}:{1000 + i}"})
+        await asyncio.sleep(0.6)
+        t.warning("10.0.0.0", {"remote": "10.0.0.0:1"})        # a new interval: logged again
+    with caplog.at_level(logging.WARNING, logger="ckptd.test_throttled"):
+        asyncio.run(flood())
+    msgs = [(r.getMessage(), getattr(r, "ctx", {})) for r in caplog.records]
+    assert [m for m, _ in msgs] == ["peer refused", "peer refused", "peer refused: more not logged one by one",
+                                    "peer refused"], msgs
+    assert msgs[2][1]["count"] == 98 and msgs[2][1]["sources_logged"] == 2

@@ -433,6 +433,41 @@ def test_peer_not_allowed_is_refused_and_logged(daemon_factory):
 
 
 @needs_root
+def test_refused_peers_are_each_counted_and_logged_rate_limited(daemon_factory):
+    """300 connections of a user not allowed: each refused and counted (ckptd_peers_refused_total), one
+    'refused peer' line per uid a minute, not 300."""
+    import urllib.request
+    d = daemon_factory("--socket-mode", "0666", "--allow-user", "root", "--metrics-address", "0")
+    address = protocol.request_once(str(d.socket), {"op": "status"})["metrics"]
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            for _ in range(300):
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(str(d.socket))
+                    s.shutdown(socket.SHUT_WR)    # no request: the daemon closes it at once
+                    while s.recv(65536):
+                        pass
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+    def refused() -> float:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as r:
+            line = next(x for x in r.read().decode().splitlines() if x.startswith("ckptd_peers_refused_total "))
+        return float(line.split()[1])
+    deadline = time.monotonic() + 30
+    while refused() < 300 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert refused() == 300
+    lines = [x for x in d.log_text().splitlines() if "refused peer" in x]
+    assert 1 <= len(lines) < 10, lines
+
+
+@needs_root
 def test_refused_peer_gets_clear_client_error(daemon_factory):
     """The client library's connection, run as nobody, raises a CheckpointError that says why."""
     d = daemon_factory("--socket-mode", "0666", "--allow-user", "root")

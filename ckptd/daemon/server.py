@@ -21,6 +21,7 @@ from ckptd.daemon.requests import Requests
 from ckptd.daemon.runtime import TaskSet, describe_error
 from ckptd.daemon.service import root_scan, systemd
 from ckptd.daemon.service.allocator import release_free_memory
+from ckptd.daemon.service.logs import Throttled
 from ckptd.daemon.service.metrics import DaemonMetrics
 from ckptd.daemon.service.root_check import check_root
 from ckptd.daemon.service.snapshot import DaemonSnapshot
@@ -68,6 +69,7 @@ class Daemon:
         self.requests = Requests(self)
         self._stopped: asyncio.Event | None = None
         self._trim: asyncio.TimerHandle | None = None
+        self.refusals = Throttled(log, "refused peer")     # one line per uid a minute (each counted: metrics)
 
     @property
     def stats(self) -> dict[str, int]:
@@ -83,10 +85,13 @@ class Daemon:
             steps=self.steps.step_views(), shard_writes=self.steps.shard_views(),
             slot_bytes_in_use=self.slots.in_use, slot_memory_limit=self.slots.limit,
             last_committed=dict(self.steps.last_committed),
-            metrics_address=f"{address[0]}:{address[1]}" if address else None, memory=self.memory.view(),
+            metrics_address=f"{address[0]}:{address[1]}" if address else None, memory=self.memory.view(
+                self.steps.counters(memory_level=True), dict(self.steps.table.memory_last_committed)),
             shmem_huge_pages=where.mode, shm_dir=where.dir, direct_io=self.tier.way.view())
 
-    def _durable(self, result: ShardWritten) -> None:
+    def _durable(self, job: str, result: ShardWritten) -> None:
+        if names.is_memory_job(job):      # held, never compressed or written: not a write's figures
+            return
         self.metrics.shard_durable(result.raw_bytes, result.stored_bytes, result.seconds)
         if self._trim is not None:
             self._trim.cancel()
@@ -247,8 +252,8 @@ class Daemon:
             return
         if not peer_allowed(peer, self.config.allowed_uids, self.config.allowed_gids):
             self.metrics.peers_refused.inc()
-            log.warning("refused peer", extra={"ctx": {"pid": peer.pid, "uid": peer.uid, "gid": peer.gid,
-                                                      "groups": list(peer.groups)}})
+            self.refusals.warning(f"uid {peer.uid}", {"pid": peer.pid, "uid": peer.uid, "gid": peer.gid,
+                                                      "groups": list(peer.groups)})
             await refuse(sock, peer, f"uid {peer.uid} / gid {peer.gid} is not allowed to use this ckptd daemon "
                                      f"(not in its allowed_users / allowed_groups)")
             return

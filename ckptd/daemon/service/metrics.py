@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
+from ckptd.core import names
 from ckptd.daemon.service.snapshot import DaemonSnapshot
 from ckptd.daemon.tiers.fs.retention import GcResult
 
@@ -36,7 +37,8 @@ _STAT_COUNTERS = {
     "steps_committed_unsynced": ("ckptd_steps_committed_unsynced",
                                  "Steps committed (index.json renamed into place) whose directory fsync then failed: "
                                  "loadable, but they may not survive a crash."),
-    "bytes_raw": ("ckptd_bytes_raw", "Tensor bytes received in durable shards, before compression."),
+    "bytes_raw": ("ckptd_bytes_raw", "Tensor bytes received in durable shards, before compression (storage "
+                  "saves; memory-level: ckptd_memory_level_bytes_held)."),
     "bytes_stored": ("ckptd_bytes_stored", "Bytes written to data files for durable shards, after compression."),
     "bytes_direct": ("ckptd_bytes_direct", "Of ckptd_bytes_stored, the bytes written around the page cache "
                      "(O_DIRECT, direct_io)."),
@@ -78,14 +80,18 @@ class _DaemonCollector(Collector):
             last_time.add_metric([job], info.unix)
         yield last_step
         yield last_time
+        host_bytes: dict[tuple[str, str], int] = {}     # memory-level steps' held bytes under their base job
+        for job, kinds in snap.host_bytes().items():
+            for kind, n in kinds.items():
+                host_bytes[(names.base_job(job), kind)] = host_bytes.get((names.base_job(job), kind), 0) + n
         host = GaugeMetricFamily("ckptd_host_bytes", "Host memory per job, each byte once: kind=slots (trainers' "
                                  "slots not kept by the memory tier), held (this node's steps in memory, kept "
                                  "slots included), replicas (peers' shards held here).", labels=["job", "kind"])
-        for job, kinds in sorted(snap.host_bytes().items()):
-            for kind, n in kinds.items():
-                host.add_metric([job, kind], n)
+        for (job, kind), n in sorted(host_bytes.items()):
+            host.add_metric([job, kind], n)
         yield host
         yield from _memory_metrics(snap.memory)
+        yield from _memory_level_metrics(snap.memory)
         yield InfoMetricFamily("ckptd_build", "ckptd version.", value={"version": snap.version})
 
 
@@ -107,23 +113,58 @@ def _memory_metrics(m: Any) -> Iterable[Any]:
     yield GaugeMetricFamily("ckptd_memory_shards", "Shards held by the memory tier.", value=len(m.held))
     for key, doc in _MEMORY_COUNTERS.items():
         yield CounterMetricFamily(f"ckptd_memory_{key}_shards", doc, value=getattr(m.totals, key))
-    held = m.to_json()["held"]
+    shown = m.to_json()
+    held = shown["held"]
     yield GaugeMetricFamily("ckptd_memory_replicated_steps", "Steps held here whose own shards all have K + 1 "
                             "copies in memory.", value=sum(1 for s in held if s["replicated"]))
     yield CounterMetricFamily("ckptd_peer_refused", "Peer connections refused (failed authentication).",
                               value=m.peers_refused)
-    yield CounterMetricFamily("ckptd_peer_replication_failures", "Shard copies to a peer that failed.",
-                              value=m.replication_failures)
-    yield CounterMetricFamily("ckptd_peer_sent_bytes", "Bytes of shards copied to peers.", value=m.replicated_bytes)
-    sent = CounterMetricFamily("ckptd_peer_target_sent_bytes", "Bytes of shards copied to one peer.", labels=["peer"])
+    yield GaugeMetricFamily("ckptd_memory_degraded_steps", "Steps held here whose own shards are not (yet) fully "
+                            "protected by peers: a parity piece not in its holders' parity (parity mode), a shard "
+                            "short of its K + 1 copies (copies mode).", value=shown["degraded_steps"])
+    yield CounterMetricFamily("ckptd_peer_replication_failures", "Sends to peers that failed: shard copies (copies "
+                              "mode) or parity pieces (parity mode).", value=m.replication_failures)
+    yield CounterMetricFamily("ckptd_peer_sent_bytes", "Bytes sent to peers: shard copies (copies mode) or parity "
+                              "pieces (parity mode).", value=m.replicated_bytes)
+    sent = CounterMetricFamily("ckptd_peer_target_sent_bytes", "Bytes of shard copies or parity pieces sent to one "
+                               "peer.", labels=["peer"])
     failed = CounterMetricFamily("ckptd_peer_target_replication_failures",
-                                 "Shard copies to one peer that failed (stalled, refused, unreachable).",
-                                 labels=["peer"])
+                                 "Shard copies or parity pieces to one peer that failed (stalled, refused, "
+                                 "unreachable).", labels=["peer"])
     for peer, c in sorted(m.per_peer.items()):
         sent.add_metric([peer], c.sent_bytes)
         failed.add_metric([peer], c.failures)
     yield sent
     yield failed
+
+
+# Memory-level steps' counters (MemoryView.level, a Counters) → (metric name without _total, help): held in
+# memory with their peers' copies, never compressed or written, so none of them is in the storage counters.
+_LEVEL_COUNTERS = {
+    "saves_started": ("saves_started", "Memory-level shard saves accepted (one per rank per step)."),
+    "saves_durable": ("saves_held", "Memory-level shard saves held here (manifest written, K peer replicas)."),
+    "saves_failed": ("saves_failed", "Memory-level shard saves that could not be held or replicated."),
+    "bytes_raw": ("bytes_held", "Tensor bytes of memory-level shards held (raw: never compressed or written)."),
+    "steps_committed": ("steps_committed", "Memory-level steps committed by this daemon."),
+    "steps_failed": ("steps_failed", "Memory-level steps abandoned uncommitted."),
+}
+
+
+def _memory_level_metrics(m: Any) -> Iterable[Any]:
+    """Memory-level steps (save(level="memory")): their own counters and newest commit per (base) job."""
+    if m is None:
+        return
+    for key, (name, doc) in _LEVEL_COUNTERS.items():
+        yield CounterMetricFamily(f"ckptd_memory_level_{name}", doc, value=getattr(m.level, key))
+    step = GaugeMetricFamily("ckptd_memory_level_last_committed_step",
+                             "Newest memory-level step this daemon committed, per job.", labels=["job"])
+    unix = GaugeMetricFamily("ckptd_memory_level_last_commit_timestamp_seconds",
+                             "Unix time of the newest memory-level commit by this daemon, per job.", labels=["job"])
+    for job, info in sorted(m.level_last.items()):
+        step.add_metric([job], info.step)
+        unix.add_metric([job], info.unix)
+    yield step
+    yield unix
 
 
 class DaemonMetrics:

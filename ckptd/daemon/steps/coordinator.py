@@ -65,7 +65,7 @@ class StepCoordinator(Generic[W]):
     """Every step of every job in flight on this daemon."""
 
     def __init__(self, tier: StorageTier, send_event: Callable[[W, dict[str, Any]], None], *,
-                 step_timeout: float, on_durable: Callable[[ShardWritten], None] = lambda r: None,
+                 step_timeout: float, on_durable: Callable[[str, ShardWritten], None] = lambda job, r: None,
                  on_committed: Callable[[str, int, float, bool], None] = lambda job, step, latency, synced: None,
                  withdraw_commits: Callable[[], Awaitable[None]] | None = None,
                  commit_overtime: float = COMMIT_OVERTIME_S, removal_wait: float = REMOVAL_WAIT_S,
@@ -230,7 +230,7 @@ class StepCoordinator(Generic[W]):
     async def _write(self, st: Step[W], shard: Shard[W], data: memoryview | StreamedData, layout: list[TensorLayout],
                      tree: Any,
                      released: Callable[[], None], loan: SlotLoan | None) -> None:
-        rank, totals = shard.rank, self.table.totals
+        rank, totals = shard.rank, self.table.totals_for(st.job)
         ctx = {"job": st.job, "step": st.step, "rank": rank}
         log.info("writing", extra={"ctx": {**ctx, "bytes": shard.raw_bytes}})
         try:
@@ -253,7 +253,7 @@ class StepCoordinator(Generic[W]):
                 await self._fail(st, reason)
                 return
             totals.durable(result.raw_bytes, result.stored_bytes, result.direct_bytes)
-            self._on_durable(result)
+            self._on_durable(st.job, result)
             shard.move(ShardState.DURABLE)
             shard.digest = result.digest
             shard.record = result.record
@@ -305,7 +305,7 @@ class StepCoordinator(Generic[W]):
                 # so it is committed; saying "failed" would be the one false outcome.
                 log.error("index published, then its commit failed: committed, durability unconfirmed",
                           extra={"ctx": {"job": st.job, "step": st.step, "error": reason}})
-                self.table.totals.steps_committed_unsynced += 1      # (and ckptd_steps_committed_unsynced_total)
+                self.table.totals_for(st.job).steps_committed_unsynced += 1    # (ckptd_steps_committed_unsynced_total)
                 self._committed(st, synced=False)
                 return None
             await self._fail(st, reason, commit_over=True)      # (no-op when a drain settled it already)
@@ -338,7 +338,7 @@ class StepCoordinator(Generic[W]):
             return
         st.move(StepState.FAILED)
         self.table.forget(st)
-        self.table.totals.steps_failed += 1
+        self.table.totals_for(st.job).steps_failed += 1
         log.warning("step abandoned", extra={"ctx": {"job": st.job, "step": st.step, "reason": reason}})
         # Remove the durable ranks' files BEFORE telling anyone, registered in this same turn of
         # the loop (a save of the step waits for it): a client that retries the step as soon as it
@@ -386,8 +386,8 @@ class StepCoordinator(Generic[W]):
     def last_committed(self) -> dict[str, LastCommit]:
         return self.table.last_committed
 
-    def counters(self) -> Counters:
-        return self.table.counters()
+    def counters(self, memory_level: bool = False) -> Counters:
+        return self.table.memory_counters() if memory_level else self.table.counters()
 
     def step_views(self) -> tuple[StepView, ...]:
         return self.table.step_views()

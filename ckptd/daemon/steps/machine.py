@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Generic, TypeVar
 
+from ckptd.core.names import base_job, is_memory_job
 from ckptd.core.protocol import CommitMode
 from ckptd.core.rank_record import RankRecord
 from ckptd.daemon.runtime import RequestError
@@ -179,6 +180,10 @@ def awaits_commit(st: Step[Any]) -> bool:
 class StepTable(Generic[W]):
     """Every open step, every shard write still running (also of ended steps), and the totals.
 
+    Memory-level steps (job key ``<job>/_memory``) are counted apart (``memory_totals``: a held shard
+    is "durable" with its raw bytes and none stored; ``memory_last_committed`` by base job), so the
+    storage counters, the compression ratio and the per-job last commits are of storage steps only.
+
     Read from the metrics thread too (views): every walk starts from a copy of a container."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -187,6 +192,12 @@ class StepTable(Generic[W]):
         self.writing: dict[tuple[str, int, int], tuple[Step[W], Shard[W]]] = {}
         self.totals = Counters()
         self.last_committed: dict[str, LastCommit] = {}
+        self.memory_totals = Counters()                          # memory-level steps (their own counters)
+        self.memory_last_committed: dict[str, LastCommit] = {}   # ... by base job
+
+    def totals_for(self, job: str) -> Counters:
+        """The counters a step of job key ``job`` counts in: memory-level or storage."""
+        return self.memory_totals if is_memory_job(job) else self.totals
 
     def begin(self, waiter: W, job: str, step: int, rank: int, world_size: int, mode: CommitMode,
               raw_bytes: int) -> tuple[Step[W], Shard[W]]:
@@ -206,7 +217,7 @@ class StepTable(Generic[W]):
             st = self.steps[(job, step)] = Step(job, step, world_size, mode, self.clock())
         shard = st.shards[rank] = Shard(rank, raw_bytes, self.clock(), waiter, owner=waiter)
         self.writing[(job, step, rank)] = (st, shard)
-        self.totals.saves_started += 1
+        self.totals_for(job).saves_started += 1
         return st, shard
 
     def write_over(self, st: Step[W], shard: Shard[W]) -> None:
@@ -223,16 +234,20 @@ class StepTable(Generic[W]):
 
     def committed(self, st: Step[W]) -> None:
         self.forget(st)
-        self.totals.steps_committed += 1
-        prev = self.last_committed.get(st.job)
+        self.totals_for(st.job).steps_committed += 1
+        last = self.memory_last_committed if is_memory_job(st.job) else self.last_committed
+        prev = last.get(base_job(st.job))
         if prev is None or st.step >= prev.step:
-            self.last_committed[st.job] = LastCommit(st.step, time.time())
+            last[base_job(st.job)] = LastCommit(st.step, time.time())
 
     def open_steps(self, job: str) -> list[int]:
         return [st.step for st in list(self.steps.values()) if st.job == job]
 
     def counters(self) -> Counters:
         return replace(self.totals)
+
+    def memory_counters(self) -> Counters:
+        return replace(self.memory_totals)
 
     def step_views(self) -> tuple[StepView, ...]:
         now = self.clock()

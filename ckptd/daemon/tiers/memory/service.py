@@ -18,6 +18,7 @@ from ckptd.core import names
 from ckptd.core.protocol import MemoryFetch, level_job
 from ckptd.daemon import shm
 from ckptd.daemon.runtime import RequestError, TaskSet, describe_error
+from ckptd.daemon.service.snapshot import Counters, LastCommit
 from ckptd.daemon.settings.config import DaemonConfig
 from ckptd.daemon.tiers.base import StorageTier
 from ckptd.daemon.tiers.memory.store import Held, HeldView, MemoryStore, MemoryTotals
@@ -47,9 +48,9 @@ class MemoryView:
     k: int
     peer_address: str | None
     peers_refused: int
-    replication_failures: int
-    replicated_bytes: int
-    per_peer: dict[str, PeerCounts]         # each replication target's counters
+    replication_failures: int                # sends to peers that failed: shard copies, or parity pieces
+    replicated_bytes: int                    # bytes sent to peers: shard copies, or parity pieces
+    per_peer: dict[str, PeerCounts]         # each target's counters (replication targets or parity holders)
     redundancy: str = "copies"               # or "parity" (then ``protected`` and ``parity_bytes`` say)
     protected: dict[tuple[str, int, int], bool] = field(default_factory=dict)   # own shards: in their parity
     parity_bytes: int = 0                    # parity buffers this node holds for its group
@@ -57,6 +58,8 @@ class MemoryView:
     rebuild_in: int = 0                      # decoded pieces this node received rebuilding lost shards
     reduce_in: int = 0                       # rows this node fetched as a holder decoding others' pieces
     pieces_out: int = 0                      # pieces and parity this node served (get_piece/parity, reduce)
+    level: Counters = field(default_factory=Counters)    # memory-level steps' own counters (steps.machine)
+    level_last: dict[str, LastCommit] = field(default_factory=dict)   # newest memory-level commit per base job
 
     def to_json(self) -> dict[str, Any]:
         copies = {(r.job, r.step, r.rank): r.copies for r in self.replicas}
@@ -74,6 +77,11 @@ class MemoryView:
         for s in steps.values():
             own = [r["copies"] for r in s["ranks"].values() if r["copies"] is not None]
             s["replicated"] = bool(own) and self.k > 0 and all(c >= self.k + 1 for c in own)
+        # Held steps of this node not (yet) fully protected by its peers: parity, a piece not in its holders'
+        # parity; copies (K > 0), a shard short of its K + 1 copies.
+        degraded = sum(1 for s in steps.values() if any(r["origin"] == "local" for r in s["ranks"].values())
+                       and not (s.get("protected", False) if self.redundancy == "parity"
+                                else s["replicated"] or self.k == 0))
         return {"steps_per_job": self.steps, "budget_bytes": self.budget, "used_bytes": self.used,
                 "held": sorted(steps.values(), key=lambda s: (s["job"], s["step"], s["level"])),
                 "totals": vars(self.totals).copy(), "replicas_k": self.k, "peer_address": self.peer_address,
@@ -82,6 +90,13 @@ class MemoryView:
                 "parity_held_bytes": self.parity_bytes, "parity_sent_bytes": self.parity_sent,
                 "rebuild_received_bytes": self.rebuild_in, "reduce_fetched_bytes": self.reduce_in,
                 "pieces_served_bytes": self.pieces_out,
+                "degraded_steps": degraded,
+                "memory_level": {"saves_started": self.level.saves_started, "saves_held": self.level.saves_durable,
+                                 "saves_failed": self.level.saves_failed, "bytes_held": self.level.bytes_raw,
+                                 "steps_committed": self.level.steps_committed,
+                                 "steps_failed": self.level.steps_failed,
+                                 "last_committed": {j: {"step": c.step, "committed_here_unix": c.unix}
+                                                    for j, c in sorted(self.level_last.items())}},
                 "peers": {p: {"sent_bytes": c.sent_bytes, "failures": c.failures} for p, c in self.per_peer.items()}}
 
 
@@ -198,21 +213,25 @@ class MemoryService:
         for held in self.reading.pop(conn, []):
             self.store.unpin(held)
 
-    def view(self) -> MemoryView:
-        r = self.replicator
+    def view(self, level: Counters | None = None, level_last: dict[str, LastCommit] | None = None) -> MemoryView:
+        """``level``, ``level_last``: the memory-level steps' counters and newest commits (the coordinator's)."""
+        r, par = self.replicator, self.parity      # (one or neither: copies or parity mode)
+        # Sends to peers, failed and done, per target: shard copies (copies mode) or parity pieces (parity mode).
+        counts = r.per_peer if r is not None else par.per_peer if par is not None else {}
         address = self.server.address if self.server is not None else None
         return MemoryView(self.store.steps if self.store.enabled else 0, self.store.budget, self.store.used,
                           MemoryTotals(**vars(self.store.totals)), self.store.views(),
                           r.views() if r is not None else (), self.config.peers.replicas if r is not None else 0,
                           f"{address[0]}:{address[1]}" if address else None, self.refused,
-                          r.failures if r is not None else 0, r.sent_bytes if r is not None else 0,
-                          {t: PeerCounts(c.sent_bytes, c.failures) for t, c in r.per_peer.items()} if r else {},
+                          sum(c.failures for c in list(counts.values())),
+                          sum(c.sent_bytes for c in list(counts.values())),
+                          {t: PeerCounts(c.sent_bytes, c.failures) for t, c in list(counts.items())},
                           self.config.peers.redundancy, self._protected(),
                           self.holder.held_bytes() if self.holder else 0,
                           self.parity.sent_bytes if self.parity else 0,
                           self.rebuilder.received if self.rebuilder else 0,
                           self.rebuilder.fetched if self.rebuilder else 0,
-                          self.holder.served if self.holder else 0)
+                          self.holder.served if self.holder else 0, level or Counters(), dict(level_last or {}))
 
     async def group_state(self) -> list[dict[str, Any]] | None:
         """Parity mode: every step of this node's group, protected or degraded (each member asked, each

@@ -25,6 +25,7 @@ from ckptd.core.errors import ChecksumError, FormatError, ProtocolError
 from ckptd.core.held import MAX_HELD_BYTES, HeldMeta
 from ckptd.core.peer_channel import Channel
 from ckptd.daemon.runtime import describe_error
+from ckptd.daemon.service.logs import Throttled
 from ckptd.daemon.tiers.memory.store import REPLICA, Held, MemoryStore, new_memfd
 from ckptd.daemon.tiers.peers.layout import PIECE_OPS
 from ckptd.daemon.tiers.peers.tls import check_file
@@ -111,6 +112,7 @@ class PeerServer:
         self.accepting: list[asyncio.Task[None]] = []
         self.conns: dict[asyncio.Task[None], Channel] = {}
         self.address: tuple[str, int] | None = None
+        self.refusals = Throttled(log, "peer refused")      # one line per remote host a minute (logs.py)
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         """Listen on every address ``host`` resolves to (as ``asyncio.start_server`` would: IPv6
@@ -172,7 +174,7 @@ class PeerServer:
             late = isinstance(e, (asyncio.TimeoutError, TimeoutError))
             reason = f"no handshake within {self.timeout:g} s (peers.io_timeout)" if late else \
                 tls_error(e) or describe_error(e)
-            log.warning("peer refused", extra={"ctx": {"remote": where, "reason": reason}})
+            self.refusals.warning(where.rpartition(":")[0] or where, {"remote": where, "reason": reason})
             ch.close()
             return
         try:
