@@ -246,6 +246,7 @@ def test_memory_level_saves_counted_apart_from_storage_writes(daemon_factory, ca
     assert m['ckptd_host_bytes{job="ml",kind="held"}'] > 0
     st = protocol.request_once(str(d.socket), {"op": "status"})
     assert list(st["last_committed"]) == ["ml"] and st["stats"]["saves_durable"] == 1
+    assert list(st["host_bytes"]) == ["ml"], st["host_bytes"]      # not "ml/_memory" beside it
     level = st["memory"]["memory_level"]
     assert level["saves_held"] == 3 and level["last_committed"]["ml"]["step"] == 13
     capsys.readouterr()

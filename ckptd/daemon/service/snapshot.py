@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ckptd.core.names import base_job
+
 
 @dataclass
 class Counters:
@@ -146,7 +148,8 @@ class DaemonSnapshot:
         def of(job: str) -> dict[str, int]:
             return out.setdefault(job, {"slots": 0, "held": 0, "replicas": 0})
         for h in self.memory.held if self.memory is not None else ():
-            of(h.job)["replicas" if h.origin == "replica" else "held"] += h.nbytes
+            of(base_job(h.job))["replicas" if h.origin == "replica" else "held"] += h.nbytes   # (its memory-level
+            # steps are the job's own: "j/_memory" is no job of its own)
         for s in self.sessions:
             of(s.job)["slots"] += s.slot_bytes - (s.slot_bytes // s.slots if s.slots else 0) * s.held_slots
         return out
