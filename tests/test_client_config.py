@@ -127,7 +127,7 @@ def test_a_numpy_step_number_is_taken_and_a_bool_or_float_is_not(daemon) -> None
         live = {"w": torch.zeros(4)}
         assert ck.restore(live, np.uint16(7)) == 7 and torch.equal(live["w"], torch.full((4,), 7.0))
         bad: Any
-        for bad in (True, np.True_, 7.0, np.float64(8)):
+        for bad in (True, np.True_, 7.0, np.float64(8), torch.tensor(True), torch.tensor([7]), np.array(9)):
             with pytest.raises(ValueError, match="step must be an integer"):
                 ck.save(bad, {"w": torch.zeros(4)})
     assert sorted(p.name for p in (daemon.root / "np").iterdir()) == ["step-000000000007"]

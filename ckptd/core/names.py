@@ -9,6 +9,7 @@ protocol.py) and builds it from these checks, so a bound is written once.
 """
 from __future__ import annotations
 
+import numbers
 import operator
 import os
 import re
@@ -82,13 +83,11 @@ def is_step(v: Any) -> TypeGuard[int]:
 
 
 def step_number(v: Any) -> int:
-    """``v`` as a step number (``check_step``), an integer of another type that says it is one (NumPy's,
-    through ``__index__``) taken as the int it is; a bool never is one."""
-    if type(v) is not int and not isinstance(v, bool):
-        try:
-            v = operator.index(v)
-        except TypeError:
-            pass
+    """``v`` as a step number (``check_step``), an integer of another registered integer type (NumPy's:
+    ``numbers.Integral``) taken as the int it is; a bool never is one, nor a tensor or an array (whose
+    ``__index__`` takes a one-element one)."""
+    if type(v) is not int and not isinstance(v, bool) and isinstance(v, numbers.Integral):
+        v = operator.index(v)
     return check_step(v)
 
 
