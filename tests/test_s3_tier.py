@@ -210,6 +210,30 @@ def test_server_down_while_uploading_local_commits_go_on_and_uploads_complete(da
         srv.stop()
 
 
+def test_a_bucket_that_answers_again_clears_the_problem_with_nothing_left_to_upload(daemon_factory, tmp):
+    """A daemon restarted while the bucket was down set uploads.problem (ckptd_bucket_ok 0) on its first
+    listing; the bucket came back, every local step was already in it, and with nothing left to upload
+    nothing ever cleared the problem: a false alert that never ended. An answer clears it."""
+    srv = start_seaweed(tmp / "sw", port_span=SPAN)
+    try:
+        bucket = make_bucket(srv)
+        env = srv.env()
+        d = daemon_factory(*s3_args(srv, bucket), name="a", env=env)
+        save(d.socket, 1, seed=1)
+        wait_for(lambda: uploads(d.socket).get("in_bucket") == 1, "step 1 in the bucket")
+        d.stop()
+        srv.stop()
+        d = daemon_factory(*s3_args(srv, bucket), name="b", root=d.root, env=env)     # the bucket down at start
+        wait_for(lambda: protocol.request_once(str(d.socket), {"op": "status"})["uploads"]["problem"],
+                 "the problem said")
+        srv.restart()
+        wait_for(lambda: protocol.request_once(str(d.socket), {"op": "status"})["uploads"]["problem"] is None,
+                 "the problem cleared once the bucket answers", timeout=60)
+        assert uploads(d.socket).get("in_bucket") == 1
+    finally:
+        srv.stop()
+
+
 @pytest.mark.parametrize("problem", ["credentials", "bucket"])
 def test_wrong_credentials_or_missing_bucket_fail_clearly_and_local_saves_go_on(seaweed, daemon_factory, tmp,
                                                                                 problem):

@@ -217,14 +217,18 @@ class Uploader:
 
     async def _until_answered(self, fn: Callable[[], T]) -> T:
         """``fn`` (a bucket request) on a thread, again with backoff until the bucket answers."""
-        delay = 1.0
+        delay, failed = 1.0, False
         while True:
             try:
-                return await in_thread(fn)
+                got = await in_thread(fn)
             except BucketError as e:
-                self.problem = str(e)
+                self.problem, failed = str(e), True
                 await asyncio.sleep(self._backoff(delay))
                 delay *= 2
+                continue
+            if failed:
+                self.problem = None     # it answers again (nothing may be left to upload that would say so)
+            return got
 
     def _backoff(self, delay: float) -> float:
         return min(delay, self.settings.retry_max_interval) * random.uniform(0.5, 1.0)
