@@ -207,7 +207,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  step job={p['job']} step={p['step']} ({p['mode']} commit) writing={p['writing']} "
               f"durable={p['durable']} of {p['world_size']} ranks, age {p['age_s']:.1f}s")
     last = st.get("last_committed", {})
-    print("last committed step per job:" + ("" if last else " none"))
+    print("last committed step per job:" + ("" if last else " none")
+          + (" (the root's first 1000 jobs only)" if st.get("last_committed_partial") else ""))
     for job, info in sorted(last.items()):
         print(f"  {job}: {info['step'] if info['step'] is not None else '-'}")
     hosts = st.get("host_bytes") or {}

@@ -187,9 +187,15 @@ def test_ckptd_status_shows_ranks_progress_and_last_committed(daemon_factory, ca
     assert main(["status", "--socket", str(d.socket) + ".nope"]) == 1
     assert "cannot reach the ckptd daemon" in capsys.readouterr().err
     d.stop()                     # a restarted daemon knows the root's jobs: it said "none" until a new commit
+    (d.root / "backup").mkdir()  # (a directory with no step is no job to list)
     d = daemon_factory(root=d.root)
-    assert "last committed step per job:\n  st: 2" in status()
-    assert json.loads(status("--json"))["last_committed"]["st"] == {"step": 2, "committed_here_unix": None}
+    assert "last committed step per job:\n  st: 2\n" in status()
+    js = json.loads(status("--json"))
+    assert js["last_committed"] == {"st": {"step": 2, "committed_here_unix": None}}
+    assert js["last_committed_partial"] is False
+    for i in range(1000):        # past the scan's cap: said, not silently cut
+        (d.root / f"zz{i:04d}").mkdir()
+    assert "last committed step per job: (the root's first 1000 jobs only)\n  st: 2\n" in status()
 
 
 def test_a_fatal_start_error_is_a_log_line_in_the_log_s_format(tmp):

@@ -90,9 +90,11 @@ class Requests:
         tier = self.d.tier
         progress = {(w.job, w.step, w.rank): await tier.written_bytes(ShardRef(w.job, w.step, w.rank, w.world_size))
                     for w in snap.shard_writes}
-        on_disk = await asyncio.get_running_loop().run_in_executor(None, root_scan.job_names, self.d.root)
+        on_disk, partial = await asyncio.get_running_loop().run_in_executor(None, root_scan.job_names, self.d.root)
         latest = {job: await tier.latest_committed(job) for job in sorted({*snap.jobs(), *on_disk})}
-        return {**snap.status(progress, latest), **({"uploads": self.d.s3.status()} if self.d.s3 else {}),
+        latest = {job: s for job, s in latest.items() if s is not None or job in snap.jobs()}   # (a stray dir: no job)
+        return {**snap.status(progress, latest), "last_committed_partial": partial,
+                **({"uploads": self.d.s3.status()} if self.d.s3 else {}),
                 **({"groups": groups} if req.group else {})}, []
 
     async def hello(self, session: Session, h: Hello) -> Reply:

@@ -56,10 +56,11 @@ def _jobs(root: str) -> tuple[list[str], bool]:
     return jobs, False
 
 
-def job_names(root: str) -> list[str]:
-    """The job directories under ``root``, at most ``MAX_JOBS`` (``ckptd status``: a restarted daemon's
-    jobs committed before it started, which it has no session or commit of its own for)."""
-    return _jobs(root)[0]
+def job_names(root: str) -> tuple[list[str], bool]:
+    """The job directories under ``root``, at most ``MAX_JOBS``, and whether there were more (``ckptd
+    status``: a restarted daemon's jobs committed before it started, which it has no session or commit of
+    its own for)."""
+    return _jobs(root)
 
 
 def scan(root: str) -> tuple[list[JobFindings], bool]:
