@@ -217,6 +217,8 @@ def _ask(sock_path: Path, data: bytes) -> tuple[dict[str, Any] | None, bool]:
         s.settimeout(5)
         try:
             closed = s.recv(1) == b""
+        except ConnectionResetError:    # (closed with bytes of ours unread, a bad header's body: a reset)
+            closed = True
         except TimeoutError:
             closed = False
     return reply, closed

@@ -67,5 +67,5 @@ def test_a_relayed_run_closed_at_once_leaves_no_node_record(daemon):
             t.join(120)
         counts.append(stores[0].num_keys())
     assert len(runs) == 3
-    assert counts == [counts[0]] * 3, counts
+    assert counts[2] <= counts[0], counts      # (before: 3, 4, 5; the join handshake's own keys may come and go)
     assert [k for i, run in enumerate(runs, 1) for k in _keys(stores[0], "quick", run, range(i, i + 1), 2)] == []
