@@ -10,7 +10,7 @@ docs/operations.md lists every metric.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -71,15 +71,7 @@ class _DaemonCollector(Collector):
         yield GaugeMetricFamily("ckptd_slot_memory_limit_bytes", "Slot memory budget (slot_memory_limit).",
                                 value=snap.slot_memory_limit)
         yield GaugeMetricFamily("ckptd_draining", "1 while the daemon drains after SIGTERM.", value=int(snap.draining))
-        last_step = GaugeMetricFamily("ckptd_last_committed_step", "Newest step this daemon committed, per job.",
-                                      labels=["job"])
-        last_time = GaugeMetricFamily("ckptd_last_commit_timestamp_seconds",
-                                      "Unix time of the newest commit by this daemon, per job.", labels=["job"])
-        for job, info in sorted(snap.last_committed.items()):
-            last_step.add_metric([job], info.step)
-            last_time.add_metric([job], info.unix)
-        yield last_step
-        yield last_time
+        yield from _last_commits("", snap.last_committed)
         host_bytes: dict[tuple[str, str], int] = {}     # memory-level steps' held bytes under their base job
         for job, kinds in snap.host_bytes().items():
             for kind, n in kinds.items():
@@ -156,11 +148,18 @@ def _memory_level_metrics(m: Any) -> Iterable[Any]:
         return
     for key, (name, doc) in _LEVEL_COUNTERS.items():
         yield CounterMetricFamily(f"ckptd_memory_level_{name}", doc, value=getattr(m.level, key))
-    step = GaugeMetricFamily("ckptd_memory_level_last_committed_step",
-                             "Newest memory-level step this daemon committed, per job.", labels=["job"])
-    unix = GaugeMetricFamily("ckptd_memory_level_last_commit_timestamp_seconds",
-                             "Unix time of the newest memory-level commit by this daemon, per job.", labels=["job"])
-    for job, info in sorted(m.level_last.items()):
+    yield from _last_commits("memory-level", m.level_last)
+
+
+def _last_commits(level: str, last: Mapping[str, Any]) -> Iterable[Any]:
+    """The newest step this daemon committed per job and its Unix time (``level``: "" for storage steps, or
+    "memory-level", which prefixes the names ``ckptd_memory_level_``)."""
+    prefix, what = (f"{level.replace('-', '_')}_", f"{level} ") if level else ("", "")
+    step = GaugeMetricFamily(f"ckptd_{prefix}last_committed_step", f"Newest {what}step this daemon committed, per job.",
+                             labels=["job"])
+    unix = GaugeMetricFamily(f"ckptd_{prefix}last_commit_timestamp_seconds",
+                             f"Unix time of the newest {what}commit by this daemon, per job.", labels=["job"])
+    for job, info in sorted(last.items()):
         step.add_metric([job], info.step)
         unix.add_metric([job], info.unix)
     yield step
