@@ -17,7 +17,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from ckptd.core import names
 from ckptd.daemon.service.snapshot import DaemonSnapshot
 from ckptd.daemon.tiers.fs.retention import GcResult
 
@@ -72,15 +71,12 @@ class _DaemonCollector(Collector):
                                 value=snap.slot_memory_limit)
         yield GaugeMetricFamily("ckptd_draining", "1 while the daemon drains after SIGTERM.", value=int(snap.draining))
         yield from _last_commits("", snap.last_committed)
-        host_bytes: dict[tuple[str, str], int] = {}     # memory-level steps' held bytes under their base job
-        for job, kinds in snap.host_bytes().items():
-            for kind, n in kinds.items():
-                host_bytes[(names.base_job(job), kind)] = host_bytes.get((names.base_job(job), kind), 0) + n
         host = GaugeMetricFamily("ckptd_host_bytes", "Host memory per job, each byte once: kind=slots (trainers' "
                                  "slots not kept by the memory tier), held (this node's steps in memory, kept "
                                  "slots included), replicas (peers' shards held here).", labels=["job", "kind"])
-        for (job, kind), n in sorted(host_bytes.items()):
-            host.add_metric([job, kind], n)
+        for job, kinds in sorted(snap.host_bytes().items()):     # (memory-level steps under their job)
+            for kind, n in kinds.items():
+                host.add_metric([job, kind], n)
         yield host
         yield from _memory_metrics(snap.memory)
         yield from _memory_level_metrics(snap.memory)

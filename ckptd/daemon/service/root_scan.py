@@ -35,8 +35,9 @@ class JobFindings:
     newest_fault: str | None
 
 
-def _jobs(root: str) -> tuple[list[str], bool]:
-    """The job directories under ``root`` (at most ``MAX_JOBS``), and whether there were more."""
+def job_names(root: str) -> tuple[list[str], bool]:
+    """The job directories under ``root`` (at most ``MAX_JOBS``), and whether there were more (the scan;
+    ``ckptd status``: a restarted daemon's jobs committed before it started)."""
     try:
         names = sorted(os.listdir(root))
     except OSError:
@@ -56,16 +57,9 @@ def _jobs(root: str) -> tuple[list[str], bool]:
     return jobs, False
 
 
-def job_names(root: str) -> tuple[list[str], bool]:
-    """The job directories under ``root``, at most ``MAX_JOBS``, and whether there were more (``ckptd
-    status``: a restarted daemon's jobs committed before it started, which it has no session or commit of
-    its own for)."""
-    return _jobs(root)
-
-
 def scan(root: str) -> tuple[list[JobFindings], bool]:
     """The jobs under ``root`` with something to report, and whether the scan stopped at ``MAX_JOBS``."""
-    jobs, partial = _jobs(root)
+    jobs, partial = job_names(root)
     found: list[JobFindings] = []
     for name in jobs:
         path = os.path.join(root, name)
@@ -86,7 +80,7 @@ def scan(root: str) -> tuple[list[JobFindings], bool]:
 def finish_removals(root: str) -> None:
     """Finish the step removals a killed daemon or ``ckptd gc`` left midway (hidden ``.removing-…``
     directories: never read as steps, ``step_files.remove_step``), in each job and its ``_memory``."""
-    for name in _jobs(root)[0]:
+    for name in job_names(root)[0]:
         for path in (os.path.join(root, name), os.path.join(root, name, MEMORY_LEVEL_DIR)):
             if os.path.islink(path):
                 continue
