@@ -15,9 +15,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ckptd import cli_steps  # (it imports this module too: its names are read at call time)
 from ckptd.core import protocol
 from ckptd.core.errors import ProtocolError
-from ckptd.core.names import INDEX_NAME, parse_step_dir_name, validate_job
+from ckptd.core.names import INDEX_NAME, step_dir_name, validate_job
 from ckptd.core.reader import Fault, verify_step
 from ckptd.daemon.settings.config import ConfigError, load_settings
 from ckptd.daemon.settings.s3 import S3Settings
@@ -110,14 +111,34 @@ def ls_bucket(args: argparse.Namespace) -> int:
     return 0
 
 
+def step_url(text: str) -> tuple[str, str, int]:
+    """``s3://bucket[/prefix]/<job>/<step>`` → (bucket URL, job, step); the step as local verify takes
+    it (``4``, ``step-4`` or ``step-000000000004``, what ``ckptd ls s3://…`` lists by number).
+    UsageError when it names no step."""
+    parts = text.rstrip("/").rsplit("/", 2)
+    form = f"expected s3://bucket[/prefix]/<job>/step-<N>, got {text!r}"
+    if len(parts) != 3 or not parts[0].startswith("s3://") or len(parts[0]) <= len("s3://"):
+        raise cli_steps.UsageError(form)
+    url, job, step = parts
+    try:
+        return url, validate_job(job), cli_steps.parse_step(step)
+    except ValueError as e:       # (UsageError too)
+        raise cli_steps.UsageError(f"{form}: {e}") from None
+
+
 def bucket_faults(args: argparse.Namespace, progress: Callable[[str], None] | None) -> list[Fault]:
     """Download ``s3://bucket/prefix/<job>/step-<N>`` to a temp dir and verify it there; each fault
-    names the bucket key (``s3://…/rank-00001.data``), never the temp copy."""
-    url, job, step_name = args.step_dir.rstrip("/").rsplit("/", 2)
-    step = parse_step_dir_name(step_name)
+    names the bucket key (``s3://…/rank-00001.data``), never the temp copy. A URL that names no step
+    is a usage error, as a local one is: its message on stderr and exit 2 (SystemExit), never a FAULT
+    (exit 1 says the step is corrupt)."""
     try:
-        if step is None or not url.startswith("s3://"):
-            raise ValueError(f"expected s3://bucket[/prefix]/<job>/step-<N>, got {args.step_dir!r}")
+        url, job, step = step_url(args.step_dir)
+    except cli_steps.UsageError as e:
+        print(f"ckptd verify: {e}", file=sys.stderr)
+        raise SystemExit(cli_steps.USAGE) from None
+    step_name = step_dir_name(step)
+    remote = f"{url}/{job}/{step_name}"
+    try:
         bucket = Bucket(s3_settings(args, url))
         with tempfile.TemporaryDirectory(prefix="ckptd-verify-") as tmp:
             if not bucket.exists(bucket.step_key(job, step, INDEX_NAME)):
@@ -127,7 +148,7 @@ def bucket_faults(args: argparse.Namespace, progress: Callable[[str], None] | No
                 if progress:
                     progress(f"downloaded {fetched} bytes")
                 local = os.path.join(tmp, job, step_name)
-                faults = [Fault(bucket_path(f.file, local, f"{url}/{job}/{step_name}"), f.tensor, f.reason)
+                faults = [Fault(bucket_path(f.file, local, remote), f.tensor, f.reason)
                           for f in verify_step(local, progress)]
     except (BucketError, ConfigError, ValueError, OSError) as e:
         faults = [Fault(args.step_dir, None, str(e))]

@@ -13,10 +13,9 @@ from ckptd import __version__, bucket_cli, cli_steps
 from ckptd.core import protocol
 from ckptd.core.describe import human_size
 from ckptd.core.errors import ProtocolError
-from ckptd.daemon.server import Daemon, describe_error
+from ckptd.daemon.server import Daemon, describe_error, start_problems
 from ckptd.daemon.service import logs, systemd
 from ckptd.daemon.service.allocator import tune_allocator
-from ckptd.daemon.service.root_check import RootNotWritable, check_root
 from ckptd.daemon.settings.config import DEBUG_KEYS, DEFAULT_CONFIG_PATH, KEYS, ConfigError, load_settings
 from ckptd.daemon.settings.spec import Key
 from ckptd.daemon.tiers.fs.retention import collect_root
@@ -65,11 +64,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.check_config:
         print_warnings("serve", settings.warnings)
         print(settings.render())
-        problems = [f"s3: {p}" for p in [bucket_cli.check_bucket(settings.settings.s3)] if p]
-        try:
-            check_root(settings["root"], create=False)      # as the daemon will at start
-        except RootNotWritable as e:
-            problems.append(str(e))
+        # The start's own checks (shm_dir, the peers' files, the root), then the bucket's (a daemon
+        # starts without its bucket, but its uploads would fail).
+        problems = start_problems(settings.to_daemon_config())
+        problems += [f"s3: {p}" for p in [bucket_cli.check_bucket(settings.settings.s3)] if p]
         for p in problems:
             print(f"ckptd serve: {p}", file=sys.stderr)
         return 1 if problems else 0

@@ -34,7 +34,8 @@ class Staged:
 def stage(socket_path: str, job: str, step: int | None, rank: int, world_size: int, *,
           all_ranks: bool = False, probe: bool = True) -> Staged:
     """Ask the daemon to stage ``step`` (None: the newest, local or in the bucket) for this rank
-    (every rank's data when ``all_ranks``). CheckpointError when the bucket has it but it cannot be staged.
+    (every rank's data when ``all_ranks``). CheckpointError when the bucket has it but it cannot be staged;
+    DaemonRefused (code ``not_allowed``), as it came, when the daemon refuses this user altogether.
     ``probe``: ask first whether it has a bucket (not when an earlier answer of this restore said so)."""
     try:        # first, at once, whether it has a bucket: a daemon that does not answer holds no restore up
         if probe and ask(socket_path, protocol.Info(), timeout=INFO_TIMEOUT_S).get("bucket") is not True:
@@ -45,8 +46,10 @@ def stage(socket_path: str, job: str, step: int | None, rank: int, world_size: i
         return Staged(False)
     except (Unreachable, NotDelivered, ConnectionLost):
         return Staged(False)          # no daemon: restore reads what the root has
-    except DaemonRefused:
-        pass                          # it does not say: ``stage`` does
+    except DaemonRefused as e:
+        if e.code is ErrorCode.NOT_ALLOWED:
+            raise                     # this user may not use the daemon at all: no bucket's doing
+        # it does not say: ``stage`` does
     msg = protocol.Stage(job, step, None if all_ranks else [rank, world_size])
     try:
         reply = ask(socket_path, msg, timeout=STAGE_TIMEOUT_S)
@@ -57,6 +60,8 @@ def stage(socket_path: str, job: str, step: int | None, rank: int, world_size: i
     except DaemonRefused as e:
         if e.code is ErrorCode.NO_BUCKET:
             return Staged(False)
+        if e.code is ErrorCode.NOT_ALLOWED:
+            raise
         raise CheckpointError(f"restore from the bucket: {e.reason}") from None
     got = reply.get("step")
     if got is not None and type(got) is not int:

@@ -44,3 +44,9 @@ def refuse_closed(closed: bool, what: str) -> None:
     written, and before the daemon is asked for a session or slots again (close() ended them)."""
     if closed:
         raise CheckpointError(f"checkpointer is closed: {what}() after close() is refused (make a new Checkpointer)")
+
+
+def needs_extra(module: str, package: str, extra: str, e: ImportError) -> ModuleNotFoundError:
+    """The error for an optional framework module (``module``) imported where its ``package`` is not
+    installed (or not the version it needs): names the extra to install, the original error in brackets."""
+    return ModuleNotFoundError(f"{module} needs {package}: pip install 'ckptd[client,{extra}]' ({e})", name=package)

@@ -38,24 +38,28 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torchtitan.components.checkpointer.base import (
-    DATALOADER,
-    LR_SCHEDULER,
-    MODEL,
-    OPTIMIZER,
-    BaseCheckpointManager,
-    ModelWrapper,
-)
 
 from ckptd.core.names import INDEX_NAME, job_dir, step_dir
 from ckptd.core.reader import list_steps
 
 from .checkpointer import Checkpointer
 from .config import CheckpointerConfig
-from .errors import CheckpointError
+from .errors import CheckpointError, needs_extra
 from .handle import SaveHandle
 from .hf import export_hf, import_hf
 from .memory_level import newest_held_step
+
+try:
+    from torchtitan.components.checkpointer.base import (
+        DATALOADER,
+        LR_SCHEDULER,
+        MODEL,
+        OPTIMIZER,
+        BaseCheckpointManager,
+        ModelWrapper,
+    )
+except ImportError as e:                # not installed, or not a version with these names
+    raise needs_extra(__name__, "torchtitan", "torchtitan", e) from e
 
 log = logging.getLogger("ckptd_client")
 

@@ -10,6 +10,7 @@ class ErrorCode(str, Enum):
     REFUSED = "refused"        # the request cannot be served; nothing more specific to say
     NO_BUCKET = "no_bucket"    # stage/flush: this daemon has no object-storage tier (s3.url unset)
     INTERNAL = "internal"      # a daemon bug, logged there; the connection stays open
+    NOT_ALLOWED = "not_allowed"    # (fatal) this connection's uid/gid is not in allowed_users / allowed_groups
 
 
 class FormatError(ValueError):

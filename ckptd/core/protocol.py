@@ -5,8 +5,11 @@ format (framing, ops, replies, error codes: :class:`~ckptd.core.errors.ErrorCode
 """
 from __future__ import annotations
 
+import errno
+import grp
 import os
 import socket
+import stat
 from dataclasses import MISSING, dataclass, fields
 from enum import Enum
 from typing import Any, ClassVar, get_args
@@ -276,12 +279,33 @@ def connect(path: str, timeout: float | None = 10.0) -> socket.socket:
         if len(os.fsencode(path)) > 107:        # (AF_UNIX's limit: no daemon can listen there either)
             raise ConnectionError(f"the socket path {path} is {len(os.fsencode(path))} bytes, over AF_UNIX's 107: "
                                   "give the daemon and socket= a shorter path (e.g. under /tmp or /run)") from None
+        if e.errno in (errno.EACCES, errno.EPERM):      # a daemon may well be there: starting one is no fix
+            raise ConnectionError(not_permitted(path, e)) from None
         raise ConnectionError(
             f"cannot reach the ckptd daemon at {path}: {e.strerror or e}. Start one with "
             f"`ckptd serve --root DIR --socket {path}` (or `systemctl start ckptd.socket`), "
             f"or point CKPTD_SOCKET / socket= at a running daemon") from None
     sock.settimeout(None)
     return sock
+
+
+def not_permitted(path: str, e: OSError) -> str:
+    """Why this user may not connect to the socket at ``path`` (EACCES/EPERM), and what to do: the
+    socket's owner, group and mode when it can be seen, else the directory on the way that is closed."""
+    who = f"uid {os.geteuid()}"
+    head = f"cannot connect to the ckptd daemon's socket {path}: {e.strerror or e}"
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (f"{head}: {who} may not reach it (a directory on its path is closed to this user); the daemon's "
+                "operator decides who may: its socket_group / socket_mode, allowed_users / allowed_groups")
+    try:
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    return (f"{head}: the socket exists (mode {stat.S_IMODE(st.st_mode):04o}, group {group}) but {who} may not "
+            f"connect to it. Join its group (`usermod -aG {group} USER`, then log in again) or ask the daemon's "
+            "operator to allow you (socket_group / socket_mode, and its allowed_users / allowed_groups)")
 
 
 def request_once(path: str, msg: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ckptd import __version__
@@ -34,13 +35,45 @@ from ckptd.daemon.tiers.base import ShardWritten
 from ckptd.daemon.tiers.fs.scheduler import Retention
 from ckptd.daemon.tiers.fs.tier import FsTier
 from ckptd.daemon.tiers.memory.service import MemoryService
+from ckptd.daemon.tiers.peers.link import load_secret
+from ckptd.daemon.tiers.peers.tls import load_tls
 from ckptd.daemon.tiers.s3.service import BucketService
 
-__all__ = ["Daemon", "describe_error"]
+__all__ = ["Daemon", "describe_error", "start_problems"]
 
 log = logging.getLogger("ckptd")
 IDLE_TRIM_S = 0.5        # no shard became durable for this long: free heap pages go back to the kernel
 
+
+def start_problems(config: DaemonConfig) -> list[str]:
+    """What would stop a daemon with ``config`` from starting, found without starting one
+    (``serve --check-config``): the checks its start runs, each through the same function — the
+    ``memory.shm_dir`` (shm.check_dir, as shm.use_dir), the peers' secret and TLS files (load_secret
+    and load_tls, as MemoryService loads them: only with peers configured), the root (check_root,
+    without creating it). Each problem names its setting. They run as the calling user, in its mount
+    namespace: run the check as the daemon's user (a systemd unit's ReadWritePaths= and
+    ProtectSystem= are not applied here)."""
+    problems: list[str] = []
+
+    def run(key: str, check: Callable[[], object]) -> None:
+        try:
+            check()
+        except RuntimeError as e:                   # (RootNotWritable too)
+            problems.append(f"{key}: {e}")
+
+    if config.memory.shm_dir is not None:
+        run("memory.shm_dir", lambda: shm.check_dir(config.memory.shm_dir or ""))
+    p = config.peers
+    if p.secret_file and (p.listen or p.peers):
+        run("peers.secret_file", lambda: load_secret(p.secret_file or ""))
+        tls = {"peers.tls_cert": p.tls_cert, "peers.tls_key": p.tls_key, "peers.tls_ca": p.tls_ca}
+        try:
+            load_tls(p.tls_cert, p.tls_key, p.tls_ca)
+        except RuntimeError as e:                   # the key(s) whose file the message names
+            named = [k for k, path in tls.items() if path and path in str(e)] or list(tls)
+            problems.append(f"{', '.join(named)}: {e}")
+    run("root", lambda: check_root(config.root, create=False))     # the daemon creates a missing one
+    return problems
 
 
 class Daemon:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptd.core import protocol
-from ckptd.core.errors import ProtocolError
+from ckptd.core.errors import ErrorCode, ProtocolError
 from ckptd.core.protocol import EventOp
 from ckptd.core.schema import TensorLayout, parse_layout
 from ckptd.daemon.filling import FillingSlot
@@ -277,7 +277,7 @@ class Session:
 
 
 async def refuse(sock: socket.socket, peer: Peer, reason: str, timeout: float = 5.0) -> None:
-    """Answer a refused peer's first request with the reason, then close.
+    """Answer a refused peer's first request with the reason (code ``not_allowed``, fatal), then close.
 
     Closing at once can turn into EPIPE on the peer's send and hide the reason; so read its
     first (small) request within ``timeout`` and answer that request's ``req``."""
@@ -300,7 +300,8 @@ async def refuse(sock: socket.socket, peer: Peer, reason: str, timeout: float = 
         except (asyncio.TimeoutError, ProtocolError, OSError):
             req = 0
         try:
-            await protocol.send_frame_async(loop, sock, protocol.error(req, reason, fatal=True))
+            await protocol.send_frame_async(loop, sock,
+                                            protocol.error(req, reason, fatal=True, code=ErrorCode.NOT_ALLOWED))
         except OSError:
             pass
     finally:

@@ -27,15 +27,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
-from torchtitan.components.checkpointer.base import MODEL
-from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager
 
 from ckptd.core.names import INDEX_NAME, job_dir, step_dir
 from ckptd.core.reader import latest_committed, list_steps
 
 from ..config import CheckpointerConfig
+from ..errors import needs_extra
 from .reader import StorageReader
 from .writer import StorageWriter
+
+try:
+    from torchtitan.components.checkpointer.base import MODEL
+    from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager
+except ImportError as e:                # not installed, or not a version with these names
+    raise needs_extra(__name__, "torchtitan", "torchtitan", e) from e
 
 
 class CkptdDcpCheckpointManager(CheckpointManager):

@@ -1,0 +1,60 @@
+"""What a trainer reads for the two common permission mistakes, run as a real unprivileged user
+(``setpriv``, uid 1700, in no group the daemon knows; the tests run as root here and in CI):
+
+- the socket's mode keeps the user out (EACCES): the message says the socket is there and this user
+  may not connect — join its group, or ask the operator — never "start a daemon";
+- the socket is open but the daemon's allowed_users / allowed_groups refuse the user: restore says
+  so as the daemon said it (code ``not_allowed``), never as a failure of its bucket (it has none).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+USER = 1700          # no such user: neither the socket's group nor an allowed one
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the client as another user")
+
+RESTORE = """
+import sys, torch, ckptd_client
+ck = ckptd_client.Checkpointer("j", socket=sys.argv[1], rank=0, world_size=1)
+try:
+    ck.restore({"w": torch.zeros(3)})
+except Exception as e:
+    print(type(e).__name__ + ": " + str(e))
+"""
+
+
+def restore_as_user(sock: Path, tmp: Path) -> str:
+    """A restore through the daemon at ``sock`` by uid/gid USER; the exception it raised, as text."""
+    home = tmp / "home"
+    home.mkdir(exist_ok=True)
+    os.chown(home, USER, USER)
+    r = subprocess.run(["setpriv", f"--reuid={USER}", f"--regid={USER}", "--clear-groups",
+                        sys.executable, "-c", RESTORE, str(sock)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "HOME": str(home)}, cwd=home)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+@needs_root
+def test_a_socket_the_user_may_not_open_says_so(daemon_factory, tmp):
+    d = daemon_factory("--socket-mode", "0660")          # root's socket, group root: closed to USER
+    said = restore_as_user(d.socket, tmp)
+    assert f"cannot connect to the ckptd daemon's socket {d.socket}: Permission denied" in said, said
+    assert f"the socket exists (mode 0660, group root) but uid {USER} may not connect to it" in said, said
+    assert "usermod -aG root USER" in said and "allowed_users / allowed_groups" in said, said
+    assert "Start one" not in said and "ckptd serve" not in said, said
+
+
+@needs_root
+def test_a_user_the_daemon_refuses_is_told_so_not_a_bucket_failure(daemon_factory, tmp):
+    d = daemon_factory("--socket-mode", "0666", "--allow-group", "1500")       # no bucket configured
+    said = restore_as_user(d.socket, tmp)
+    assert said.startswith("DaemonRefused: ckptd refused "), said
+    assert f"uid {USER} / gid {USER} is not allowed to use this ckptd daemon" in said, said
+    assert "bucket" not in said, said
