@@ -6,6 +6,8 @@ connection, a real TCPStore between them), real memfds.
 # mypy: disable-error-code="union-attr,index"
 from __future__ import annotations
 
+import functools
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -13,13 +15,16 @@ from typing import Any
 
 import pytest
 import torch
+from procfd import open_fds
 from test_memory_level import committed_held_steps
 from torch.distributed import TCPStore
 
 import ckptd_client
 from ckptd_client import CheckpointError
 
+from test_acceptance import free_port
 from test_memory_tier import status
+from test_peers import peer_args, secret_file, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 MiB = 1 << 20
@@ -94,3 +99,82 @@ def test_a_failed_memory_level_save_leaves_the_newest_committed_one_whole(daemon
     on_ranks(lambda r: again[r].close())
     # Either rank's error fails the step; each says what holds the budget.
     assert "the job's newest committed memory-level step, kept whole until a newer one commits" in str(failed[0])
+
+
+def memfd_bytes(pid: int) -> int:
+    """The bytes of every memfd the process holds (each once, by inode)."""
+    sizes: dict[int, int] = {}
+    for link, target, ino in open_fds(pid):
+        if target.startswith("/memfd:"):
+            try:
+                sizes[ino] = os.stat(link).st_size
+            except OSError:
+                continue
+    return sum(sizes.values())
+
+
+def memory_levels(sock: Path, job: str) -> list[int]:
+    return [s for j, s, level, _ in held_steps(sock) if j == job and level == "memory"]
+
+
+def two_peers(daemon_factory: Any, tmp: Path, *extra: str) -> tuple[Any, Any]:
+    addrs = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    secret = secret_file(tmp / "secret", "s3cret-shared-by-every-node-0123456789")
+    a, b = (daemon_factory(*peer_args(addrs[i], addrs, secret), *extra, name=n) for i, n in enumerate("ab"))
+    return a, b
+
+
+def test_every_peer_drops_memory_level_steps_a_storage_commit_supersedes(daemon_factory: Any, tmp: Path) -> None:
+    """Two daemons (K = 1, one rank each, relay commit): memory-level steps 2 and 3, then storage steps
+    4 and 5. Only the daemon that committed storage step 4 dropped memory-level step 3 (MemoryTier.commit);
+    the other learns commits from index.json (the settle loop), which never dropped memory-level steps
+    below a storage step, so it held step 3 (its own shard, in a slot its trainer then lacked, and the
+    peer's replica) for good: twice the other node's memory, never evictable by another job. Now both
+    drop it, and hold the same."""
+    a, b = two_peers(daemon_factory, tmp, "--memory-budget", "64MiB")
+    cks = checkpointers("j", [a.socket, b.socket], commit="relay", local_world_size=1)
+    for step, level in ((1, "storage"), (2, "memory"), (3, "memory"), (4, "storage"), (5, "storage")):
+        done = on_ranks(functools.partial(save, cks, step, level))
+        assert done == {0: None, 1: None}, (step, done)
+        if level == "memory":
+            continue
+        for d in (a, b):       # (b learns a commit from index.json: within a settle round, 0.5 s)
+            wait_for(functools.partial(none_at_or_below, d.socket, step),
+                     f"no memory-level step at or below {step} held by {d.socket.name}", 10)
+    on_ranks(lambda r: cks[r].close())
+    for d in (a, b):           # storage step 5 (4 trimmed once 5 is known committed): own shard + peer's replica
+        wait_for(functools.partial(uses, d.socket, 2 * 4 * MiB), f"{d.socket.name} holding storage step 5 alone", 10)
+    assert held_steps(a.socket) == held_steps(b.socket) == [("j", 5, "storage", ["0", "1"])]
+    wait_for(lambda: memfd_bytes(a.pid) == memfd_bytes(b.pid), "the same memfd bytes on both nodes", 10)
+
+
+def save(cks: dict[int, ckptd_client.Checkpointer], step: int, level: str, r: int) -> None:
+    cks[r].save(step, state(4, step * 10 + r), level=level).wait(60)
+
+
+def none_at_or_below(sock: Path, step: int) -> bool:
+    return not [s for s in memory_levels(sock, "j") if s <= step]
+
+
+def uses(sock: Path, nbytes: int) -> bool:
+    return bool(status(sock)["memory"]["used_bytes"] == nbytes)
+
+
+def test_a_memory_level_step_removed_by_another_daemons_commit_is_dropped(daemon_factory: Any, tmp: Path) -> None:
+    """A daemon that holds no shard of the newer step that superseded a memory-level step (here a third
+    daemon on the same root, no peer, committed storage step 3 of the job, removing memory-level step 2's
+    directory) never learned of it, and held step 2 for good. Committed memory-level steps whose index.json
+    is gone are now dropped (the settle loop's check)."""
+    a, b = two_peers(daemon_factory, tmp)
+    cks = checkpointers("j", [a.socket, b.socket], commit="relay", local_world_size=1)
+    assert on_ranks(lambda r: cks[r].save(2, state(1, r), level="memory").wait(60)) == {0: None, 1: None}
+    on_ranks(lambda r: cks[r].close())
+    assert memory_levels(a.socket, "j") == memory_levels(b.socket, "j") == [2]
+    c = daemon_factory(name="c")
+    with ckptd_client.Checkpointer("j", socket=str(c.socket), rank=0, world_size=1) as ck:
+        ck.save(3, state(1, 7)).wait(60)
+    assert committed_held_steps(c.root, "j") == []
+    for d in (a, b):
+        wait_for(functools.partial(none_at_or_below, d.socket, 2), f"step 2 dropped by {d.socket.name}", 15)
+        assert status(d.socket)["memory"]["used_bytes"] == 0
+

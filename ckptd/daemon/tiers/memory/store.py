@@ -5,7 +5,8 @@ daemon's own writes (``local``) or a peer's replica (``replica``). Rules:
 
 - Every byte counts against ``budget`` from the moment it is reserved (before the copy).
 - Per job the newest ``steps`` steps known committed are kept, plus any newer step still in
-  flight; older ones go as soon as a newer step is known committed.
+  flight; older ones go as soon as a newer step is known committed. A storage step known
+  committed (on any daemon: ``trim``) supersedes the job's memory-level steps at or below it.
 - Under the budget, the oldest shards go first (by arrival), never a pinned one (a restore is
   reading it); a shard that does not fit even after every evictable one would go is not held at
   all (the step is still written to storage as always). A memory-level shard is its committed
@@ -31,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckptd.core.held import HeldMeta
-from ckptd.core.names import is_memory_job
+from ckptd.core.names import is_memory_job, memory_job
 from ckptd.daemon import shm
 
 log = logging.getLogger("ckptd")
@@ -253,7 +254,10 @@ class MemoryStore:
             self._remove(h)
 
     def trim(self, job: str, is_committed: Callable[[str, int], bool]) -> None:
-        """Keep the newest ``steps`` committed steps of ``job`` and anything newer (see above)."""
+        """Keep the newest ``steps`` committed steps of ``job`` and anything newer (see above). A
+        storage job's newest committed step also drops its memory-level steps at or below it: every
+        daemon learns a commit here (the one that committed it, and the others from index.json),
+        not only the committing one (``MemoryTier.commit``)."""
         mine = [h for h in self.entries.values() if h.job == job and h.meta is not None]
         for h in mine:
             if not h.committed and is_committed(job, h.step):
@@ -265,6 +269,14 @@ class MemoryStore:
             if h.step < kept[-1] or (h.step < kept[0] and not h.committed):
                 if h.pins == 0:
                     self._remove(h)
+        if not is_memory_job(job):
+            self.drop_before(memory_job(job), kept[0] + 1)
+
+    def drop_committed(self, job: str, step: int) -> None:
+        """The shards of ``step`` held as committed (not a new save of the same number, in flight): the
+        step is no longer committed (its index.json is gone: superseded and removed, or saved again)."""
+        for h in [h for h in self.entries.values() if h.job == job and h.step == step and h.committed]:
+            self._remove(h)
 
     # ---- serving ---------------------------------------------------------------------
 
