@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +25,7 @@ from torch.distributed import TCPStore
 import ckptd_client
 from ckptd_client import CheckpointError
 
+from conftest import wait_for_socket
 from test_acceptance import free_port
 from test_memory_tier import status
 from test_peers import peer_args, secret_file, wait_for
@@ -178,3 +182,36 @@ def test_a_memory_level_step_removed_by_another_daemons_commit_is_dropped(daemon
         wait_for(functools.partial(none_at_or_below, d.socket, 2), f"step 2 dropped by {d.socket.name}", 15)
         assert status(d.socket)["memory"]["used_bytes"] == 0
 
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="mounts a tmpfs in a mount namespace of its own (root, unshare)")
+def test_a_replica_its_peer_cannot_allocate_is_refused_with_the_reason(daemon_factory: Any, tmp: Path) -> None:
+    """Peer b's memory.shm_dir is an 8 MiB tmpfs; a 16 MiB replica cannot be allocated there. b's listener
+    dropped the connection without a word (the OSError fell through to the connection's end), so a's log
+    said only EPIPE, b's nothing, and the handle pointed at logs that did not say why. Now b reads the
+    payload off, logs the refusal with the reason and answers it; a logs it; the connection goes on."""
+    addrs = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    secret = secret_file(tmp / "secret", "s3cret-shared-by-every-node-0123456789")
+    a = daemon_factory(*peer_args(addrs[0], addrs, secret), "--peer-io-timeout", "5", name="a")
+    mnt, sock, log = tmp / "shm", tmp / "b.sock", tmp / "b.log"
+    mnt.mkdir(mode=0o700)
+    serve = [sys.executable, "-m", "ckptd", "serve", "--root", str(a.root), "--socket", str(sock), "--log-format",
+             "plain", "--shm-dir", str(mnt), *peer_args(addrs[1], addrs, secret), "--peer-io-timeout", "5"]
+    cmd = f"mount -t tmpfs -o size=8m,mode=0700 ckptd-test-shm {mnt} && exec {' '.join(serve)}"
+    with open(log, "wb") as out:
+        b = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", cmd], stdout=out,
+                             stderr=subprocess.STDOUT)
+    try:
+        wait_for_socket(sock, b)
+        with ckptd_client.Checkpointer("j", socket=str(a.socket), rank=0, world_size=1) as ck:
+            with pytest.raises(CheckpointError, match="reached 0 of its 1 peer replicas"):
+                ck.save(1, state(16, 0), level="memory").wait(60)
+            ck.save(2, state(1, 0), level="memory").wait(60)     # one that fits: the peer still serves
+    finally:
+        b.terminate()
+        b.wait(60)
+    why = "could not be allocated in this daemon's shared memory (memory.shm_dir"
+    a_log, b_log = a.log.read_text(), log.read_text()
+    assert "did not keep the replica" in a_log and why in a_log and "ENOSPC" in a_log, a_log[-3000:]
+    assert "replica refused" in b_log and why in b_log and "is full: mount its tmpfs with a larger size=" in b_log, \
+        b_log[-3000:]
