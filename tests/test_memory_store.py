@@ -69,13 +69,20 @@ def test_the_budget_evicts_by_arrival_and_never_another_jobs_memory_level_step()
 
 def test_a_memory_level_step_in_flight_evicts_only_what_its_commit_would_trim():
     """Holding memory-level step 5 evicted committed step 4's shard before step 5 committed: a step 5
-    that then failed left step 4, the newest committed, unrestorable. With memory.steps = 2 step 4
-    stays (step 5 is not held: its save fails, saying so); with 1, step 5's commit would trim step 4
-    anyway, so its shard makes room."""
+    that then failed left step 4, the newest committed, unrestorable. With memory.steps = 2 step 3 makes
+    room (step 5's commit would trim it) but step 4 stays; with 1, step 4 (the newest committed) stays
+    too, though step 5's commit would trim it: step 5 is not held, and the store says why."""
     job = memory_job("fj")
-    for steps, fits in ((2, False), (1, True)):
-        store = MemoryStore(2 * N, steps)
-        four = [hold(store, 4, r, job=job, committed=True) for r in (0, 1)]
-        got = store.reserve(job, 5, 0, N, "local")
-        assert (got is not None) == fits, steps
-        assert (store.get(job, 4, 0) is four[0]) == (not fits) and store.get(job, 4, 1) is four[1]
+    store = MemoryStore(2 * N, 2)
+    three, four = hold(store, 3, 0, job=job, committed=True), hold(store, 4, 0, job=job, committed=True)
+    assert store.reserve(job, 5, 0, N, "local") is not None
+    assert store.get(job, 3, 0) is None and three.gone and store.get(job, 4, 0) is four
+    assert store.reserve(job, 5, 1, N, "local") is None             # and step 4 is not evicted for it
+    assert store.get(job, 4, 0) is four and store.short is not None and store.short.kept == N
+
+    store = MemoryStore(2 * N, 1)
+    four_ = [hold(store, 4, r, job=job, committed=True) for r in (0, 1)]
+    assert store.reserve(job, 5, 0, N, "local") is None
+    assert [store.get(job, 4, r) for r in (0, 1)] == four_
+    assert store.short is not None and (store.short.evictable, store.short.kept) == (0, 2 * N)
+    assert "none evictable" in store.short.text()

@@ -64,9 +64,10 @@ async def hold_shard(store: MemoryStore, pool: Executor, root: str, chunk_bytes:
     held = store.reserve(ref.job, ref.step, ref.rank, nbytes, LOCAL)
     if held is None:
         released()
+        why = store.short.text() if store.short is not None else f"{store.used} of {store.budget} bytes in use"
         raise NotHeld(f"memory-level step {ref.step}: rank {ref.rank}'s {nbytes}-byte shard does not fit the "
-                      f"memory budget ({store.used} of {store.budget} bytes in use, none evictable); raise "
-                      "[memory] budget, keep fewer memory.steps, or save this step to storage")
+                      f"memory budget ({why}); raise [memory] budget, keep fewer memory.steps, or save this step "
+                      "to storage")
     loop = asyncio.get_running_loop()
     kept = loan is not None and loan.can_lend(store.steps)
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Hashable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from ckptd.daemon.tiers.peers.tls import load_tls
 
 log = logging.getLogger("ckptd")
 SETTLE_INTERVAL_S = 0.5
+GONE_CHECK_EVERY = 4         # settle rounds between checks for committed memory-level steps removed (2 s)
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,10 @@ class MemoryService:
 
     async def _settle_loop(self) -> None:
         """Steps whose commit this daemon does not see (another node's leader committed them, or a
-        replica's) become committed here once their index.json is in place; then older ones go."""
+        replica's) become committed here once their index.json is in place; then older ones go (a
+        storage step, the memory-level steps at or below it: ``MemoryStore.trim``). Every
+        ``GONE_CHECK_EVERY`` rounds, committed memory-level steps whose index.json is gone go too."""
+        rounds = 0
         while True:
             await asyncio.sleep(SETTLE_INTERVAL_S)
             for job in sorted({h.job for h in self.store.entries.values() if not h.committed}):
@@ -164,6 +169,27 @@ class MemoryService:
                 except Exception as e:        # one job's bad entry must not end the check for every job
                     log.error("memory tier commit check failed for a job",
                               extra={"ctx": {"job": job, "error": describe_error(e)}})
+            rounds += 1
+            if rounds % GONE_CHECK_EVERY == 0:
+                self._drop_gone()
+
+    def _drop_gone(self) -> None:
+        """Committed memory-level steps held here whose index.json is gone: the daemon that committed a
+        newer step removed them (``memory_level.prune``, ``remove_stale``), or a save of the same number
+        un-committed it (``retire``). This daemon may never hold a shard of that newer step (not held:
+        budget, streamed), so nothing else would tell it; their only use was a restore of that step."""
+        for job, step in sorted({(h.job, h.step) for h in self.store.entries.values()
+                                 if h.committed and names.is_memory_job(h.job)}):
+            try:
+                os.stat(os.path.join(names.step_dir(self.memory.root, job, step), names.INDEX_NAME))
+                continue
+            except FileNotFoundError:
+                pass
+            except OSError:           # (unreadable now is not gone: kept)
+                continue
+            log.info("memory-level step no longer committed: dropped from memory",
+                     extra={"ctx": {"job": names.base_job(job), "step": step}})
+            self.store.drop_committed(job, step)
 
     async def stop(self) -> None:
         if self.server is not None:

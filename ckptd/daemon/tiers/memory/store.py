@@ -5,12 +5,17 @@ daemon's own writes (``local``) or a peer's replica (``replica``). Rules:
 
 - Every byte counts against ``budget`` from the moment it is reserved (before the copy).
 - Per job the newest ``steps`` steps known committed are kept, plus any newer step still in
-  flight; older ones go as soon as a newer step is known committed.
+  flight; older ones go as soon as a newer step is known committed. A storage step known
+  committed (on any daemon: ``trim``) supersedes the job's memory-level steps at or below it.
 - Under the budget, the oldest shards go first (by arrival), never a pinned one (a restore is
   reading it); a shard that does not fit even after every evictable one would go is not held at
   all (the step is still written to storage as always). A memory-level shard is its committed
-  step's only copy: the budget evicts one only for a newer memory-level step of its job, and only
-  one that step's commit would trim anyway (``steps``); else the new step fails (``NotHeld``).
+  step's only copy: the budget evicts one only for a newer memory-level step of its job, only one
+  that step's commit would trim anyway (``steps``), and never one of the job's newest committed
+  memory-level step, which must stay restorable whole until a newer one *commits* (the new one may
+  still fail); else the new step fails (``NotHeld``, the store's ``short`` saying why). So with
+  ``steps = 1`` a memory-level step is held beside the one before it until it commits: the budget
+  must fit both.
 - A pinned shard dropped (its step failed, or its checksum did) stays counted until unpinned:
   its memory is in use while the restore reads it.
 
@@ -27,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckptd.core.held import HeldMeta
-from ckptd.core.names import is_memory_job
+from ckptd.core.names import is_memory_job, memory_job
 from ckptd.daemon import shm
 
 log = logging.getLogger("ckptd")
@@ -106,6 +111,24 @@ class MemoryTotals:
     corrupt: int = 0              # held or received shards that failed their checksums
 
 
+@dataclass(frozen=True)
+class Shortfall:
+    """Why the last reservation did not fit: bytes in use, the part of them that could have been
+    evicted for it, and the part that is the job's newest committed memory-level step(s), kept until
+    a newer one commits (``making`` a memory-level step)."""
+    need: int
+    used: int
+    budget: int
+    evictable: int
+    kept: int = 0
+
+    def text(self) -> str:
+        what = "none evictable" if self.evictable == 0 else f"only {self.evictable} evictable"
+        kept = f", {self.kept} of them the job's newest committed memory-level step, kept whole until a newer " \
+            "one commits" if self.kept else ""
+        return f"{self.used} of {self.budget} bytes in use, {what}{kept}"
+
+
 class MemoryStore:
     """Held shards by (job, step, rank); see the module docstring."""
 
@@ -115,6 +138,7 @@ class MemoryStore:
         self.used = 0
         self.entries: dict[tuple[str, int, int], Held] = {}
         self.totals = MemoryTotals()
+        self.short: Shortfall | None = None      # why the last reservation that did not fit did not
 
     @property
     def enabled(self) -> bool:
@@ -124,6 +148,7 @@ class MemoryStore:
 
     def reserve(self, job: str, step: int, rank: int, nbytes: int, origin: str) -> Held | None:
         """Budget for a shard about to be copied in (evicting the oldest as needed); None: not held."""
+        self.short = None
         if not self.enabled:
             return None
         old = self.entries.get((job, step, rank))
@@ -159,17 +184,22 @@ class MemoryStore:
         ``need`` bytes fit the budget; False (nothing evicted, counted as skipped) when even evicting all
         of them would not make room. Memory-level shards are a committed step's only copy: none goes
         for another job's shard or a parity buffer; for ``making`` (a memory-level step of the same job
-        being held), only those its commit will trim anyway (older than the newest ``steps`` - 1 kept)."""
+        being held), only those its commit will trim anyway (older than the newest ``steps`` - 1 kept),
+        and never the newest committed one: the new step has not committed, and may yet fail."""
         victims = sorted((h for h in self.entries.values() if h.pins == 0 and h.meta is not None
                           and not is_memory_job(h.job)), key=lambda h: h.arrived)
+        kept_bytes = 0
         if making is not None and is_memory_job(making[0]):
             job, step = making
-            mine = [h for h in self.entries.values() if h.job == job and h.pins == 0 and h.meta is not None]
-            kept = sorted({h.step for h in mine if h.committed}, reverse=True)[: max(0, self.steps - 1)]
-            victims += sorted((h for h in mine if h.committed and h.step < step and h.step not in kept),
-                              key=lambda h: (h.step, h.arrived))
+            mine = [h for h in self.entries.values() if h.job == job and h.meta is not None]
+            kept = sorted({h.step for h in mine if h.committed}, reverse=True)[: max(1, self.steps - 1)]
+            victims += sorted((h for h in mine if h.committed and h.step < step and h.step not in kept
+                               and h.pins == 0), key=lambda h: (h.step, h.arrived))
+            kept_bytes = sum(h.nbytes for h in mine if h.committed and h.step in kept)
         free = self.budget - self.used
-        if free + sum(h.nbytes for h in victims) < need:
+        evictable = sum(h.nbytes for h in victims)
+        if free + evictable < need:
+            self.short = Shortfall(need, self.used, self.budget, evictable, kept_bytes)
             self.totals.skipped += 1
             log.warning("not held in memory: over the memory budget",
                         extra={"ctx": {**ctx, "budget": self.budget, "used": self.used}})
@@ -224,7 +254,10 @@ class MemoryStore:
             self._remove(h)
 
     def trim(self, job: str, is_committed: Callable[[str, int], bool]) -> None:
-        """Keep the newest ``steps`` committed steps of ``job`` and anything newer (see above)."""
+        """Keep the newest ``steps`` committed steps of ``job`` and anything newer (see above). A
+        storage job's newest committed step also drops its memory-level steps at or below it: every
+        daemon learns a commit here (the one that committed it, and the others from index.json),
+        not only the committing one (``MemoryTier.commit``)."""
         mine = [h for h in self.entries.values() if h.job == job and h.meta is not None]
         for h in mine:
             if not h.committed and is_committed(job, h.step):
@@ -236,6 +269,14 @@ class MemoryStore:
             if h.step < kept[-1] or (h.step < kept[0] and not h.committed):
                 if h.pins == 0:
                     self._remove(h)
+        if not is_memory_job(job):
+            self.drop_before(memory_job(job), kept[0] + 1)
+
+    def drop_committed(self, job: str, step: int) -> None:
+        """The shards of ``step`` held as committed (not a new save of the same number, in flight): the
+        step is no longer committed (its index.json is gone: superseded and removed, or saved again)."""
+        for h in [h for h in self.entries.values() if h.job == job and h.step == step and h.committed]:
+            self._remove(h)
 
     # ---- serving ---------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from ckptd.core import peer_protocol as pp
 from ckptd.core.errors import ChecksumError, FormatError, ProtocolError
 from ckptd.core.held import MAX_HELD_BYTES, HeldMeta
 from ckptd.core.peer_channel import Channel
+from ckptd.daemon import shm
 from ckptd.daemon.runtime import describe_error
 from ckptd.daemon.service.logs import Throttled
 from ckptd.daemon.tiers.memory.store import REPLICA, Held, MemoryStore, new_memfd
@@ -59,9 +60,15 @@ def split_address(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+class NotAllocated(Exception):
+    """This daemon could not allocate a held shard's memory (its ``memory.shm_dir`` full, the node out
+    of memory): the reason. Its payload was read and dropped: the connection goes on."""
+
+
 async def receive_held(store: MemoryStore, ch: Channel, msg: dict[str, Any], plen: int, origin: str) -> Held | None:
     """A held shard's payload, after its ``msg``: reserved, read into a memfd, checksummed.
-    None (payload skipped) when it does not fit the budget; ChecksumError/FormatError when bad."""
+    None (payload skipped) when it does not fit the budget; NotAllocated (payload skipped) when its
+    memory cannot be allocated; ChecksumError/FormatError when bad."""
     meta = HeldMeta.from_wire(msg)
     if meta.nbytes != plen:
         raise FormatError(f"{meta.what}: payload of {plen} bytes for a shard of {meta.nbytes}")
@@ -71,8 +78,16 @@ async def receive_held(store: MemoryStore, ch: Channel, msg: dict[str, Any], ple
         return None
     loop = asyncio.get_running_loop()
     try:
-        held.fd, mm = await loop.run_in_executor(
-            None, new_memfd, f"ckptd-mem-{meta.job}-{meta.step}-r{meta.rank}", meta.nbytes)
+        try:
+            held.fd, mm = await loop.run_in_executor(
+                None, new_memfd, f"ckptd-mem-{meta.job}-{meta.step}-r{meta.rank}", meta.nbytes)
+        except OSError as e:      # (not a broken connection: said, and the connection kept in step)
+            where = shm.place().dir
+            in_ = f"memory.shm_dir {where}" if where else "memfds"
+            reason = f"{meta.what}: its {meta.nbytes} bytes could not be allocated in this daemon's shared memory " \
+                f"({in_}): {describe_error(e)}{shm.shortage(e)}"
+            await pp.skip(ch, plen)
+            raise NotAllocated(reason) from e
         held.mm = mm
         view = memoryview(mm)
 
@@ -202,6 +217,10 @@ class PeerServer:
     async def _put(self, ch: Channel, msg: dict[str, Any], plen: int, node: str) -> None:
         try:
             held = await receive_held(self.store, ch, msg, plen, REPLICA)
+        except NotAllocated as e:
+            log.warning("replica refused", extra={"ctx": {"node": node, "reason": str(e)}})
+            await pp.send(ch, {"op": "error", "reason": str(e)[:500]})
+            return
         except (ChecksumError, FormatError) as e:
             log.warning("replica refused", extra={"ctx": {"node": node, "reason": describe_error(e)}})
             await pp.send(ch, {"op": "error", "reason": str(e)[:500]})

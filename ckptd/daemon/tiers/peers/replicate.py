@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from ckptd.core.errors import ChecksumError, FormatError, ProtocolError
 from ckptd.daemon.runtime import describe_error
 from ckptd.daemon.tiers.memory.store import Held, MemoryStore
-from ckptd.daemon.tiers.peers.link import PeerLink
+from ckptd.daemon.tiers.peers.link import NotAllocated, PeerLink
 
 log = logging.getLogger("ckptd")
 QUEUE_MAX = 1024                # shards waiting per target
@@ -189,7 +189,7 @@ class Replicator:
         except ChecksumError as e:
             log.error("corrupt replica from peer; not used", extra={"ctx": {"peer": peer, "job": job, "step": step,
                                                                               "rank": rank, "error": str(e)}})
-        except (OSError, ProtocolError, FormatError) as e:
+        except (OSError, ProtocolError, FormatError, NotAllocated) as e:
             log.warning("peer fetch failed", extra={"ctx": {"peer": peer, "job": job, "step": step, "rank": rank,
                                                             "error": describe_error(e)}})
         finally:
