@@ -86,3 +86,51 @@ def test_a_memory_level_step_in_flight_evicts_only_what_its_commit_would_trim():
     assert [store.get(job, 4, r) for r in (0, 1)] == four_
     assert store.short is not None and (store.short.evictable, store.short.kept) == (0, 2 * N)
     assert "none evictable" in store.short.text()
+
+
+def test_a_removed_step_held_as_committed_does_not_outrank_a_newer_runs_step():
+    """A daemon that did not commit it held an earlier run's memory-level step 8 as committed. The new run
+    (resumed from step 6) committed memory-level step 7, and its commit removed step 8's directory. The
+    store kept its newest committed step, the stale 8, and trimmed step 7's replica: the committed step 7
+    was lost with its other node. A step held as committed whose index.json is gone now goes first."""
+    job = memory_job("ej")
+    store = MemoryStore(4 * N, 1)
+    eight = hold(store, 8, 0, job=job, committed=True)
+    seven = hold(store, 7, 1, job=job)
+    on_disk = {7}                                     # step 8's directory removed by step 7's commit
+    store.trim(job, lambda j, s: j == job and s in on_disk)
+    assert store.get(job, 7, 1) is seven and seven.committed
+    assert store.get(job, 8, 0) is None and eight.gone
+
+    def unreadable(j: str, s: int) -> bool:
+        raise PermissionError(13, "Permission denied")
+    store = MemoryStore(4 * N, 1)
+    eight = hold(store, 8, 0, job=job, committed=True)
+    store.trim(job, unreadable)                       # a disk that cannot be read now is no proof
+    assert store.get(job, 8, 0) is eight
+
+
+def test_the_step_committed_last_is_kept_until_the_earlier_runs_higher_one_is_gone():
+    """The new run's memory-level step 7 committed while the earlier run's step 8 was still on disk (its
+    removal follows the commit): trimming by number alone dropped 7, the one the job now restores. And
+    step 7's replica, arriving after step 8 had committed, was dropped as a leftover on arrival."""
+    job = memory_job("ej")
+    store = MemoryStore(4 * N, 1)
+    eight = hold(store, 8, 0, job=job, committed=True)
+    seven = hold(store, 7, 1, job=job)                # a new run's lower step, in flight
+    on_disk = {8}
+    store.trim(job, lambda j, s: s in on_disk)
+    assert store.get(job, 7, 1) is seven              # not a leftover: it came after step 8 committed
+    on_disk = {7, 8}                                  # step 7 commits; step 8 not yet removed
+    store.trim(job, lambda j, s: s in on_disk)
+    assert store.get(job, 7, 1) is seven and seven.committed and store.get(job, 8, 0) is eight
+    on_disk = {7}                                     # step 8 removed
+    store.trim(job, lambda j, s: s in on_disk)
+    assert store.get(job, 7, 1) is seven and eight.gone
+
+    store = MemoryStore(4 * N, 1)                     # a leftover: in flight before step 8 committed
+    six = hold(store, 6, 0, job=job)
+    eight = hold(store, 8, 0, job=job)
+    store.committed(job, 8)
+    store.trim(job, lambda j, s: s == 8)
+    assert six.gone and store.get(job, 8, 0) is eight

@@ -59,6 +59,7 @@ class Held:
     mm: mmap.mmap | None = None
     meta: HeldMeta | None = None
     committed: bool = False
+    committed_at: float = 0.0     # when this store learned it committed (monotonic): trim's tie to runs
     pins: int = 0
     gone: bool = False            # evicted or dropped: closed once unpinned
     owed: bool = False            # dropped while pinned: its bytes leave the budget when unpinned
@@ -237,9 +238,10 @@ class MemoryStore:
     # ---- lifecycle of steps -----------------------------------------------------------
 
     def committed(self, job: str, step: int) -> None:
+        now = time.monotonic()
         for h in self.entries.values():
             if h.job == job and h.step == step:
-                h.committed = True
+                h.committed, h.committed_at = True, now
 
     def drop_step(self, job: str, step: int, ranks: object = None) -> None:
         """A failed step: its shards are of no use."""
@@ -257,18 +259,33 @@ class MemoryStore:
         """Keep the newest ``steps`` committed steps of ``job`` and anything newer (see above). A
         storage job's newest committed step also drops its memory-level steps at or below it: every
         daemon learns a commit here (the one that committed it, and the others from index.json),
-        not only the committing one (``MemoryTier.commit``)."""
+        not only the committing one (``MemoryTier.commit``).
+
+        A job resumed from an older step saves lower numbers than an earlier run's steps, and its first
+        commit removes those (``remove_stale``) — on disk, not in other daemons' memory. So: a step held
+        as committed whose index.json is gone is dropped first; the step whose commit this store learned
+        last is kept whatever its number (else the earlier run's higher step, until its removal shows,
+        would trim the new run's committed one away); and a step in flight below the newest committed is
+        a leftover only if it was here before that one committed (else it is the new run's)."""
         mine = [h for h in self.entries.values() if h.job == job and h.meta is not None]
+        for step in {h.step for h in mine if h.committed}:
+            if not still_committed(is_committed, job, step):
+                self.drop_committed(job, step)      # another run's, removed: it must not outrank newer ones
+        mine = [h for h in mine if not h.gone]
+        now = time.monotonic()
         for h in mine:
             if not h.committed and is_committed(job, h.step):
-                h.committed = True
-        kept = sorted({h.step for h in mine if h.committed}, reverse=True)[: self.steps]
-        if not kept:
+                h.committed, h.committed_at = True, now
+        known = {h.step: h.committed_at for h in mine if h.committed}
+        if not known:
             return
+        kept = sorted(known, reverse=True)[: self.steps]
+        last = max(known.values())
+        keep = {*kept, max(s for s, at in known.items() if at == last)}
         for h in mine:
-            if h.step < kept[-1] or (h.step < kept[0] and not h.committed):
-                if h.pins == 0:
-                    self._remove(h)
+            stale = h.step not in keep if h.committed else h.step < kept[0] and h.arrived <= known[kept[0]]
+            if stale and h.pins == 0:
+                self._remove(h)
         if not is_memory_job(job):
             self.drop_before(memory_job(job), kept[0] + 1)
 
@@ -332,3 +349,12 @@ class MemoryStore:
             h.pins = 0
             self._remove(h)
             h.close()
+
+
+def still_committed(is_committed: Callable[[str, int], bool], job: str, step: int) -> bool:
+    """Whether a step held as committed still is (its index.json in place). A disk that cannot be read
+    now says nothing: it is kept."""
+    try:
+        return is_committed(job, step)
+    except OSError:
+        return True
