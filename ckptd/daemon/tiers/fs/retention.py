@@ -21,6 +21,9 @@ another process removed first (the daemon's retention and ``ckptd gc`` racing) i
 Nothing here follows a symlink: symlinked job or step directories are skipped, and the entries of a
 step directory are unlinked (a link is removed, never its target). Only names that ckptd itself
 creates are removed; a step directory holding anything else is kept whole, and reported.
+A step or job directory ckptd cannot read (EACCES: its owner or mode) is never removed — it may be
+committed — and is reported (``GcResult.unreadable``, a warning naming the path and the fix); every
+other step and job is still collected.
 
 The daemon runs :func:`collect_job` for a job after each commit of it; ``ckptd gc``
 runs :func:`collect_root` by hand.
@@ -81,6 +84,7 @@ class GcResult:
     kept: list[tuple[str, int, str]] = field(default_factory=list)     # (job, step, why)
     skipped: list[str] = field(default_factory=list)                   # paths not touched, with reason
     stray_temps: list[str] = field(default_factory=list)   # temp files found in committed steps (removed)
+    unreadable: list[tuple[str, str]] = field(default_factory=list)     # (path, why): left as they are
 
     @property
     def removed(self) -> list[Action]:
@@ -104,18 +108,26 @@ def last_touched(path: str) -> float:
 
 
 def plan_job(job_path: str, policy: RetentionPolicy, *, now: float | None = None, in_flight: Iterable[int] = (),
-             above: int | None = None) -> tuple[list[Action], list[tuple[str, int, str]]]:
+             above: int | None = None, unreadable: list[tuple[str, str]] | None = None,
+             ) -> tuple[list[Action], list[tuple[str, int, str]]]:
     """What to delete in one job directory under ``policy``; nothing is touched. ``above``: every step
     numbered above it goes too, committed or not (``ckptd gc --remove-above``: a rolled-back run's steps,
-    which would outrank the new run's), and the newest committed step kept is the newest at or below it."""
+    which would outrank the new run's), and the newest committed step kept is the newest at or below it.
+    A step directory that cannot be read is never planned for removal (it may be committed): it is kept,
+    and added to ``unreadable`` as (path, why)."""
     now = time.time() if now is None else now
     job = os.path.basename(os.path.normpath(job_path))
     protected = set(in_flight)
-    steps = list_steps(job_path)            # symlinked step directories are already left out
+    kept: list[tuple[str, int, str]] = []
+    steps = []
+    for s in list_steps(job_path):          # symlinked step directories are already left out
+        if s.unreadable is None:
+            steps.append(s)
+        else:
+            _unreadable(job, s.step, s.path, s.unreadable, kept, unreadable)
     actions = [Action(job, s.step, s.path, ActionKind.ABOVE) for s in steps if above is not None and s.step > above]
     steps = [s for s in steps if above is None or s.step <= above]
     committed = [s for s in steps if s.committed]
-    kept: list[tuple[str, int, str]] = []
     keep: dict[int, str] = {}
     if committed:
         keep[committed[-1].step] = "newest committed"
@@ -136,6 +148,9 @@ def plan_job(job_path: str, policy: RetentionPolicy, *, now: float | None = None
                 age = now - last_touched(s.path)
             except FileNotFoundError:
                 continue
+            except OSError as e:            # EACCES: its age cannot be told, nor what it holds
+                _unreadable(job, s.step, s.path, step_files.os_reason(e), kept, unreadable)
+                continue
             if age >= policy.abandoned_after:
                 actions.append(Action(job, s.step, s.path, ActionKind.ABANDONED))
             else:
@@ -143,16 +158,25 @@ def plan_job(job_path: str, policy: RetentionPolicy, *, now: float | None = None
     return actions, kept
 
 
+def _unreadable(job: str, step: int, path: str, why: str, kept: list[tuple[str, int, str]],
+                unreadable: list[tuple[str, str]] | None) -> None:
+    kept.append((job, step, f"unreadable ({why}); never removed while it cannot be read (it may be committed)"))
+    if unreadable is not None:
+        unreadable.append((path, why))
 
 
-def plan_memory_level(job_path: str, policy: RetentionPolicy, *, now: float,
-                      in_flight: Iterable[int] = (), above: int | None = None) -> list[Action]:
+def plan_memory_level(job_path: str, policy: RetentionPolicy, *, now: float, in_flight: Iterable[int] = (),
+                      above: int | None = None, unreadable: list[tuple[str, str]] | None = None) -> list[Action]:
     """The uncommitted memory-level step directories of one job untouched for ``abandoned_after``
-    (the memory tier prunes the committed ones), and every one above ``above``; nothing is touched."""
+    (the memory tier prunes the committed ones), and every one above ``above``; nothing is touched. One
+    that cannot be read is never planned, and added to ``unreadable``."""
     root, name = os.path.split(os.path.normpath(job_path))
     job = memory_job(name)
-    protected, actions = set(in_flight), list[Action]()
+    protected, actions, kept = set(in_flight), list[Action](), list[tuple[str, int, str]]()
     for s in memory_level_steps(root, name):        # (none through a symlinked _memory)
+        if s.unreadable is not None:
+            _unreadable(job, s.step, s.path, s.unreadable, kept, unreadable)
+            continue
         if above is not None and s.step > above:
             actions.append(Action(job, s.step, s.path, ActionKind.ABOVE))
             continue
@@ -163,6 +187,8 @@ def plan_memory_level(job_path: str, policy: RetentionPolicy, *, now: float,
                 actions.append(Action(job, s.step, s.path, ActionKind.ABANDONED))
         except FileNotFoundError:
             continue
+        except OSError as e:
+            _unreadable(job, s.step, s.path, step_files.os_reason(e), kept, unreadable)
     return actions
 
 
@@ -182,7 +208,8 @@ def collect_job(root: str, job: str, policy: RetentionPolicy, *, dry_run: bool =
                 now: float | None = None, above: int | None = None) -> GcResult:
     """Apply ``policy`` to one job (the daemon calls this after each storage commit of the job),
     sparing the storage steps ``in_flight`` and the memory-level ones ``memory_in_flight``; ``above``:
-    see ``plan_job``."""
+    see ``plan_job``. What cannot be read (the job's directory, a step's) is left as it is, listed in
+    ``unreadable`` and logged; the rest is collected."""
     validate_job(job)
     job_path = os.path.join(root, job)
     result = GcResult()
@@ -190,8 +217,18 @@ def collect_job(root: str, job: str, policy: RetentionPolicy, *, dry_run: bool =
         result.skipped.append(f"{job_path}: a symlink; gc does not follow links")
         return result
     now = time.time() if now is None else now
-    actions, kept = plan_job(job_path, policy, now=now, in_flight=in_flight, above=above)
-    actions += plan_memory_level(job_path, policy, now=now, in_flight=memory_in_flight, above=above)
+    try:
+        actions, kept = plan_job(job_path, policy, now=now, in_flight=in_flight, above=above,
+                                 unreadable=result.unreadable)
+    except OSError as e:                    # the job's directory: nothing in it can be collected
+        result.unreadable.append((job_path, step_files.os_reason(e)))
+        _warn_unreadable(job, result.unreadable)
+        return result
+    try:
+        actions += plan_memory_level(job_path, policy, now=now, in_flight=memory_in_flight, above=above,
+                                     unreadable=result.unreadable)
+    except OSError as e:
+        result.unreadable.append((os.path.join(job_path, MEMORY_LEVEL_DIR), step_files.os_reason(e)))
     execute(actions, dry_run)
     result.actions, result.kept = actions, kept
     if not dry_run:         # what removals killed midway left (hidden ``.removing-…`` directories)
@@ -202,7 +239,10 @@ def collect_job(root: str, job: str, policy: RetentionPolicy, *, dry_run: bool =
     before = now - policy.abandoned_after
     for s in list_steps(job_path):
         if s.committed and s.path not in expired:
-            result.stray_temps += step_files.stray_temps(s.path, older_than=before)
+            try:
+                result.stray_temps += step_files.stray_temps(s.path, older_than=before)
+            except OSError as e:
+                result.unreadable.append((s.path, step_files.os_reason(e)))
     if not dry_run and result.stray_temps:
         step_files.remove_files(result.stray_temps)
         log.info("removed stray temp files", extra={"ctx": {"job": job, "files": result.stray_temps[:20]}})
@@ -210,13 +250,25 @@ def collect_job(root: str, job: str, policy: RetentionPolicy, *, dry_run: bool =
         log.info("removed step", extra={"ctx": {"job": a.job, "step": a.step, "reason": a.kind}})
     for a in result.errors:
         log.warning("could not remove step", extra={"ctx": {"job": a.job, "step": a.step, "error": a.error}})
+    _warn_unreadable(job, result.unreadable)
     return result
+
+
+def _warn_unreadable(job: str, unreadable: list[tuple[str, str]]) -> None:
+    for path, why in unreadable:
+        log.warning(f"retention cannot read {path} ({why}): left as it is (it may be committed), the job's other "
+                    f"steps collected; {step_files.UNREADABLE_FIX}", extra={"ctx": {"job": job, "path": path}})
 
 
 def _finish_removals(job: str, job_path: str, result: GcResult) -> None:
     memory_path = os.path.join(job_path, MEMORY_LEVEL_DIR)
     for path in [job_path] + ([] if os.path.islink(memory_path) else [memory_path]):
-        done, kept = step_files.finish_removals(path)
+        try:
+            done, kept = step_files.finish_removals(path)
+        except OSError as e:
+            if not any(p == path for p, _ in result.unreadable):
+                result.unreadable.append((path, step_files.os_reason(e)))
+            continue
         result.skipped += kept
         if done:
             log.info("finished removals killed midway", extra={"ctx": {"job": job, "removed": done[:20]}})
@@ -245,10 +297,11 @@ def collect_root(root: str, policy: RetentionPolicy, *, dry_run: bool = False, j
                 result.skipped.append(f"{path}: a symlink; gc does not follow links")
             elif os.path.isdir(path):
                 jobs.append(name)
-    for job in jobs:
+    for job in jobs:        # (collect_job reports what it cannot read: one job never stops the others)
         r = collect_job(root, job, policy, dry_run=dry_run, now=now, above=above)
         result.actions += r.actions
         result.kept += r.kept
         result.skipped += r.skipped
         result.stray_temps += r.stray_temps
+        result.unreadable += r.unreadable
     return result
