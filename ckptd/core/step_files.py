@@ -114,7 +114,8 @@ def remove_rank_files(step_path: str, rank: int) -> None:
 REMOVING_PREFIX = ".removing-"
 
 
-def _is_removing(name: str) -> bool:
+def is_removing(name: str) -> bool:
+    """Whether ``name`` is a removal's hidden directory (``REMOVING_PREFIX``)."""
     return name.startswith(REMOVING_PREFIX) and len(name) > len(REMOVING_PREFIX)
 
 
@@ -187,14 +188,16 @@ def _rmdir(path: str) -> None:
         pass
 
 
-def finish_removals(job_path: str) -> tuple[list[str], list[str]]:
+def finish_removals(job_path: str, names: Iterable[str] | None = None) -> tuple[list[str], list[str]]:
     """Finish the removals killed midway in one job directory (``REMOVING_PREFIX`` directories): (what
     was removed, why each of the others stays). One finished meanwhile by another process is not
-    an error; one holding files ckptd did not write stays and is named."""
-    try:
-        names = [n for n in os.listdir(job_path) if _is_removing(n)]
-    except (FileNotFoundError, NotADirectoryError):
-        return [], []
+    an error; one holding files ckptd did not write stays and is named. ``names``: those the caller's
+    own listing of the directory found (it is not listed again)."""
+    if names is None:
+        try:
+            names = [n for n in os.listdir(job_path) if is_removing(n)]
+        except (FileNotFoundError, NotADirectoryError):
+            return [], []
     done, kept = [], []
     for n in sorted(names):
         p = os.path.join(job_path, n)
