@@ -200,4 +200,4 @@ def add_tiers(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         rows += [{"job": job, "step": s, "state": "committed", "bytes_on_disk": 0, "raw_bytes": None,
                   "stored_bytes": None, "sizes_verified": True, "ratio": None, "age_s": None, "tiers": "in bucket"}
                  for s in sorted(in_bucket - local)]
-    rows.sort(key=lambda r: (r["job"], r["step"]))
+    rows.sort(key=lambda r: (r["job"], -1 if r["step"] is None else r["step"]))       # (None: an unreadable job)

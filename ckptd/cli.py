@@ -13,6 +13,7 @@ from ckptd import __version__, bucket_cli, cli_steps
 from ckptd.core import protocol
 from ckptd.core.describe import human_size
 from ckptd.core.errors import ProtocolError
+from ckptd.core.step_files import UNREADABLE_FIX
 from ckptd.daemon.server import Daemon, describe_error, start_problems
 from ckptd.daemon.service import logs, systemd
 from ckptd.daemon.service.allocator import tune_allocator
@@ -138,7 +139,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
                           "actions": [{"job": a.job, "step": a.step, "path": a.path, "kind": a.kind,
                                        "removed": a.done, "error": a.error} for a in result.actions],
                           "kept": [{"job": j, "step": st, "why": why} for j, st, why in result.kept],
-                          "skipped": result.skipped, "bucket_removed": in_bucket, "bucket_removed_late": late,
+                          "skipped": result.skipped,
+                          "unreadable": [{"path": p, "error": why} for p, why in result.unreadable],
+                          "bucket_removed": in_bucket, "bucket_removed_late": late,
                           "bucket_errors": bucket_errors},
                          indent=1))
     else:
@@ -153,6 +156,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 print(f"kept {job} step {step}: {why}")
         for sk in result.skipped:
             print(f"skipped {sk}")
+        for path, why in result.unreadable:
+            print(f"FAILED {path}: cannot read it ({why}); left as it is (it may be committed); {UNREADABLE_FIX}")
         for key in in_bucket:
             print(f"{verb} {key}: a bucket step above --remove-above")
         for key in late:
@@ -161,8 +166,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
             print(f"FAILED the bucket's steps above --remove-above: {err}")
         n = len(result.actions) if args.dry_run else len(result.removed)
         print(f"{verb} {n} step(s), kept {len(result.kept)}"
-              + (f", {len(result.errors)} failed" if result.errors else ""))
-    return 1 if result.errors or bucket_errors else 0
+              + (f", {len(result.errors)} failed" if result.errors else "")
+              + (f", {len(result.unreadable)} unreadable" if result.unreadable else ""))
+    return 1 if result.errors or result.unreadable or bucket_errors else 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -29,6 +29,7 @@ from ckptd.core.reader import (
     memory_level_steps,
     verify_step,
 )
+from ckptd.core.step_files import UNREADABLE_FIX, os_reason
 
 USAGE = 2       # argparse's exit status for a usage error; 1 stays a FAULT (or a failed command)
 _STEP_ARG = re.compile(r"^(?:step-)?([0-9]{1,12})\Z")
@@ -196,14 +197,30 @@ def _dir_bytes(path: str) -> int:
 
 def _row(job: str, info: StepInfo, now: float, memory: bool = False) -> dict[str, Any] | None:
     """The ``ls`` row of a listed step; None when the step is gone by now (retention or ``gc`` removed
-    it after it was listed)."""
+    it after it was listed). A step whose directory cannot be read is a row of its own state
+    (``unreadable (EACCES: Permission denied)``), never an error that ends the listing."""
     try:
         return _row_of(job, info, now, memory)
     except FileNotFoundError:
         return None
+    except OSError as e:
+        return _unreadable_row(job, info.step, info.path, os_reason(e), memory, now)
+
+
+def _unreadable_row(job: str, step: int | None, path: str, why: str, memory: bool, now: float) -> dict[str, Any]:
+    """A step (or, ``step`` None, a whole job) whose directory ckptd cannot read: its owner or mode."""
+    try:
+        age: float | None = round(now - os.lstat(path).st_mtime, 1)
+    except OSError:
+        age = None
+    return {"job": job, "step": step, "state": f"unreadable ({why})", "level": "memory" if memory else "storage",
+            "path": path, "bytes_on_disk": None, "raw_bytes": None, "stored_bytes": None,
+            "sizes_verified": False, "ratio": None, "age_s": age}
 
 
 def _row_of(job: str, info: StepInfo, now: float, memory: bool) -> dict[str, Any] | None:
+    if info.unreadable is not None:
+        return _unreadable_row(job, info.step, info.path, info.unreadable, memory, now)
     raw = stored = None
     verified = False        # format 2: the index's digest covers the sizes shown
     state = ("memory-level" if memory else "committed") if info.committed else "uncommitted"
@@ -244,10 +261,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         missing = e
     now = time.time()
     listed = [] if missing else [
-        _row(job, info, now, memory) for job in ([args.job] if args.job else jobs_under(args.root))
-        for memory in (False, True)
-        for info in list_steps(os.path.join(args.root, job, *([MEMORY_LEVEL_DIR] if memory else [])))]
-    rows = sorted((r for r in listed if r is not None), key=lambda r: (r["job"], r["step"], r["level"]))
+        row for job in ([args.job] if args.job else jobs_under(args.root)) for row in _job_rows(args.root, job, now)]
+    rows = sorted(listed, key=lambda r: (r["job"], -1 if r["step"] is None else r["step"], r["level"]))
+    unreadable = [r for r in rows if r["state"].startswith("unreadable")]
     if missing is None or args.job:
         bucket_cli.add_tiers(rows, args)       # a job the bucket has is listed on a node that has none of it
     if missing is not None and not rows:
@@ -255,16 +271,21 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return USAGE
     for r in rows:
         r.setdefault("path", None)             # a step only the bucket has
+    if unreadable:
+        print(f"ckptd ls: cannot read {len(unreadable)} director{'y' if len(unreadable) == 1 else 'ies'} (listed as "
+              f"unreadable; what is in them is not listed), e.g. {unreadable[0]['path']}: {UNREADABLE_FIX}",
+              file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=1))
-        return 0
+        return 1 if unreadable else 0
     if not rows:
         print(f"no checkpoints under {args.root}" + (f" for job {args.job}" if args.job else ""))
         return 0
     print(f"{'JOB':20s} {'STEP':>10s} {'STATE':12s} {'ON DISK':>11s} {'RAW':>11s} {'RATIO':>6s} {'AGE':>7s}  PATH")
     for r in rows:
         raw_text = "-" if r["raw_bytes"] is None else human_size(r["raw_bytes"]) + ("" if r["sizes_verified"] else "*")
-        print(f"{r['job'][:20]:20s} {r['step']:>10d} {r['state']:12s} {human_size(r['bytes_on_disk']):>11s} "
+        on_disk = "-" if r["bytes_on_disk"] is None else human_size(r["bytes_on_disk"])
+        print(f"{r['job'][:20]:20s} {'-' if r['step'] is None else r['step']:>10} {r['state']:12s} {on_disk:>11s} "
               f"{raw_text:>11s} {format(r['ratio'], '.3f') if r['ratio'] else '-':>6} "
               f"{_age(r['age_s']) if r['age_s'] is not None else '-':>7s}  {r['path'] or '-'}"
               + (f"  {r['tiers']}" if "tiers" in r else ""))
@@ -273,7 +294,22 @@ def cmd_ls(args: argparse.Namespace) -> int:
               "gone once every daemon holding it restarted")
     if any(r["raw_bytes"] is not None and not r["sizes_verified"] for r in rows):
         print("* format-1 step: sizes from an index with no digest (unverified; `ckptd verify` checks the data)")
-    return 0
+    return 1 if unreadable else 0
+
+
+def _job_rows(root: str, job: str, now: float) -> list[dict[str, Any]]:
+    """One job's ``ls`` rows, storage and memory-level; a directory that cannot be read (the job's, its
+    ``_memory``) is one row, ``unreadable (…)``, with no step."""
+    rows = []
+    for memory in (False, True):
+        path = os.path.join(root, job, *([MEMORY_LEVEL_DIR] if memory else []))
+        try:
+            steps = list_steps(path)
+        except OSError as e:
+            rows.append(_unreadable_row(job, None, path, os_reason(e), memory, now))
+            break           # (its _memory is inside it: not reached either)
+        rows += [r for r in (_row(job, info, now, memory) for info in steps) if r is not None]
+    return rows
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ from ckptd.core.names import (
 )
 from ckptd.core.step_files import remove_step
 from ckptd.daemon.settings.retention import RetentionPolicy
-from ckptd.daemon.tiers.fs.retention import collect_job, collect_root, plan_job
+from ckptd.daemon.tiers.fs.retention import GcResult, JobMemo, collect_job, collect_root, plan_job
 
 DAY = 86400.0
 
@@ -389,3 +389,62 @@ def test_a_symlinked_memory_level_directory_is_never_pruned_through(daemon_facto
     assert steps_left(victim, "x") == [1, 2]
     assert all((victim / "x" / step_dir_name(s) / "index.json").is_file() for s in (1, 2))
     assert (d.root / "lnk" / MEMORY_LEVEL_DIR).is_symlink()
+
+
+def _count_dir_calls(monkeypatch) -> dict[str, int]:
+    """Calls of os.listdir / os.scandir / os.stat / os.lstat from here on (every path and helper of
+    retention and step_files goes through them: os.path.isfile and friends call os.stat); under
+    "job listed", how many listings were of the job's own directory."""
+    counts = dict.fromkeys(("listdir", "scandir", "stat", "lstat", "job listed"), 0)
+    for name in ("listdir", "scandir", "stat", "lstat"):
+        real = getattr(os, name)
+
+        def counted(path, *a, _real=real, _name=name, **k):
+            counts[_name] += 1
+            if _name in ("listdir", "scandir") and os.path.basename(os.fspath(path)) == "j":
+                counts["job listed"] += 1
+            return _real(path, *a, **k)
+        monkeypatch.setattr(os, name, counted)
+    return counts
+
+
+TEMP = "rank-00000.json.tmp.4242.1"     # what a writer killed before its rename leaves
+
+
+def _one_pass_after_a_commit(tmp: Path, monkeypatch, n: int) -> tuple[dict[str, int], GcResult]:
+    """The daemon's pass after a commit (retention off: keep_last 0) in a job of ``n`` committed steps
+    of 64 ranks each, its earlier passes' memo kept; then the pass after one more commit, counted."""
+    root = tmp / f"n{n}"
+    for s in range(1, n + 1):
+        d = make_step(root, "j", s, committed=True)
+        for rank in range(1, 64):
+            (d / rank_data_name(rank)).write_bytes(b"")
+            (d / rank_manifest_name(rank)).write_text("{}")
+    memo, policy = JobMemo(), RetentionPolicy(abandoned_after=DAY)
+    collect_job(str(root), "j", policy, memo=memo)         # the passes before (the daemon's start)
+    collect_job(str(root), "j", policy, memo=memo)
+    new = make_step(root, "j", n + 1, committed=True)      # a commit: a stale temp in it, and an
+    (new / TEMP).write_text("{}")                          # abandoned save beside it
+    stale = time.time() - 2 * DAY
+    os.utime(new / TEMP, (stale, stale))
+    make_step(root, "j", n + 2, committed=False, age_s=2 * DAY)
+    with monkeypatch.context() as m:
+        counts = _count_dir_calls(m)
+        r = collect_job(str(root), "j", policy, memo=memo)
+    return counts, r
+
+
+def test_a_pass_after_a_commit_costs_the_same_however_long_the_history(tmp, monkeypatch):
+    """With retention off (the default keep_last 0) every commit is still followed by a pass (abandoned
+    saves must go), which listed the job three times, stat'ed every step and listed every committed
+    step's directory for stray temps: its cost grew with the job's history (40 ms of daemon CPU per
+    save at 5,000 steps). Now one listing of the job, and only the step committed since is looked into:
+    the same directory listings and stats at 10 steps as at 200, and the same outcome."""
+    small, r_small = _one_pass_after_a_commit(tmp, monkeypatch, 10)
+    large, r_large = _one_pass_after_a_commit(tmp, monkeypatch, 200)
+    assert small == large, (small, large)
+    assert small["job listed"] == 1, small
+    for r, n in ((r_small, 10), (r_large, 200)):
+        assert [(a.step, a.kind) for a in r.removed] == [(n + 2, "abandoned")]
+        assert [os.path.basename(p) for p in r.stray_temps] == [TEMP]
+        assert not r.errors and not r.unreadable

@@ -47,7 +47,7 @@ from .schema import (
     parse_index,
     parse_manifest,
 )
-from .step_files import is_committed
+from .step_files import committed_or_raise, is_committed, os_reason
 
 
 def _read_small(path: str, limit: int, what: str) -> bytes:
@@ -66,21 +66,28 @@ class StepInfo:
     step: int
     path: str
     committed: bool
+    unreadable: str | None = None   # why the directory cannot be read (``EACCES: Permission denied``):
+    #                                 committed or not is unknown; readers skip it, retention never removes it
 
 
 def list_steps(job_path: str) -> list[StepInfo]:
-    """Every step directory of a job, oldest first; ``committed`` means index.json is present."""
+    """Every step directory of a job, oldest first; ``committed`` means index.json is present. A step
+    whose directory cannot be searched is listed with ``unreadable`` set (and ``committed`` false): one
+    bad step never hides the others. A job directory that cannot be read raises OSError (none: [])."""
     try:
-        names = os.listdir(job_path)
+        with os.scandir(job_path) as it:
+            entries = [(e.name, e.path) for e in it if e.is_dir(follow_symlinks=False)]   # no link, d_type
     except FileNotFoundError:
         return []
     out = []
-    for name in names:
+    for name, path in entries:
         step = parse_step_dir_name(name)
-        path = os.path.join(job_path, name)
-        if step is None or os.path.islink(path) or not os.path.isdir(path):
+        if step is None:
             continue
-        out.append(StepInfo(step, path, is_committed(path)))
+        try:
+            out.append(StepInfo(step, path, committed_or_raise(path)))
+        except OSError as e:
+            out.append(StepInfo(step, path, False, os_reason(e)))
     return sorted(out, key=lambda s: s.step)
 
 

@@ -10,6 +10,7 @@ names ckptd writes (``names.is_step_file``) are ever removed, and no link is fol
 """
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import stat
@@ -28,8 +29,30 @@ from .storage import fsync_dir
 
 
 def is_committed(step_path: str) -> bool:
-    """Whether the step at ``step_path`` is committed: its index.json is in place (the commit marker)."""
+    """Whether the step at ``step_path`` is committed: its index.json is in place (the commit marker).
+    A step whose directory cannot be searched reads as not committed here; listings and retention
+    use ``committed_or_raise``, which tells the two apart."""
     return os.path.isfile(os.path.join(step_path, INDEX_NAME))
+
+
+def committed_or_raise(step_path: str) -> bool:
+    """``is_committed``, but an index.json that cannot be looked for (EACCES: the step directory's owner
+    or mode) raises OSError rather than read as "uncommitted": such a step may well be committed, and
+    retention must never take it for an abandoned save."""
+    try:
+        return stat.S_ISREG(os.stat(os.path.join(step_path, INDEX_NAME)).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
+def os_reason(e: OSError) -> str:
+    """An OS error as ``EACCES: Permission denied`` (the path left out: the caller names it)."""
+    if e.errno is None:
+        return str(e)
+    return f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror or os.strerror(e.errno)}"
+
+
+UNREADABLE_FIX = "give ckptd's user read and search access to it (chown -R, or chmod -R u+rwX)"
 
 
 def stray_temps(step_path: str, older_than: float | None = None) -> list[str]:
@@ -91,7 +114,8 @@ def remove_rank_files(step_path: str, rank: int) -> None:
 REMOVING_PREFIX = ".removing-"
 
 
-def _is_removing(name: str) -> bool:
+def is_removing(name: str) -> bool:
+    """Whether ``name`` is a removal's hidden directory (``REMOVING_PREFIX``)."""
     return name.startswith(REMOVING_PREFIX) and len(name) > len(REMOVING_PREFIX)
 
 
@@ -164,14 +188,16 @@ def _rmdir(path: str) -> None:
         pass
 
 
-def finish_removals(job_path: str) -> tuple[list[str], list[str]]:
+def finish_removals(job_path: str, names: Iterable[str] | None = None) -> tuple[list[str], list[str]]:
     """Finish the removals killed midway in one job directory (``REMOVING_PREFIX`` directories): (what
     was removed, why each of the others stays). One finished meanwhile by another process is not
-    an error; one holding files ckptd did not write stays and is named."""
-    try:
-        names = [n for n in os.listdir(job_path) if _is_removing(n)]
-    except (FileNotFoundError, NotADirectoryError):
-        return [], []
+    an error; one holding files ckptd did not write stays and is named. ``names``: those the caller's
+    own listing of the directory found (it is not listed again)."""
+    if names is None:
+        try:
+            names = [n for n in os.listdir(job_path) if is_removing(n)]
+        except (FileNotFoundError, NotADirectoryError):
+            return [], []
     done, kept = [], []
     for n in sorted(names):
         p = os.path.join(job_path, n)

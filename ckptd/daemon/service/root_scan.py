@@ -4,7 +4,8 @@ A daemon or node killed mid-save leaves uncommitted step directories (retention 
 ``abandoned_after`` passes), and a file system that lost writes can leave a job's newest committed
 step unreadable (a truncated ``index.json``): every ``restore()`` without a step then fails on it.
 Neither is an error of the daemon's, and it starts as usual; the log says what it found and what to
-do. Step removals a killed daemon or ``ckptd gc`` left midway (hidden ``.removing-…`` directories) are
+do; so does a directory it cannot read (a job's or a step's: its owner or mode), which no other job's scan
+waits on. Step removals a killed daemon or ``ckptd gc`` left midway (hidden ``.removing-…`` directories) are
 finished first. Bounded: at most ``MAX_JOBS`` jobs, per job its step listing and what a restore reads first of its
 newest committed step (``StepReader``: the index, or its head when large), on a thread after serving
 begins.
@@ -28,11 +29,13 @@ SHOWN = 10               # step numbers listed per finding
 
 @dataclass(frozen=True)
 class JobFindings:
-    """One job's leftovers: uncommitted step directories, and the newest committed step if it does not load."""
+    """One job's leftovers: uncommitted step directories, the newest committed step if it does not load,
+    and the directories (the job's own, or its steps') that cannot be read, each with why."""
     job: str
     uncommitted: tuple[int, ...]
     newest: int | None
     newest_fault: str | None
+    unreadable: tuple[tuple[str, str], ...] = ()
 
 
 def job_names(root: str) -> tuple[list[str], bool]:
@@ -63,7 +66,13 @@ def scan(root: str) -> tuple[list[JobFindings], bool]:
     found: list[JobFindings] = []
     for name in jobs:
         path = os.path.join(root, name)
-        steps = list_steps(path)
+        try:
+            steps = list_steps(path)
+        except OSError as e:            # the job's own directory: reported, the other jobs scanned
+            found.append(JobFindings(name, (), None, None, ((path, step_files.os_reason(e)),)))
+            continue
+        unreadable = tuple((s.path, s.unreadable) for s in steps if s.unreadable is not None)
+        steps = [s for s in steps if s.unreadable is None]
         committed = [s for s in steps if s.committed]
         fault = None
         if committed:
@@ -72,8 +81,8 @@ def scan(root: str) -> tuple[list[JobFindings], bool]:
             except (FormatError, OSError, ValueError) as e:
                 fault = str(e)
         uncommitted = tuple(s.step for s in steps if not s.committed)
-        if uncommitted or fault:
-            found.append(JobFindings(name, uncommitted, committed[-1].step if committed else None, fault))
+        if uncommitted or fault or unreadable:
+            found.append(JobFindings(name, uncommitted, committed[-1].step if committed else None, fault, unreadable))
     return found, partial
 
 
@@ -84,7 +93,10 @@ def finish_removals(root: str) -> None:
         for path in (os.path.join(root, name), os.path.join(root, name, MEMORY_LEVEL_DIR)):
             if os.path.islink(path):
                 continue
-            done, kept = step_files.finish_removals(path)
+            try:
+                done, kept = step_files.finish_removals(path)
+            except OSError:             # unreadable: the scan reports it
+                continue
             if done:
                 log.info(f"job {name}: finished {len(done)} step removals killed midway",
                          extra={"ctx": {"job": name, "removed": done[:SHOWN]}})
@@ -98,6 +110,10 @@ def report(root: str) -> None:
     finish_removals(root)
     found, partial = scan(root)
     for f in found:
+        for path, why in f.unreadable:
+            log.warning(f"job {f.job}: cannot read {path} ({why}): ckptd neither lists, loads nor removes what is "
+                        f"in it (it may be committed); {step_files.UNREADABLE_FIX}",
+                        extra={"ctx": {"job": f.job, "path": path}})
         if f.newest_fault is not None:
             log.warning(f"job {f.job}: its newest committed step {f.newest} does not load ({f.newest_fault[:300]}): "
                         f"restore() without a step fails on it; check it with `ckptd verify {root} {f.job} "

@@ -21,22 +21,30 @@ another process removed first (the daemon's retention and ``ckptd gc`` racing) i
 Nothing here follows a symlink: symlinked job or step directories are skipped, and the entries of a
 step directory are unlinked (a link is removed, never its target). Only names that ckptd itself
 creates are removed; a step directory holding anything else is kept whole, and reported.
+A step or job directory ckptd cannot read (EACCES: its owner or mode) is never removed — it may be
+committed — and is reported (``GcResult.unreadable``, a warning naming the path and the fix); every
+other step and job is still collected.
 
-The daemon runs :func:`collect_job` for a job after each commit of it; ``ckptd gc``
-runs :func:`collect_root` by hand.
+The daemon runs :func:`collect_job` for a job after each commit of it, with the job's ``JobMemo``: the
+job's directory listed once, only the steps committed since the last pass (or not looked into for
+``abandoned_after``) looked into for stray temps, and with no keep rule the committed steps not gone
+through at all, so a pass costs the same however long the job's history. ``ckptd gc`` runs
+:func:`collect_root` by hand, with no memo: every step looked at.
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
+import stat
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
 from ckptd.core import step_files
-from ckptd.core.names import MEMORY_LEVEL_DIR, memory_job, validate_job
-from ckptd.core.reader import list_steps, memory_level_steps
+from ckptd.core.names import MEMORY_LEVEL_DIR, memory_job, parse_step_dir_name, validate_job
+from ckptd.core.reader import StepInfo, list_steps, memory_level_steps
 from ckptd.daemon.settings.retention import RetentionPolicy
 
 log = logging.getLogger("ckptd")
@@ -81,6 +89,7 @@ class GcResult:
     kept: list[tuple[str, int, str]] = field(default_factory=list)     # (job, step, why)
     skipped: list[str] = field(default_factory=list)                   # paths not touched, with reason
     stray_temps: list[str] = field(default_factory=list)   # temp files found in committed steps (removed)
+    unreadable: list[tuple[str, str]] = field(default_factory=list)     # (path, why): left as they are
 
     @property
     def removed(self) -> list[Action]:
@@ -104,18 +113,31 @@ def last_touched(path: str) -> float:
 
 
 def plan_job(job_path: str, policy: RetentionPolicy, *, now: float | None = None, in_flight: Iterable[int] = (),
-             above: int | None = None) -> tuple[list[Action], list[tuple[str, int, str]]]:
+             above: int | None = None, unreadable: list[tuple[str, str]] | None = None,
+             steps: list[StepInfo] | None = None, report_kept: bool = True,
+             ) -> tuple[list[Action], list[tuple[str, int, str]]]:
     """What to delete in one job directory under ``policy``; nothing is touched. ``above``: every step
     numbered above it goes too, committed or not (``ckptd gc --remove-above``: a rolled-back run's steps,
-    which would outrank the new run's), and the newest committed step kept is the newest at or below it."""
+    which would outrank the new run's), and the newest committed step kept is the newest at or below it.
+    A step directory that cannot be read is never planned for removal (it may be committed): it is kept,
+    and added to ``unreadable`` as (path, why). ``steps``: the job's listing, when the caller made it;
+    ``report_kept`` false (the daemon's passes): with no keep rule (keep_last = 0, no ``above``) the
+    committed steps, every one kept, are not gone through at all."""
     now = time.time() if now is None else now
     job = os.path.basename(os.path.normpath(job_path))
     protected = set(in_flight)
-    steps = list_steps(job_path)            # symlinked step directories are already left out
+    kept: list[tuple[str, int, str]] = []
+    listed, steps = (list_steps(job_path) if steps is None else steps), []
+    for s in listed:                        # symlinked step directories are already left out
+        if s.unreadable is None:
+            steps.append(s)
+        else:
+            _unreadable(job, s.step, s.path, s.unreadable, kept, unreadable)
+    if policy.keep_last == 0 and above is None and not report_kept:
+        steps = [s for s in steps if not s.committed]       # (keep_last = 0 keeps every committed step)
     actions = [Action(job, s.step, s.path, ActionKind.ABOVE) for s in steps if above is not None and s.step > above]
     steps = [s for s in steps if above is None or s.step <= above]
     committed = [s for s in steps if s.committed]
-    kept: list[tuple[str, int, str]] = []
     keep: dict[int, str] = {}
     if committed:
         keep[committed[-1].step] = "newest committed"
@@ -136,6 +158,9 @@ def plan_job(job_path: str, policy: RetentionPolicy, *, now: float | None = None
                 age = now - last_touched(s.path)
             except FileNotFoundError:
                 continue
+            except OSError as e:            # EACCES: its age cannot be told, nor what it holds
+                _unreadable(job, s.step, s.path, step_files.os_reason(e), kept, unreadable)
+                continue
             if age >= policy.abandoned_after:
                 actions.append(Action(job, s.step, s.path, ActionKind.ABANDONED))
             else:
@@ -143,16 +168,25 @@ def plan_job(job_path: str, policy: RetentionPolicy, *, now: float | None = None
     return actions, kept
 
 
+def _unreadable(job: str, step: int, path: str, why: str, kept: list[tuple[str, int, str]],
+                unreadable: list[tuple[str, str]] | None) -> None:
+    kept.append((job, step, f"unreadable ({why}); never removed while it cannot be read (it may be committed)"))
+    if unreadable is not None:
+        unreadable.append((path, why))
 
 
-def plan_memory_level(job_path: str, policy: RetentionPolicy, *, now: float,
-                      in_flight: Iterable[int] = (), above: int | None = None) -> list[Action]:
+def plan_memory_level(job_path: str, policy: RetentionPolicy, *, now: float, in_flight: Iterable[int] = (),
+                      above: int | None = None, unreadable: list[tuple[str, str]] | None = None) -> list[Action]:
     """The uncommitted memory-level step directories of one job untouched for ``abandoned_after``
-    (the memory tier prunes the committed ones), and every one above ``above``; nothing is touched."""
+    (the memory tier prunes the committed ones), and every one above ``above``; nothing is touched. One
+    that cannot be read is never planned, and added to ``unreadable``."""
     root, name = os.path.split(os.path.normpath(job_path))
     job = memory_job(name)
-    protected, actions = set(in_flight), list[Action]()
+    protected, actions, kept = set(in_flight), list[Action](), list[tuple[str, int, str]]()
     for s in memory_level_steps(root, name):        # (none through a symlinked _memory)
+        if s.unreadable is not None:
+            _unreadable(job, s.step, s.path, s.unreadable, kept, unreadable)
+            continue
         if above is not None and s.step > above:
             actions.append(Action(job, s.step, s.path, ActionKind.ABOVE))
             continue
@@ -163,6 +197,8 @@ def plan_memory_level(job_path: str, policy: RetentionPolicy, *, now: float,
                 actions.append(Action(job, s.step, s.path, ActionKind.ABANDONED))
         except FileNotFoundError:
             continue
+        except OSError as e:
+            _unreadable(job, s.step, s.path, step_files.os_reason(e), kept, unreadable)
     return actions
 
 
@@ -177,12 +213,64 @@ def execute(actions: list[Action], dry_run: bool = False) -> None:
             a.error = str(e) if not e.strerror else f"{e.strerror}: {e.filename or a.path}"
 
 
+@dataclass
+class JobMemo:
+    """What a daemon's earlier passes over one job learned, so that a pass after a commit costs the same
+    however many steps the job holds (``ckptd gc`` keeps none: it looks at everything). ``swept``: each
+    committed step directory seen, by name, with when its stray temps were last looked for; each is
+    looked into again once ``abandoned_after`` has passed since (a temp is garbage only once untouched
+    for that long), and with no keep rule taken for committed meanwhile without a look (committed stays
+    committed until removed; a step removed and saved again under its name is looked at, and abandoned
+    if never committed, within ``abandoned_after`` more). ``warned``: the unreadable paths logged."""
+    swept: dict[str, float] = field(default_factory=dict)
+    warned: set[str] = field(default_factory=set)
+
+
+def list_job(job_path: str, *, memo: JobMemo | None = None, trusted: float | None = None,
+             ) -> tuple[list[StepInfo], list[str], set[str]]:
+    """One listing of a job's directory (the only one a pass makes): its steps as ``list_steps`` lists
+    them, the names of removals killed midway (``.removing-…``) and every name listed. With ``trusted``,
+    the steps ``memo`` swept at or after it are left out unlooked at (committed, every one kept: no keep
+    rule)."""
+    try:
+        names = os.listdir(job_path)
+    except FileNotFoundError:
+        return [], [], set()
+    listed = set(names)
+    if memo is not None and trusted is not None:
+        unknown = listed - memo.swept.keys()                   # (set operations: no Python loop per step)
+        if memo.swept and min(memo.swept.values()) < trusted:   # some due to be looked into again
+            unknown |= {n for n, t in memo.swept.items() if t < trusted and n in listed}
+        names = list(unknown)
+    steps, removing = [], []
+    for name in names:
+        step = parse_step_dir_name(name)
+        if step is None:
+            if step_files.is_removing(name):
+                removing.append(name)
+            continue
+        path = os.path.join(job_path, name)
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):      # (a symlink is no step)
+                continue
+            steps.append(StepInfo(step, path, step_files.committed_or_raise(path)))
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            steps.append(StepInfo(step, path, False, step_files.os_reason(e)))
+    return sorted(steps, key=lambda s: s.step), removing, listed
+
+
 def collect_job(root: str, job: str, policy: RetentionPolicy, *, dry_run: bool = False,
                 in_flight: Iterable[int] = (), memory_in_flight: Iterable[int] = (),
-                now: float | None = None, above: int | None = None) -> GcResult:
+                now: float | None = None, above: int | None = None, memo: JobMemo | None = None) -> GcResult:
     """Apply ``policy`` to one job (the daemon calls this after each storage commit of the job),
     sparing the storage steps ``in_flight`` and the memory-level ones ``memory_in_flight``; ``above``:
-    see ``plan_job``."""
+    see ``plan_job``. What cannot be read (the job's directory, a step's) is left as it is, listed in
+    ``unreadable`` and logged; the rest is collected. The job's directory is listed once; with ``memo``
+    (the daemon's, one per job) only the steps committed since the last pass, or not looked into for
+    ``abandoned_after``, are looked into for stray temps, and with no keep rule the committed steps are
+    neither stat'ed nor planned: a pass costs the same however long the job's history."""
     validate_job(job)
     job_path = os.path.join(root, job)
     result = GcResult()
@@ -190,19 +278,46 @@ def collect_job(root: str, job: str, policy: RetentionPolicy, *, dry_run: bool =
         result.skipped.append(f"{job_path}: a symlink; gc does not follow links")
         return result
     now = time.time() if now is None else now
-    actions, kept = plan_job(job_path, policy, now=now, in_flight=in_flight, above=above)
-    actions += plan_memory_level(job_path, policy, now=now, in_flight=memory_in_flight, above=above)
+    before = now - policy.abandoned_after       # a temp untouched since then is garbage; so is a sweep
+    lean = memo is not None and policy.keep_last == 0 and above is None
+    try:
+        steps, removing, listed = list_job(job_path, memo=memo, trusted=before if lean else None)
+    except OSError as e:                    # the job's directory: nothing in it can be collected
+        result.unreadable.append((job_path, step_files.os_reason(e)))
+        _warn_unreadable(job, result.unreadable, memo)
+        return result
+    actions, kept = plan_job(job_path, policy, now=now, in_flight=in_flight, above=above,
+                             unreadable=result.unreadable, steps=steps, report_kept=memo is None)
+    try:
+        actions += plan_memory_level(job_path, policy, now=now, in_flight=memory_in_flight, above=above,
+                                     unreadable=result.unreadable)
+    except OSError as e:
+        result.unreadable.append((os.path.join(job_path, MEMORY_LEVEL_DIR), step_files.os_reason(e)))
     execute(actions, dry_run)
     result.actions, result.kept = actions, kept
     if not dry_run:         # what removals killed midway left (hidden ``.removing-…`` directories)
-        _finish_removals(job, job_path, result)
-    expired = {a.path for a in actions}
+        _finish_removals(job, job_path, removing, result)
     # A temp file in a committed step is garbage once nothing writes it: one untouched for
     # abandoned_after (a rank staging its files into a step staged from the bucket writes one there).
-    before = now - policy.abandoned_after
-    for s in list_steps(job_path):
-        if s.committed and s.path not in expired:
+    planned = {a.path for a in actions}
+    for s in steps:
+        name = os.path.basename(s.path)
+        if not s.committed or s.path in planned:
+            if memo is not None:
+                memo.swept.pop(name, None)
+            continue
+        if memo is not None and memo.swept.get(name, -math.inf) >= before:
+            continue                        # looked into less than abandoned_after ago
+        try:
             result.stray_temps += step_files.stray_temps(s.path, older_than=before)
+        except OSError as e:
+            result.unreadable.append((s.path, step_files.os_reason(e)))
+            continue
+        if memo is not None:
+            memo.swept[name] = now
+    if memo is not None and memo.swept.keys() - listed:       # steps removed since (by gc, another node)
+        for name in memo.swept.keys() - listed:
+            del memo.swept[name]
     if not dry_run and result.stray_temps:
         step_files.remove_files(result.stray_temps)
         log.info("removed stray temp files", extra={"ctx": {"job": job, "files": result.stray_temps[:20]}})
@@ -210,13 +325,34 @@ def collect_job(root: str, job: str, policy: RetentionPolicy, *, dry_run: bool =
         log.info("removed step", extra={"ctx": {"job": a.job, "step": a.step, "reason": a.kind}})
     for a in result.errors:
         log.warning("could not remove step", extra={"ctx": {"job": a.job, "step": a.step, "error": a.error}})
+    _warn_unreadable(job, result.unreadable, memo)
     return result
 
 
-def _finish_removals(job: str, job_path: str, result: GcResult) -> None:
+def _warn_unreadable(job: str, unreadable: list[tuple[str, str]], memo: JobMemo | None) -> None:
+    """A warning per unreadable path (the daemon: once, until it is readable again)."""
+    paths = {p for p, _ in unreadable}
+    if memo is not None:
+        memo.warned &= paths
+    for path, why in unreadable:
+        if memo is not None:
+            if path in memo.warned:
+                continue
+            memo.warned.add(path)
+        log.warning(f"retention cannot read {path} ({why}): left as it is (it may be committed), the job's other "
+                    f"steps collected; {step_files.UNREADABLE_FIX}", extra={"ctx": {"job": job, "path": path}})
+
+
+def _finish_removals(job: str, job_path: str, removing: list[str], result: GcResult) -> None:
+    """The job's ``removing`` (from its one listing) and its _memory's."""
     memory_path = os.path.join(job_path, MEMORY_LEVEL_DIR)
     for path in [job_path] + ([] if os.path.islink(memory_path) else [memory_path]):
-        done, kept = step_files.finish_removals(path)
+        try:
+            done, kept = step_files.finish_removals(path, removing if path == job_path else None)
+        except OSError as e:
+            if not any(p == path for p, _ in result.unreadable):
+                result.unreadable.append((path, step_files.os_reason(e)))
+            continue
         result.skipped += kept
         if done:
             log.info("finished removals killed midway", extra={"ctx": {"job": job, "removed": done[:20]}})
@@ -245,10 +381,11 @@ def collect_root(root: str, policy: RetentionPolicy, *, dry_run: bool = False, j
                 result.skipped.append(f"{path}: a symlink; gc does not follow links")
             elif os.path.isdir(path):
                 jobs.append(name)
-    for job in jobs:
+    for job in jobs:        # (collect_job reports what it cannot read: one job never stops the others)
         r = collect_job(root, job, policy, dry_run=dry_run, now=now, above=above)
         result.actions += r.actions
         result.kept += r.kept
         result.skipped += r.skipped
         result.stray_temps += r.stray_temps
+        result.unreadable += r.unreadable
     return result

@@ -1,6 +1,8 @@
 """When retention runs: one pass per job at a time after its commits, never two at once.
 
-What a pass deletes is ckptd.daemon.tiers.fs.retention's; the tier runs it on its I/O pool.
+What a pass deletes is ckptd.daemon.tiers.fs.retention's; the tier runs it on its I/O pool. Each job's
+passes share a ``JobMemo`` (the committed steps already looked into), so a pass after a commit costs the
+same however many steps the job holds; passes of one job never overlap, so it is never shared at once.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from collections.abc import Callable
 from ckptd.core.names import memory_job
 from ckptd.daemon.runtime import TaskSet, describe_error
 from ckptd.daemon.settings.retention import RetentionPolicy
-from ckptd.daemon.tiers.fs.retention import GcResult
+from ckptd.daemon.tiers.fs.retention import GcResult, JobMemo
 from ckptd.daemon.tiers.fs.tier import FsTier
 
 log = logging.getLogger("ckptd")
@@ -28,6 +30,7 @@ class Retention:
         self._on_done = on_done
         self._running: set[str] = set()
         self._again: set[str] = set()
+        self._memos: dict[str, JobMemo] = {}
         self._stopped = False
 
     def schedule(self, job: str) -> None:
@@ -49,7 +52,7 @@ class Retention:
     async def _collect(self, job: str) -> None:
         try:
             result = await self.tier.collect(job, self.policy, self._in_flight(job),
-                                             self._in_flight(memory_job(job)))
+                                             self._in_flight(memory_job(job)), self._memos.setdefault(job, JobMemo()))
         except (OSError, ValueError) as e:
             log.warning("retention failed", extra={"ctx": {"job": job, "error": describe_error(e)}})
             return

@@ -143,11 +143,12 @@ class FsTier(StorageTier):
         return await self._on(self._io_pool, size)
 
     async def collect(self, job: str, policy: RetentionPolicy, in_flight: Sequence[int],
-                      memory_in_flight: Sequence[int] = ()) -> retention.GcResult:
+                      memory_in_flight: Sequence[int] = (), memo: retention.JobMemo | None = None,
+                      ) -> retention.GcResult:
         """Apply ``policy`` to the job's steps, sparing ``in_flight`` (and the memory-level
-        ``memory_in_flight``)."""
+        ``memory_in_flight``); ``memo``: what the job's earlier passes learned (``retention.JobMemo``)."""
         return await self._on(self._io_pool, lambda: retention.collect_job(
-            self.root, job, policy, in_flight=in_flight, memory_in_flight=memory_in_flight))
+            self.root, job, policy, in_flight=in_flight, memory_in_flight=memory_in_flight, memo=memo))
 
     def close(self) -> None:
         # Writer threads of unfinished saves cannot be interrupted; the process exits without them.
