@@ -115,7 +115,7 @@ class StepFiles:
         try:
             n = read_decoded(self.fd(rank), file_pos, meta, entry.dtype, out, self.read_at)
             if self.stats is not None:
-                self.stats.add_chunk(n)
+                self.stats.add_chunk(n, raw=meta.raw_len)
         except (ChecksumError, EOFError, OSError) as e:
             raise CheckpointError(f"corrupt checkpoint: tensor {entry.name!r} in "
                                   f"{self.reader.data_path(rank)}: {e}") from None

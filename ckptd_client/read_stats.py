@@ -17,20 +17,25 @@ class ReadStats:
     """What a load read, counted as it reads (pass one to ``load_tensor`` or a restore to see the cost).
 
     ``manifests``: ranks whose manifest was read, in order; ``entries``: (rank, entry name) of every
-    piece read from; ``chunks``/``bytes``: data-file chunks read and their stored bytes; ``held``:
-    raw bytes copied from shards a daemon held (``HeldShards``), by where it had them."""
+    piece read from; ``chunks``/``bytes``: data-file chunks read and their stored bytes; ``raw``: the
+    raw bytes those chunks decoded to; ``held``: raw bytes copied from shards a daemon held
+    (``HeldShards``), by where it had them."""
     manifests: list[int] = field(default_factory=list)
     entries: set[tuple[int, str]] = field(default_factory=set)
     chunks: int = 0
     bytes: int = 0
+    raw: int = 0
     held: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add_chunk(self, nbytes: int, held: str | None = None) -> None:
+    def add_chunk(self, nbytes: int, held: str | None = None, raw: int = 0) -> None:
+        """A chunk read: ``nbytes`` stored bytes from a data file (``raw``: what they decoded to), or,
+        with ``held``, ``nbytes`` raw bytes copied from a shard held there."""
         with self._lock:
             if held is None:
                 self.chunks += 1
                 self.bytes += nbytes
+                self.raw += raw
             else:
                 self.held[held] = self.held.get(held, 0) + nbytes
 

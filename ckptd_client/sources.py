@@ -75,6 +75,9 @@ class RestoreInfo:
     """How the last ``restore`` went: ``source`` is ``memory`` (this node's daemon), ``peer`` (a
     peer daemon's copy, through this node's daemon) or ``storage``; ``fallback`` says why memory
     was not used; ``passed``: every source that could not serve, in chain order, with its reason.
+    ``raw_bytes``: the raw (decoded) bytes the restore read, from every source it used: held shards'
+    bytes copied plus data-file chunks decoded (a chunk counts whole, even where a reshard needed
+    part of it).
     ``restored``: the top-level keys of the state loaded; ``missing`` (top-level keys) and
     ``missing_tensors`` (key paths inside restored entries): what the step lacked, left as it was
     (only with ``strict=False``; entries a ``per_rank`` rule kept fresh are in neither).
@@ -103,7 +106,8 @@ class RestoreInfo:
     def of(cls, step: int, got: Served, started: float, passed: tuple[Unavailable, ...] = (),
            level: str = "storage") -> RestoreInfo:
         o, st = got.outcome, got.stats or ReadStats()
-        return cls(step, got.source, time.monotonic() - started, got.raw_bytes,
+        raw = sum(st.held.values()) + st.raw if got.stats is not None else got.raw_bytes
+        return cls(step, got.source, time.monotonic() - started, raw,
                    fallback=passed[0].reason if passed else None, passed=passed, restored=o.restored,
                    missing=o.missing, missing_tensors=o.missing_tensors, from_memory=st.held.get(MEMORY, 0),
                    from_peers=st.held.get(PEER, 0), from_storage=st.bytes, level=level, whole=got.whole)

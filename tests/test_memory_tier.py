@@ -231,3 +231,22 @@ def test_held_shards_prefetched_and_the_own_rank_required(daemon):
         held.prefetch([0])
         with pytest.raises(MemoryUnavailable, match="not committed"):
             held.manifest(0)
+
+
+def test_storage_restore_reports_its_raw_bytes(daemon):
+    """RestoreInfo.raw_bytes counts the raw bytes restored from storage too (it read 0 there), the same
+    count a restore from memory reports for the same step."""
+    ck = ckptd_client.Checkpointer("rawb", socket=str(daemon.socket))
+    state = state_of(5)
+    ck.save(1, state).wait(60)
+    ck.close()
+    tensor_bytes = sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+    got: dict[str, Any] = {}
+    for memory in (False, True):
+        ck = ckptd_client.Checkpointer("rawb", socket=str(daemon.socket), memory=memory)
+        target = zeros_like(state)
+        assert ck.restore(target) == 1
+        got[ck.last_restore.source] = ck.last_restore.raw_bytes
+        assert_equal(state, target)
+        ck.close()
+    assert got == {"storage": tensor_bytes, "memory": tensor_bytes}, got

@@ -321,3 +321,65 @@ def test_parity_piece_sends_and_failures_in_status_and_metrics(daemon_factory, t
     assert "piece failures=2 sent 1.0 MiB of pieces, 1 held step(s) degraded" in out, out
     assert f"  peer {addrs[1]}: sent 0.5 MiB, 1 failed pieces" in out, out
     ck.close()
+
+
+# Two ranks of a run whose third node is down: step 9 to storage, memory-level step 10 fails (its
+# pieces for the dead node's stripes have nowhere to go), after the other node folded some of them.
+FAILING = textwrap.dedent("""
+    import sys, torch, ckptd_client
+    from datetime import timedelta
+    sys.path.insert(0, sys.argv[5])
+    from test_parity import state_for
+    sock, job, rank, world, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[6])
+    store = torch.distributed.TCPStore("127.0.0.1", port, world, rank == 0, timedelta(seconds=60))
+    ck = ckptd_client.Checkpointer(job, socket=sock, rank=rank, world_size=world, store=store, commit="relay",
+                                   commit_timeout=60)
+    ck.save(9, state_for(rank)).wait(120)
+    try:
+        ck.save(10, state_for(rank, memory=True), level="memory").wait(120)
+        print("SAVED-10", flush=True)
+    except Exception as e:
+        print("FAILED-10", str(e).replace(chr(10), " "), flush=True)
+    ck.close()
+    store.set(f"done{rank}", "1")
+    if rank == 0:
+        store.wait([f"done{r}" for r in range(world)], timedelta(seconds=100))
+""")
+
+
+def test_a_failed_memory_level_steps_pieces_never_mix_with_a_later_save_of_its_number(daemon_factory, tmp):
+    """G = 3, P = 1, node C down: two ranks on A and B fail memory-level step 10 (A and B had folded each
+    other's pieces); C back empty, one rank on C saves memory-level step 10 again; C lost and back empty,
+    its rank restores that step 10, rebuilt from A's and B's parity, bit-exact. The failed save's pieces
+    stayed in the parity buffers, the new save's folded into them: reported protected, but it rebuilt
+    nothing ("2 of its 3 pieces are gone") and the restore read step 9."""
+    p3 = ("--peer-redundancy", "parity", "--peer-group", "3", "--peer-parity", "1")
+    addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    secret = secret_file(tmp / "secret", "s3cret-shared-by-every-node-0123456789")
+    a, b = (daemon_factory(*peer_args(addrs[i], addrs, secret, *p3), name=f"n{i}") for i in range(2))
+    port = free_port()
+    procs = [zygote.popen([sys.executable, "-c", FAILING, str(n.socket), JOB, str(r), "2", str(Path(__file__).parent),
+                           str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}) for r, n in enumerate((a, b))]
+    for p in procs:
+        out, _ = p.communicate(timeout=240)
+        assert p.returncode == 0 and "FAILED-10" in out, out + a.log_text() + b.log_text()
+        assert "not protected by parity" in out and "peer replicas" not in out, out
+    c = daemon_factory(*peer_args(addrs[2], addrs, secret, *p3), name="n2")
+    want = {"w": torch.randn(150_000, generator=torch.Generator().manual_seed(7)), "step": torch.tensor([10])}
+    ck = ckptd_client.Checkpointer(JOB, socket=str(c.socket))
+    ck.save(10, want, level="memory").wait(120)         # the failed step's number, saved again: protected
+    ck.close()
+    from ckptd.core import protocol
+    from ckptd.core.names import memory_job
+    (g,) = [x for x in protocol.request_once(str(c.socket), {"op": "status", "group": True})["groups"]
+            if (x["job"], x["step"]) == (memory_job(JOB), 10)]
+    assert g["state"] == "protected", g
+    c.kill()
+    c2 = daemon_factory(*peer_args(addrs[2], addrs, secret, *p3), name="n2b")
+    target = zeros_like(want)
+    ck = ckptd_client.Checkpointer(JOB, socket=str(c2.socket))
+    assert ck.restore(target) == 10, (ck.last_restore, a.log_text()[-3000:])
+    assert ck.last_restore.level == "memory" and ck.last_restore.from_storage == 0, ck.last_restore
+    assert_equal(want, target)
+    ck.close()

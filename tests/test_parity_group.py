@@ -21,6 +21,7 @@ from ckptd.core.errors import ProtocolError
 from ckptd.core.held import MAX_HELD_BYTES, HeldMeta, layout_checksums
 from ckptd.core.peer_channel import SEND, Channel
 from ckptd.core.schema import TensorLayout, digest_bytes
+from ckptd.daemon.tiers.memory.memory_level import NotHeld
 from ckptd.daemon.tiers.memory.store import Held, MemoryStore, new_memfd
 from ckptd.daemon.tiers.peers.layout import ParityLayout
 from ckptd.daemon.tiers.peers.link import PeerServer
@@ -128,30 +129,46 @@ class FakePeer:
         self.lsock.close()
 
 
-def test_a_step_saved_again_is_not_protected_by_its_first_attempts_acknowledgements() -> None:
+async def protect(nd: Node, held: Held) -> int:
+    """``protect_now`` as the memory tier sees it: 1, or 0 where it raised NotHeld."""
+    try:
+        return await nd.parity.protect_now(held)
+    except NotHeld:
+        return 0
+
+
+def test_a_step_saved_again_is_protected_by_its_own_pieces_only() -> None:
     """A step's shards were protected, the step failed (dropped) and was saved again with other bytes:
-    the holders keep the first attempt's pieces and refuse the new ones, so the new shards are not
-    protected. They were reported protected (acknowledgements were kept per shard, not per digest), and
-    a memory-level step then committed as durable with no parity for its bytes."""
-    async def main() -> list[tuple[int, bool]]:
+    each holder replaces the first attempt's buffer when a member sends another shard for it, so the
+    new save is protected, and a lost shard rebuilds to its new bytes. The holders refused the new
+    pieces ("lane 0 of stripe 1 already holds member 0's rank 0"): a failed memory-level step's number
+    could not be saved at the memory level again (and before that, its first attempt's acknowledgements
+    had counted for the new bytes)."""
+    sizes = [300_000 + 77_777 * i for i in range(4)]
+
+    async def main() -> tuple[list[tuple[int, bool]], bytes | None]:
         nodes = group(4, 4, 1)
         await started(nodes)
         try:
             for i, nd in enumerate(nodes):
-                assert await nd.parity.protect_now(nd.hold(i, 4, data(300_000 + 77_777 * i, i))) == 1
+                assert await nd.parity.protect_now(nd.hold(i, 4, data(sizes[i], i))) == 1
             for i, nd in enumerate(nodes):
                 nd.store.drop_step(JOB, STEP, {i})
-            out = []
+            out, digests = [], {}
             for i, nd in enumerate(nodes):
-                h = nd.hold(i, 4, data(300_000 + 77_777 * i, 1000 + i), attempt=2)
+                h = nd.hold(i, 4, data(sizes[i], 1000 + i), attempt=2)
                 assert h.meta is not None
-                out.append((await nd.parity.protect_now(h),
-                            nd.parity.protected(JOB, STEP, i, h.meta.nbytes, h.meta.digest)))
-            return out
+                digests[i] = h.meta.digest
+                out.append((await protect(nd, h), nd.parity.protected(JOB, STEP, i, h.meta.nbytes, h.meta.digest)))
+            nodes[1].store.drop_step(JOB, STEP, {1})            # node 1 lost its new shard
+            held = await nodes[2].rebuilder.rebuild(JOB, STEP, 1, digests[1])
+            return out, None if held is None or held.mm is None else bytes(held.mm[:sizes[1]])
         finally:
             await stopped(nodes)
 
-    assert asyncio.run(main()) == [(0, False)] * 4
+    out, rebuilt = asyncio.run(main())
+    assert out == [(1, True)] * 4
+    assert rebuilt == data(sizes[1], 1001)
 
 
 def test_a_rebuild_short_of_memory_never_evicts_the_survivors_shards() -> None:
@@ -202,7 +219,7 @@ def test_a_parity_buffer_that_cannot_be_allocated_leaves_no_charge(tmp_path) -> 
                 own = [nd.store.used for nd in nodes]
                 shm.use_dir(str(mnt))          # from here, every buffer this process makes: the full tmpfs
                 try:
-                    got = await nodes[0].parity.protect_now(held[0])
+                    got = await protect(nodes[0], held[0])
                 finally:
                     shm.use_dir(None)
                 return got, [nd.store.used - o for nd, o in zip(nodes, own, strict=True)], \
@@ -288,3 +305,23 @@ def test_a_parity_record_naming_no_member_is_not_used_and_the_rebuild_goes_on() 
     got, asked = rebuild_past_a_liar(nodes, [n] * 5, gone=(2,), liar=0, lie=lie, rebuilder=4)
     assert "get_parity" in asked                              # a holder did ask the liar for its row
     assert got == data(n, 1)
+
+
+def test_group_state_is_degraded_when_a_parity_folds_a_shard_its_member_does_not_hold() -> None:
+    """A parity buffer that folded a failed save's piece next to the committed one decodes neither:
+    the step is degraded, named (it read protected: only the held shards' pieces were looked for)."""
+    from ckptd.daemon.tiers.peers import group_state
+    addrs = [f"127.0.0.1:{9000 + i}" for i in range(3)]
+    lay = ParityLayout.of(addrs, addrs[0], 3, 1, 1)
+    n = 90_000
+    folded = [(JOB, STEP, p.stripe, 2, 0, "new") for p in lay.cut(n, 2).pieces if p.length]
+    mine = {m: [x for x in folded if m in lay.stripe(x[2]).parity] for m in range(3)}
+    def rep(m: int, extra: list[Any]) -> dict[str, Any]:
+        own = [(JOB, STEP, 0, "new", n)] if m == 2 else []
+        return group_state.report(own, mine[m] + extra)
+    (ok,) = group_state.judge(lay, {m: rep(m, []) for m in range(3)})
+    assert ok["state"] == "protected", ok
+    stale = [(JOB, STEP, folded[0][2], 1, 1, "failed")]
+    holder = next(m for m in range(3) if folded[0] in mine[m])
+    (bad,) = group_state.judge(lay, {m: rep(m, stale if m == holder else []) for m in range(3)})
+    assert bad["state"] == "degraded" and "member 1 does not hold" in bad["why"][0], bad

@@ -2,15 +2,19 @@
 
 A node can tell on its own only that its pieces were acknowledged; a group's step is *protected*
 when every stripe of it has its parity: for every shard any member holds of the step, each of its
-non-empty pieces is recorded as folded in by every parity holder of that piece's stripe. A holder
-that restarted has lost its parity even though the senders' acknowledgements stand, so this asks
-every member (``group_report``: its own held shards and the records of its parity buffers) and
-checks piece by piece. A member that does not answer within the timeout makes every step degraded,
+non-empty pieces is recorded as folded in by every parity holder of that piece's stripe, and every
+shard a parity holder folded into the step's parity is still held, with the same manifest digest,
+by the member that sent it (a failed save's piece mixed in leaves a parity that decodes nothing; a
+member that lost its shard since has spent the stripe's redundancy). A holder that restarted has
+lost its parity even though the senders' acknowledgements stand, so this asks every member
+(``group_report``: its own held shards and the records of its parity buffers) and checks piece by
+piece. A member that does not answer within the timeout makes every step degraded,
 named as the reason; nothing is waited for longer.
 
 Wire (a piece op, ``layout.PIECE_OPS``): ``{"op": "group_report"}`` → ``{"op": "group_report",
 "own": [[job, step, rank, digest, nbytes], …], "folded": [[job, step, stripe, member, rank,
-digest], …]}``.
+digest], …], "copies": [[job, step, rank, digest], …]}`` (copies: shards held that are not the
+member's own, e.g. rebuilt after a restart; absent from older members).
 """
 from __future__ import annotations
 
@@ -28,10 +32,12 @@ from ckptd.daemon.tiers.peers.link import PeerLink
 REPORT_MAX = 200_000          # entries a member may list (own shards + folded records)
 
 
-def report(own: Iterable[tuple[str, int, int, str, int]],
-           folded: Iterable[tuple[str, int, int, int, int, str]]) -> dict[str, Any]:
-    """A member's answer: its own held shards and what its parity buffers folded."""
-    return {"op": "group_report", "own": [list(x) for x in own], "folded": [list(x) for x in folded]}
+def report(own: Iterable[tuple[str, int, int, str, int]], folded: Iterable[tuple[str, int, int, int, int, str]],
+           copies: Iterable[tuple[str, int, int, str]] = ()) -> dict[str, Any]:
+    """A member's answer: its own held shards, what its parity buffers folded, and the other shards
+    it holds (rebuilt or fetched)."""
+    return {"op": "group_report", "own": [list(x) for x in own], "folded": [list(x) for x in folded],
+            "copies": [list(x) for x in copies]}
 
 
 async def ask(layout: ParityLayout, member: int, secret: bytes, timeout: float,
@@ -67,13 +73,16 @@ def judge(layout: ParityLayout, reports: dict[int, dict[str, Any] | str]) -> lis
     lost = {m: why for m, why in reports.items() if isinstance(why, str)}
     own: dict[tuple[str, int], list[tuple[int, int, str, int]]] = {}
     folded: set[tuple[Any, ...]] = set()
+    holds: set[tuple[Any, ...]] = set()          # (member, job, step, rank, digest) of every shard held
     for m, rep in reports.items():
         if isinstance(rep, str):
             continue
         try:
             for job, step, rank, digest, nbytes in _entries(rep, "own", 5):
                 own.setdefault((job, step), []).append((m, rank, digest, nbytes))
+                holds.add((m, job, step, rank, digest))
             folded |= {(m, *f) for f in _entries(rep, "folded", 6)}
+            holds |= {(m, *c) for c in (_entries(rep, "copies", 4) if "copies" in rep else ())}
         except (ValueError, TypeError) as e:
             lost[m] = f"a malformed report: {e}"
     out = []
@@ -87,6 +96,10 @@ def judge(layout: ParityLayout, reports: dict[int, dict[str, Any] | str]) -> lis
                 for holder in stripe.parity if piece.length else ():
                     if holder not in lost and (holder, job, step, piece.stripe, m, rank, digest) not in folded:
                         why.append(f"rank {rank}'s piece of stripe {piece.stripe} is not in member {holder}'s parity")
+        for holder, _, _, s, m, rank, digest in sorted(f for f in folded if f[1:3] == (job, step)):
+            if holder not in lost and m not in lost and (m, job, step, rank, digest) not in holds:
+                why.append(f"member {holder}'s parity of stripe {s} folds a shard of rank {rank} that member {m} "
+                           "does not hold (another save's, or lost since)")
         out.append({"job": job, "step": step, "group": layout.group.index, "members": layout.size,
                     "ranks": len(shards), "state": "degraded" if why else "protected", "why": why[:20]})
     return out

@@ -27,6 +27,9 @@ Wire (after the peer handshake, ``ckptd.core.peer_protocol``), each payload chec
 
     {"op": "group_report"} → this node's held shards and its parity buffers' records (group_state.py)
 
+    {"op": "drop_piece", job, step, member, rank, digest} → {"op": "ok", dropped}
+        (that member's save of the step failed: the buffers that folded the shard go)
+
 ``record`` lists ``{member, rank, digest, nbytes}`` of every shard folded into the buffer; ``meta`` is
 the named rank's held meta (layout and per-chunk checksums) as the sender sent it.
 """
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 from ckptd.daemon.tiers.peers.erasure import ParityCodec, make_codec
 from ckptd.daemon.tiers.peers.stripes import Cut, Group, Stripe, cut, group_of, stripe
 
-PIECE_OPS = ("put_piece", "get_parity", "get_piece", "reduce_piece", "group_report")
+PIECE_OPS = ("put_piece", "get_parity", "get_piece", "reduce_piece", "group_report", "drop_piece")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,9 @@ from collections.abc import Callable
 from ckptd.core import peer_protocol as pp
 from ckptd.core.codec import checksum
 from ckptd.core.errors import ProtocolError
+from ckptd.core.held import HeldMeta
 from ckptd.daemon.runtime import describe_error
+from ckptd.daemon.tiers.memory.memory_level import NotHeld
 from ckptd.daemon.tiers.memory.store import Held, MemoryStore
 from ckptd.daemon.tiers.peers.layout import ParityLayout
 from ckptd.daemon.tiers.peers.link import PeerLink
@@ -77,15 +79,45 @@ class ParityNode:
 
     async def protect_now(self, held: Held) -> int:
         """A memory-level step's shard: its pieces sent to their parity holders now (its rank is durable
-        only once they all fold them); 1 when every piece is acknowledged, else 0 (the memory tier's
-        ``replicate`` with k = 1)."""
-        assert held.meta is not None
+        only once they all fold them); 1 when every piece is acknowledged (the memory tier's
+        ``replicate`` with k = 1), else NotHeld saying so, after the holders that folded some of its
+        pieces were told to drop them (``drop_piece``): the step fails, and a later save of its number
+        must find no buffer of this one."""
+        meta = held.meta
+        assert meta is not None
         self.store.pin(held)
         try:
             await self._send_all(held, self._lane(held))
         finally:
             self.store.unpin(held)
-        return int(self.protected(held.job, held.step, held.rank, held.meta.nbytes, held.meta.digest))
+        if self.protected(held.job, held.step, held.rank, meta.nbytes, meta.digest):
+            return 1
+        got = self.acked.pop(held.key, None)
+        done = len(got[1]) if got is not None and got[0] == meta.digest else 0
+        await self._withdraw(meta)
+        raise NotHeld(f"memory-level step {meta.step}: rank {meta.rank}'s shard is not protected by parity: "
+                      f"{done} of its {len(self._needed(meta.nbytes))} pieces reached their parity holders "
+                      "(see the daemon log for each holder's error)")
+
+    async def _withdraw(self, meta: HeldMeta) -> None:
+        """Every parity holder of the shard's pieces told that this save of it failed (best effort: a
+        holder that does not answer keeps the buffers, which a later save of the step replaces)."""
+        holders = {addr for piece in self.layout.cut(meta.nbytes).pieces if piece.length
+                   for _, addr in self.layout.holders(piece.stripe)}
+
+        async def tell(addr: str) -> None:
+            link = PeerLink(addr, self.secret, self.layout.me, self.timeout, self.tls)
+            try:
+                await link.open()
+                await pp.send(link.channel, {"op": "drop_piece", "job": meta.job, "step": meta.step,
+                                             "member": self.layout.member, "rank": meta.rank, "digest": meta.digest})
+                await pp.recv(link.channel)
+            except (OSError, ProtocolError) as e:
+                log.info("parity holder not told of a failed save", extra={"ctx": {
+                    "job": meta.job, "step": meta.step, "rank": meta.rank, "peer": addr, "error": describe_error(e)}})
+            finally:
+                link.close()
+        await asyncio.gather(*(tell(a) for a in sorted(holders)))
 
     def _needed(self, nbytes: int) -> set[tuple[int, int]]:
         return {(piece.stripe, q) for piece in self.layout.cut(nbytes).pieces if piece.length

@@ -5,10 +5,13 @@ parity buffer is a memfd charged to the memory store's budget like a replica (be
 piece is read; a piece that does not fit is refused and the sender's step is not *protected*). It
 is keyed by (job, step, stripe, lane) and records which (member, rank, manifest digest, size) it
 holds, so a rebuild checks what it decodes against the committed index. A piece folded twice would
-cancel itself out: a repeated (member, rank, digest) is acknowledged and not folded again. Buffers
-of a job beyond its newest ``memory.steps + 1`` steps go. ``reduce_piece`` hands a buffer and its record
-to the rebuild's holder side (``Reducer``: rebuild.py's ``Rebuilder.reduce``), which decodes the named
-shard's piece of the stripe, and sends that.
+cancel itself out: a repeated (member, rank, digest) is acknowledged and not folded again. A buffer
+never mixes two saves of a step number: a piece whose member already folded another shard there
+(the step saved again after a failed save), or whose world size is not the buffer's, replaces the
+buffer with a fresh one; a member whose save of a step failed says so (``drop_piece``) and the
+buffers that folded its shard go. Buffers of a job beyond its newest ``memory.steps + 1`` steps go.
+``reduce_piece`` hands a buffer and its record to the rebuild's holder side (``Reducer``: rebuild.py's
+``Rebuilder.reduce``), which decodes the named shard's piece of the stripe, and sends that.
 """
 from __future__ import annotations
 
@@ -101,6 +104,10 @@ class ParityHolder:
             await self._reduce_piece(ch, msg, node)
         elif op == "group_report" and plen == 0:
             await pp.send(ch, self.report())
+        elif op == "drop_piece" and plen == 0:
+            async with self.lock:
+                reply = self._forget(msg, node)
+            await pp.send(ch, reply)
         else:
             raise ProtocolError(f"bad peer request {str(op)[:40]!r} with {plen} payload bytes")
 
@@ -123,12 +130,9 @@ class ParityHolder:
             raise FormatError(f"put_piece: {plen} bytes for a piece of {piece.length}")
         key = (meta.job, meta.step, s, lane)
         unit = self.units.get(key)
-        if unit is not None and member in unit.record:
+        if unit is not None and member in unit.record and self._same(unit.record[member], meta):
             await pp.skip(ch, plen)
-            f = unit.record[member]
-            if (f.rank, f.digest) == (meta.rank, meta.digest):
-                return {"op": "ok"}            # folded already: once more would cancel it out
-            return {"op": "error", "reason": f"lane {lane} of stripe {s} already holds member {member}'s rank {f.rank}"}
+            return {"op": "ok"}                # folded already: once more would cancel it out
         size = piece_size(meta.nbytes, lay.size, lay.p)
         grow = max(0, size - (unit.size if unit is not None else 0))
         if grow and not self.store.charge(grow, f"parity {meta.job} step {meta.step} stripe {s}"):
@@ -147,9 +151,14 @@ class ParityHolder:
             return {"op": "error", "reason": "piece fails its checksum"}
         async with self.lock:                # one fold (and growth) at a time
             unit = self.units.get(key)
-            if unit is not None and member in unit.record:
-                return {"op": "ok"} if unit.record[member].digest == meta.digest else \
-                    {"op": "error", "reason": f"lane {lane} of stripe {s} already holds member {member}"}
+            if unit is not None and member in unit.record and self._same(unit.record[member], meta):
+                return {"op": "ok"}
+            if unit is not None and self._stale(unit, member, meta):
+                log.info("parity buffer of another save dropped", extra={"ctx": {
+                    "job": meta.job, "step": meta.step, "stripe": s, "lane": lane, "from": node,
+                    "held": [(f.member, f.rank) for f in unit.record.values()]}})
+                self._drop(key)
+                unit = None
             need = max(0, size - (unit.size if unit is not None else 0))
             if need and not self.store.charge(need, f"parity {meta.job} step {meta.step} stripe {s}"):
                 return {"op": "error", "reason": "over this peer's memory budget"}
@@ -180,6 +189,32 @@ class ParityHolder:
         log.info("parity piece folded", extra={"ctx": {"job": meta.job, "step": meta.step, "rank": meta.rank,
                                                        "stripe": s, "lane": lane, "bytes": plen, "from": node}})
         return {"op": "ok"}
+
+    @staticmethod
+    def _same(f: Folded, meta: HeldMeta) -> bool:
+        return (f.rank, f.digest) == (meta.rank, meta.digest)
+
+    @staticmethod
+    def _stale(unit: ParityUnit, member: int, meta: HeldMeta) -> bool:
+        """The buffer folds another save of the step than the piece ``member`` sends of ``meta``: it
+        holds another shard of that member (a failed save's, the step saved again), or a shard saved
+        by another world size. Folded together they decode neither save."""
+        return member in unit.record or any(f.meta.get("world_size") != meta.world_size
+                                            for f in unit.record.values())
+
+    def _forget(self, msg: dict[str, Any], node: str) -> dict[str, Any]:
+        """``drop_piece``: a member's save of a step failed after (some of) its pieces were folded; every
+        buffer of the step that folded that shard goes (the step did not commit, so nothing else in
+        them is needed, and a later save of the step number must not fold into them)."""
+        job, step, member, rank, digest = (msg.get(k) for k in ("job", "step", "member", "rank", "digest"))
+        gone = [key for key, u in self.units.items() if (u.job, u.step) == (job, step) and type(member) is int
+                and (f := u.record.get(member)) is not None and (f.rank, f.digest) == (rank, digest)]
+        for key in gone:
+            self._drop(key)
+        if gone:
+            log.info("parity buffers of a failed save dropped", extra={"ctx": {
+                "job": job, "step": step, "rank": rank, "buffers": len(gone), "from": node}})
+        return {"op": "ok", "dropped": len(gone)}
 
     async def _grow(self, unit: ParityUnit, size: int) -> None:
         fd, mm = await asyncio.get_running_loop().run_in_executor(
@@ -259,11 +294,12 @@ class ParityHolder:
     def report(self) -> dict[str, Any]:
         """This node's part of its group's state (group_state.py): its own held shards, and what each of
         its parity buffers folded."""
-        own = [(h.job, h.step, h.rank, h.meta.digest, h.meta.nbytes) for h in self.store.entries.values()
-               if h.origin == "local" and h.meta is not None and not h.gone]
+        live = [(h, h.meta) for h in self.store.entries.values() if h.meta is not None and not h.gone]
+        own = [(h.job, h.step, h.rank, m.digest, m.nbytes) for h, m in live if h.origin == "local"]
+        copies = [(h.job, h.step, h.rank, m.digest) for h, m in live if h.origin != "local"]
         folded = [(u.job, u.step, u.stripe, f.member, f.rank, f.digest) for u in self.units.values()
                   for f in u.record.values()]
-        return group_state.report(own, folded)
+        return group_state.report(own, folded, copies)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
