@@ -9,9 +9,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ckptd.core import names, protocol
-from ckptd.core.names import job_dir
 from ckptd.core.protocol import CommitMode, EventOp, SaveLevel
-from ckptd.core.reader import latest_committed
 from ckptd.core.relay_record import RankOutcome
 
 from .agreement import RestoreAgreements
@@ -35,6 +33,7 @@ from .run_scope import RunScope
 from .session import DaemonSession
 from .slots import ClientSlot
 from .sources import Reader, RestoreInfo, outranked, restore_chain, run_chain
+from .step_choice import latest_step, newest_readable
 from .store_io import CloneShelf
 from .streamed import needs_stream, stream_save
 
@@ -299,8 +298,8 @@ class Checkpointer:
         return self.root
 
     def latest_step(self) -> int | None:
-        info = latest_committed(job_dir(self.resolve_root(), self.job))
-        return info.step if info else None
+        """The newest committed step (None: none); CheckpointError if one may be in a directory it cannot read."""
+        return latest_step(self.resolve_root(), self.job)
 
     @guarded()
     def restore(self, state: dict[str, Any], step: int | None = None, *, per_rank: PerRank = None,
@@ -352,7 +351,8 @@ class Checkpointer:
             self._session.prepare_soon(nbytes, lambda slots: [s.views(split.later_cpu) for s in slots])
             self._copies.pool().submit(time.sleep, 0)   # and finds its copy thread started
         log.info("ckptd: %s", info)
-        if explicit and self.rank == 0 and (newest := self.latest_step()) is not None and newest > info.step:
+        if explicit and self.rank == 0 and (newest := newest_readable(self.root, self.job)) is not None \
+                and newest > info.step:
             log.warning("ckptd: %s", outranked(self.job, info.step, newest))
         return info.step
 

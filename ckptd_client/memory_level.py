@@ -20,7 +20,6 @@ from typing import Any
 from ckptd.core import step_files
 from ckptd.core.gc_pause import gc_paused
 from ckptd.core.names import memory_job, step_dir
-from ckptd.core.reader import memory_level_steps
 
 from .errors import CheckpointError
 from .held_pieces import DaemonShards
@@ -28,15 +27,16 @@ from .memory_restore import MEMORY, PEER, MemoryUnavailable
 from .read_stats import ReadStats
 from .restore import PerRank, restore_state
 from .sources import Reader, RestoreInfo, Served, Unavailable, saved_world
+from .step_choice import newest_memory_level
 
 MEMORY_LEVEL = "memory-level"
 
 
 def newest_held_step(root: str, job: str, above: int | None) -> int | None:
-    """The newest committed memory-level step of ``job`` newer than ``above`` (None: none)."""
-    steps = [s.step for s in memory_level_steps(root, job) if s.committed]
-    newer = [s for s in steps if above is None or s > above]
-    return newer[-1] if newer else None
+    """The newest committed memory-level step of ``job`` newer than ``above`` (None: none; a
+    CheckpointError when a memory-level step directory it cannot read may hold a newer one)."""
+    newest = newest_memory_level(root, job)
+    return newest if newest is not None and (above is None or newest > above) else None
 
 
 def is_held_step(root: str, job: str, step: int) -> bool:

@@ -49,7 +49,9 @@ from collections.abc import Iterable
 from types import FrameType
 from typing import Any
 
+from ckptd.core.names import step_dir
 from ckptd.core.protocol import SaveLevel
+from ckptd.core.step_files import is_committed
 
 from . import bucket_restore, store_keys
 from .checkpointer import Checkpointer
@@ -183,7 +185,7 @@ class PreemptionHandler:
                 except CheckpointError as e:
                     log.warning("ckptd: memory-level save of step %d failed (%s); saving it to storage", step, e)
                 handle = None
-            if handle is None and self.ckpt.latest_step() != step:
+            if handle is None and not self._committed(step):
                 # Block for a free slot even if the Checkpointer skips saves when busy.
                 handle = self.ckpt.save(step, state, when_busy=WhenBusy.BLOCK)
             if handle is not None:
@@ -201,6 +203,11 @@ class PreemptionHandler:
                 log.warning("ckptd: an earlier save did not commit before preemption: %s", e)
             self._handling = False
             self._done = True
+
+    def _committed(self, step: int) -> bool:
+        """Whether ``step`` is committed already (saved to storage before the signal: a save of it again
+        would be refused)."""
+        return is_committed(step_dir(self.ckpt.resolve_root(), self.ckpt.job, step))
 
     def _flush(self, step: int) -> None:
         """Rank 0: have the daemon upload the step to its bucket now (nodes and disks may not come back)."""

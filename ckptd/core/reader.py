@@ -109,6 +109,32 @@ def latest_committed(job_path: str) -> StepInfo | None:
     return committed[-1] if committed else None
 
 
+class StepsUnreadable(OSError):
+    """A restore's step choice met a directory it cannot read where the newest committed step may be:
+    ``path``, why (``reason``), and the newest committed step it could read (``readable``, or None)."""
+
+    def __init__(self, path: str, reason: str, readable: int | None) -> None:
+        super().__init__(f"{path} cannot be read ({reason})")
+        self.path, self.reason, self.readable = path, reason, readable
+
+
+def newest_committed(job_path: str) -> StepInfo | None:
+    """The newest committed step for a restore that names none: ``latest_committed``, but a step
+    directory above it that cannot be read (or the job directory) raises StepsUnreadable. It may be
+    the newest committed step; taking an older one silently would resume the run from the past (and
+    its saves then rank below that step), taking none would start it afresh."""
+    try:
+        steps = list_steps(job_path)
+    except OSError as e:
+        raise StepsUnreadable(job_path, os_reason(e), None) from None
+    committed = [s for s in steps if s.committed]
+    newest = committed[-1] if committed else None
+    above = [s for s in steps if s.unreadable is not None and (newest is None or s.step > newest.step)]
+    if above:
+        raise StepsUnreadable(above[-1].path, above[-1].unreadable or "", None if newest is None else newest.step)
+    return newest
+
+
 def split_step_path(step_path: str) -> tuple[str, str, int]:
     """(root, job, step) of ``<root>/<job>/step-N`` (or ``(root, "<job>/_memory", step)`` of a
     memory-level step's ``<root>/<job>/_memory/step-N``); raises FormatError for anything else."""

@@ -29,10 +29,11 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from ckptd.core.names import INDEX_NAME, job_dir, step_dir
-from ckptd.core.reader import latest_committed, list_steps
+from ckptd.core.reader import list_steps
 
 from ..config import CheckpointerConfig
 from ..errors import needs_extra
+from ..step_choice import newest_in
 from .reader import StorageReader
 from .writer import StorageWriter
 
@@ -85,8 +86,8 @@ class CkptdDcpCheckpointManager(CheckpointManager):
     def _find_load_step(self, folder: str = "") -> int:
         if folder:
             return super()._find_load_step(folder)
-        info = latest_committed(self.folder)
-        return info.step if info is not None else -1
+        step = newest_in(self.folder)      # (never an older step for one it cannot read: step_choice)
+        return step if step is not None else -1
 
     # ---- saving and loading through ckptd ----------------------------------------------------
 
