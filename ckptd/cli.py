@@ -13,7 +13,7 @@ from ckptd import __version__, bucket_cli, cli_steps
 from ckptd.core import protocol
 from ckptd.core.describe import human_size
 from ckptd.core.errors import ProtocolError
-from ckptd.core.step_files import UNREADABLE_FIX
+from ckptd.core.step_files import UNREADABLE_FIX, os_reason
 from ckptd.daemon.server import Daemon, describe_error, start_problems
 from ckptd.daemon.service import logs, systemd
 from ckptd.daemon.service.allocator import tune_allocator
@@ -279,6 +279,11 @@ def main(argv: list[str] | None = None) -> int:
         code = int(args.func(args))
         sys.stdout.flush()          # here, not at exit: a reader gone (`| head`) raises now
         return code
+    except PermissionError as e:        # (a file system's refusal, not a bug: one line, no traceback)
+        print(f"ckptd {args.command}: {e.filename or ''}: {os_reason(e)} for uid {os.geteuid()}; run it as the "
+              "daemon's user, or join its group (the root is the group's to read: docs/operations.md, "
+              "\"Security model\")", file=sys.stderr)
+        return cli_steps.USAGE
     except BrokenPipeError:
         # The reader stopped reading: not an error of ours. Point stdout at /dev/null so the
         # interpreter's last flush finds nothing to complain about, and exit as a piped tool does.

@@ -120,7 +120,10 @@ def step_path(root: str, job: str, step: str) -> str:
     storage step N, else the memory-level step N (``ckptd ls`` lists both by number)."""
     n = parse_step(step)
     if root.startswith("s3://"):
-        validate_job(job)
+        try:
+            validate_job(job)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         return f"{root.rstrip('/')}/{job}/{step_dir_name(n)}"
     path = os.path.join(job_path(root, job), step_dir_name(n))
     if os.path.lexists(path):

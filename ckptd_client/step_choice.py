@@ -44,5 +44,6 @@ def newest_in(path: str) -> int | None:
         raise CheckpointError(
             f"{e.path} cannot be read ({e.reason}) by uid {os.geteuid()}: it may hold the newest committed step, "
             f"so restore() does not pick an older one (or none) by itself; {older}. Give this user read and "
-            "search access (e.g. join the group of the daemon's user; docs/operations.md, \"Security\")") from None
+            "search access (e.g. join the group of the daemon's user; docs/operations.md, "
+            "\"Security model\")") from None
     return info.step if info else None

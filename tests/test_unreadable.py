@@ -141,3 +141,23 @@ def test_the_daemon_scans_and_collects_around_what_it_cannot_read(root: Path, tm
     assert "job c: 1 uncommitted step directories (99)" in text, text
     assert "job a: 1 uncommitted" not in text, text        # an unreadable step is not called uncommitted
     assert text.count("chown") >= 3, text
+
+
+def test_a_root_the_user_cannot_read_is_one_line_not_a_traceback(tmp):
+    """`ckptd ls/verify/inspect` on a root this user cannot read ended in a PermissionError traceback
+    (the usual mistake: a user not in the daemon's group). One line now names the path, the reason and
+    the fix, exit 2; and a bad job name after an s3:// root is a usage error too, not a ValueError."""
+    root = tmp / "root"
+    (root / "nj" / step_dir_name(1)).mkdir(parents=True)
+    os.chmod(root, 0)
+    try:
+        for args in (["ls", str(root)], ["verify", str(root), "nj", "1"], ["inspect", str(root), "nj", "1"]):
+            r = ckptd(*args)
+            assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.returncode, r.stderr)
+            assert f"ckptd {args[0]}: {root}: EACCES: Permission denied for uid {os.geteuid()}" in r.stderr, r.stderr
+            assert "join its group" in r.stderr, r.stderr
+    finally:
+        os.chmod(root, 0o755)
+    r = ckptd("verify", "s3://bucket/prefix", "bad..job/x", "4")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "invalid job name 'bad..job/x'" in r.stderr, r.stderr
