@@ -160,6 +160,10 @@ def none_at_or_below(sock: Path, step: int) -> bool:
     return not [s for s in memory_levels(sock, "j") if s <= step]
 
 
+def committed_here(sock: Path, step: int) -> bool:
+    return any(h["step"] == step and h.get("committed") for h in status(sock)["memory"]["held"])
+
+
 def uses(sock: Path, nbytes: int) -> bool:
     return bool(status(sock)["memory"]["used_bytes"] == nbytes)
 
@@ -174,6 +178,8 @@ def test_a_memory_level_step_removed_by_another_daemons_commit_is_dropped(daemon
     assert on_ranks(lambda r: cks[r].save(2, state(1, r), level="memory").wait(60)) == {0: None, 1: None}
     on_ranks(lambda r: cks[r].close())
     assert memory_levels(a.socket, "j") == memory_levels(b.socket, "j") == [2]
+    for d in (a, b):        # (b learns the commit from index.json: its settle loop, within a second)
+        wait_for(functools.partial(committed_here, d.socket, 2), f"step 2 known committed by {d.socket.name}", 15)
     c = daemon_factory(name="c")
     with ckptd_client.Checkpointer("j", socket=str(c.socket), rank=0, world_size=1) as ck:
         ck.save(3, state(1, 7)).wait(60)
@@ -215,3 +221,66 @@ def test_a_replica_its_peer_cannot_allocate_is_refused_with_the_reason(daemon_fa
     assert "did not keep the replica" in a_log and why in a_log and "ENOSPC" in a_log, a_log[-3000:]
     assert "replica refused" in b_log and why in b_log and "is full: mount its tmpfs with a larger size=" in b_log, \
         b_log[-3000:]
+
+
+def restored(cks: dict[int, ckptd_client.Checkpointer], step: int | None, seed: Callable[[int], int]) \
+        -> dict[int, Any]:
+    """Each rank's restore of ``step`` (None: the newest): (step, level, bit-exact against ``seed(rank)``)."""
+    def go(r: int) -> tuple[int | None, str | None, bool]:
+        live = {"w": torch.zeros(4 * MiB // 4)}
+        got = cks[r].restore(live, step=step)
+        info = cks[r].last_restore
+        return got, info.level if info else None, torch.equal(live["w"], state(4, seed(r))["w"])
+    return on_ranks(go)
+
+
+def save_at(cks: dict[int, ckptd_client.Checkpointer], step: int, r: int) -> None:
+    cks[r].save(step, state(4, step * 10 + r)).wait(60)
+
+
+def test_a_storage_shard_held_never_drops_a_memory_level_step_in_flight(daemon_factory: Any) -> None:
+    """A run resumed from step 10 while the earlier run's storage step 20 was held. Holding the new run's
+    storage step 16 (a shard of it, before its commit) dropped every memory-level shard below 21 — rank 0's
+    memory-level step 17, still in flight, which then committed with a shard no daemon held: its handles
+    said committed, its restore failed. Only a storage step's commit drops memory-level steps now, only
+    those at or below it, and a step in flight stays."""
+    d = daemon_factory("--memory-budget", "256MiB")
+    cks = checkpointers("j", [d.socket])
+    for s in (10, 20):
+        assert on_ranks(functools.partial(save_at, cks, s)) == {0: None, 1: None}
+    on_ranks(lambda r: cks[r].close())
+    cks = checkpointers("j", [d.socket])
+    assert restored(cks, 10, lambda r: 100 + r) == {0: (10, "storage", True), 1: (10, "storage", True)}
+    h16 = cks[0].save(16, state(4, 160))
+    h17 = cks[0].save(17, state(4, 170), level="memory")
+    wait_for(lambda: ("j", 17, "memory", ["0"]) in held_steps(d.socket), "rank 0's step 17 held", 30)
+    cks[1].save(16, state(4, 161)).wait(60)
+    h16.wait(60)
+    assert ("j", 17, "memory", ["0"]) in held_steps(d.socket)     # storage 16 committed: 17 stays
+    cks[1].save(17, state(4, 171), level="memory").wait(60)
+    h17.wait(60)
+    assert restored(cks, 17, lambda r: 170 + r) == {0: (17, "memory", True), 1: (17, "memory", True)}
+    on_ranks(lambda r: cks[r].close())
+
+
+def test_a_trainer_short_of_slots_never_gets_the_newest_committed_memory_level_steps_back(
+        daemon_factory: Any) -> None:
+    """Rank 0 saved memory-level step 2 (rank 1 not yet) and then 3: both its slots held (step 1, the newest
+    committed, and step 2), it asked for one back, and the daemon let step 1's shard go. Step 2 then failed:
+    committed step 1 restored from nowhere, and restore() returned None. A memory-level step's slot is given
+    back only once a newer one of its job committed: the save of step 3 waits for one or, here, skips."""
+    d = daemon_factory()
+    cks = checkpointers("j", [d.socket])
+    assert on_ranks(lambda r: cks[r].save(1, state(4, 10 + r), level="memory").wait(60)) == {0: None, 1: None}
+    h2 = cks[0].save(2, state(4, 20), level="memory")
+    wait_for(lambda: ("j", 2, "memory", ["0"]) in held_steps(d.socket), "rank 0's step 2 held", 30)
+    h3 = cks[0].save(3, state(4, 30), level="memory", when_busy="skip")
+    assert h3.skipped
+    assert ("j", 1, "memory", ["0", "1"]) in held_steps(d.socket)
+    cks[1].close()                                # step 2 can never commit now
+    with pytest.raises(CheckpointError):
+        h2.wait(60)
+    cks[0].close()
+    cks = checkpointers("j", [d.socket])
+    assert restored(cks, None, lambda r: 10 + r) == {0: (1, "memory", True), 1: (1, "memory", True)}
+    on_ranks(lambda r: cks[r].close())

@@ -257,9 +257,10 @@ class MemoryStore:
 
     def trim(self, job: str, is_committed: Callable[[str, int], bool]) -> None:
         """Keep the newest ``steps`` committed steps of ``job`` and anything newer (see above). A
-        storage job's newest committed step also drops its memory-level steps at or below it: every
-        daemon learns a commit here (the one that committed it, and the others from index.json),
-        not only the committing one (``MemoryTier.commit``).
+        storage step this call learns committed (from its index.json: another daemon committed it)
+        drops the job's committed memory-level steps at or below it, as ``MemoryTier.commit`` does on
+        the daemon that committed it; steps in flight stay (a resumed run's lower steps are saved while
+        an earlier run's higher storage steps are held).
 
         A job resumed from an older step saves lower numbers than an earlier run's steps, and its first
         commit removes those (``remove_stale``) — on disk, not in other daemons' memory. So: a step held
@@ -272,10 +273,11 @@ class MemoryStore:
             if not still_committed(is_committed, job, step):
                 self.drop_committed(job, step)      # another run's, removed: it must not outrank newer ones
         mine = [h for h in mine if not h.gone]
-        now = time.monotonic()
+        now, newly = time.monotonic(), set()
         for h in mine:
             if not h.committed and is_committed(job, h.step):
                 h.committed, h.committed_at = True, now
+                newly.add(h.step)
         known = {h.step: h.committed_at for h in mine if h.committed}
         if not known:
             return
@@ -286,8 +288,15 @@ class MemoryStore:
             stale = h.step not in keep if h.committed else h.step < kept[0] and h.arrived <= known[kept[0]]
             if stale and h.pins == 0:
                 self._remove(h)
-        if not is_memory_job(job):
-            self.drop_before(memory_job(job), kept[0] + 1)
+        if newly and not is_memory_job(job):      # a storage step this store just learned committed
+            self.drop_committed_before(memory_job(job), max(newly) + 1)
+
+    def drop_committed_before(self, job: str, step: int) -> None:
+        """The unpinned shards of ``job``'s committed steps older than ``step`` (a storage step at least as
+        new committed: they are superseded); a step in flight stays (its save decides: a resumed run's)."""
+        for h in [h for h in self.entries.values() if h.job == job and h.step < step and h.committed
+                  and h.pins == 0]:
+            self._remove(h)
 
     def drop_committed(self, job: str, step: int) -> None:
         """The shards of ``step`` held as committed (not a new save of the same number, in flight): the
@@ -314,9 +323,16 @@ class MemoryStore:
 
     def give_back_oldest(self, fds: set[int]) -> bool:
         """Let go of the oldest unpinned shard kept in one of these slots (``fds``): its trainer
-        needs a slot to save into. False when there is none to let go."""
-        mine = [h for h in self.entries.values() if h.in_slot and h.fd in fds and h.pins == 0]
-        if not mine:
+        needs a slot to save into. False when there is none to let go: a memory-level step's shard goes
+        only once a newer one of its job committed (in flight or the newest committed, it is that step's
+        only copy); the trainer then waits for that commit (or failure) to free a slot, or skips."""
+        newest: dict[str, int] = {}      # each job's newest committed memory-level step: kept whole
+        for h in self.entries.values():
+            if h.committed and is_memory_job(h.job):
+                newest[h.job] = max(h.step, newest.get(h.job, h.step))
+        mine = [h for h in self.entries.values() if h.in_slot and h.fd in fds and h.pins == 0
+                and not (is_memory_job(h.job) and (not h.committed or newest.get(h.job) == h.step))]
+        if not mine:        # (a memory-level step in flight, or the newest committed: its only copy)
             return False
         h = min(mine, key=lambda h: (is_memory_job(h.job), h.arrived))     # a memory-level step's last
         log.info("memory tier let a step go", extra={"ctx": {"job": h.job, "step": h.step, "rank": h.rank,
