@@ -32,6 +32,14 @@ def _io_timeout(v: object) -> float:
     return s
 
 
+def _probe_interval(v: object) -> float:
+    """0 (off) or a duration in [0.1 s, 1 h]."""
+    s = parse_duration(v)
+    if s != 0 and not MIN_IO_TIMEOUT_S <= s <= MAX_IO_TIMEOUT_S:
+        raise ValueError(f"must be 0 (off) or between {MIN_IO_TIMEOUT_S:g} s and {MAX_IO_TIMEOUT_S:g} s, got {s:g}")
+    return s
+
+
 def _default_memory_budget() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
 
@@ -92,6 +100,13 @@ class PeerSettings:
         doc="Longest a peer may go without sending or taking a byte (connect, handshake, every read and "
             "write); past it that one copy or fetch fails, is logged with the peer's address and counted, "
             "and the other peers and storage go on. 0.1 s to 1 h.")
+    probe_interval: float = setting(
+        10.0, parse=_probe_interval, show=show_duration, flags=(Flag("--peer-probe-interval"),),
+        doc="How often this node asks each of its K targets whether it still holds the copies it acknowledged "
+            "(one connection per target a round, `has` per shard, each bounded by `io_timeout`): a copy a "
+            "target lost (restarted, trimmed, evicted) or a target that cannot be reached stops counting, so "
+            "`replicated` and `ckptd_memory_degraded_steps` say so within `probe_interval` + `io_timeout`. "
+            "Lost copies are not sent again (the next step is). `0` turns the probe off (copies mode only).")
     redundancy: str = setting(
         "copies", choices=REDUNDANCY, flags=(Flag("--peer-redundancy"),),
         doc="How a lost node's held shards survive: `copies` (K full copies on peers, `replicas`) or `parity` "

@@ -127,7 +127,8 @@ class MemoryService:
                                       p.bandwidth, p.io_timeout, self._trim, tls=client_tls)
         elif self.secret is not None and p.peers:
             self.replicator = Replicator(self.store, list(p.peers), p.name or p.listen or "", p.replicas, p.jump,
-                                         self.secret, p.bandwidth, p.io_timeout, self._trim, tls=client_tls)
+                                         self.secret, p.bandwidth, p.io_timeout, self._trim, tls=client_tls,
+                                         probe_interval=p.probe_interval)
         r = self.replicator
         on_held = r.offer if r else self.parity.offer if self.parity else lambda h: None
         self.memory = MemoryTier(fs, self.store, root, config.write.chunk_bytes, pool,

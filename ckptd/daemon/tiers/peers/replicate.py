@@ -13,6 +13,14 @@ A step is *replicated* on this node once each of its shards held here has K ackn
 copies (K + 1 in memory); *committed* stays what index.json says. Fetching a lost shard back
 probes every peer at once and takes the first that holds it, so silent peers cost one timeout
 together, not one each.
+
+Acknowledged copies are checked again: every ``peers.probe_interval`` s each target is asked, on
+one connection, whether it still holds each copy it acknowledged (``has``, bounded by
+``peers.io_timeout``). A copy it no longer holds (restarted, trimmed, evicted), or every copy of a
+target that cannot be reached, stops counting, so the step shows degraded within the interval
+plus the timeout. Lost copies are not sent again: the next held step is. A target of an older
+build that does not know ``has`` (it closes the connection) keeps its acknowledgements (logged
+once); it is then only checked for being reachable until it has been seen down.
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ckptd.core.errors import ChecksumError, FormatError, ProtocolError
+from ckptd.core.peer_channel import StalledError
 from ckptd.daemon.runtime import describe_error
 from ckptd.daemon.tiers.memory.store import Held, MemoryStore
 from ckptd.daemon.tiers.peers.link import NotAllocated, PeerLink
@@ -89,14 +98,16 @@ class PeerCounts:
 class Replicator:
     def __init__(self, store: MemoryStore, peers: list[str], me: str, k: int, jump: int, secret: bytes,
                  bandwidth: int, timeout: float, trim: Callable[[str], None],
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, probe_interval: float = 0.0) -> None:
         self.store, self.peers, self.me, self.k, self.secret = store, peers, me, k, secret
-        self.timeout, self.trim, self.tls = timeout, trim, tls
+        self.timeout, self.trim, self.tls, self.probe_interval = timeout, trim, tls, probe_interval
         self.targets = targets(peers, me, k, jump)
         self.bucket = TokenBucket(bandwidth)
         self.queues: dict[str, asyncio.Queue[Held]] = {t: asyncio.Queue(QUEUE_MAX) for t in self.targets}
         self.acked: dict[tuple[str, int, int], set[str]] = {}
         self.per_peer: dict[str, PeerCounts] = {t: PeerCounts() for t in self.targets}
+        self.down: set[str] = set()          # targets the last probe round could not reach
+        self.no_has: set[str] = set()        # targets (older builds) that do not answer ``has``
 
     @property
     def sent_bytes(self) -> int:
@@ -122,8 +133,71 @@ class Replicator:
                             extra={"ctx": {"job": held.job, "step": held.step, "rank": held.rank, "peer": target}})
 
     async def run(self) -> None:
-        """One sender per target, for as long as the daemon runs."""
-        await asyncio.gather(*(self._sender(t) for t in self.targets))
+        """One sender per target, and one prober per target (``probe_interval`` > 0), for as long as
+        the daemon runs."""
+        probers = [self._prober(t) for t in self.targets] if self.probe_interval > 0 else []
+        await asyncio.gather(*(self._sender(t) for t in self.targets), *probers)
+
+    async def _prober(self, target: str) -> None:
+        while True:
+            await asyncio.sleep(self.probe_interval)
+            try:
+                await self.check(target)
+            except Exception as e:        # (a bug here must not end the probes, nor the senders)
+                log.error("replica probe failed", extra={"ctx": {"peer": target, "error": describe_error(e)}})
+
+    def _unack(self, key: tuple[str, int, int], target: str) -> None:
+        acks = self.acked.get(key)
+        if acks is not None:
+            acks.discard(target)
+
+    async def check(self, target: str) -> None:
+        """One probe round: each shard held here that ``target`` acknowledged, asked about on one
+        connection; an ack it no longer holds, or all of them when it cannot be reached, dropped."""
+        asked = [(key, h, h.meta.digest) for key, acks in self.acked.items() if target in acks
+                 for h in [self.store.entries.get(key)] if h is not None and h.meta is not None and not h.gone]
+        if not asked:
+            return
+        link = PeerLink(target, self.secret, self.me, self.timeout, self.tls)
+        try:
+            try:
+                await link.open()
+            except (OSError, ProtocolError) as e:
+                for key, _, _ in asked:
+                    self._unack(key, target)
+                if target not in self.down:
+                    log.warning("replica target unreachable; its copies no longer count",
+                                extra={"ctx": {"peer": target, "shards": len(asked), "error": describe_error(e)}})
+                self.down.add(target)
+                self.no_has.discard(target)      # (a build that comes back may know ``has``)
+                return
+            if target in self.down:
+                log.info("replica target reachable again", extra={"ctx": {"peer": target}})
+            self.down.discard(target)
+            if target in self.no_has:
+                return                    # reachable is all it can say
+            for i, (key, held, digest) in enumerate(asked):
+                try:
+                    there = await link.has(key[0], key[1], key[2], digest)
+                except (OSError, ProtocolError) as e:
+                    if i == 0 and not isinstance(e, (StalledError, OSError)):
+                        self.no_has.add(target)      # closed on its first request: an older build
+                        log.warning("replica target does not answer probes (an older ckptd?); its copies "
+                                    "are counted as acknowledged", extra={"ctx": {"peer": target,
+                                                                                  "error": describe_error(e)}})
+                        return
+                    for k, _, _ in asked[i:]:
+                        self._unack(k, target)
+                    log.warning("replica probe failed; the copies not confirmed no longer count",
+                                extra={"ctx": {"peer": target, "shards": len(asked) - i,
+                                               "error": describe_error(e)}})
+                    return
+                if not there and self.store.entries.get(key) is held:
+                    self._unack(key, target)
+                    log.warning("replica gone from peer; its copy no longer counts",
+                                extra={"ctx": {"job": key[0], "step": key[1], "rank": key[2], "peer": target}})
+        finally:
+            link.close()
 
     async def _sender(self, target: str) -> None:
         queue = self.queues[target]
