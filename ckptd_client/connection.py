@@ -188,6 +188,16 @@ class DaemonConnection:
         if self._on_lost is not None:
             self._on_lost(reason)
 
+    def give_up(self, reason: str) -> None:
+        """Count the connection lost (``reason``: a daemon that stopped answering) though its socket is
+        open: waiting requests fail, ``on_lost`` runs; the socket is shut down (the daemon, if it ever
+        reads again, sees this session end)."""
+        self._mark_lost(reason)
+        try:
+            self._sock.shutdown(2)
+        except OSError:
+            pass
+
     def close(self) -> None:
         try:
             self._sock.shutdown(2)

@@ -13,12 +13,13 @@ from ckptd.core.errors import ProtocolError
 from ckptd.core.protocol import EventOp, SaveLevel
 
 from .connection import DaemonConnection, EventHandler, LostHandler
-from .errors import CheckpointError, DaemonRefused, NotDelivered
-from .handle import SaveHandle, wait_all
+from .errors import CheckpointError, DaemonRefused, NoReply, NotDelivered
+from .handle import WATCH_EVERY_S, SaveHandle, wait_all
 from .slots import ClientSlot
 
 log = logging.getLogger("ckptd")
 RECLAIM_EVERY_S = 2.0       # how often a trainer whose slots are all kept asks for one back
+SILENCE_MARGIN_S = 5.0      # a daemon silent this much past max(commit_timeout, step_timeout) is given up
 
 
 class DaemonSession:
@@ -42,6 +43,8 @@ class DaemonSession:
         self.num_slots = num_slots
         self.daemon_root: str | None = None      # where the daemon writes, as its hello said
         self.fills = False                       # its daemon takes a save before the slot is full (handoff.py)
+        self.step_timeout: float | None = None   # the daemon's, as its hello said (an older daemon's: unknown)
+        self._silent: tuple[float, float] | None = None     # (silent since, last watched): watch()
         self.conn: DaemonConnection | None = None
         self.slots: list[ClientSlot] = []
         self.asked = 0                           # the slot bytes the slots were asked for
@@ -101,6 +104,37 @@ class DaemonSession:
             if outcome == "committing":
                 committing.append(h)
         wait_all(committing, timeout)
+
+    def silence_bound(self) -> float:
+        """Seconds a daemon may answer nothing before a wait with no timeout gives its connection up."""
+        return max(self.slot_wait or 0.0, self.step_timeout or 0.0) + SILENCE_MARGIN_S
+
+    def watch(self) -> None:
+        """(A wait on a save with no timeout, every ``WATCH_EVERY_S``) Ask the daemon for its ``info`` on
+        this connection. Once it has answered nothing for ``silence_bound()`` seconds (SIGSTOPped, or its
+        event loop wedged) the connection is given up as lost: ``on_lost`` settles the saves in flight
+        (failed, unless index.json is on disk), as a daemon that died would."""
+        conn = self.live()
+        if conn is None:
+            return
+        try:
+            conn.request(protocol.Info(), WATCH_EVERY_S)
+            self._silent = None
+            return
+        except NoReply:
+            pass
+        except CheckpointError:         # lost meanwhile (the loss settles the saves) or refused: it answers
+            return
+        now = time.monotonic()
+        since, last = self._silent or (now - WATCH_EVERY_S, now)
+        if now - last > 3 * WATCH_EVERY_S:      # (an earlier silence no wait watched to its end)
+            since = now - WATCH_EVERY_S
+        self._silent = (since, now)
+        if now - since >= self.silence_bound():
+            st = "unknown" if self.step_timeout is None else f"{self.step_timeout:g}s"
+            conn.give_up(f"the daemon answered nothing for {now - since:.0f}s (the bound: max(commit_timeout "
+                         f"{self.slot_wait or 0:g}s, its step_timeout {st}) + {SILENCE_MARGIN_S:g}s): "
+                         "stopped, or wedged? (see its log and `ckptd status`)")
 
     def report(self, step: int, stall_s: float, fence_s: float) -> None:
         """Tell the daemon what a save cost the trainer (for its metrics); never blocks."""
@@ -173,6 +207,8 @@ class DaemonSession:
             raise
         self.daemon_root = reply["root"]
         self.fills = reply.get("fills") is True
+        st = reply.get("step_timeout")
+        self.step_timeout = float(st) if isinstance(st, (int, float)) and st > 0 else None
         self._install(reply, slot_bytes)
         self.conn = conn
         return conn

@@ -79,7 +79,8 @@ class Requests:
         return session.job
 
     def _identity(self) -> dict[str, Any]:
-        return {"root": self.d.root, "version": __version__, "pid": os.getpid(), "bucket": self.d.s3 is not None}
+        return {"root": self.d.root, "version": __version__, "pid": os.getpid(), "bucket": self.d.s3 is not None,
+                "step_timeout": self.d.config.step_timeout}
 
     async def info(self, session: Session, _: Info) -> Reply:
         return self._identity(), []

@@ -1,0 +1,54 @@
+"""A daemon SIGSTOPped (alive, its socket open, answering nothing): no Checkpointer call waits for it
+without a bound. close() with no timeout gives the daemon up after max(commit_timeout, its
+step_timeout) + 5 s of silence (session.py, ``watch``)."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import torch
+
+import ckptd_client
+from ckptd.core.names import INDEX_NAME, step_dir
+
+
+def _in_thread(fn: Any, limit: float) -> tuple[bool, float, Any]:
+    """(still running after ``limit`` s, seconds taken, its result or the exception it raised)."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as e:
+            out.append(e)
+    t = threading.Thread(target=run, daemon=True)
+    t0 = time.monotonic()
+    t.start()
+    t.join(limit)
+    return t.is_alive(), time.monotonic() - t0, out[0] if out else None
+
+
+def test_close_with_no_timeout_gives_up_a_stopped_daemon(daemon_factory: Any) -> None:
+    """Local commit, world size 2: step 1 stays open on the daemon (rank 1 never saves) when it is
+    stopped. close() waited forever (only the daemon's events settle a handle); it now returns once
+    the daemon has been silent for the documented bound, reporting step 1 failed — and it is: no
+    index.json."""
+    d = daemon_factory("--step-timeout", "3s")
+    ck = ckptd_client.Checkpointer("stopped", socket=str(d.socket), rank=0, world_size=2, commit_timeout=2)
+    ck.save(1, {"w": torch.arange(1000, dtype=torch.float32)})
+    bound = max(2, 3) + 5.0
+    os.kill(d.proc.pid, signal.SIGSTOP)
+    try:
+        stuck, took, report = _in_thread(ck.close, bound + 30)
+    finally:
+        os.kill(d.proc.pid, signal.SIGCONT)
+    assert not stuck, f"close() still waiting {bound + 30:.0f}s after the daemon stopped"
+    assert took <= bound + 8, took          # (+ the watch's 2 s asks)
+    assert isinstance(report, ckptd_client.CloseReport), report
+    assert [step for step, _ in report.failed] == [1], report
+    assert "answered nothing" in report.failed[0][1] and "commit_timeout" in report.failed[0][1], report
+    assert "step_timeout 3s" in report.failed[0][1], report
+    assert not os.path.exists(os.path.join(step_dir(d.root, "stopped", 1), INDEX_NAME))
