@@ -19,6 +19,7 @@ from .slots import ClientSlot
 
 log = logging.getLogger("ckptd")
 RECLAIM_EVERY_S = 2.0       # how often a trainer whose slots are all kept asks for one back
+PREPARE_SLACK_S = 70.0      # a preparation's bound past slot_wait: a hello or resize's reply (60 s) and some
 SILENCE_MARGIN_S = 5.0      # a daemon silent this much past max(commit_timeout, step_timeout) is given up
 
 
@@ -146,7 +147,11 @@ class DaemonSession:
         """Connect and size the slots for ``nbytes`` on a thread (after a restore, which knows the
         state), then ``then(slots)`` there (the copy's slot views): the first save then pays no
         set-up. ``ensure_slots`` waits for it; a failure here is left for that save to meet (and report)."""
-        self.settle()
+        try:
+            self.settle()
+        except CheckpointError as e:        # the one before still runs (a silent daemon): that save meets it
+            log.debug("ckptd: slots not prepared after restore: %s", e)
+            return
         ready = self.live() is not None and self.slots and self.asked >= nbytes
         if ready and then is None:
             return
@@ -163,13 +168,20 @@ class DaemonSession:
         self._preparing.start()
 
     def settle(self) -> float:
-        """Wait for a ``prepare_soon`` still running; the seconds waited."""
+        """Wait for a ``prepare_soon`` still running; the seconds waited. Bounded: its every wait is (the
+        slots' by ``slot_wait``, each request by the connection's timeout), so one that outlives them all
+        is a CheckpointError (the preparation is left running: it is waited for again next time)."""
         t = self._preparing
         if t is None or t is threading.current_thread():    # (the preparation itself reconnecting)
             return 0.0
-        self._preparing = None
         t0 = time.monotonic()
-        t.join()
+        bound = (self.slot_wait or 0.0) + PREPARE_SLACK_S
+        t.join(bound)
+        if t.is_alive():
+            raise CheckpointError(f"the slots' preparation (after restore) did not end within {bound:g}s "
+                                  f"(commit_timeout + {PREPARE_SLACK_S:g}s): the daemon at {self.socket_path} "
+                                  "does not answer (stopped? see its log and `ckptd status`)")
+        self._preparing = None
         return time.monotonic() - t0
 
     def ensure_slots(self, nbytes: int) -> DaemonConnection:
@@ -227,7 +239,10 @@ class DaemonSession:
 
     def drop(self) -> None:
         """Close the connection and unmap its slots (a save in flight keeps the daemon's copy)."""
-        self.settle()
+        try:
+            self.settle()
+        except CheckpointError as e:        # closing regardless: the preparation fails on the closed connection
+            log.warning("ckptd: %s", e)
         if self.conn is not None:
             self.conn.close()
             self.conn = None
@@ -240,9 +255,16 @@ class DaemonSession:
             self._held = set()
 
     def _wait_all_free(self) -> None:
-        """Until no save reads a slot (held ones stay with the daemon's memory tier)."""
+        """Until no save reads a slot (held ones stay with the daemon's memory tier); as ``acquire``, a
+        CheckpointError once ``slot_wait`` seconds pass with one still read (a daemon stopped or stuck)."""
+        deadline = None if self.slot_wait is None else time.monotonic() + self.slot_wait
         with self._cond:
             while len(self._free | self._held) < len(self.slots) and self.live() is not None:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise CheckpointError(
+                        f"no slot came free within {self.slot_wait:g}s (commit_timeout) to grow the slots for a "
+                        f"larger state: the daemon at {self.socket_path} reads none of the saves in flight "
+                        "(stopped, or stuck on its disk? see its log and `ckptd status`)")
                 self._cond.wait(0.1)
 
     def acquire(self, block: bool = True) -> int | None:

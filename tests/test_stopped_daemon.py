@@ -52,3 +52,22 @@ def test_close_with_no_timeout_gives_up_a_stopped_daemon(daemon_factory: Any) ->
     assert "answered nothing" in report.failed[0][1] and "commit_timeout" in report.failed[0][1], report
     assert "step_timeout 3s" in report.failed[0][1], report
     assert not os.path.exists(os.path.join(step_dir(d.root, "stopped", 1), INDEX_NAME))
+
+
+def test_a_save_that_must_grow_the_slots_of_a_stopped_daemon_fails_within_commit_timeout(daemon_factory: Any) -> None:
+    """The daemon is stopped while it still reads the slot of save 1; save 2's state is larger, so the
+    slots must grow first, which waits until no save reads one. That wait had no bound (acquire's has:
+    commit_timeout); it now fails as acquire does, naming commit_timeout."""
+    d = daemon_factory("--debug-write-delay", "1", "--chunk-mib", "1")
+    ck = ckptd_client.Checkpointer("grow", socket=str(d.socket), commit_timeout=3, overlap=False)
+    ck.save(1, {"w": torch.ones(4 << 20)})               # 16 MiB in 1 MiB chunks, 1 s each
+    os.kill(d.proc.pid, signal.SIGSTOP)
+    try:
+        stuck, took, raised = _in_thread(lambda: ck.save(2, {"w": torch.ones(6 << 20)}), 40)   # 24 MiB
+    finally:
+        os.kill(d.proc.pid, signal.SIGCONT)
+    assert not stuck, "save() still waiting to grow the slots 40 s after the daemon stopped"
+    assert took <= 3 + 5, took
+    assert isinstance(raised, ckptd_client.CheckpointError), raised
+    assert "no slot came free within 3s (commit_timeout) to grow the slots" in str(raised), raised
+    ck.close(timeout=30)
