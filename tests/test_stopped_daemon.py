@@ -71,3 +71,27 @@ def test_a_save_that_must_grow_the_slots_of_a_stopped_daemon_fails_within_commit
     assert isinstance(raised, ckptd_client.CheckpointError), raised
     assert "no slot came free within 3s (commit_timeout) to grow the slots" in str(raised), raised
     ck.close(timeout=30)
+
+
+def test_a_restore_with_root_given_skips_the_memory_of_a_daemon_that_did_not_answer(daemon_factory: Any) -> None:
+    """The daemon is stopped after step 1 committed; a restore with root= given asked it whether it has a
+    bucket (no answer within 10 s: it goes on without) and then waited 300 s more for its memory tier's
+    copy. Once this restore's ask went unanswered the memory source is skipped, saying why: storage
+    serves it at once."""
+    d = daemon_factory()
+    with ckptd_client.Checkpointer("quiet", socket=str(d.socket), commit_timeout=5) as ck:
+        ck.save(1, {"w": torch.arange(1000.0)}).wait(30)
+    os.kill(d.proc.pid, signal.SIGSTOP)
+    try:
+        c2 = ckptd_client.Checkpointer("quiet", socket=str(d.socket), root=str(d.root), commit_timeout=5, prepare=False)
+        state = {"w": torch.zeros(1000)}
+        stuck, took, got = _in_thread(lambda: c2.restore(state), 60)
+    finally:
+        os.kill(d.proc.pid, signal.SIGCONT)
+    assert not stuck, "restore still waiting 60 s after the daemon stopped"
+    assert got == 1 and torch.equal(state["w"], torch.arange(1000.0)), got
+    assert took < 20, took
+    info = c2.last_restore
+    assert info is not None and info.source == "storage", info
+    assert "skipped: the daemon at" in str(info) and "did not answer info within 10s" in str(info), info
+    c2.close(timeout=5)
