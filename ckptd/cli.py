@@ -26,6 +26,7 @@ from ckptd.status_text import group_lines, memory_lines, shared_memory
 # Flags derived from the settings' definition (config.py): serve takes them all, gc the retention ones.
 SERVE_KEYS = [*KEYS.values(), *DEBUG_KEYS.values()]
 GC_KEYS = [k for k in KEYS.values() if k.spec.gc]
+STATUS_TIMEOUT_S = 10.0     # `ckptd status`'s wait for its answer (with --group: on top of peers.io_timeout)
 
 
 def add_setting_flags(parser: argparse.ArgumentParser, keys: list[Key]) -> None:
@@ -172,8 +173,17 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    timeout, bound = (args.timeout, "--timeout") if args.timeout else (STATUS_TIMEOUT_S, "the default")
     try:
-        st = protocol.request_once(args.socket, {"op": "status", **({"group": True} if args.group else {})})
+        if args.group and not args.timeout:     # every member is asked, each within the daemon's peers.io_timeout
+            io = protocol.request_once(args.socket, {"op": "info"}, timeout).get("peer_io_timeout")
+            if isinstance(io, (int, float)) and io > 0:
+                timeout, bound = io + STATUS_TIMEOUT_S, f"the daemon's peers.io_timeout {io:g}s + {STATUS_TIMEOUT_S:g}s"
+        st = protocol.request_once(args.socket, {"op": "status", **({"group": True} if args.group else {})}, timeout)
+    except TimeoutError:
+        print(f"ckptd status: the daemon at {args.socket} did not answer within {timeout:g}s ({bound}; "
+              "--timeout SECONDS waits longer)", file=sys.stderr)
+        return 1
     except (ConnectionError, RuntimeError, ProtocolError, OSError) as e:
         print(f"ckptd status: {e}", file=sys.stderr)
         return 1
@@ -220,7 +230,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     for job, b in sorted(hosts.items()):
         print(f"  {job}: slots {human_size(b['slots'])}, held steps {human_size(b['held'])}, "
               f"peers' replicas {human_size(b['replicas'])}, total {human_size(sum(b.values()))}")
-    for line in [*memory_lines(st.get("memory")), *(group_lines(st.get("groups")) if args.group else [])]:
+    group = group_lines(st.get("groups"), st.get("group_members")) if args.group else []
+    for line in [*memory_lines(st.get("memory")), *group]:
         print(line)
     return 0
 
@@ -249,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.add_argument("--group", action="store_true",
                    help="parity mode: ask every member of this node's group whether each held step is protected")
+    s.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help=f"how long to wait for the daemon's answer (default: {STATUS_TIMEOUT_S:g} s; with --group, "
+                        f"the daemon's peers.io_timeout + {STATUS_TIMEOUT_S:g} s)")
     s.set_defaults(func=cmd_status)
 
     s = sub.add_parser("gc", help="apply retention by hand", description=(

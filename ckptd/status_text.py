@@ -62,13 +62,15 @@ def memory_lines(mem: dict[str, Any] | None) -> list[str]:
     return out
 
 
-def group_lines(groups: list[dict[str, Any]] | None) -> list[str]:
-    """``ckptd status --group``: each held step of this node's parity group, protected or degraded, why."""
+def group_lines(groups: list[dict[str, Any]] | None, members: list[dict[str, Any]] | None = None) -> list[str]:
+    """``ckptd status --group``: each held step of this node's parity group, protected or degraded, why;
+    first, any member that did not answer (even with no step held)."""
     if groups is None:
         return ["parity group: this daemon is not in parity mode"]
+    out = [f"parity group: member {m['member']} ({m['address']}) unreachable: {m['why']}"
+           for m in members or () if not m.get("reachable", True)]
     if not groups:
-        return ["parity group: no held steps"]
-    out = []
+        return [*out, "parity group: no held steps"]
     for g in groups:
         out.append(f"group {g['group']} ({g['members']} nodes): job={g['job']} step={g['step']} {g['state']}, "
                    f"{g['ranks']} ranks held")

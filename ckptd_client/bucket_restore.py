@@ -25,10 +25,12 @@ INFO_TIMEOUT_S = 10.0            # whether the daemon has a bucket: it answers a
 
 @dataclass(frozen=True)
 class Staged:
-    """What the daemon did: ``bucket`` is False when it has no bucket (or is not reachable)."""
+    """What the daemon did: ``bucket`` is False when it has no bucket (or is not reachable); ``silent``:
+    why it counts as not answering (its ``info`` had no reply in time), else None."""
     bucket: bool
     step: int | None = None
     source: str | None = None
+    silent: str | None = None
 
 
 def stage(socket_path: str, job: str, step: int | None, rank: int, world_size: int, *,
@@ -41,9 +43,10 @@ def stage(socket_path: str, job: str, step: int | None, rank: int, world_size: i
         if probe and ask(socket_path, protocol.Info(), timeout=INFO_TIMEOUT_S).get("bucket") is not True:
             return Staged(False)    # (FORMAT.md: stage only where info says bucket: true; an older daemon says nothing)
     except NoReply:
-        log.warning("ckptd: the daemon at %s did not answer within %gs; restoring without its bucket",
-                    socket_path, INFO_TIMEOUT_S)
-        return Staged(False)
+        log.warning("ckptd: the daemon at %s did not answer within %gs; restoring without its bucket "
+                    "or its memory, from the files under the root", socket_path, INFO_TIMEOUT_S)
+        return Staged(False, silent=f"the daemon at {socket_path} did not answer info within {INFO_TIMEOUT_S:g}s "
+                                    "(stopped or overloaded?)")
     except (Unreachable, NotDelivered, ConnectionLost):
         return Staged(False)          # no daemon: restore reads what the root has
     except DaemonRefused as e:
@@ -101,6 +104,11 @@ class BucketStaging:
     def __init__(self, socket_path: str, job: str, rank: int, world_size: int) -> None:
         self.socket_path, self.job, self.rank, self.world_size = socket_path, job, rank, world_size
         self.staged: Staged | None = None          # the last answer (None: not asked yet)
+
+    @property
+    def silent(self) -> str | None:
+        """Why this restore takes the daemon for silent (its ``info`` went unanswered), else None."""
+        return None if self.staged is None else self.staged.silent
 
     @property
     def bucket(self) -> bool:

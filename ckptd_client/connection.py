@@ -23,6 +23,7 @@ from ckptd.core.protocol import EventOp, Op
 from .errors import CheckpointError, ConnectionLost, DaemonRefused, NoReply, NotDelivered, Unreachable
 
 log = logging.getLogger("ckptd_client")
+REQUEST_TIMEOUT_S = 60.0    # a session request's wait for its answer (a save's hand-off, a resize) unless given
 
 EventHandler = Callable[[EventOp, dict[str, Any]], None]
 LostHandler = Callable[[str], None]
@@ -65,7 +66,7 @@ class DaemonConnection:
     ``on_lost(reason)`` is called once, from whichever thread notices, when the connection
     goes away; requests still waiting then fail with :class:`ConnectionLost`."""
 
-    def __init__(self, socket_path: str, on_event: EventHandler | None = None, timeout: float = 60.0, *,
+    def __init__(self, socket_path: str, on_event: EventHandler | None = None, timeout: float = REQUEST_TIMEOUT_S, *,
                  on_lost: LostHandler | None = None, connect_timeout: float = 10.0) -> None:
         self.socket_path = socket_path
         self.timeout = timeout
@@ -188,6 +189,16 @@ class DaemonConnection:
         if self._on_lost is not None:
             self._on_lost(reason)
 
+    def give_up(self, reason: str) -> None:
+        """Count the connection lost (``reason``: a daemon that stopped answering) though its socket is
+        open: waiting requests fail, ``on_lost`` runs; the socket is shut down (the daemon, if it ever
+        reads again, sees this session end)."""
+        self._mark_lost(reason)
+        try:
+            self._sock.shutdown(2)
+        except OSError:
+            pass
+
     def close(self) -> None:
         try:
             self._sock.shutdown(2)
@@ -234,7 +245,8 @@ class Exchange:
                 try:
                     reply = rx.read()
                 except TimeoutError:
-                    raise NoReply(f"ckptd at {socket_path} did not answer {op} in time") from None
+                    raise NoReply(f"ckptd at {socket_path} did not answer {op} in time: nothing within "
+                                  f"{timeout:g}s; stopped or overloaded?") from None
                 except (OSError, ProtocolError) as e:
                     raise ConnectionLost(f"connection to ckptd at {socket_path} lost before it answered {op}: "
                                          f"{type(e).__name__}: {e}") from None
@@ -293,10 +305,13 @@ class Reply:
     def result(self, timeout: float | None = None) -> dict[str, Any]:
         """The reply; raises as ``DaemonConnection.request`` does."""
         conn = self._conn
+        bound = timeout if timeout is not None else conn.timeout
         try:
-            reply = self._fut.result(timeout if timeout is not None else conn.timeout)
+            reply = self._fut.result(bound)
         except TimeoutError:
-            raise NoReply(f"ckptd at {conn.socket_path} did not answer {self._op} in time") from None
+            which = "" if timeout is not None else " (REQUEST_TIMEOUT_S, the client's request timeout)"
+            raise NoReply(f"ckptd at {conn.socket_path} did not answer {self._op} in time: nothing within {bound:g}s"
+                          f"{which}; stopped or overloaded? see its log and `ckptd status`") from None
         finally:
             conn._replied(self._req)
         if reply.get("op") != "ok":

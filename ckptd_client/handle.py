@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ckptd.core.protocol import SaveLevel
@@ -11,6 +12,7 @@ from ckptd.core.protocol import SaveLevel
 from .errors import CheckpointError
 
 log = logging.getLogger("ckptd_client")
+WATCH_EVERY_S = 2.0     # how often a wait with no timeout asks whether the daemon still answers
 
 
 class SaveHandle:
@@ -36,6 +38,9 @@ class SaveHandle:
         self.sync_error: str | None = None
         self._done = threading.Event()
         self._error: str | None = None
+        # Set at the hand-off (DaemonSession.watch): asks whether the daemon still answers, and gives its
+        # connection up as lost (settling this handle by the disk's rule) once it has been silent too long.
+        self.watch: Callable[[], None] | None = None
 
     def settle(self, error: str | None) -> None:
         """(The Checkpointer's) settle the outcome: None committed, else why not; the first call wins,
@@ -60,8 +65,11 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = None) -> None:
         """Return once the step is committed; CheckpointError why not: failed, not committed within
-        ``timeout`` seconds, or skipped (``when_busy="skip"``: nothing was saved, so nothing committed)."""
-        if not self._done.wait(timeout):
+        ``timeout`` seconds, or skipped (``when_busy="skip"``: nothing was saved, so nothing committed).
+        With no ``timeout`` it still ends: once the daemon has answered nothing for max(commit_timeout,
+        its step_timeout) + 5 s (stopped, or wedged) its connection counts as lost and the save fails
+        (committed if its index.json is on disk)."""
+        if not _wait_done(self, timeout):
             raise CheckpointError(f"step {self.step} not committed within {timeout}s")
         if self._error is not None:
             raise CheckpointError(f"step {self.step} failed: {self._error}")
@@ -127,7 +135,17 @@ def wait_all(handles: list[SaveHandle], timeout: float | None) -> None:
     ``timeout`` seconds."""
     deadline = None if timeout is None else time.monotonic() + timeout
     for h in handles:
-        h._done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        _wait_done(h, None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
+def _wait_done(h: SaveHandle, timeout: float | None) -> bool:
+    """Whether ``h`` settled within ``timeout``; with none, its daemon is watched meanwhile (``h.watch``):
+    a silent daemon's connection is given up as lost, which settles ``h``."""
+    if timeout is not None or h.watch is None:
+        return h._done.wait(timeout)
+    while not h._done.wait(WATCH_EVERY_S):
+        h.watch()
+    return True
 
 
 def wait_each(handles: list[SaveHandle], timeout: float | None) -> None:

@@ -101,6 +101,7 @@ def hand_over(session: DaemonSession, conn: DaemonConnection, copies: OverlapCop
     """Copy ``plan``'s state into slot ``handle.slot`` and hand it to the daemon (module docstring);
     ``failed``: what a failure after ``save()`` returned (on the copy thread) is given."""
     assert handle.slot is not None
+    handle.watch = session.watch        # a wait on it with no timeout still ends if the daemon goes silent
     slot = session.slots[handle.slot]
     fill = Fill(session, conn, handle, plan, commit) if session.fills and level is SaveLevel.STORAGE else None
     if fill is not None and not OverlapCopies.deferred(plan.flat, overlap):    # the whole copy here: SAVE first

@@ -13,12 +13,14 @@ from ckptd.core.errors import ProtocolError
 from ckptd.core.protocol import EventOp, SaveLevel
 
 from .connection import DaemonConnection, EventHandler, LostHandler
-from .errors import CheckpointError, DaemonRefused, NotDelivered
-from .handle import SaveHandle, wait_all
+from .errors import CheckpointError, DaemonRefused, NoReply, NotDelivered
+from .handle import WATCH_EVERY_S, SaveHandle, wait_all
 from .slots import ClientSlot
 
 log = logging.getLogger("ckptd")
 RECLAIM_EVERY_S = 2.0       # how often a trainer whose slots are all kept asks for one back
+PREPARE_SLACK_S = 70.0      # a preparation's bound past slot_wait: a hello or resize's reply (60 s) and some
+SILENCE_MARGIN_S = 5.0      # a daemon silent this much past max(commit_timeout, step_timeout) is given up
 
 
 class DaemonSession:
@@ -42,6 +44,8 @@ class DaemonSession:
         self.num_slots = num_slots
         self.daemon_root: str | None = None      # where the daemon writes, as its hello said
         self.fills = False                       # its daemon takes a save before the slot is full (handoff.py)
+        self.step_timeout: float | None = None   # the daemon's, as its hello said (an older daemon's: unknown)
+        self._silent: tuple[float, float] | None = None     # (silent since, last watched): watch()
         self.conn: DaemonConnection | None = None
         self.slots: list[ClientSlot] = []
         self.asked = 0                           # the slot bytes the slots were asked for
@@ -102,6 +106,37 @@ class DaemonSession:
                 committing.append(h)
         wait_all(committing, timeout)
 
+    def silence_bound(self) -> float:
+        """Seconds a daemon may answer nothing before a wait with no timeout gives its connection up."""
+        return max(self.slot_wait or 0.0, self.step_timeout or 0.0) + SILENCE_MARGIN_S
+
+    def watch(self) -> None:
+        """(A wait on a save with no timeout, every ``WATCH_EVERY_S``) Ask the daemon for its ``info`` on
+        this connection. Once it has answered nothing for ``silence_bound()`` seconds (SIGSTOPped, or its
+        event loop wedged) the connection is given up as lost: ``on_lost`` settles the saves in flight
+        (failed, unless index.json is on disk), as a daemon that died would."""
+        conn = self.live()
+        if conn is None:
+            return
+        try:
+            conn.request(protocol.Info(), WATCH_EVERY_S)
+            self._silent = None
+            return
+        except NoReply:
+            pass
+        except CheckpointError:         # lost meanwhile (the loss settles the saves) or refused: it answers
+            return
+        now = time.monotonic()
+        since, last = self._silent or (now - WATCH_EVERY_S, now)
+        if now - last > 3 * WATCH_EVERY_S:      # (an earlier silence no wait watched to its end)
+            since = now - WATCH_EVERY_S
+        self._silent = (since, now)
+        if now - since >= self.silence_bound():
+            st = "unknown" if self.step_timeout is None else f"{self.step_timeout:g}s"
+            conn.give_up(f"the daemon answered nothing for {now - since:.0f}s (the bound: max(commit_timeout "
+                         f"{self.slot_wait or 0:g}s, its step_timeout {st}) + {SILENCE_MARGIN_S:g}s): "
+                         "stopped, or wedged? (see its log and `ckptd status`)")
+
     def report(self, step: int, stall_s: float, fence_s: float) -> None:
         """Tell the daemon what a save cost the trainer (for its metrics); never blocks."""
         conn = self.live()
@@ -112,7 +147,11 @@ class DaemonSession:
         """Connect and size the slots for ``nbytes`` on a thread (after a restore, which knows the
         state), then ``then(slots)`` there (the copy's slot views): the first save then pays no
         set-up. ``ensure_slots`` waits for it; a failure here is left for that save to meet (and report)."""
-        self.settle()
+        try:
+            self.settle()
+        except CheckpointError as e:        # the one before still runs (a silent daemon): that save meets it
+            log.debug("ckptd: slots not prepared after restore: %s", e)
+            return
         ready = self.live() is not None and self.slots and self.asked >= nbytes
         if ready and then is None:
             return
@@ -129,13 +168,20 @@ class DaemonSession:
         self._preparing.start()
 
     def settle(self) -> float:
-        """Wait for a ``prepare_soon`` still running; the seconds waited."""
+        """Wait for a ``prepare_soon`` still running; the seconds waited. Bounded: its every wait is (the
+        slots' by ``slot_wait``, each request by the connection's timeout), so one that outlives them all
+        is a CheckpointError (the preparation is left running: it is waited for again next time)."""
         t = self._preparing
         if t is None or t is threading.current_thread():    # (the preparation itself reconnecting)
             return 0.0
-        self._preparing = None
         t0 = time.monotonic()
-        t.join()
+        bound = (self.slot_wait or 0.0) + PREPARE_SLACK_S
+        t.join(bound)
+        if t.is_alive():
+            raise CheckpointError(f"the slots' preparation (after restore) did not end within {bound:g}s "
+                                  f"(commit_timeout + {PREPARE_SLACK_S:g}s): the daemon at {self.socket_path} "
+                                  "does not answer (stopped? see its log and `ckptd status`)")
+        self._preparing = None
         return time.monotonic() - t0
 
     def ensure_slots(self, nbytes: int) -> DaemonConnection:
@@ -173,6 +219,8 @@ class DaemonSession:
             raise
         self.daemon_root = reply["root"]
         self.fills = reply.get("fills") is True
+        st = reply.get("step_timeout")
+        self.step_timeout = float(st) if isinstance(st, (int, float)) and st > 0 else None
         self._install(reply, slot_bytes)
         self.conn = conn
         return conn
@@ -191,7 +239,10 @@ class DaemonSession:
 
     def drop(self) -> None:
         """Close the connection and unmap its slots (a save in flight keeps the daemon's copy)."""
-        self.settle()
+        try:
+            self.settle()
+        except CheckpointError as e:        # closing regardless: the preparation fails on the closed connection
+            log.warning("ckptd: %s", e)
         if self.conn is not None:
             self.conn.close()
             self.conn = None
@@ -204,9 +255,16 @@ class DaemonSession:
             self._held = set()
 
     def _wait_all_free(self) -> None:
-        """Until no save reads a slot (held ones stay with the daemon's memory tier)."""
+        """Until no save reads a slot (held ones stay with the daemon's memory tier); as ``acquire``, a
+        CheckpointError once ``slot_wait`` seconds pass with one still read (a daemon stopped or stuck)."""
+        deadline = None if self.slot_wait is None else time.monotonic() + self.slot_wait
         with self._cond:
             while len(self._free | self._held) < len(self.slots) and self.live() is not None:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise CheckpointError(
+                        f"no slot came free within {self.slot_wait:g}s (commit_timeout) to grow the slots for a "
+                        f"larger state: the daemon at {self.socket_path} reads none of the saves in flight "
+                        "(stopped, or stuck on its disk? see its log and `ckptd status`)")
                 self._cond.wait(0.1)
 
     def acquire(self, block: bool = True) -> int | None:

@@ -151,12 +151,16 @@ class DaemonMemory(Source):
     the saved world size, else the saved ranks' pieces the state needs (held_pieces.py)."""
     name = MEMORY
 
-    def __init__(self, reader: Reader, enabled: bool, per_rank: PerRank = None, strict: bool = True) -> None:
+    def __init__(self, reader: Reader, enabled: bool, per_rank: PerRank = None, strict: bool = True,
+                 staging: BucketStaging | None = None) -> None:
         self.reader, self.enabled, self.per_rank, self.strict = reader, enabled, per_rank, strict
+        self.staging = staging      # (its ``silent``: this restore found the daemon not answering)
 
     def serve(self, step: int, state: dict[str, Any]) -> Served | Unavailable:
         if not self.enabled:
             return Unavailable(self.name, "memory restore off (memory=False)")
+        if self.staging is not None and (silent := self.staging.silent):     # its fetch would wait minutes
+            return Unavailable(self.name, f"skipped: {silent}")
         r = self.reader
         sharded = any(is_dtensor(t) for t in live_tensors(state)[0].values())
         index = _Index(step_dir(r.root(), r.job, step))
@@ -277,7 +281,7 @@ def restore_chain(reader: Reader, staging: BucketStaging, *, memory: bool, per_r
                   strict: bool = True) -> list[Source]:
     """The sources of one restore, in the order they are tried (the module docstring); ``staging``:
     this restore's, which may have staged the newest step while it was being chosen."""
-    return [DaemonMemory(reader, memory, per_rank, strict), LocalFiles(reader, staging, per_rank, strict),
+    return [DaemonMemory(reader, memory, per_rank, strict, staging), LocalFiles(reader, staging, per_rank, strict),
             AllRanksStaged(reader, staging, per_rank, strict)]
 
 

@@ -41,6 +41,7 @@ def stream_save(session: DaemonSession, conn: DaemonConnection, handle: SaveHand
     daemon fails the step and takes every slot of this session back) and the next save reconnects.
     A memory-level save is refused: it is held as one slot. The plan's pending keys (plan_cache)
     are compared here, before any part is copied."""
+    handle.watch = session.watch        # a wait on it with no timeout still ends if the daemon goes silent
     if handle.level is SaveLevel.MEMORY:
         raise CheckpointError(f"a memory-level save must fit in one slot: {plan.nbytes} bytes "
                               "stream through smaller ones (the daemon's slot_memory_limit)")

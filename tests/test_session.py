@@ -216,7 +216,7 @@ def test_refused_peer_gets_the_reason_for_its_first_request(loop: str) -> None:
             protocol.send_frame(client, {"op": "hello", "req": 41, "job": "j"})
             await refuse(daemon_end, peer_of(daemon_end), "uid 65534 / gid 65534 is not allowed")
             reply = protocol.FrameReceiver(client).read()
-            assert reply == {"op": "error", "req": 41, "code": "refused",
+            assert reply == {"op": "error", "req": 41, "code": "not_allowed",
                              "reason": "uid 65534 / gid 65534 is not allowed", "fatal": True}
             assert protocol.FrameReceiver(client).read() is None
             assert daemon_end.fileno() == -1

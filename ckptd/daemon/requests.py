@@ -79,14 +79,17 @@ class Requests:
         return session.job
 
     def _identity(self) -> dict[str, Any]:
-        return {"root": self.d.root, "version": __version__, "pid": os.getpid(), "bucket": self.d.s3 is not None}
+        return {"root": self.d.root, "version": __version__, "pid": os.getpid(), "bucket": self.d.s3 is not None,
+                "step_timeout": self.d.config.step_timeout}
 
     async def info(self, session: Session, _: Info) -> Reply:
-        return self._identity(), []
+        # peer_io_timeout: how long `status --group` may take here (each member asked within it)
+        return {**self._identity(), "peer_io_timeout": self.d.config.peers.io_timeout}, []
 
     async def status(self, session: Session, req: Status) -> Reply:
         snap = self.d.snapshot()
-        groups = await self.d.memory.group_state() if req.group else None
+        state = await self.d.memory.group_state() if req.group else None
+        groups, members = (None, None) if state is None else state
         tier = self.d.tier
         progress = {(w.job, w.step, w.rank): await tier.written_bytes(ShardRef(w.job, w.step, w.rank, w.world_size))
                     for w in snap.shard_writes}
@@ -95,7 +98,7 @@ class Requests:
         latest = {job: s for job, s in latest.items() if s is not None or job in snap.jobs()}   # (a stray dir: no job)
         return {**snap.status(progress, latest), "last_committed_partial": partial,
                 **({"uploads": self.d.s3.status()} if self.d.s3 else {}),
-                **({"groups": groups} if req.group else {})}, []
+                **({"groups": groups, "group_members": members} if req.group else {})}, []
 
     async def hello(self, session: Session, h: Hello) -> Reply:
         if session.job is not None:

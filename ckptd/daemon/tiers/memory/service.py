@@ -260,9 +260,9 @@ class MemoryService:
                           self.rebuilder.fetched if self.rebuilder else 0,
                           self.holder.served if self.holder else 0, level or Counters(), dict(level_last or {}))
 
-    async def group_state(self) -> list[dict[str, Any]] | None:
-        """Parity mode: every step of this node's group, protected or degraded (each member asked, each
-        answer bounded by ``peers.io_timeout``); None in copies mode."""
+    async def group_state(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
+        """Parity mode: every step of this node's group, protected or degraded, and every member's
+        reachability (each member asked, each answer bounded by ``peers.io_timeout``); None in copies mode."""
         if self.holder is None or self.secret is None:
             return None
         p = self.config.peers

@@ -9,7 +9,9 @@ member that lost its shard since has spent the stripe's redundancy). A holder th
 lost its parity even though the senders' acknowledgements stand, so this asks every member
 (``group_report``: its own held shards and the records of its parity buffers) and checks piece by
 piece. A member that does not answer within the timeout makes every step degraded,
-named as the reason; nothing is waited for longer.
+named as the reason; nothing is waited for longer (each member's whole exchange is bounded by it). Every
+member's reachability is reported too (``members``), so one that does not answer shows even when no
+step is held.
 
 Wire (a piece op, ``layout.PIECE_OPS``): ``{"op": "group_report"}`` → ``{"op": "group_report",
 "own": [[job, step, rank, digest, nbytes], …], "folded": [[job, step, stripe, member, rank,
@@ -105,9 +107,24 @@ def judge(layout: ParityLayout, reports: dict[int, dict[str, Any] | str]) -> lis
     return out
 
 
+async def bounded_ask(layout: ParityLayout, member: int, secret: bytes, timeout: float,
+                      tls: ssl.SSLContext | None) -> dict[str, Any] | str:
+    """``ask``, its whole exchange (connect, handshake, report) within ``timeout`` (each step of it is
+    bounded by ``timeout`` alone)."""
+    try:
+        return await asyncio.wait_for(ask(layout, member, secret, timeout, tls), timeout)
+    except asyncio.TimeoutError:
+        return f"no answer within {timeout:g}s (peers.io_timeout): stopped, or its network gone?"
+
+
 async def group_state(layout: ParityLayout, mine: dict[str, Any], secret: bytes, timeout: float,
-                      tls: ssl.SSLContext | None) -> list[dict[str, Any]]:
-    """This node's group, every member asked at once (this node's own report is ``mine``)."""
+                      tls: ssl.SSLContext | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """This node's group, every member asked at once (this node's own report is ``mine``): (each held
+    step's state, as ``judge`` says; each member's reachability ``{member, address, reachable, why}``)."""
     others = [m for m in range(layout.size) if m != layout.member]
-    got = await asyncio.gather(*(ask(layout, m, secret, timeout, tls) for m in others))
-    return judge(layout, {layout.member: mine, **dict(zip(others, got, strict=True))})
+    got = await asyncio.gather(*(bounded_ask(layout, m, secret, timeout, tls) for m in others))
+    reports = {layout.member: mine, **dict(zip(others, got, strict=True))}
+    members = [{"member": m, "address": layout.address(m) if m != layout.member else "this node",
+                "reachable": not isinstance(r, str), "why": r if isinstance(r, str) else None}
+               for m, r in sorted(reports.items())]
+    return judge(layout, reports), members
