@@ -50,8 +50,8 @@ def stage(socket_path: str, job: str, step: int | None, rank: int, world_size: i
     except (Unreachable, NotDelivered, ConnectionLost):
         return Staged(False)          # no daemon: restore reads what the root has
     except DaemonRefused as e:
-        if e.code is ErrorCode.NOT_ALLOWED:
-            raise                     # this user may not use the daemon at all: no bucket's doing
+        if e.code is ErrorCode.NOT_ALLOWED or e.fatal:
+            raise                     # this user may not use the daemon at all (an older one: fatal refused)
         # it does not say: ``stage`` does
     msg = protocol.Stage(job, step, None if all_ranks else [rank, world_size])
     try:
@@ -63,7 +63,7 @@ def stage(socket_path: str, job: str, step: int | None, rank: int, world_size: i
     except DaemonRefused as e:
         if e.code is ErrorCode.NO_BUCKET:
             return Staged(False)
-        if e.code is ErrorCode.NOT_ALLOWED:
+        if e.code is ErrorCode.NOT_ALLOWED or e.fatal:
             raise
         raise CheckpointError(f"restore from the bucket: {e.reason}") from None
     got = reply.get("step")

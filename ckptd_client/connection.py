@@ -268,7 +268,8 @@ class Exchange:
                 os.close(fd)
             rx.fds.clear()
         if reply["op"] != "ok":
-            raise DaemonRefused(op, error_code(reply), str(reply.get("reason", "no reason given")))
+            raise DaemonRefused(op, error_code(reply), str(reply.get("reason", "no reason given")),
+                                fatal=reply.get("fatal") is True)
         return reply
 
     def __enter__(self) -> Exchange:
@@ -315,5 +316,6 @@ class Reply:
         finally:
             conn._replied(self._req)
         if reply.get("op") != "ok":
-            raise DaemonRefused(self._op, error_code(reply), str(reply.get("reason", "no reason given")))
+            raise DaemonRefused(self._op, error_code(reply), str(reply.get("reason", "no reason given")),
+                                fatal=reply.get("fatal") is True)
         return reply

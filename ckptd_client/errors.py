@@ -32,11 +32,12 @@ class ConnectionLost(CheckpointError):
 
 
 class DaemonRefused(CheckpointError):
-    """The daemon answered with an error reply: branch on ``code`` (FORMAT.md's error codes), show ``reason``."""
+    """The daemon answered with an error reply: branch on ``code`` (FORMAT.md's error codes), show ``reason``.
+    ``fatal``: the daemon ends the connection with it (the session itself is refused, not one request)."""
 
-    def __init__(self, op: str, code: ErrorCode, reason: str) -> None:
+    def __init__(self, op: str, code: ErrorCode, reason: str, *, fatal: bool = False) -> None:
         super().__init__(f"ckptd refused {op}: {reason}")
-        self.op, self.code, self.reason = op, code, reason
+        self.op, self.code, self.reason, self.fatal = op, code, reason, fatal
 
 
 def refuse_closed(closed: bool, what: str) -> None:

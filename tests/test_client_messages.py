@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 USER = 1700          # no such user: neither the socket's group nor an allowed one
 
@@ -58,3 +59,50 @@ def test_a_user_the_daemon_refuses_is_told_so_not_a_bucket_failure(daemon_factor
     assert said.startswith("DaemonRefused: ckptd refused "), said
     assert f"uid {USER} / gid {USER} is not allowed to use this ckptd daemon" in said, said
     assert "bucket" not in said, said
+
+
+def test_an_older_daemons_refusal_is_not_called_a_bucket_failure(tmp):
+    """A daemon of an older build refuses a user with a fatal error of code ``refused`` (``not_allowed``
+    is newer): restore() said "restore from the bucket: … not allowed" of a daemon with no bucket. Any
+    fatal refusal of info or stage is now raised as the daemon said it."""
+    import socket
+    import threading
+
+    import ckptd_client
+    from ckptd.core import framing
+    from ckptd_client.errors import DaemonRefused
+
+    path = tmp / "old.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(8)
+    srv.settimeout(30)
+    asked: list[str] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(10)
+                head = conn.recv(framing.HEADER.size, socket.MSG_WAITALL)
+                if len(head) < framing.HEADER.size:
+                    continue
+                body = conn.recv(framing.parse_header(head), socket.MSG_WAITALL)
+                msg = framing.decode_body(body)
+                asked.append(msg["op"])
+                framing.send_frame(conn, {"op": "error", "req": msg.get("req", 0), "fatal": True, "code": "refused",
+                                          "reason": "uid 1700 / gid 1700 is not allowed to use this ckptd daemon"})
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        ck = ckptd_client.Checkpointer("j", socket=str(path), root=str(tmp / "root"), rank=0, world_size=1)
+        with pytest.raises(DaemonRefused) as got:
+            ck.restore({"w": torch.zeros(3)})
+        assert "is not allowed to use this ckptd daemon" in str(got.value), got.value
+        assert "bucket" not in str(got.value), got.value
+        assert asked and asked[0] == "info", asked
+    finally:
+        srv.close()
