@@ -103,6 +103,7 @@ def hand_over(session: DaemonSession, conn: DaemonConnection, copies: OverlapCop
     assert handle.slot is not None
     handle.watch = session.watch        # a wait on it with no timeout still ends if the daemon goes silent
     slot = session.slots[handle.slot]
+    session.saved_in[handle.slot] = (handle.step, level.value)       # (what holds it, if no slot comes free)
     fill = Fill(session, conn, handle, plan, commit) if session.fills and level is SaveLevel.STORAGE else None
     if fill is not None and not OverlapCopies.deferred(plan.flat, overlap):    # the whole copy here: SAVE first
         fill.open()

@@ -51,6 +51,7 @@ class DaemonSession:
         self.asked = 0                           # the slot bytes the slots were asked for
         self._free: set[int] = set()
         self._held: set[int] = set()
+        self.saved_in: dict[int, tuple[int, str]] = {}     # slot → (step, level) of the save last handed in it
         self._preparing: threading.Thread | None = None
         self._cond = threading.Condition()
         self._on_event = on_event
@@ -285,9 +286,7 @@ class DaemonSession:
                 if conn is None:
                     raise NotDelivered(f"connection to ckptd at {self.socket_path} lost")
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise CheckpointError(f"no slot came free within {self.slot_wait:g}s (commit_timeout): the "
-                                          f"daemon at {self.socket_path} reads none of the saves in flight (stopped, "
-                                          "or stuck on its disk? see its log and `ckptd status`)")
+                    raise CheckpointError(self._no_slot())
                 stuck = bool(self.slots) and len(self._held) >= len(self.slots)
                 if not block and not stuck:
                     return None
@@ -299,6 +298,20 @@ class DaemonSession:
             with self._cond:
                 if not self._free:
                     self._cond.wait(0.1)
+
+    def _no_slot(self) -> str:
+        """Why no slot came free (under ``_cond``): what holds each slot, and the two usual causes."""
+        what = []
+        for i in range(len(self.slots)):
+            step, level = self.saved_in.get(i, (None, ""))
+            save = "a save" if step is None else f"step {step}" + (" (memory-level)" if level == "memory" else "")
+            what.append(f"slot {i}: {save}, " + ("kept by the daemon's memory tier until a newer step of the job "
+                                                  "commits" if i in self._held else "not yet committed"))
+        st = f"{self.step_timeout:g}s" if self.step_timeout else "its step_timeout"
+        return (f"no slot came free within {self.slot_wait:g}s (commit_timeout) at the daemon {self.socket_path} "
+                f"({'; '.join(what)}). A step commits once every rank's shard is durable: a rank that stopped or "
+                f"died holds it until the daemon fails it ({st}); else the daemon reads none of the saves (stopped, "
+                "or stuck on its disk?). See its log and `ckptd status`")
 
     def held(self) -> int:
         """How many slots the daemon's memory tier keeps now."""

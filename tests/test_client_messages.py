@@ -106,3 +106,29 @@ def test_an_older_daemons_refusal_is_not_called_a_bucket_failure(tmp):
         assert asked and asked[0] == "info", asked
     finally:
         srv.close()
+
+
+def test_no_free_slot_says_what_holds_each_slot(daemon_factory):
+    """Rank 1 of a local-commit job never saves (dead): rank 0's memory-level saves of steps 1 and 2 wait
+    for it in both slots, and its third save found no slot. It was told the daemon "reads none of the saves in flight
+    (stopped, or stuck on its disk?)" of a healthy daemon. It is now told what holds each slot, and that a
+    rank that stopped or died holds a step until the daemon's step_timeout."""
+    import ckptd_client
+    from ckptd_client.errors import CheckpointError
+
+    d = daemon_factory("--step-timeout", "120s")
+    ck = ckptd_client.Checkpointer("j", socket=str(d.socket), rank=0, world_size=2, commit="local",
+                                   commit_timeout=3, num_slots=2)
+    try:
+        ck.save(1, {"w": torch.ones(1024)}, level="memory")
+        ck.save(2, {"w": torch.ones(1024)}, level="memory")
+        with pytest.raises(CheckpointError) as got:
+            ck.save(3, {"w": torch.ones(1024)})
+        said = str(got.value)
+        assert said.startswith("no slot came free within 3s (commit_timeout)"), said
+        for slot, step in ((0, 1), (1, 2)):
+            assert f"slot {slot}: step {step} (memory-level), kept by the daemon's memory tier until a newer step " \
+                "of the job commits" in said, said
+        assert "a rank that stopped or died holds it until the daemon fails it (120s)" in said, said
+    finally:
+        ck.close(timeout=1)
