@@ -139,8 +139,8 @@ async def protect(nd: Node, held: Held) -> int:
 
 def test_a_step_saved_again_is_protected_by_its_own_pieces_only() -> None:
     """A step's shards were protected, the step failed (dropped) and was saved again with other bytes:
-    each holder replaces the first attempt's buffer when a member sends another shard for it, so the
-    new save is protected, and a lost shard rebuilds to its new bytes. The holders refused the new
+    each member withdraws its first attempt's pieces (drop_piece) before it sends the new ones, so the
+    new save is protected by its own pieces, and a lost shard rebuilds to its new bytes. The holders refused the new
     pieces ("lane 0 of stripe 1 already holds member 0's rank 0"): a failed memory-level step's number
     could not be saved at the memory level again (and before that, its first attempt's acknowledgements
     had counted for the new bytes)."""
@@ -325,3 +325,89 @@ def test_group_state_is_degraded_when_a_parity_folds_a_shard_its_member_does_not
     holder = next(m for m in range(3) if folded[0] in mine[m])
     (bad,) = group_state.judge(lay, {m: rep(m, stale if m == holder else []) for m in range(3)})
     assert bad["state"] == "degraded" and "member 1 does not hold" in bad["why"][0], bad
+
+
+def test_a_piece_meeting_another_saves_buffer_is_refused_and_the_next_save_is_protected() -> None:
+    """Every member protected a step; member 0's daemon then forgot it (restarted: no drop_piece sent)
+    and saves the step with other bytes, after the others sent theirs again (the same bytes: acknowledged
+    as folded already). The holders replaced the buffers holding member 0's old piece with fresh ones,
+    taking the others' acknowledged pieces with them: committed as protected, not rebuildable. Now each
+    such buffer is dropped and member 0's piece refused, saying why (its save fails); the save after it
+    is protected by its own pieces, and a lost shard rebuilds to its bytes."""
+    sizes = [300_000 + 77_777 * i for i in range(4)]
+
+    async def main() -> tuple[str, list[int], bytes | None]:
+        nodes = group(4, 4, 1)
+        await started(nodes)
+        try:
+            held = [nd.hold(i, 4, data(sizes[i], i)) for i, nd in enumerate(nodes)]
+            for nd, h in zip(nodes, held, strict=True):
+                assert await nd.parity.protect_now(h) == 1
+            nodes[0].parity = ParityNode(nodes[0].store, nodes[0].layout, SECRET, 0, 10.0, lambda job: None)
+            for nd, h in zip(nodes[1:], held[1:], strict=True):
+                assert await nd.parity.protect_now(h) == 1            # repeats
+            held[0] = nodes[0].hold(0, 4, data(sizes[0], 1000), attempt=2)
+            with pytest.raises(NotHeld) as refused:
+                await nodes[0].parity.protect_now(held[0])
+            again = [await protect(nd, h) for nd, h in zip(nodes, held, strict=True)]     # saved once more
+            digest = held[1].meta.digest if held[1].meta else ""
+            nodes[1].store.drop_step(JOB, STEP, {1})            # node 1 lost its shard
+            got = await nodes[2].rebuilder.rebuild(JOB, STEP, 1, digest)
+            return str(refused.value), again, None if got is None or got.mm is None else bytes(got.mm[:sizes[1]])
+        finally:
+            await stopped(nodes)
+
+    refused, again, rebuilt = asyncio.run(main())
+    assert "held another save's pieces (member 0's rank 0): dropped; this save is not protected" in refused, refused
+    assert again == [1, 1, 1, 1]
+    assert rebuilt == data(sizes[1], 1)
+
+
+def test_a_holder_that_does_not_know_drop_piece_is_warned_of_and_its_kept_step_is_not_protected(caplog) -> None:
+    """Member 2 is an older build: it folds pieces (its ``ok`` says nothing of ``drops``) and closes the
+    connection on drop_piece, keeping a failed save's pieces. Member 0's step fails after its pieces went;
+    the warning names the fix once, and a save of that step number again is not protected (NotHeld
+    saying why) where it was committed "protected" over the old pieces; another step number is."""
+    addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+
+    async def main() -> tuple[str, int]:
+        nodes = [Node(addrs, i, 3, 1) for i in range(3)]
+        holder = nodes[2].holder
+        new = holder.handle
+
+        async def old(ch: Channel, msg: dict[str, Any], plen: int, node: str) -> None:
+            if msg["op"] == "drop_piece":
+                raise ProtocolError("bad peer request 'drop_piece'")       # (the server closes the connection)
+            if msg["op"] != "put_piece":
+                return await new(ch, msg, plen, node)
+            reply = await holder._put(ch, msg, plen, node)
+            reply.pop("drops", None)
+            await pp.send(ch, reply)
+        holder.handle = old          # type: ignore[method-assign]
+        await started(nodes)
+        try:
+            nd = nodes[0]
+            first = nd.hold(0, 2, data(3000, 1))
+            assert await nd.parity.protect_now(first) == 1
+            assert first.meta is not None
+            nd.parity.withdraw([first.meta])          # the step failed later (the memory tier's abort)
+            await nd.parity.drops.wait(None)
+            again = nd.hold(0, 2, data(3000, 2), attempt=2)
+            with pytest.raises(NotHeld) as refused:
+                await nd.parity.protect_now(again)
+            other = nd.store.reserve(JOB, STEP + 1, 0, 3000, "local")
+            assert other is not None
+            other.fd, other.mm = new_memfd("t-other", 3000)
+            sums = layout_checksums(memoryview(other.mm), (TensorLayout("w", "uint8", (3000,), 0, 3000),), CHUNK)
+            nd.store.filled(other, HeldMeta(JOB, STEP + 1, 0, 2, digest_bytes(b"other"), 3000, CHUNK, sums,
+                                            (TensorLayout("w", "uint8", (3000,), 0, 3000),), None))
+            return str(refused.value), await nd.parity.protect_now(other)
+        finally:
+            await stopped(nodes)
+
+    with caplog.at_level("WARNING", logger="ckptd"):
+        refused, other = asyncio.run(main())
+    assert "run an older build that keeps a failed save's pieces" in refused, refused
+    assert other == 1
+    warned = [r for r in caplog.records if "does not know drop_piece" in r.getMessage()]
+    assert len(warned) == 1 and "upgrade every member of a parity group together" in warned[0].getMessage()

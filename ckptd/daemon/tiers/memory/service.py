@@ -133,7 +133,8 @@ class MemoryService:
         on_held = r.offer if r else self.parity.offer if self.parity else lambda h: None
         self.memory = MemoryTier(fs, self.store, root, config.write.chunk_bytes, pool,
                                  on_held=on_held, replicate=r.copy_now if r else self.parity.protect_now
-                                 if self.parity else None, k=len(r.targets) if r else 1 if self.parity else 0)
+                                 if self.parity else None, k=len(r.targets) if r else 1 if self.parity else 0,
+                                 on_failed=self.parity.withdraw if self.parity else lambda metas: None)
         self.tier: StorageTier = self.memory if self.store.enabled else fs
         self.server: PeerServer | None = None
         self.refused = 0
@@ -196,6 +197,8 @@ class MemoryService:
         if self.server is not None:
             await self.server.stop()
         await self.tasks.cancel_all()
+        if self.parity is not None:
+            await self.parity.drops.cancel_all()
 
     def close(self) -> None:
         if self.holder is not None:

@@ -104,13 +104,14 @@ def copy_in(held: Held, data: memoryview, layout: Sequence[TensorLayout], chunk_
 class MemoryTier(StorageTier):
     """``inner`` plus resident copies in ``store``. ``on_held`` hears of each shard made servable
     (peer replication queues it); ``replicate`` sends a memory-level step's shard to its ``k`` peers
-    at once (memory_level.py), which must all acknowledge before it counts as durable."""
+    at once (memory_level.py), which must all acknowledge before it counts as durable; ``on_failed``
+    hears of this node's held shards of a step that failed (parity: their pieces are withdrawn)."""
 
     def __init__(self, inner: StorageTier, store: MemoryStore, root: str, chunk_bytes: int, pool: Executor,
                  on_held: Callable[[Held], None] = lambda h: None, replicate: Replicate | None = None,
-                 k: int = 0) -> None:
+                 k: int = 0, on_failed: Callable[[list[HeldMeta]], None] = lambda metas: None) -> None:
         self.inner, self.store, self.root = inner, store, root
-        self.chunk_bytes, self.pool, self.on_held = chunk_bytes, pool, on_held
+        self.chunk_bytes, self.pool, self.on_held, self.on_failed = chunk_bytes, pool, on_held, on_failed
         self.replicate, self.k = replicate, k
         self._began: dict[tuple[str, int], float] = {}    # a step's save → when its first shard came here
         # (job key, step) of each memory-level step a shard of came here in this daemon's life, the newest
@@ -248,7 +249,11 @@ class MemoryTier(StorageTier):
         await self.inner.withdraw_commits()
 
     async def abort(self, job: str, step: int, ranks: Collection[int]) -> None:
+        """The step failed: these ranks' held shards go (``on_failed`` hears of this node's own: their
+        parity holders drop their pieces), and the inner tier's files."""
         self._began.pop((job, step), None)
+        self.on_failed([h.meta for h in self.store.entries.values() if (h.job, h.step) == (job, step)
+                        and h.rank in ranks and h.origin == LOCAL and h.meta is not None])
         self.store.drop_step(job, step, set(ranks))
         await self.inner.abort(job, step, ranks)
 

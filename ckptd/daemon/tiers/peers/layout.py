@@ -14,7 +14,8 @@ with fewer shards in a step than another simply contributes nothing (zeros) to t
 Wire (after the peer handshake, ``ckptd.core.peer_protocol``), each payload checked with xxh3-64:
 
     {"op": "put_piece", job, step, rank, digest, stripe, lane, member, checksum, meta} + piece
-        → {"op": "ok"} | {"op": "error", "reason"}      (the holder folds it into its parity buffer)
+        → {"op": "ok", "drops": true} | {"op": "error", "reason"}   (the holder folds it into its parity
+          buffer; refused, that buffer dropped, when it is another save's: parity_hold.py)
     {"op": "get_parity", job, step, stripe, rank, digest}
         → {"op": "parity", q, lane, checksum, record, meta} + parity buffer | {"op": "missing"}
     {"op": "get_piece", job, step, rank, digest, stripe}
@@ -27,8 +28,9 @@ Wire (after the peer handshake, ``ckptd.core.peer_protocol``), each payload chec
 
     {"op": "group_report"} → this node's held shards and its parity buffers' records (group_state.py)
 
-    {"op": "drop_piece", job, step, member, rank, digest} → {"op": "ok", dropped}
-        (that member's save of the step failed: the buffers that folded the shard go)
+    {"op": "drop_piece", job, step, member, rank, digest} → {"op": "ok", "drops": true, dropped}
+        (that member's save of the step failed: the buffers that folded the shard go; a holder of an
+        older build closes the connection: parity.py)
 
 ``record`` lists ``{member, rank, digest, nbytes}`` of every shard folded into the buffer; ``meta`` is
 the named rank's held meta (layout and per-chunk checksums) as the sender sent it.

@@ -7,19 +7,28 @@ copies are queued in ``copies`` mode) it gets the next lane of its step, is cut 
 pieces, and each non-empty piece goes to its stripe's P parity holders in the background, paced by
 one token bucket (``peers.bandwidth``) and bounded by ``peers.io_timeout``. A step is *protected* on
 this node once every piece of every shard of it held here is acknowledged by every parity holder.
+
+A save of this node's shard that fails after (some of) its pieces were sent — protect_now itself, or the
+step failing later (an abort, a timeout, a failed commit: the memory tier's abort, ``withdraw``) —, or
+that a new save of the shard with another digest replaces, makes this node tell the holders to drop
+its pieces (``drop_piece``, bounded by ``peers.io_timeout``; the step's later sends wait for it). A
+holder of a build older than drop_piece closes the connection on it and keeps the failed save's
+buffers: it is warned of once per holder (upgrade a parity group as a whole), and until it answers a
+piece with ``drops`` a memory-level save of that step number is not protected by it (the save fails).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from ckptd.core import peer_protocol as pp
 from ckptd.core.codec import checksum
 from ckptd.core.errors import ProtocolError
 from ckptd.core.held import HeldMeta
-from ckptd.daemon.runtime import describe_error
+from ckptd.core.peer_channel import StalledError
+from ckptd.daemon.runtime import TaskSet, describe_error
 from ckptd.daemon.tiers.memory.memory_level import NotHeld
 from ckptd.daemon.tiers.memory.store import Held, MemoryStore
 from ckptd.daemon.tiers.peers.layout import ParityLayout
@@ -42,6 +51,12 @@ class ParityNode:
         # be saved again with other bytes, and its first attempt's acknowledgements say nothing of these
         self.acked: dict[tuple[str, int, int], tuple[str, set[tuple[int, int]]]] = {}
         self.per_peer: dict[str, PeerCounts] = {}
+        self.sent: dict[tuple[str, int], dict[int, HeldMeta]] = {}   # (job, step) → rank → the save whose pieces went
+        self.dropping: dict[tuple[str, int], set[asyncio.Task[None]]] = {}    # drop_piece in flight, by step
+        self.drops = TaskSet()
+        # holder → the (job, step)s whose failed save's pieces it kept (an older build: no drop_piece)
+        self.kept_by_old: dict[str, set[tuple[str, int]]] = {}
+        self.errors: dict[tuple[str, int, int], str] = {}     # a shard's last piece error (protect_now says it)
 
     # ---- sending -------------------------------------------------------------------------
 
@@ -51,6 +66,10 @@ class ParityNode:
             self.lanes.pop(next(iter(self.lanes)))
         for key in [k for k in self.acked if k not in self.store.entries]:
             del self.acked[key]
+        for key in [k for k in self.errors if k not in self.store.entries]:
+            del self.errors[key]
+        while len(self.sent) > LANES_KEPT:
+            self.sent.pop(next(iter(self.sent)))
         return lanes.setdefault(held.rank, len(lanes))
 
     def offer(self, held: Held) -> None:
@@ -71,6 +90,7 @@ class ParityNode:
                 continue
             self.store.pin(held)
             try:
+                await self._settle(held.meta)
                 await self._send_all(held, lane)
             finally:
                 self.store.unpin(held)
@@ -87,37 +107,93 @@ class ParityNode:
         assert meta is not None
         self.store.pin(held)
         try:
+            await self._settle(meta)
+            self.errors.pop(held.key, None)
             await self._send_all(held, self._lane(held))
+        except asyncio.CancelledError:
+            self.withdraw([meta])
+            raise
         finally:
             self.store.unpin(held)
-        if self.protected(held.job, held.step, held.rank, meta.nbytes, meta.digest):
+        old = sorted(a for a in self._holders(meta) if (meta.job, meta.step) in self.kept_by_old.get(a, ()))
+        if not old and self.protected(held.job, held.step, held.rank, meta.nbytes, meta.digest):
             return 1
         got = self.acked.pop(held.key, None)
         done = len(got[1]) if got is not None and got[0] == meta.digest else 0
         await self._withdraw(meta)
+        why = f"the parity holder(s) {', '.join(old)} run an older build that keeps a failed save's pieces of this " \
+            "step (upgrade every member of the parity group together)" if old else \
+            self.errors.pop(held.key, "see the daemon log for each holder's error")
         raise NotHeld(f"memory-level step {meta.step}: rank {meta.rank}'s shard is not protected by parity: "
-                      f"{done} of its {len(self._needed(meta.nbytes))} pieces reached their parity holders "
-                      "(see the daemon log for each holder's error)")
+                      f"{done} of its {len(self._needed(meta.nbytes))} pieces reached their parity holders ({why})")
+
+    def withdraw(self, metas: Iterable[HeldMeta]) -> None:
+        """(Event loop) These shards' saves failed (their step did, after their pieces went): their
+        holders are told to drop them, in the background; a later send of the step waits for it."""
+        for meta in metas:
+            key = (meta.job, meta.step)
+            if (was := self.sent.get(key, {}).get(meta.rank)) is None or was.digest != meta.digest:
+                continue        # nothing of it sent (or withdrawn already)
+            task = self.drops.spawn(self._withdraw(meta), f"parity drop of {meta.job} step {meta.step} "
+                                                         f"rank {meta.rank}")
+            pending = self.dropping.setdefault(key, set())
+            pending.add(task)
+
+            def done(t: asyncio.Task[None], key: tuple[str, int] = key, pending: set[asyncio.Task[None]] = pending
+                     ) -> None:
+                pending.discard(t)
+                if not pending and self.dropping.get(key) is pending:
+                    del self.dropping[key]
+            task.add_done_callback(done)
+
+    async def _settle(self, meta: HeldMeta) -> None:
+        """Before a shard's pieces go: the step's drops in flight are done, and an earlier save of the
+        shard with another digest (a failed one nobody withdrew: a relayed step's other node) withdrawn."""
+        if pending := self.dropping.get((meta.job, meta.step)):
+            await asyncio.wait(set(pending))
+        before = self.sent.get((meta.job, meta.step), {}).get(meta.rank)
+        if before is not None and before.digest != meta.digest:
+            await self._withdraw(before)
+        self.sent.setdefault((meta.job, meta.step), {})[meta.rank] = meta
+
+    def _holders(self, meta: HeldMeta) -> set[str]:
+        return {addr for piece in self.layout.cut(meta.nbytes).pieces if piece.length
+                for _, addr in self.layout.holders(piece.stripe)}
 
     async def _withdraw(self, meta: HeldMeta) -> None:
         """Every parity holder of the shard's pieces told that this save of it failed (best effort: a
-        holder that does not answer keeps the buffers, which a later save of the step replaces)."""
-        holders = {addr for piece in self.layout.cut(meta.nbytes).pieces if piece.length
-                   for _, addr in self.layout.holders(piece.stripe)}
+        holder that does not answer keeps the buffers; a new holder refuses a later save's piece that
+        meets them, an old one — it closes the connection on drop_piece — is remembered: ``kept_by_old``)."""
+        sent = self.sent.get((meta.job, meta.step), {})
+        if (was := sent.get(meta.rank)) is not None and was.digest == meta.digest:
+            del sent[meta.rank]
 
         async def tell(addr: str) -> None:
-            link = PeerLink(addr, self.secret, self.layout.me, self.timeout, self.tls)
+            link, opened = PeerLink(addr, self.secret, self.layout.me, self.timeout, self.tls), False
             try:
                 await link.open()
+                opened = True
                 await pp.send(link.channel, {"op": "drop_piece", "job": meta.job, "step": meta.step,
                                              "member": self.layout.member, "rank": meta.rank, "digest": meta.digest})
                 await pp.recv(link.channel)
             except (OSError, ProtocolError) as e:
+                if opened and not isinstance(e, (StalledError, TimeoutError)):
+                    self._old_holder(addr, meta, e)
                 log.info("parity holder not told of a failed save", extra={"ctx": {
                     "job": meta.job, "step": meta.step, "rank": meta.rank, "peer": addr, "error": describe_error(e)}})
             finally:
                 link.close()
-        await asyncio.gather(*(tell(a) for a in sorted(holders)))
+        await asyncio.gather(*(tell(a) for a in sorted(self._holders(meta))))
+
+    def _old_holder(self, addr: str, meta: HeldMeta, e: BaseException) -> None:
+        """``addr`` closed the connection on drop_piece: an older build, which keeps the failed save's
+        pieces and would mix them with a later save of the step. Warned of once per holder."""
+        if addr not in self.kept_by_old:
+            log.warning("parity holder does not know drop_piece (an older ckptd?): it keeps a failed save's pieces, "
+                        "and a memory-level save of that step number is not protected by it until it is upgraded; "
+                        "upgrade every member of a parity group together", extra={"ctx": {
+                            "peer": addr, "job": meta.job, "step": meta.step, "error": describe_error(e)}})
+        self.kept_by_old.setdefault(addr, set()).add((meta.job, meta.step))
 
     def _needed(self, nbytes: int) -> set[tuple[int, int]]:
         return {(piece.stripe, q) for piece in self.layout.cut(nbytes).pieces if piece.length
@@ -146,8 +222,11 @@ class ParityNode:
             reply, _ = await pp.recv(link.channel)
             if reply.get("op") != "ok":
                 raise ProtocolError(f"parity holder did not fold the piece: {str(reply.get('reason', reply['op']))}")
+            if reply.get("drops") is True:           # (a holder upgraded: what an old build kept is gone)
+                self.kept_by_old.pop(addr, None)
         except (OSError, ProtocolError) as e:
             counts.failures += 1
+            self.errors[held.key] = f"{addr}: {describe_error(e)}"
             log.warning("parity piece not sent", extra={"ctx": {**ctx, "error": describe_error(e)}})
             return
         finally:

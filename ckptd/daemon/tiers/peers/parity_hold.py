@@ -5,11 +5,17 @@ parity buffer is a memfd charged to the memory store's budget like a replica (be
 piece is read; a piece that does not fit is refused and the sender's step is not *protected*). It
 is keyed by (job, step, stripe, lane) and records which (member, rank, manifest digest, size) it
 holds, so a rebuild checks what it decodes against the committed index. A piece folded twice would
-cancel itself out: a repeated (member, rank, digest) is acknowledged and not folded again. A buffer
-never mixes two saves of a step number: a piece whose member already folded another shard there
-(the step saved again after a failed save), or whose world size is not the buffer's, replaces the
-buffer with a fresh one; a member whose save of a step failed says so (``drop_piece``) and the
-buffers that folded its shard go. Buffers of a job beyond its newest ``memory.steps + 1`` steps go.
+cancel itself out: a repeated (member, rank, digest) is acknowledged and not folded again, when the
+buffer it names (its lane) is the one it was folded into. A buffer never mixes two saves of a step
+number: a piece whose member already folded another shard there (the step saved again after a failed
+save), or whose world size is not the buffer's, or whose shard is folded in another lane of the stripe
+(another save's numbering), shows that buffer to be another save's. It is dropped, and the piece is
+*refused*, naming why: the buffer may hold pieces of this save acknowledged as repeats, now gone, so
+this save must not count as protected (its step fails; every member then drops its pieces, and the
+next save of the number folds afresh). A member whose save of a step failed says so (``drop_piece``)
+and the buffers that folded its shard go. Every ``ok`` says ``drops``: this holder knows ``drop_piece``
+(a holder of an older build does not: parity.py). Buffers of a job beyond its newest ``memory.steps +
+1`` steps go.
 ``reduce_piece`` hands a buffer and its record to the rebuild's holder side (``Reducer``: rebuild.py's
 ``Rebuilder.reduce``), which decodes the named shard's piece of the stripe, and sends that.
 """
@@ -38,6 +44,7 @@ from ckptd.daemon.tiers.peers.stripes import piece_size
 log = logging.getLogger("ckptd")
 MAX_LANES = 1024
 # (job, step, stripe, owner member, q, own parity row, record member → folded) → the owner's decoded piece
+OK = {"op": "ok", "drops": True}     # (``drops``: this holder knows drop_piece; parity.py's old-holder check)
 Reducer = Callable[[str, int, int, int, int, bytes, dict[int, dict[str, Any]]], Awaitable[bytes]]
 
 
@@ -132,7 +139,7 @@ class ParityHolder:
         unit = self.units.get(key)
         if unit is not None and member in unit.record and self._same(unit.record[member], meta):
             await pp.skip(ch, plen)
-            return {"op": "ok"}                # folded already: once more would cancel it out
+            return dict(OK)                         # folded already: once more would cancel it out
         size = piece_size(meta.nbytes, lay.size, lay.p)
         grow = max(0, size - (unit.size if unit is not None else 0))
         if grow and not self.store.charge(grow, f"parity {meta.job} step {meta.step} stripe {s}"):
@@ -152,13 +159,17 @@ class ParityHolder:
         async with self.lock:                # one fold (and growth) at a time
             unit = self.units.get(key)
             if unit is not None and member in unit.record and self._same(unit.record[member], meta):
-                return {"op": "ok"}
-            if unit is not None and self._stale(unit, member, meta):
-                log.info("parity buffer of another save dropped", extra={"ctx": {
-                    "job": meta.job, "step": meta.step, "stripe": s, "lane": lane, "from": node,
-                    "held": [(f.member, f.rank) for f in unit.record.values()]}})
-                self._drop(key)
-                unit = None
+                return dict(OK)
+            stale = {k: why for k, u in self.units.items() if k[:3] == key[:3]
+                     and (why := self._stale(u, k == key, member, meta)) is not None}
+            if stale:       # another save's: dropped, with whatever this save had in them; this piece refused
+                for k, why in stale.items():
+                    log.warning("parity buffer of another save dropped; the piece is refused", extra={"ctx": {
+                        "job": meta.job, "step": meta.step, "stripe": s, "lane": k[3], "from": node, "why": why,
+                        "held": [(f.member, f.rank) for f in self.units[k].record.values()]}})
+                    self._drop(k)
+                return {"op": "error", "reason": f"parity buffer of step {meta.step} stripe {s} held another save's "
+                        f"pieces ({next(iter(stale.values()))}): dropped; this save is not protected — save again"}
             need = max(0, size - (unit.size if unit is not None else 0))
             if need and not self.store.charge(need, f"parity {meta.job} step {meta.step} stripe {s}"):
                 return {"op": "error", "reason": "over this peer's memory budget"}
@@ -188,19 +199,28 @@ class ParityHolder:
             unit.record[member] = Folded(member, meta.rank, meta.digest, meta.nbytes, meta.to_wire())
         log.info("parity piece folded", extra={"ctx": {"job": meta.job, "step": meta.step, "rank": meta.rank,
                                                        "stripe": s, "lane": lane, "bytes": plen, "from": node}})
-        return {"op": "ok"}
+        return dict(OK)
 
     @staticmethod
     def _same(f: Folded, meta: HeldMeta) -> bool:
         return (f.rank, f.digest) == (meta.rank, meta.digest)
 
     @staticmethod
-    def _stale(unit: ParityUnit, member: int, meta: HeldMeta) -> bool:
-        """The buffer folds another save of the step than the piece ``member`` sends of ``meta``: it
-        holds another shard of that member (a failed save's, the step saved again), or a shard saved
-        by another world size. Folded together they decode neither save."""
-        return member in unit.record or any(f.meta.get("world_size") != meta.world_size
-                                            for f in unit.record.values())
+    def _stale(unit: ParityUnit, own: bool, member: int, meta: HeldMeta) -> str | None:
+        """Why ``unit`` (the piece's own buffer when ``own``, else another lane of its stripe) folds
+        another save of the step than the piece ``member`` sends of ``meta``, or None: its own buffer
+        holds another shard of that member (a failed save's, the step saved again) or a shard saved by
+        another world size; another lane holds this very rank of that member (a save gives a shard one
+        lane). Folded together they decode neither save."""
+        f = unit.record.get(member)
+        if own and f is not None:
+            return f"member {member}'s rank {f.rank}"
+        if not own and f is not None and f.rank == meta.rank:
+            return f"member {member}'s rank {f.rank} in lane {unit.lane}"
+        other = next((x for x in unit.record.values() if x.meta.get("world_size") != meta.world_size), None)
+        if own and other is not None:
+            return f"member {other.member}'s rank {other.rank}, saved by {other.meta.get('world_size')} ranks"
+        return None
 
     def _forget(self, msg: dict[str, Any], node: str) -> dict[str, Any]:
         """``drop_piece``: a member's save of a step failed after (some of) its pieces were folded; every
@@ -214,7 +234,7 @@ class ParityHolder:
         if gone:
             log.info("parity buffers of a failed save dropped", extra={"ctx": {
                 "job": job, "step": step, "rank": rank, "buffers": len(gone), "from": node}})
-        return {"op": "ok", "dropped": len(gone)}
+        return {**OK, "dropped": len(gone)}
 
     async def _grow(self, unit: ParityUnit, size: int) -> None:
         fd, mm = await asyncio.get_running_loop().run_in_executor(
