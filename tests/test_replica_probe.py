@@ -185,3 +185,27 @@ def test_probe_interval_is_off_at_0_and_else_at_least_a_tenth_of_a_second(tmp):
         "peers.probe_interval"] == 60.0
     with pytest.raises(ConfigError, match="probe_interval"):
         load_settings(cli={**base, "peers.probe_interval": "0.01s"}, env={})
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_back_from_an_outage_counts_again(daemon_factory, tmp):
+    """B stopped (SIGSTOP) for a few seconds: A's probe could not reach it and dropped its copies, as it
+    should; but once B answered again nothing asked about them, so A's step stayed degraded for as long
+    as it was held (and "reachable again" was never logged). The copies dropped as unreachable are now
+    asked about again and count once B confirms it holds them."""
+    import os
+    import signal
+    a, b, _, _ = two_nodes(daemon_factory, tmp)
+    save(a.socket, "blip", 1)
+    poll(lambda: copies_of(a.socket, "blip", 1) == 2, "A's step 1 replicated on B")
+    os.kill(b.proc.pid, signal.SIGSTOP)
+    try:
+        assert_degraded(a, "blip", 1)
+    finally:
+        os.kill(b.proc.pid, signal.SIGCONT)
+    poll(lambda: copies_of(a.socket, "blip", 1) == 2, "A's step 1 counted with 2 copies again")
+    s = held_step(a.socket, "blip", 1)
+    assert s is not None and s["replicated"], s
+    assert status(a.socket)["memory"]["degraded_steps"] == 0
+    poll(lambda: "replica target reachable again" in a.log_text(), "the log says B is reachable again")
+    assert "replica confirmed on peer again" in a.log_text()

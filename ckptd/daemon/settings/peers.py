@@ -105,7 +105,8 @@ class PeerSettings:
         doc="How often this node asks each of its K targets whether it still holds the copies it acknowledged "
             "(one connection per target a round, `has` per shard, each bounded by `io_timeout`): a copy a "
             "target lost (restarted, trimmed, evicted) or a target that cannot be reached stops counting, so "
-            "`replicated` and `ckptd_memory_degraded_steps` say so within `probe_interval` + `io_timeout`. "
+            "`replicated` and `ckptd_memory_degraded_steps` say so within `probe_interval` + `io_timeout`; "
+            "a target reachable again is asked about those and they count again once it confirms them. "
             "Lost copies are not sent again (the next step is). `0` turns the probe off (copies mode only).")
     redundancy: str = setting(
         "copies", choices=REDUNDANCY, flags=(Flag("--peer-redundancy"),),

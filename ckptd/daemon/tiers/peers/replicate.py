@@ -108,6 +108,7 @@ class Replicator:
         self.per_peer: dict[str, PeerCounts] = {t: PeerCounts() for t in self.targets}
         self.down: set[str] = set()          # targets the last probe round could not reach
         self.no_has: set[str] = set()        # targets (older builds) that do not answer ``has``
+        self.unsure: dict[str, set[tuple[str, int, int]]] = {}   # per target: acks dropped as unreachable
 
     @property
     def sent_bytes(self) -> int:
@@ -153,9 +154,14 @@ class Replicator:
 
     async def check(self, target: str) -> None:
         """One probe round: each shard held here that ``target`` acknowledged, asked about on one
-        connection; an ack it no longer holds, or all of them when it cannot be reached, dropped."""
-        asked = [(key, h, h.meta.digest) for key, acks in self.acked.items() if target in acks
+        connection; an ack it no longer holds, or all of them when it cannot be reached, dropped. The
+        copies dropped as unreachable (``unsure``) are asked about too, and count again if it holds them:
+        an outage that ends (a restart of the network, a stopped peer resumed) is no lasting "degraded"."""
+        unsure = self.unsure.setdefault(target, set())
+        asked = [(key, h, h.meta.digest) for key in [*(k for k, acks in self.acked.items() if target in acks),
+                                                     *sorted(unsure)]
                  for h in [self.store.entries.get(key)] if h is not None and h.meta is not None and not h.gone]
+        unsure.intersection_update(key for key, _, _ in asked)       # (the rest were dropped here meanwhile)
         if not asked:
             return
         link = PeerLink(target, self.secret, self.me, self.timeout, self.tls)
@@ -165,6 +171,7 @@ class Replicator:
             except (OSError, ProtocolError) as e:
                 for key, _, _ in asked:
                     self._unack(key, target)
+                    unsure.add(key)
                 if target not in self.down:
                     log.warning("replica target unreachable; its copies no longer count",
                                 extra={"ctx": {"peer": target, "shards": len(asked), "error": describe_error(e)}})
@@ -188,11 +195,20 @@ class Replicator:
                         return
                     for k, _, _ in asked[i:]:
                         self._unack(k, target)
+                        unsure.add(k)
                     log.warning("replica probe failed; the copies not confirmed no longer count",
                                 extra={"ctx": {"peer": target, "shards": len(asked) - i,
                                                "error": describe_error(e)}})
                     return
-                if not there and self.store.entries.get(key) is held:
+                if self.store.entries.get(key) is not held:
+                    continue                  # dropped here meanwhile
+                if there and key in unsure:
+                    unsure.discard(key)
+                    self.acked.setdefault(key, set()).add(target)
+                    log.info("replica confirmed on peer again; its copy counts",
+                             extra={"ctx": {"job": key[0], "step": key[1], "rank": key[2], "peer": target}})
+                elif not there:
+                    unsure.discard(key)
                     self._unack(key, target)
                     log.warning("replica gone from peer; its copy no longer counts",
                                 extra={"ctx": {"job": key[0], "step": key[1], "rank": key[2], "peer": target}})
