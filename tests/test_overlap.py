@@ -2,13 +2,24 @@
 from __future__ import annotations
 
 import os
+import signal
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 import ckptd_client
 from ckptd_client import CheckpointError
+
+
+@pytest.fixture(autouse=True)
+def ctrl_c_raises() -> Iterator[None]:
+    """Ctrl-C as an interactive Python has it: KeyboardInterrupt. A runner started in the background by a
+    non-interactive shell ignores SIGINT, and Python then leaves it ignored: set it here."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
 
 
 def make_training(width: int = 256):
