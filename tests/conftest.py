@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -80,6 +81,16 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]
 @pytest.fixture
 def daemon(daemon_factory) -> DaemonProc:
     return daemon_factory()
+
+
+@pytest.fixture
+def ctrl_c_raises() -> Iterator[None]:
+    """Ctrl-C as an interactive Python has it: KeyboardInterrupt. A runner started in the background by a
+    non-interactive shell ignores SIGINT, and Python then leaves it ignored: the tests that send a real
+    SIGINT set it here."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
 
 
 # ---- in CI a skip is a failure -------------------------------------------------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -12,14 +11,7 @@ import torch
 import ckptd_client
 from ckptd_client import CheckpointError
 
-
-@pytest.fixture(autouse=True)
-def ctrl_c_raises() -> Iterator[None]:
-    """Ctrl-C as an interactive Python has it: KeyboardInterrupt. A runner started in the background by a
-    non-interactive shell ignores SIGINT, and Python then leaves it ignored: set it here."""
-    old = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, old)
+pytestmark = pytest.mark.usefixtures("ctrl_c_raises")    # (conftest.py: a real SIGINT raises)
 
 
 def make_training(width: int = 256):
@@ -182,7 +174,6 @@ def test_a_fence_interrupted_by_ctrl_c_still_holds_the_next_step(daemon):
     overlapped copy; the KeyboardInterrupt is caught and the user runs the step again. The interrupted
     fence had forgotten the copy, so the second step changed parameters the copy had still to read: a
     committed step holding values from after save(). The copy stays unfenced until its wait returns."""
-    import signal
     import sys
     import time
 

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from ckptd.core.peer_channel import Channel
 
 from test_acceptance import free_port
 from test_metrics import scrape
-from test_peers import peer_args, secret_file
+from test_peers import peer_args, secret_file, wait_for
 
 PROBE = ("--peer-probe-interval", "0.5s", "--peer-io-timeout", "2s")
 
@@ -36,14 +35,6 @@ def status(sock: Path) -> dict[str, Any]:
 
 def held_step(sock: Path, job: str, step: int) -> dict[str, Any] | None:
     return next((s for s in status(sock)["memory"]["held"] if s["job"] == job and s["step"] == step), None)
-
-
-def poll(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g} s: {what}")
-        time.sleep(0.1)
 
 
 def copies_of(sock: Path, job: str, step: int) -> int | None:
@@ -68,7 +59,7 @@ def two_nodes(daemon_factory: Any, tmp: Path, a_extra: tuple[str, ...] = (), b_e
 
 def assert_degraded(a: Any, job: str, step: int) -> None:
     """A's held ``step`` is shown with one copy, not replicated, and counted degraded (status, text, metric)."""
-    poll(lambda: copies_of(a.socket, job, step) == 1, f"A's step {step} counted with 1 copy")
+    wait_for(lambda: copies_of(a.socket, job, step) == 1, f"A's step {step} counted with 1 copy", 30)
     s = held_step(a.socket, job, step)
     assert s is not None and not s["replicated"], s
     mem = status(a.socket)["memory"]
@@ -86,7 +77,7 @@ def test_a_dead_peers_copies_stop_counting(daemon_factory, tmp):
     step becomes degraded with 1 copy (it said replicated, 2 copies, for as long as A ran)."""
     a, b, _, _ = two_nodes(daemon_factory, tmp)
     save(a.socket, "dead", 3)
-    poll(lambda: copies_of(a.socket, "dead", 3) == 2, "A's step 3 replicated on B")
+    wait_for(lambda: copies_of(a.socket, "dead", 3) == 2, "A's step 3 replicated on B", 30)
     assert status(a.socket)["memory"]["degraded_steps"] == 0
     b.kill()
     assert_degraded(a, "dead", 3)
@@ -99,7 +90,7 @@ def test_a_peer_restarted_empty_no_longer_counts_as_a_copy(daemon_factory, tmp):
     says so (degraded, 1 copy) rather than counting the copy it acknowledged before."""
     a, b, addrs, secret = two_nodes(daemon_factory, tmp)
     save(a.socket, "again", 4)
-    poll(lambda: copies_of(a.socket, "again", 4) == 2, "A's step 4 replicated on B")
+    wait_for(lambda: copies_of(a.socket, "again", 4) == 2, "A's step 4 replicated on B", 30)
     b.kill()
     b2 = daemon_factory(*peer_args(addrs[1], addrs, secret, *PROBE), name="b2")
     assert not [s for s in status(b2.socket)["memory"]["held"] if s["job"] == "again"]
@@ -113,9 +104,9 @@ def test_a_replica_the_peer_trimmed_no_longer_counts(daemon_factory, tmp):
     step 6 stays replicated."""
     a, b, _, _ = two_nodes(daemon_factory, tmp, a_extra=("--memory-steps", "2"), b_extra=("--memory-steps", "1"))
     save(a.socket, "trim", 5, 6)
-    poll(lambda: copies_of(a.socket, "trim", 6) == 2, "A's step 6 replicated on B")
-    poll(lambda: [s["step"] for s in status(b.socket)["memory"]["held"] if s["job"] == "trim"] == [6],
-         "B trimmed its replica of step 5")
+    wait_for(lambda: copies_of(a.socket, "trim", 6) == 2, "A's step 6 replicated on B", 30)
+    wait_for(lambda: [s["step"] for s in status(b.socket)["memory"]["held"] if s["job"] == "trim"] == [6],
+             "B trimmed its replica of step 5", 30)
     assert_degraded(a, "trim", 5)
     assert copies_of(a.socket, "trim", 6) == 2 and held_step(a.socket, "trim", 6)["replicated"]
     assert status(a.socket)["memory"]["degraded_steps"] == 1
@@ -164,8 +155,8 @@ def test_a_peer_that_does_not_know_the_probe_keeps_its_copies_counted(daemon_fac
     me = f"127.0.0.1:{free_port()}"
     a = daemon_factory(*peer_args(me, [me, old.address], secret, *PROBE), name="a")
     save(a.socket, "old", 7)
-    poll(lambda: copies_of(a.socket, "old", 7) == 2, "A's step 7 replicated on the old peer")
-    poll(lambda: old.closed_on >= 1, "a probe reached the old peer")
+    wait_for(lambda: copies_of(a.socket, "old", 7) == 2, "A's step 7 replicated on the old peer", 30)
+    wait_for(lambda: old.closed_on >= 1, "a probe reached the old peer", 30)
     time.sleep(2.0)                               # several more probe rounds
     assert copies_of(a.socket, "old", 7) == 2 and held_step(a.socket, "old", 7)["replicated"]
     assert status(a.socket)["memory"]["degraded_steps"] == 0
@@ -197,15 +188,15 @@ def test_a_peer_back_from_an_outage_counts_again(daemon_factory, tmp):
     import signal
     a, b, _, _ = two_nodes(daemon_factory, tmp)
     save(a.socket, "blip", 1)
-    poll(lambda: copies_of(a.socket, "blip", 1) == 2, "A's step 1 replicated on B")
+    wait_for(lambda: copies_of(a.socket, "blip", 1) == 2, "A's step 1 replicated on B", 30)
     os.kill(b.proc.pid, signal.SIGSTOP)
     try:
         assert_degraded(a, "blip", 1)
     finally:
         os.kill(b.proc.pid, signal.SIGCONT)
-    poll(lambda: copies_of(a.socket, "blip", 1) == 2, "A's step 1 counted with 2 copies again")
+    wait_for(lambda: copies_of(a.socket, "blip", 1) == 2, "A's step 1 counted with 2 copies again", 30)
     s = held_step(a.socket, "blip", 1)
     assert s is not None and s["replicated"], s
     assert status(a.socket)["memory"]["degraded_steps"] == 0
-    poll(lambda: "replica target reachable again" in a.log_text(), "the log says B is reachable again")
+    wait_for(lambda: "replica target reachable again" in a.log_text(), "the log says B is reachable again", 30)
     assert "replica confirmed on peer again" in a.log_text()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,14 +18,7 @@ import ckptd_client
 from ckptd_client.held_map import HeldMap
 from ckptd_client.load_files import StepFiles
 
-
-@pytest.fixture(autouse=True)
-def ctrl_c_raises() -> Iterator[None]:
-    """Ctrl-C as an interactive Python has it: KeyboardInterrupt. A runner started in the background by a
-    non-interactive shell ignores SIGINT, and Python then leaves it ignored: set it here."""
-    old = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, old)
+pytestmark = pytest.mark.usefixtures("ctrl_c_raises")    # (conftest.py: a real SIGINT raises)
 
 LAYERS, DIM = 24, 512          # 24 weights of 1 MiB: small chunks, several to a restore task
 SLOW_S = 0.02                  # each chunk read takes this much longer: chunks are left when the SIGINT lands
