@@ -32,7 +32,10 @@ def is_committed(step_path: str) -> bool:
     """Whether the step at ``step_path`` is committed: its index.json is in place (the commit marker).
     A step whose directory cannot be searched reads as not committed here; listings and retention
     use ``committed_or_raise``, which tells the two apart."""
-    return os.path.isfile(os.path.join(step_path, INDEX_NAME))
+    try:
+        return committed_or_raise(step_path)
+    except (OSError, ValueError):        # (as os.path.isfile: any error reads as not there)
+        return False
 
 
 def committed_or_raise(step_path: str) -> bool:
