@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import zygote
 
 import ckptd_client
 from ckptd_client import CheckpointError
@@ -205,14 +206,15 @@ dist.destroy_process_group()
 
 
 def vote_group(script: Path, socks: str, phase: str, **env: str) -> list[dict[str, Any]]:
-    """Two gloo ranks of ``script``, rank r on the r-th socket of ``socks``; each one's RESULT line."""
+    """Two gloo ranks of ``script``, rank r on the r-th socket of ``socks``; each one's RESULT line. The
+    ranks are forked from the zygote (torch imported once, not twice per group: tests run up to 5 groups)."""
     import subprocess
     import sys
 
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(script), socks, phase], text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT,
-                              env={**os.environ, **env, "RANK": str(r), "MASTER_PORT": port}) for r in range(2)]
+    procs = [zygote.popen([sys.executable, str(script), socks, phase], text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT,
+                          env={**os.environ, **env, "RANK": str(r), "MASTER_PORT": port}) for r in range(2)]
     outs = [p.communicate(timeout=180)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     return [json.loads(next(ln for ln in o.splitlines() if ln.startswith("RESULT "))[7:]) for o in outs]

@@ -57,14 +57,15 @@ def on_ranks(fn: Callable[[int], Any], world: int = 2) -> dict[int, Any]:
     return out
 
 
-def checkpointers(job: str, socks: list[Path], **kw: Any) -> dict[int, ckptd_client.Checkpointer]:
+def checkpointers(job: str, socks: list[Path], commit_timeout: float = 60, **kw: Any
+                  ) -> dict[int, ckptd_client.Checkpointer]:
     """Two ranks of ``job``, rank r on ``socks[r]`` (or the one socket), joined through a TCPStore."""
     master = TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
 
     def make(r: int) -> ckptd_client.Checkpointer:
         store = master if r == 0 else TCPStore("127.0.0.1", master.port, 2, False)
         return ckptd_client.Checkpointer(job, socket=str(socks[r % len(socks)]), rank=r, world_size=2, store=store,
-                                         commit_timeout=60, **kw)
+                                         commit_timeout=commit_timeout, **kw)
     cks = on_ranks(make)
     assert all(isinstance(c, ckptd_client.Checkpointer) for c in cks.values()), cks
     return cks
@@ -270,7 +271,8 @@ def test_a_trainer_short_of_slots_never_gets_the_newest_committed_memory_level_s
     committed step 1 restored from nowhere, and restore() returned None. A memory-level step's slot is given
     back only once a newer one of its job committed: the save of step 3 waits for one or, here, skips."""
     d = daemon_factory()
-    cks = checkpointers("j", [d.socket])
+    # Step 2 fails by rank 0's wait for rank 1 (0.7 x commit_timeout): 10 s, not the default 60 (42 s waited).
+    cks = checkpointers("j", [d.socket], commit_timeout=10)
     assert on_ranks(lambda r: cks[r].save(1, state(4, 10 + r), level="memory").wait(60)) == {0: None, 1: None}
     h2 = cks[0].save(2, state(4, 20), level="memory")
     wait_for(lambda: ("j", 2, "memory", ["0"]) in held_steps(d.socket), "rank 0's step 2 held", 30)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
+
+import zygote
 
 from conftest import start_daemon
 
@@ -17,7 +18,7 @@ KILL_AT = 12          # after the save of step 10 (SAVE_EVERY = 5) is committed,
 def run(block: str, sock: Path, losses: Path, kill_at: int | None = None) -> int:
     env = {**os.environ, "CKPTD_SOCKET": str(sock)}
     cmd = [sys.executable, str(WORKER), block, str(losses)] + ([str(kill_at)] if kill_at is not None else [])
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    p = zygote.run(cmd, env=env, capture_output=True, text=True, timeout=300)      # forked: torch imported once
     if kill_at is None:
         assert p.returncode == 0, p.stderr[-3000:]
     return p.returncode

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+import zygote
 
 from ckptd.core.global_index import parse_tensor_map
 from ckptd.launch import spawn_daemon
@@ -306,9 +307,10 @@ def test_a_dtensor_on_a_sub_mesh_restores_on_the_ranks_outside_it(tmp: Path) -> 
     try:
         for mode in ("save", "restore"):
             port = str(free_port())
-            procs = [subprocess.Popen([sys.executable, str(script), mode, str(d.socket)], text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      env={**os.environ, "RANK": str(r), "MASTER_PORT": port})
+            # Forked from the zygote (torch and DTensor imported once, not in each of 8 interpreters).
+            procs = [zygote.popen([sys.executable, str(script), mode, str(d.socket)], text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "RANK": str(r), "MASTER_PORT": port})
                      for r in range(4)]
             outs = [p.communicate(timeout=180)[0] for p in procs]
             assert [p.returncode for p in procs] == [0] * 4, "\n".join(o[-2000:] for o in outs)

@@ -58,9 +58,11 @@ def test_a_save_that_must_grow_the_slots_of_a_stopped_daemon_fails_within_commit
     """The daemon is stopped while it still reads the slot of save 1; save 2's state is larger, so the
     slots must grow first, which waits until no save reads one. That wait had no bound (acquire's has:
     commit_timeout); it now fails as acquire does, naming commit_timeout."""
-    d = daemon_factory("--debug-write-delay", "1", "--chunk-mib", "1")
+    d = daemon_factory("--debug-write-delay", "0.25", "--chunk-mib", "1")
     ck = ckptd_client.Checkpointer("grow", socket=str(d.socket), commit_timeout=3, overlap=False)
-    ck.save(1, {"w": torch.ones(4 << 20)})               # 16 MiB in 1 MiB chunks, 1 s each
+    # 16 MiB in 1 MiB chunks, 0.25 s each: 4 s of reading the slot, frozen by the SIGSTOP a moment after
+    # save() returns, then finished before close() below returns (1 s a chunk had close wait 16 s).
+    ck.save(1, {"w": torch.ones(4 << 20)})
     os.kill(d.proc.pid, signal.SIGSTOP)
     try:
         stuck, took, raised = _in_thread(lambda: ck.save(2, {"w": torch.ones(6 << 20)}), 40)   # 24 MiB
