@@ -6,17 +6,20 @@ Every agreement has keys of its own, numbered by the run's restores (store_keys.
 read one deletes it and sets its ``all-read`` mark, which rank 0 waits for before its restore returns
 (:meth:`RestoreAgreements.settle`): without a launcher the store's server is rank 0's process, and a
 script whose restore is its last collective (an evaluation, a conversion) would otherwise exit under
-a slower rank still reading it ("the job's store is gone"). Every wait is bounded.
+a slower rank still reading it ("the job's store is gone"). Every wait is bounded, and so is every store
+call (store_guard.py: a stopped rank 0 never answers): by the wait's bound where there is one.
 """
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from . import store_keys
 from .errors import CheckpointError
 from .run_scope import RunScope
-from .store_io import CloneShelf, StoreWaiter, read_once, wait_all_read
+from .store_guard import StoreGone, store_deadline
+from .store_io import CloneShelf, StoreWaiter, guarded_store, read_once, wait_all_read
 
 log = logging.getLogger("ckptd_client")
 
@@ -31,6 +34,7 @@ class RestoreAgreements:
 
     def __init__(self, store: Any, run: RunScope | None, rank: int, world_size: int, vote_timeout: float,
                  shelf: CloneShelf) -> None:
+        store = guarded_store(store, vote_timeout if run is None else max(vote_timeout, run.timeout))
         self.store, self.run, self.rank, self.world_size = store, run, rank, world_size
         # The memory-level vote's bound: the commit timeout, or the join window where that is longer:
         # rank 0 votes as soon as its own part is planned, and the others may start that far behind it.
@@ -46,6 +50,17 @@ class RestoreAgreements:
         if self.world_size == 1 or self.run is None:
             return step
         key = store_keys.restore_choice(self._next(), self._n)
+        began = time.monotonic()
+        try:
+            with store_deadline(began + self.run.timeout):
+                return self._step(key, step)
+        except StoreGone as e:      # a call outlived the join window: rank 0 (the store's host) stopped
+            waited = time.monotonic() - began
+            raise CheckpointError(f"restore: rank {self.rank} cannot agree the step with rank 0 (waited {waited:.1f}s, "
+                                  f"join_timeout {self.run.timeout:g}s): {e}") from None
+
+    def _step(self, key: str, step: int | None) -> int | None:
+        assert self.run is not None
         if self.rank == 0:
             self.store.set(key, str(-1 if step is None else step))
             self._owed.append(store_keys.all_read(key))
@@ -53,6 +68,8 @@ class RestoreAgreements:
         waiter = StoreWaiter(self.store, shelf=self.shelf)
         try:
             chosen = waiter.wait([key], self.run.timeout)
+        except StoreGone:                   # (it did not answer: said, with the time waited, by ``step``)
+            raise
         except RuntimeError as e:            # the store is gone
             raise CheckpointError(f"restore: rank {self.rank} cannot learn rank 0's choice of step: {e}") from None
         finally:
@@ -72,13 +89,22 @@ class RestoreAgreements:
         if self.world_size == 1 or self.run is None:
             return ok
         scope = self._next()
+        timeout = max(self.vote_timeout, self.run.timeout)
+        began = time.monotonic()
+        try:
+            with store_deadline(began + timeout):
+                return self._all_ok(scope, ok, timeout)
+        except StoreGone as e:
+            raise CheckpointError(f"restore: rank {self.rank} cannot learn whether every rank can restore the "
+                                  f"memory-level step (waited {time.monotonic() - began:.1f}s): {e}") from None
+
+    def _all_ok(self, scope: str, ok: bool, timeout: float) -> bool:
         failed, arrived, done, read = store_keys.restore_votes(scope, self._n)
         mark = store_keys.all_read(store_keys.restore_vote(scope, self._n))
         if not ok:
             self.store.add(failed, 1)
         if self.store.add(arrived, 1) >= self.world_size:
             self.store.set(done, "1")
-        timeout = max(self.vote_timeout, self.run.timeout)
         waiter = StoreWaiter(self.store, shelf=self.shelf)
         ok_all = waiter.wait([done], timeout)
         waiter.forget()

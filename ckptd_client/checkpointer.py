@@ -34,7 +34,7 @@ from .session import DaemonSession
 from .slots import ClientSlot
 from .sources import Reader, RestoreInfo, outranked, restore_chain, run_chain
 from .step_choice import latest_step, newest_readable
-from .store_io import CloneShelf
+from .store_io import CloneShelf, guarded_store
 from .streamed import needs_stream, stream_save
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class Checkpointer:
         self.world_size = d_world if c.world_size is None else c.world_size
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in [0, {self.world_size})")
-        self.store = c.store if c.store is not None else d_store
+        self.store = guarded_store(c.store if c.store is not None else d_store, max(c.commit_timeout, join_window(c)))
         self.commit_mode = resolve_commit_mode(c.commit, self.world_size, self.store is not None)
         self.commit_timeout = c.commit_timeout
         self._lines = CloneShelf()      # cloned store connections for blocking waits, shared (store_io.py)

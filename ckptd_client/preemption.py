@@ -150,12 +150,12 @@ class PreemptionHandler:
         if self.signal_received is not None:
             try:
                 key = store_keys.preempt_step(scope.scope())     # (waits, bounded, for the run id)
-            except CheckpointError as e:
+                value = store.compare_set(key, "", str(step + self.margin))
+            except Exception as e:      # no run id, or the store gone or silent (store_guard.py)
                 log.error("ckptd: cannot agree a preemption step with the other ranks (%s); saving step %d "
                           "alone", e, step)
                 self.stop_step = step
                 return step
-            value = store.compare_set(key, "", str(step + self.margin))
             self.stop_step = int(value.decode() if isinstance(value, bytes) else value)
             log.warning("ckptd: preemption agreed at step %d", self.stop_step)
             read_once(store, key, self.ckpt.world_size)
@@ -165,7 +165,11 @@ class PreemptionHandler:
         if self._polls % self.sync_every or run is None:      # (the run id not agreed yet: nothing to read)
             return None
         key = store_keys.preempt_step(store_keys.scope(self.ckpt.job, run))
-        value = peek(store, key)
+        try:
+            value = peek(store, key)
+        except Exception as e:      # the store is gone or did not answer (store_guard.py): no word this poll
+            log.warning("ckptd: cannot read the preemption agreement from the job's store: %s", e)
+            return None
         if value:
             self.stop_step = int(value)
             log.warning("ckptd: another rank was preempted; stopping at step %d", self.stop_step)

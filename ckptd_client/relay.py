@@ -12,11 +12,11 @@ the Checkpointer refuses a second save of a step in one run). For each step save
    store ``wait`` on a cloned store connection: no polling), publishes ONE ``NodeRecord`` (the
    members' outcomes, in order) and deletes the members' keys;
 3. rank 0 blocks on the node records ``WAIT_NODES`` at a time, fetching (``multi_get``) and
-   decoding each slice as soon as it is whole, while later nodes still save; then it asks its
-   daemon to COMMIT with every rank's record (so the daemon builds
-   the index without reading every manifest back) — or to ABORT, naming the failed ranks — then
+   decoding each slice as soon as it is whole, while later nodes still save; then it asks its daemon
+   to COMMIT with every rank's record (so the daemon builds the index without reading every
+   manifest back) — or to ABORT, naming the failed ranks — then
    publishes its ``StepResult`` (committed, or failed and why) under the step's result key;
-4. every other rank blocks on the result key.
+4. every other rank blocks on the result key. Every store call is bounded (store_guard.py).
 
 Every value is encoded and decoded by ckptd/core/relay_record.py alone (their format: FORMAT.md,
 "Commit protocol"); a malformed one fails the save, naming the rank or node that wrote it.
@@ -52,7 +52,8 @@ from ckptd.core.relay_record import NodeRecord, RankOutcome, StepResult, commit_
 from . import store_keys
 from .api_guard import ProcessOwner
 from .errors import CheckpointError, NoReply
-from .store_io import CHUNK, WAIT_SLICE_S, CloneShelf, StoreWaiter, multi_get, read_once
+from .store_guard import StoreGone, store_deadline
+from .store_io import CHUNK, WAIT_SLICE_S, CloneShelf, StoreWaiter, guarded_store, multi_get, read_once
 
 WAIT_NODES = 256          # node records rank 0 waits for, then fetches and decodes, at a time
 
@@ -90,6 +91,7 @@ class StoreRelay:
                  abort: Callable[[int, str], object],
                  on_disk: Callable[[int], bool] = lambda step: False, node_size: int = 8, *,
                  run: RunSource, shelf: CloneShelf | None = None) -> None:
+        store = guarded_store(store, 2 * timeout + 5.0)
         self.store, self.job, self.rank, self.world_size = store, job, rank, world_size
         self._run_source = run
         known = run.current()
@@ -106,13 +108,11 @@ class StoreRelay:
         self._claimed: set[int] = set()         # steps this run saved (or tried to)
         self._lock = threading.Lock()
         self._queue: queue.Queue[RelayedSave | None] = queue.Queue()
-        self._trash: queue.Queue[list[str] | None] = queue.Queue()
+        self._trash: queue.Queue[list[str]] = queue.Queue()
         self._closed = False
         self._closing = False          # (close) this rank's outcomes are final: publish ignores later ones
         self._thread = threading.Thread(target=self._run, name="ckptd-client-relay", daemon=True)
         self._thread.start()
-        self._trash_thread = threading.Thread(target=self._delete_keys, name="ckptd-client-relay-gc", daemon=True)
-        self._trash_thread.start()
         atexit.register(self.close)     # a relay left open must not be inside a store call at exit
         self._owner = ProcessOwner()    # (a forked child's exit must not publish on the parent's store)
 
@@ -170,10 +170,8 @@ class StoreRelay:
             s.published.set()
 
     def _set_outcome(self, scope: str, step: int, outcome: RankOutcome) -> None:
-        try:
-            self.store.set(store_keys.rank_outcome(scope, step, self.rank), outcome.encode())
-        except Exception:
-            pass            # the waits below find the store gone and leave the save to the disk
+        # On torch's connection, unanswered (the caller may be the daemon connection's reader): never waits.
+        self.store.set_soon(store_keys.rank_outcome(scope, step, self.rank), outcome.encode())
 
     def _known_scope(self) -> str:
         """The run's key prefix, waiting for the run id (then publishing the outcomes kept meanwhile)."""
@@ -194,12 +192,14 @@ class StoreRelay:
             if s is None:
                 return
             try:
-                outcome = self._settle(s)
-            except Exception as e:      # the store is gone (rank 0 died) or refused: the disk decides
-                outcome = self._by_disk(s, 2.0, f"{type(e).__name__}: {e}")
+                with store_deadline(s.start + 2.0 * self.timeout + 5.0):     # every store call, bounded
+                    outcome = self._settle(s)
+            except Exception as e:      # the store is gone (rank 0 died or stopped) or refused: the disk decides
+                outcome = self._by_disk(s, 2.0, str(e) if isinstance(e, StoreGone) else f"{type(e).__name__}: {e}")
             with self._lock:
                 self._saves.pop(s.step, None)
             s.resolve(outcome)
+            self._delete_keys()
 
     def _at(self, s: RelayedSave, fraction: float) -> float:
         """Seconds left until ``fraction`` of the timeout after the save started."""
@@ -209,14 +209,16 @@ class StoreRelay:
         scope = self._known_scope()     # raises (the disk decides) if this rank never learned the run
         s.published.wait(max(0.0, self._at(s, 0.7)))
         if self.rank == self.node * self.node_size:
-            self._publish_node(scope, s)
+            with store_deadline(s.start + 0.7 * self.timeout):
+                self._publish_node(scope, s)
         if self.rank == 0:
             return self._lead(scope, s)
         key = store_keys.save_result(scope, s.step)
         if not self._waiter.wait([key], self._at(s, 2.0) + 5.0):
             if self._stop.is_set():
                 return self._by_disk(s, 0.0, f"this process closed before rank 0's commit of step {s.step} was known")
-            return self._by_disk(s, 0.0, f"timed out after {2 * self.timeout:g}s waiting for rank 0's commit")
+            return self._by_disk(s, 0.0, f"timed out after {time.monotonic() - s.start:.1f}s (2 x commit_timeout "
+                                 f"{self.timeout:g}s from the save) waiting for rank 0's commit")
         raw = self._own.get(key)
         self._trash.put(["read", key])      # counted, off this path; the last reader deletes it
         try:
@@ -242,7 +244,8 @@ class StoreRelay:
     def _lead(self, scope: str, s: RelayedSave) -> str | None:
         """Rank 0: wait for every node's record, then commit or abort, and publish the result."""
         node_keys = [store_keys.node_record(scope, s.step, n) for n in range(self.nodes)]
-        nodes = self._receive(s, node_keys)
+        with store_deadline(s.start + 0.85 * self.timeout):
+            nodes = self._receive(s, node_keys)
         if nodes is None:
             if self._stop.is_set():       # (rank 0's own close or exit, not a lost node)
                 return self._fail(scope, s, f"rank 0's process closed while step {s.step} was being committed")
@@ -335,7 +338,7 @@ class StoreRelay:
 
     def _finish(self, scope: str, s: RelayedSave, result: StepResult) -> None:
         """Publish the result (best effort: without a store the followers settle by the disk), then
-        hand this step's other keys to the deleting thread (the result is its readers' to delete)."""
+        hand this step's other keys to ``_delete_keys`` (the result is its readers' to delete)."""
         try:
             if self.world_size > 1:         # (alone, no rank reads it, so none would delete it)
                 self._own.set(store_keys.save_result(scope, s.step), result.encode())
@@ -344,20 +347,23 @@ class StoreRelay:
         self._trash.put([store_keys.node_record(scope, s.step, n) for n in range(self.nodes)])
 
     def _delete_keys(self) -> None:
-        """Key deletion off the commit's path; ``["read", key]``: count this rank's read of a result,
-        and delete it if this rank was its last reader."""
-        while True:
-            keys = self._trash.get()
-            if keys is None:
-                return
-            if keys[0] == "read":
-                read_once(self.store, keys[1], self.world_size - 1)
-                continue
-            for k in keys:
+        """Key deletion off the commit's path: once the save is resolved, on the relay's thread (a thread
+        of its own would hold a second connection). ``["read", key]``: count this rank's read of a result
+        (its last reader deletes it). Given up (keys left behind) if the store does not answer in 5 s."""
+        with store_deadline(time.monotonic() + 5.0):
+            while True:
                 try:
-                    self.store.delete_key(k)
+                    keys = self._trash.get_nowait()
+                except queue.Empty:
+                    return
+                if keys[0] == "read":
+                    read_once(self.store, keys[1], self.world_size - 1)
+                    continue
+                try:
+                    for k in keys:
+                        self.store.delete_key(k)
                 except Exception:
-                    break
+                    return
 
     def close(self) -> None:
         """Stop: a wait in progress ends within ``WAIT_SLICE_S`` (its save, already resolved by the
@@ -377,10 +383,9 @@ class StoreRelay:
         self._stop.set()
         self._queue.put(None)
         self._thread.join(timeout=WAIT_SLICE_S + 5)
-        self._trash.put(None)           # after the relay thread: the keys of a step it just settled go too
-        self._trash_thread.join(timeout=5)
+        if not self._thread.is_alive():         # the keys of a step it just settled go too
+            self._delete_keys()
         atexit.unregister(self.close)
-
 
 
 def _member(rank: int, raw: bytes | None, waited_s: float, why: str | None = None) -> RankOutcome:

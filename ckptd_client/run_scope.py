@@ -28,13 +28,15 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from ckptd.core.names import is_hex
 
 from . import store_keys
 from .errors import CheckpointError
-from .store_io import CHUNK, WAIT_SLICE_S, CloneShelf, StoreWaiter, multi_get, peek
+from .store_guard import store_deadline
+from .store_io import CHUNK, WAIT_SLICE_S, CloneShelf, StoreWaiter, guarded_store, multi_get, peek
 
 log = logging.getLogger("ckptd_client")
 
@@ -58,6 +60,7 @@ class RunScope:
 
     def __init__(self, store: Any, job: str, rank: int, world_size: int, timeout: float,
                  shelf: CloneShelf | None = None) -> None:
+        store = guarded_store(store, timeout)     # every call bounded (store_guard.py): by the join window's end
         self.store, self.job, self.rank, self.world_size = store, job, rank, world_size
         self.timeout = timeout
         self.started = time.monotonic()
@@ -68,7 +71,7 @@ class RunScope:
             self._ready.set()
         self._stop = threading.Event()
         self._waiter = StoreWaiter(store, self._stop, shelf)     # its clone goes to the relay afterwards
-        self._thread = threading.Thread(target=self._serve if rank == 0 else self._join,
+        self._thread = threading.Thread(target=self._bounded(self._serve if rank == 0 else self._join),
                                         name="ckptd-client-run", daemon=True)
         self._thread.start()
         atexit.register(self.close)     # the thread must not be inside a store call at exit
@@ -90,6 +93,12 @@ class RunScope:
             raise CheckpointError(self.error or f"rank {self.rank} has not learned the run id of job {self.job!r} "
                                                 f"from rank 0 yet")
         return self.run
+
+    def _bounded(self, body: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            with store_deadline(self.started + self.timeout):
+                body()
+        return run
 
     # ---- rank > 0 ---------------------------------------------------------------------------
 

@@ -12,10 +12,19 @@ from datetime import timedelta
 from typing import Any
 
 from . import store_keys
+from .store_guard import GuardedStore, StoreGone, store_deadline
 
 CHUNK = 1024            # keys per multi_get/check: one huge request is slower than chunks
 WAIT_SLICE_S = 10.0     # longest single store wait: bounds how long close() and exit wait for the relay
 ABSENT = "\x00ckptd-absent"     # peek's answer for a missing key (never a value ckptd writes)
+
+
+def guarded_store(store: Any, bound: float) -> Any:
+    """``store`` with every call bounded (store_guard.py; ``bound``: a call's seconds outside any
+    wait). None stays None; a guarded store is returned as it is (its clones share its fate)."""
+    if store is None or isinstance(store, GuardedStore):
+        return store
+    return GuardedStore(store, bound)
 
 
 class CloneShelf:
@@ -51,8 +60,9 @@ class StoreWaiter:
     of at most ``WAIT_SLICE_S`` so that ``stop`` ends a wait soon (a thread still inside a C++
     store call while the interpreter exits aborts the process). Stores that cannot be cloned are
     polled slowly, with jitter. Once the store is found gone (its server, in rank 0's process,
-    exited) every wait raises at once: a clone() of a dead store would block for the store's
-    whole timeout, and again on its retry."""
+    exited; or, a guarded store, it did not answer by the wait's end: store_guard.py) every wait
+    raises at once: a clone() of a dead store would block for the store's whole timeout, and again
+    on its retry."""
 
     def __init__(self, store: Any, stop: threading.Event | None = None, shelf: CloneShelf | None = None) -> None:
         self.store = store
@@ -68,6 +78,9 @@ class StoreWaiter:
             raise self.gone
         try:
             return bool(self.store.check(keys))
+        except StoreGone as e:      # (a guarded store: it did not answer in time; the error says so)
+            self.gone = e
+            raise
         except Exception as e:
             self.gone = RuntimeError(f"the job's store is gone ({type(e).__name__}: {str(e)[:200]})")
             raise self.gone from None
@@ -80,6 +93,10 @@ class StoreWaiter:
             raise ValueError(f"store wait: timeout must be a finite number of seconds, got {timeout!r}")
         keys = list(keys)
         end = time.monotonic() + timeout
+        with store_deadline(end):       # a guarded store's calls end with the wait (store_guard.py)
+            return self._wait(keys, end)
+
+    def _wait(self, keys: list[str], end: float) -> bool:
         while True:
             left = end - time.monotonic()
             done = self._check(keys)        # (also: the store is alive before any clone)
@@ -95,6 +112,9 @@ class StoreWaiter:
             try:
                 self._clone.wait(keys, timedelta(seconds=piece))
                 return True
+            except StoreGone as e:
+                self.gone = e
+                raise
             except Exception:
                 if time.monotonic() - began < 0.5 * piece:      # failed rather than timed out
                     self._clone = None
@@ -137,9 +157,10 @@ def wait_all_read(store: Any, marks: Sequence[str], timeout: float, shelf: Clone
     False also when the store is gone."""
     waiter = StoreWaiter(store, shelf=shelf)
     try:
-        done = waiter.wait(marks, timeout)
-        for mark in marks if done else ():
-            store.delete_key(mark)
+        with store_deadline(time.monotonic() + timeout):
+            done = waiter.wait(marks, timeout)
+            for mark in marks if done else ():
+                store.delete_key(mark)
         return done
     except Exception:
         return False
