@@ -34,7 +34,8 @@ class CloneShelf:
     costs the store's server an accept on its one thread, and torch's server looks up each
     peer's name there too: a lost DNS reply stalls every other connect behind it for 5 s, so a
     job of thousands of ranks each opening one more connection at the same moment waited
-    minutes (benchmarks/results/scale.md)."""
+    minutes (benchmarks/results/scale.md). A guarded store (store_guard.py) pools its connections
+    itself: its clone is itself, so the shelf then holds nothing a waiter would not have."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
