@@ -26,7 +26,8 @@ and how this file deals with it:
 spends seconds in its import). ``CKPTD`` is ``python -m ckptd`` as a ``-c`` command the zygote can fork
 (ckptd.cli is preloaded).
 
-Commands it cannot run this way (``-m``, other interpreter flags than ``-B``/``-u``, a stdin pipe)
+Commands it cannot run this way (``-m``, other interpreter flags than ``-B``/``-u``, a stdin pipe, an
+env whose ``PYTHONPATH`` is not this process's: the zygote's imports were found on this one)
 go to ``subprocess.Popen`` unchanged, and so does ``test_dtensor_bind``'s, which is about a fresh
 interpreter's import order. ``CKPTD_TEST_NO_ZYGOTE=1`` sends every command there.
 """
@@ -248,7 +249,8 @@ def popen(args: list[str], *, env: dict[str, str] | None = None, cwd: str | os.P
     ``preload``: modules besides PRELOAD the command imports (lightning: seconds each time), forked from
     a zygote of this process that imported them too."""
     args = [str(a) for a in args]
-    if os.environ.get("CKPTD_TEST_NO_ZYGOTE") or not _forkable(args) or stdin == subprocess.PIPE:
+    if os.environ.get("CKPTD_TEST_NO_ZYGOTE") or not _forkable(args) or stdin == subprocess.PIPE \
+            or (env is not None and env.get("PYTHONPATH") != os.environ.get("PYTHONPATH")):
         pre = None if pgid is None else (lambda: os.setpgid(0, pgid))
         return subprocess.Popen(args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
                                 preexec_fn=pre)
