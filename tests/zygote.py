@@ -27,7 +27,7 @@ spends seconds in its import). ``CKPTD`` is ``python -m ckptd`` as a ``-c`` comm
 (ckptd.cli is preloaded).
 
 Commands it cannot run this way (``-m``, other interpreter flags than ``-B``/``-u``, a stdin pipe, an
-env whose ``PYTHONPATH`` is not this process's: the zygote's imports were found on this one)
+env whose ``PYTHONPATH`` names a directory the zygote's imports were not found on)
 go to ``subprocess.Popen`` unchanged, and so does ``test_dtensor_bind``'s, which is about a fresh
 interpreter's import order. ``CKPTD_TEST_NO_ZYGOTE=1`` sends every command there.
 """
@@ -241,6 +241,17 @@ def _fd_for(spec: Any, default: int, mode: str, mine: list[int], theirs: list[in
     return spec if isinstance(spec, int) else spec.fileno()
 
 
+def _paths_of_its_own(env: dict[str, str] | None) -> bool:
+    """Whether ``env``'s PYTHONPATH names a directory the zygote's imports were not found on (this
+    process's sys.path, or the repository's root, where ckptd is): a command that shadows a module
+    must import it afresh."""
+    if env is None:
+        return False
+    want = {os.path.realpath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p}
+    have = {os.path.realpath(p or ".") for p in sys.path} | {str(Path(__file__).resolve().parent.parent)}
+    return not want <= have
+
+
 def popen(args: list[str], *, env: dict[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
           stdin: Any = None, stdout: Any = None, stderr: Any = None, text: bool = False,
           pgid: int | None = None, preload: tuple[str, ...] = ()) -> Process | subprocess.Popen[Any]:
@@ -250,7 +261,7 @@ def popen(args: list[str], *, env: dict[str, str] | None = None, cwd: str | os.P
     a zygote of this process that imported them too."""
     args = [str(a) for a in args]
     if os.environ.get("CKPTD_TEST_NO_ZYGOTE") or not _forkable(args) or stdin == subprocess.PIPE \
-            or (env is not None and env.get("PYTHONPATH") != os.environ.get("PYTHONPATH")):
+            or _paths_of_its_own(env):
         pre = None if pgid is None else (lambda: os.setpgid(0, pgid))
         return subprocess.Popen(args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
                                 preexec_fn=pre)
