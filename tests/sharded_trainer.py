@@ -59,8 +59,9 @@ RESTORE_ERROR_EXIT = 3
 
 
 
-def launch(world: int, *args: str, script: Path = HERE) -> list[zygote.Proc]:
-    """``world`` rank processes of this script (one group, fresh port); world 0 = one process, no group.
+def launch(world: int, *args: str, script: Path = HERE, preload: tuple[str, ...] = ()) -> list[zygote.Proc]:
+    """``world`` rank processes of this script (one group, fresh port); world 0 = one process, no group;
+    ``preload``: modules the script imports that the zygote should have imported (``zygote.popen``).
 
     The ranks share one process group of their own (led by rank 0), so ``kill_all`` signals them
     all at once, as a node failure would: no rank sees a peer die first and exits on its own."""
@@ -71,7 +72,7 @@ def launch(world: int, *args: str, script: Path = HERE) -> list[zygote.Proc]:
                "LOCAL_WORLD_SIZE": str(max(1, world)), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # as torchrun
         leader = procs[0].pid if procs else 0
         procs.append(zygote.popen([sys.executable, str(script), *args], env=env, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pgid=leader))
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pgid=leader, preload=preload))
     return procs
 
 
@@ -117,8 +118,9 @@ def finish(procs: list[zygote.Proc], timeout: float = 180, expect_rc: int = 0) -
     return outs
 
 
-def run_group(world: int, *args: str, timeout: float = 180, expect_rc: int = 0, script: Path = HERE) -> list[str]:
-    return finish(launch(world, *args, script=script), timeout, expect_rc)
+def run_group(world: int, *args: str, timeout: float = 180, expect_rc: int = 0, script: Path = HERE,
+              preload: tuple[str, ...] = ()) -> list[str]:
+    return finish(launch(world, *args, script=script, preload=preload), timeout, expect_rc)
 
 
 def lines(out: str, tag: str) -> list[list[str]]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from ckptd_client.errors import CheckpointError
 from ckptd_client.lightning import SAVES_PER_STEP, AsyncCkptdCheckpointIO, CkptdCheckpointIO
 
 WORKER = Path(__file__).with_name("lightning_worker.py")
+LIGHTNING = ("lightning.pytorch", "pytorch_lightning")     # the worker's imports: 8 s a run, once in its zygote
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -53,7 +53,8 @@ def fit(io: CkptdCheckpointIO, checkpoint: Any, max_steps: int, ckpt_path: str |
 
 
 def run(*args: str, expect_rc: int = 0) -> dict[int, str]:
-    r = zygote.run([sys.executable, str(WORKER), *args], capture_output=True, text=True, timeout=180)
+    r = zygote.run([sys.executable, str(WORKER), *args], capture_output=True, text=True, timeout=180,
+                   preload=LIGHTNING)
     assert r.returncode == expect_rc, r.stdout[-3000:] + r.stderr[-3000:]
     return {int(w[1]): w[2] for w in (line.split() for line in r.stdout.splitlines()) if w and w[0] == "LOSS"}
 
@@ -72,8 +73,8 @@ def test_sigkill_then_resume_from_last_matches(daemon_factory: Any, tmp: Path, m
     assert pointer["step"] == 8 * SAVES_PER_STEP + 1        # global step 8's second save: last.ckpt after top-k
     resumed = run(*common, "--resume")
     assert resumed == {k: want[k] for k in range(8, 12)}
-    v = subprocess.run([sys.executable, "-m", "ckptd", "verify", str(tmp / "root"), "run", str(pointer["step"])],
-                       capture_output=True, text=True, timeout=60)
+    v = zygote.run([*zygote.CKPTD, "verify", str(tmp / "root"), "run", str(pointer["step"])],
+                   capture_output=True, text=True, timeout=60)
     assert v.returncode == 0, v.stdout + v.stderr
 
 

@@ -9,10 +9,9 @@ put back a step gc removed.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 
+import zygote
 from test_s3_tier import JOB, assert_state, bucket_of, make_bucket, restore, s3_args, save, uploads, wait_for
 
 from ckptd import cli
@@ -54,13 +53,13 @@ def test_gc_remove_above_takes_the_buckets_steps_above_too(seaweed, daemon_facto
     for step in (10, 20, 30):
         save(d.socket, step, seed=step)
     assert bucket_restore.flush(str(d.socket), JOB, 30, 60).uploaded
-    gc = [sys.executable, "-m", "ckptd", "gc", str(d.root), "--job", JOB, "--remove-above", "20",
+    gc = [*zygote.CKPTD, "gc", str(d.root), "--job", JOB, "--remove-above", "20",
           "--s3-url", f"s3://{bucket}/ckpt", "--s3-endpoint", seaweed.endpoint]
     env = {**os.environ, **seaweed.env()}
-    r = subprocess.run([*gc, "--dry-run"], capture_output=True, text=True, env=env)
+    r = zygote.run([*gc, "--dry-run"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0 and f"would remove s3://{bucket}/ckpt/{JOB}/step-000000000030" in r.stdout, r.stdout
     assert 30 in b.steps(JOB)[0]
-    r = subprocess.run(gc, capture_output=True, text=True, env=env)
+    r = zygote.run(gc, capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert all(s <= 20 for s in b.steps(JOB)[0] + b.steps(JOB)[1]), b.steps(JOB)
     save(d.socket, 21, seed=21)
@@ -73,18 +72,20 @@ def test_gc_remove_above_during_an_upload_of_a_step_above_leaves_it_out_of_the_b
     the local step, but the upload streamed its already-open data file on and put index.json last: the bucket
     held step 30 committed with no data files, and restore() failed on it (HTTP 404). The uploader now puts
     index.json only while the local step still holds it: the upload is withdrawn, nothing of 30 stays."""
+    zygote.run([*zygote.CKPTD, "--help"], capture_output=True, timeout=120, check=True)   # the zygote started
     bucket = make_bucket(seaweed)
     b = bucket_of(seaweed, bucket)
-    # Each file of an upload waits 4 s first: index.json comes 4 s after the data file is in the bucket.
-    d = daemon_factory(*s3_args(seaweed, bucket, "--debug-upload-delay", "4"), env=seaweed.env())
+    # Each file of an upload waits 2 s first: index.json comes 2 s after the data file is in the bucket (gc,
+    # forked from the zygote with ckptd.cli imported, takes a fraction of that).
+    d = daemon_factory(*s3_args(seaweed, bucket, "--debug-upload-delay", "2"), env=seaweed.env())
     save(d.socket, 20, seed=20)
     save(d.socket, 30, seed=30)           # the rolled-back run's step; its upload waits behind 20's
     data_30 = b.step_key(JOB, 30, rank_data_name(0))
     wait_for(lambda: b.exists(data_30), "step 30's data file in the bucket")
     assert 30 not in b.steps(JOB)[0]      # its index.json not yet: gc runs in the upload's last wait
-    gc = [sys.executable, "-m", "ckptd", "gc", str(d.root), "--job", JOB, "--remove-above", "20",
+    gc = [*zygote.CKPTD, "gc", str(d.root), "--job", JOB, "--remove-above", "20",
           "--s3-url", f"s3://{bucket}/ckpt", "--s3-endpoint", seaweed.endpoint]
-    r = subprocess.run(gc, capture_output=True, text=True, env={**os.environ, **seaweed.env()}, timeout=120)
+    r = zygote.run(gc, capture_output=True, text=True, env={**os.environ, **seaweed.env()}, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     wait_for(lambda: uploads(d.socket).get("uploading") is None and not uploads(d.socket).get("queued"),
              "step 30's upload to end")

@@ -16,7 +16,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from typing import Any
 import boto3
 import pytest
 import torch
+import zygote
 from ports import SPAN
 
 import ckptd_client
@@ -104,8 +104,9 @@ def assert_state(state: dict[str, Any], seed: int) -> None:
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+    """``ckptd ARGS`` in a process of its own, forked from the zygote (ckptd.cli imported once, not per call)."""
+    return zygote.run([*zygote.CKPTD, *args], capture_output=True, text=True, timeout=120,
+                      env={**os.environ, **(env or {})})
 
 
 def test_restore_from_the_bucket_after_the_local_root_is_gone(seaweed, daemon_factory, tmp):

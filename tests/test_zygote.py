@@ -76,3 +76,13 @@ def test_output_read_before_a_communicate_timeout_is_kept() -> None:
         p.communicate(timeout=3)
     p.kill()
     assert p.communicate(timeout=30)[0] == "got this far\n"
+
+
+def test_preloaded_modules_and_a_pythonpath_of_its_own() -> None:
+    """``preload``: forked from a zygote that imported those modules too; an env with another PYTHONPATH
+    (what a fresh interpreter imports from) runs as a plain subprocess."""
+    code = "import sys; print('json.tool' in sys.modules, 'ckptd.cli' in sys.modules)"
+    r = zygote.run([PY, "-c", code], capture_output=True, text=True, timeout=60, preload=("json.tool",))
+    assert (r.returncode, r.stdout) == (0, "True True\n"), r.stderr
+    p = zygote.popen([PY, "-c", "pass"], env={**os.environ, "PYTHONPATH": "/nonexistent"})
+    assert isinstance(p, subprocess.Popen) and p.wait(60) == 0

@@ -22,7 +22,12 @@ and how this file deals with it:
 - the child's parent is the zygote, not the test: its exit status comes back through a pipe the
   zygote writes when it reaps it (``Process.wait``), negative for a signal as ``subprocess`` does.
 
-Commands it cannot run this way (``-m``, other interpreter flags than ``-B``/``-u``, a stdin pipe)
+``popen(..., preload=(...))`` forks from a second zygote that also imported those modules (Lightning
+spends seconds in its import). ``CKPTD`` is ``python -m ckptd`` as a ``-c`` command the zygote can fork
+(ckptd.cli is preloaded).
+
+Commands it cannot run this way (``-m``, other interpreter flags than ``-B``/``-u``, a stdin pipe, an
+env whose ``PYTHONPATH`` names a directory the zygote's imports were not found on)
 go to ``subprocess.Popen`` unchanged, and so does ``test_dtensor_bind``'s, which is about a fresh
 interpreter's import order. ``CKPTD_TEST_NO_ZYGOTE=1`` sends every command there.
 """
@@ -45,8 +50,10 @@ from pathlib import Path
 from typing import IO, Any
 
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
-           "torch.distributed.checkpoint", "ckptd_client")
+           "torch.distributed.checkpoint", "ckptd_client", "ckptd.cli")
 _FLAGS = {"-B", "-u"}
+# The ``ckptd`` command (``python -m ckptd``) as a command the zygote forks: what ckptd/__main__.py runs.
+CKPTD = [sys.executable, "-c", "import sys; from ckptd.cli import main; sys.exit(main())"]
 _STATUS = struct.Struct("<i")
 
 # ---- the caller's side ------------------------------------------------------------------------
@@ -135,10 +142,12 @@ class Process:
 
 
 class _Zygote:
-    """The zygote of this process: started on first use; it exits when this process's connection to it
-    closes (this process ended, whatever the way), leaving running children to finish as Popen's would."""
+    """A zygote of this process: started on first use; it exits when this process's connection to it
+    closes (this process ended, whatever the way), leaving running children to finish as Popen's would.
+    ``extra``: modules it imports besides PRELOAD (one zygote per set: ``popen``'s ``preload``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, extra: tuple[str, ...] = ()) -> None:
+        self.extra = extra
         self.lock = threading.Lock()
         self.sock: socket.socket | None = None
         self.proc: subprocess.Popen[bytes] | None = None
@@ -149,7 +158,8 @@ class _Zygote:
                 self.sock.close()
             path = os.path.join(tempfile.mkdtemp(prefix="ckz-", dir="/tmp"), "z.sock")   # (removed on connect)
             ready_r, ready_w = os.pipe()
-            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), path, str(ready_w)],
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), path, str(ready_w),
+                                          *self.extra],
                                          stdin=subprocess.DEVNULL, pass_fds=(ready_w,))
             os.close(ready_w)
             try:
@@ -182,7 +192,17 @@ class _Zygote:
         return pid, status_r
 
 
-_ZYGOTE = _Zygote()
+_ZYGOTES: dict[tuple[str, ...], _Zygote] = {}
+_ZYGOTES_LOCK = threading.Lock()
+
+
+def _zygote(extra: tuple[str, ...]) -> _Zygote:
+    with _ZYGOTES_LOCK:
+        if extra not in _ZYGOTES:
+            _ZYGOTES[extra] = _Zygote(extra)
+        return _ZYGOTES[extra]
+
+
 Proc = Process | subprocess.Popen   # what popen returns
 
 
@@ -221,13 +241,27 @@ def _fd_for(spec: Any, default: int, mode: str, mine: list[int], theirs: list[in
     return spec if isinstance(spec, int) else spec.fileno()
 
 
+def _paths_of_its_own(env: dict[str, str] | None) -> bool:
+    """Whether ``env``'s PYTHONPATH names a directory the zygote's imports were not found on (this
+    process's sys.path, or the repository's root, where ckptd is): a command that shadows a module
+    must import it afresh."""
+    if env is None:
+        return False
+    want = {os.path.realpath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p}
+    have = {os.path.realpath(p or ".") for p in sys.path} | {str(Path(__file__).resolve().parent.parent)}
+    return not want <= have
+
+
 def popen(args: list[str], *, env: dict[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
           stdin: Any = None, stdout: Any = None, stderr: Any = None, text: bool = False,
-          pgid: int | None = None) -> Process | subprocess.Popen[Any]:
+          pgid: int | None = None, preload: tuple[str, ...] = ()) -> Process | subprocess.Popen[Any]:
     """``subprocess.Popen(args, ...)``, forked from the zygote where it can be (module docstring);
-    ``pgid``: the child's process group (0: its own; a pid: that leader's), as ``os.setpgid(0, pgid)``."""
+    ``pgid``: the child's process group (0: its own; a pid: that leader's), as ``os.setpgid(0, pgid)``;
+    ``preload``: modules besides PRELOAD the command imports (lightning: seconds each time), forked from
+    a zygote of this process that imported them too."""
     args = [str(a) for a in args]
-    if os.environ.get("CKPTD_TEST_NO_ZYGOTE") or not _forkable(args) or stdin == subprocess.PIPE:
+    if os.environ.get("CKPTD_TEST_NO_ZYGOTE") or not _forkable(args) or stdin == subprocess.PIPE \
+            or _paths_of_its_own(env):
         pre = None if pgid is None else (lambda: os.setpgid(0, pgid))
         return subprocess.Popen(args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
                                 preexec_fn=pre)
@@ -239,7 +273,7 @@ def popen(args: list[str], *, env: dict[str, str] | None = None, cwd: str | os.P
         fd_err = fd_out if stderr == subprocess.STDOUT else _fd_for(stderr, 2, "r", mine, theirs)
         request = {"args": args[1:], "env": dict(os.environ if env is None else env),
                    "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(), "pgid": pgid}
-        pid, status = _ZYGOTE.spawn(request, [fd_in, fd_out, fd_err])
+        pid, status = _zygote(tuple(preload)).spawn(request, [fd_in, fd_out, fd_err])
     except BaseException:
         for fd in mine:
             os.close(fd)
@@ -259,10 +293,10 @@ def popen(args: list[str], *, env: dict[str, str] | None = None, cwd: str | os.P
 
 def run(args: list[str], *, capture_output: bool = False, text: bool = False, timeout: float | None = None,
         env: dict[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
-        check: bool = False) -> subprocess.CompletedProcess[Any]:
+        check: bool = False, preload: tuple[str, ...] = ()) -> subprocess.CompletedProcess[Any]:
     """``subprocess.run`` through ``popen``."""
     pipe = subprocess.PIPE if capture_output else None
-    p = popen(args, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe, text=text)
+    p = popen(args, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe, text=text, preload=preload)
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -354,11 +388,11 @@ def _run(args: list[str]) -> int:
         return 1
 
 
-def serve(path: str, ready: int) -> None:
+def serve(path: str, ready: int, extra: list[str]) -> None:
     """The zygote's loop: one connection per caller's process; a request forks a child."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")     # (children set their own: _child)
     import importlib
-    for name in PRELOAD:
+    for name in (*PRELOAD, *extra):
         importlib.import_module(name)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -444,4 +478,4 @@ def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]))
+    serve(sys.argv[1], int(sys.argv[2]), sys.argv[3:])
