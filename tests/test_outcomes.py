@@ -306,3 +306,48 @@ def test_a_save_waiting_for_a_slot_of_a_stopped_daemon_fails_within_commit_timeo
     first.wait(60)
     assert first.committed
     ck.close()
+
+
+HOLDS_STORE = r'''
+import sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+import ckptd_client
+socks, rank, port = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3])
+store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=120))
+ck = ckptd_client.Checkpointer("holds", socket=socks[rank], rank=rank, world_size=2, store=store, commit_timeout=10)
+h = ck.save(1, {"w": torch.full((64,), float(rank))})
+t0 = time.monotonic()
+try:
+    h.wait(60)
+    print(f"OUTCOME committed in {time.monotonic() - t0:.1f}s", flush=True)
+except ckptd_client.CheckpointError as e:
+    print(f"OUTCOME {e}", flush=True)
+if rank == 0:       # the trainer's own blocking wait on the job's store, as soon as its save committed
+    store.wait(["rank1-done"], timedelta(seconds=120))
+else:
+    store.set("rank1-done", "1")
+ck.close(timeout=30)
+'''
+
+
+def test_a_trainer_waiting_on_the_store_does_not_hold_rank_0s_result(daemon_factory, tmp):
+    """Rank 0's handle settles from its daemon's COMMIT answer, and its trainer then blocks in a
+    ``store.wait`` of its own (until rank 1 is done) on the job's store. The relay published rank 0's
+    result on that same connection, so it queued behind the trainer's wait: rank 1 never saw it, and
+    with its daemon's root apart from rank 0's (no index.json to find) its handle said "timed out after
+    20s waiting for rank 0's commit" for a committed step. The client's store calls now go on
+    connections of its own (store_guard.py): rank 1's handle says committed within seconds."""
+    a, b = daemon_factory(name="a"), daemon_factory(name="b", root=tmp / "root-b")
+    script = tmp / "holds.py"
+    script.write_text(HOLDS_STORE)
+    port = free_port()
+    procs = [zygote.popen([sys.executable, str(script), f"{a.socket},{b.socket}", str(r), str(port)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert Path(step_dir(str(a.root), "holds", 1), "index.json").exists()
+    assert not Path(step_dir(str(b.root), "holds", 1), "index.json").exists()     # rank 1 cannot read it
+    outcomes = [next(ln for ln in o.splitlines() if ln.startswith("OUTCOME ")) for o in outs]
+    assert all(o.startswith("OUTCOME committed in ") for o in outcomes), outs
+    assert float(outcomes[1].split()[3][:-1]) < 20, outcomes[1]     # not settled by the relay's 2 T bound
