@@ -134,6 +134,10 @@ class _Watchdog:
     anything is watched, and sleeps otherwise."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """No watches and no thread (also in a forked child, where its parent's thread does not run)."""
         self._lock = threading.Lock()
         self._watches: dict[int, _Watch] = {}
         self._busy = threading.Event()
@@ -175,6 +179,16 @@ class _Watchdog:
 _watchdog = _Watchdog()
 
 
+def _forget_in_child() -> None:
+    """A forked child has no watchdog thread, and our connections are its parent's: it starts afresh."""
+    _watchdog.reset()
+    _Pool._of.clear()
+    _Ours._by_port.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class _Ours:
     """Our connections to one store port, by socket (``socket:[inode]``), and their lines. A call
     that outlives its bound shuts every one of them down: the store is not answering any of them,
@@ -195,9 +209,10 @@ class _Ours:
         with cls._lock:
             return cls._by_port.setdefault(port, cls())
 
-    def add(self, line: _Line, sockets: set[str]) -> None:
+    def add(self, line: _Line, sockets: set[str], live: set[str]) -> None:
+        """``line`` and its ``sockets``; those of ours no longer among this process's ``live`` are forgotten."""
         with self._lock:
-            self.sockets |= sockets
+            self.sockets = (self.sockets & live) | sockets
             self.lines.add(line)
 
     def shut(self, port: int) -> None:
@@ -285,9 +300,9 @@ class _Pool:
             conn.set_timeout(timedelta(seconds=self.bound))
             with self.lock:
                 self.source = self.source or conn
-        line = _Line(conn)
-        _Ours.of(port).add(line, {link for link, fd in _sockets().items()
-                                  if link not in before and _peer_port(fd) == port})
+        line, live = _Line(conn), _sockets()
+        _Ours.of(port).add(line, {link for link, fd in live.items() if link not in before and _peer_port(fd) == port},
+                           set(live))
         return line
 
 

@@ -116,3 +116,44 @@ def test_a_store_without_a_server_is_called_as_it_is(tmp_path: Any) -> None:
     guarded = GuardedStore(store, bound=1.0)
     guarded.set("a", "1")
     assert guarded.get("a") == b"1" and guarded.add("c", 2) == 2 and guarded.check(["a"])
+
+
+def test_a_forked_child_bounds_its_calls_with_a_watchdog_of_its_own(server: tuple[subprocess.Popen[str], Any]) -> None:
+    """A child forked after the parent's calls started the watchdog (a thread: not in the child) and
+    pooled a connection (the parent's socket) still has its calls bounded, on connections of its own."""
+    proc, client = server
+    assert GuardedStore(client, bound=1.5).add("f", 1) == 1      # the parent's pool and watchdog
+    to_child, from_parent = os.pipe()
+    to_parent, from_child = os.pipe()
+    pid = os.fork()
+    if pid == 0:        # the child: its own first connection while the server answers, then a call it cannot
+        code = 4
+        try:
+            mine = GuardedStore(client, bound=1.5)
+            mine.add("f", 1)
+            os.write(from_child, b"1")
+            os.read(to_child, 1)            # the server is stopped now
+            mine.check(["f"])
+            code = 3
+        except store_guard.StoreGone:
+            code = 0
+        finally:
+            os._exit(code)
+    status: int | None = None
+    try:
+        assert os.read(to_parent, 1) == b"1"
+        os.kill(proc.pid, signal.SIGSTOP)
+        os.write(from_parent, b"1")
+        began = time.monotonic()
+        while time.monotonic() - began < 30 and status is None:
+            done, raw_status = os.waitpid(pid, os.WNOHANG)
+            status = os.waitstatus_to_exitcode(raw_status) if done else None
+            time.sleep(0.1)
+        assert status == 0, f"the child's call: exit {status} after {time.monotonic() - began:.1f}s (None: blocked)"
+        assert time.monotonic() - began <= 1.5 + 3.0
+    finally:
+        if status is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        for fd in (to_child, from_parent, to_parent, from_child):
+            os.close(fd)
