@@ -38,6 +38,7 @@ that never learns it leaves its saves to the disk.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import queue
 import threading
 import time
@@ -239,7 +240,9 @@ class StoreRelay:
         why = f"its node leader (rank {self.rank}) closed before this rank reported" if self._stop.is_set() else None
         outcomes = tuple(_member(r, v, 0.7 * self.timeout, why) for r, v in zip(members, values, strict=True))
         self._own.set(store_keys.node_record(scope, s.step, self.node), NodeRecord(members.start, outcomes).encode())
-        self._trash.put(keys)
+        with contextlib.suppress(Exception):     # the members' keys, now, while rank 0 commits (not on its path)
+            for k in keys:
+                self._own.delete_key(k)
 
     def _lead(self, scope: str, s: RelayedSave) -> str | None:
         """Rank 0: wait for every node's record, then commit or abort, and publish the result."""
@@ -350,20 +353,14 @@ class StoreRelay:
         """Key deletion off the commit's path: once the save is resolved, on the relay's thread (a thread
         of its own would hold a second connection). ``["read", key]``: count this rank's read of a result
         (its last reader deletes it). Given up (keys left behind) if the store does not answer in 5 s."""
-        with store_deadline(time.monotonic() + 5.0):
+        with store_deadline(time.monotonic() + 5.0), contextlib.suppress(Exception):    # (queue.Empty: all done)
             while True:
-                try:
-                    keys = self._trash.get_nowait()
-                except queue.Empty:
-                    return
+                keys = self._trash.get_nowait()
                 if keys[0] == "read":
                     read_once(self.store, keys[1], self.world_size - 1)
                     continue
-                try:
-                    for k in keys:
-                        self.store.delete_key(k)
-                except Exception:
-                    return
+                for k in keys:
+                    self.store.delete_key(k)
 
     def close(self) -> None:
         """Stop: a wait in progress ends within ``WAIT_SLICE_S`` (its save, already resolved by the
