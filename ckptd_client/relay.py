@@ -109,7 +109,8 @@ class StoreRelay:
         self._claimed: set[int] = set()         # steps this run saved (or tried to)
         self._lock = threading.Lock()
         self._queue: queue.Queue[RelayedSave | None] = queue.Queue()
-        self._trash: queue.Queue[list[str]] = queue.Queue()
+        self._trash: list[str] = []     # keys to delete once the save in hand resolved (relay thread only)
+        self._read: list[str] = []      # results this rank read: the last reader deletes each
         self._closed = False
         self._closing = False          # (close) this rank's outcomes are final: publish ignores later ones
         self._thread = threading.Thread(target=self._run, name="ckptd-client-relay", daemon=True)
@@ -221,7 +222,7 @@ class StoreRelay:
             return self._by_disk(s, 0.0, f"timed out after {time.monotonic() - s.start:.1f}s (2 x commit_timeout "
                                  f"{self.timeout:g}s from the save) waiting for rank 0's commit")
         raw = self._own.get(key)
-        self._trash.put(["read", key])      # counted, off this path; the last reader deletes it
+        self._read.append(key)      # counted off this path; the last reader deletes it
         try:
             result = StepResult.decode(raw, s.step)
         except FormatError as e:
@@ -240,9 +241,12 @@ class StoreRelay:
         why = f"its node leader (rank {self.rank}) closed before this rank reported" if self._stop.is_set() else None
         outcomes = tuple(_member(r, v, 0.7 * self.timeout, why) for r, v in zip(members, values, strict=True))
         self._own.set(store_keys.node_record(scope, s.step, self.node), NodeRecord(members.start, outcomes).encode())
-        with contextlib.suppress(Exception):     # the members' keys, now, while rank 0 commits (not on its path)
-            for k in keys:
-                self._own.delete_key(k)
+        # Its own key now (a world of one holds no more keys once resolved); the others' once the save
+        # resolved, not here on the way to its resolve (at 512 ranks a node: 511 calls in a row).
+        own = store_keys.rank_outcome(scope, s.step, self.rank)
+        with contextlib.suppress(Exception):
+            self._own.delete_key(own)
+        self._trash += [k for k in keys if k != own]
 
     def _lead(self, scope: str, s: RelayedSave) -> str | None:
         """Rank 0: wait for every node's record, then commit or abort, and publish the result."""
@@ -347,20 +351,18 @@ class StoreRelay:
                 self._own.set(store_keys.save_result(scope, s.step), result.encode())
         except Exception:
             return
-        self._trash.put([store_keys.node_record(scope, s.step, n) for n in range(self.nodes)])
+        self._trash += [store_keys.node_record(scope, s.step, n) for n in range(self.nodes)]
 
     def _delete_keys(self) -> None:
         """Key deletion off the commit's path: once the save is resolved, on the relay's thread (a thread
-        of its own would hold a second connection). ``["read", key]``: count this rank's read of a result
-        (its last reader deletes it). Given up (keys left behind) if the store does not answer in 5 s."""
-        with store_deadline(time.monotonic() + 5.0), contextlib.suppress(Exception):    # (queue.Empty: all done)
-            while True:
-                keys = self._trash.get_nowait()
-                if keys[0] == "read":
-                    read_once(self.store, keys[1], self.world_size - 1)
-                    continue
-                for k in keys:
-                    self.store.delete_key(k)
+        of its own would hold a second connection), and this rank's reads of results counted. Given up
+        (keys left behind) if the store does not answer in 5 s."""
+        (reads, self._read), (keys, self._trash) = (self._read, []), (self._trash, [])
+        with store_deadline(time.monotonic() + 5.0), contextlib.suppress(Exception):
+            for key in reads:
+                read_once(self.store, key, self.world_size - 1)
+            for key in keys:
+                self.store.delete_key(key)
 
     def close(self) -> None:
         """Stop: a wait in progress ends within ``WAIT_SLICE_S`` (its save, already resolved by the
