@@ -21,9 +21,9 @@ the Checkpointer refuses a second save of a step in one run). For each step save
 Every value is encoded and decoded by ckptd/core/relay_record.py alone (their format: FORMAT.md,
 "Commit protocol"); a malformed one fails the save, naming the rank or node that wrote it.
 
-The store's server does O(1) work per rank and save, and rank 0 O(nodes). A step's keys are
-deleted by rank 0 once it resolved it, except the result, which the last rank to read it deletes
-(every rank counts its read with ``add``).
+The store's server does O(1) work per rank and save, and rank 0 O(nodes). A step's node records are
+deleted by rank 0 once it resolved it, the result by the last rank to read it (every rank counts
+its read with ``add``).
 
 Timeouts derive from ``timeout`` (the Checkpointer's ``commit_timeout``, T) from the save's
 start: node leaders wait for their members until 0.7 T (a missing member fails the save, named),
@@ -54,13 +54,12 @@ from . import store_keys
 from .api_guard import ProcessOwner
 from .errors import CheckpointError, NoReply
 from .store_guard import StoreGone, store_deadline
-from .store_io import CHUNK, WAIT_SLICE_S, CloneShelf, StoreWaiter, guarded_store, multi_get, read_once
+from .store_io import CHUNK, WAIT_SLICE_S, CloneShelf, StoreWaiter, abandon, guarded_store, multi_get, read_once
 
 WAIT_NODES = 256          # node records rank 0 waits for, then fetches and decodes, at a time
+DISK_POLL_S = 0.2       # how often the disk is looked at while it decides
 
 __all__ = ["CHUNK", "WAIT_SLICE_S", "StoreRelay", "StoreWaiter", "RunSource", "multi_get", "read_once"]
-
-DISK_POLL_S = 0.2       # how often the disk is looked at while it decides
 
 
 class RunSource(Protocol):
@@ -241,12 +240,9 @@ class StoreRelay:
         why = f"its node leader (rank {self.rank}) closed before this rank reported" if self._stop.is_set() else None
         outcomes = tuple(_member(r, v, 0.7 * self.timeout, why) for r, v in zip(members, values, strict=True))
         self._own.set(store_keys.node_record(scope, s.step, self.node), NodeRecord(members.start, outcomes).encode())
-        # Its own key now (a world of one holds no more keys once resolved); the others' once the save
-        # resolved, not here on the way to its resolve (at 512 ranks a node: 511 calls in a row).
-        own = store_keys.rank_outcome(scope, s.step, self.rank)
-        with contextlib.suppress(Exception):
-            self._own.delete_key(own)
-        self._trash += [k for k in keys if k != own]
+        with contextlib.suppress(Exception):     # the members' keys, now, while rank 0 commits (not on its path:
+            for k in keys:                      # 4,096 ranks resolved sooner than with them deleted after, scale.md)
+                self._own.delete_key(k)
 
     def _lead(self, scope: str, s: RelayedSave) -> str | None:
         """Rank 0: wait for every node's record, then commit or abort, and publish the result."""
@@ -382,7 +378,9 @@ class StoreRelay:
         self._stop.set()
         self._queue.put(None)
         self._thread.join(timeout=WAIT_SLICE_S + 5)
-        if not self._thread.is_alive():         # the keys of a step it just settled go too
+        if self._thread.is_alive():     # in a call the store does not answer (rank 0 stopped): cut short
+            abandon(self.store, self._thread)
+        else:                           # the keys of a step it just settled go too
             self._delete_keys()
         atexit.unregister(self.close)
 

@@ -36,7 +36,7 @@ from ckptd.core.names import is_hex
 from . import store_keys
 from .errors import CheckpointError
 from .store_guard import store_deadline
-from .store_io import CHUNK, WAIT_SLICE_S, CloneShelf, StoreWaiter, guarded_store, multi_get, peek
+from .store_io import CHUNK, WAIT_SLICE_S, CloneShelf, StoreWaiter, abandon, guarded_store, multi_get, peek
 
 log = logging.getLogger("ckptd_client")
 
@@ -190,6 +190,8 @@ class RunScope:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=WAIT_SLICE_S + 5)
+            if self._thread.is_alive():     # in a call the store does not answer: cut short
+                abandon(self.store, self._thread)
         atexit.unregister(self.close)
 
 

@@ -22,13 +22,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
+
+from .proc_sockets import peer_port, shut, shut_new, sockets
 
 GRACE_S = 5.0       # a store call's bound past its caller's deadline (a loaded server answers late)
 TICK_S = 0.25       # how often the watchdog looks at the calls in flight
@@ -65,67 +66,13 @@ def describe(store: Any) -> str:
     return f"rank 0's TCPStore at {inner.host}:{inner.port}" if inner is not None else type(store).__name__
 
 
-# ---- sockets, by /proc/self/fd ------------------------------------------------------------------
-
-def _sockets() -> dict[str, int]:
-    """This process's sockets: ``socket:[inode]`` → fd."""
-    out: dict[str, int] = {}
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:         # closed meanwhile (or the listing's own fd)
-            continue
-        if link.startswith("socket:["):
-            out[link] = int(name)
-    return out
-
-
-def _peer_port(fd: int) -> int | None:
-    """The remote port of the TCP socket ``fd`` (None: not one, or gone)."""
-    try:
-        sock = socket.socket(fileno=fd)
-    except OSError:
-        return None
-    try:
-        if sock.family not in (socket.AF_INET, socket.AF_INET6):
-            return None
-        return int(sock.getpeername()[1])
-    except OSError:
-        return None
-    finally:
-        sock.detach()       # the fd is the store client's: never closed here
-
-
-def _shut(fd: int, link: str) -> None:
-    """Shut the socket down (its blocked reads and writes fail at once), if ``fd`` is still ``link``."""
-    try:
-        if os.readlink(f"/proc/self/fd/{fd}") != link:
-            return
-        sock = socket.socket(fileno=fd)
-    except OSError:
-        return
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    finally:
-        sock.detach()
-
-
-def _shut_new(before: set[str], port: int) -> None:
-    """Shut down every socket to ``port`` that is not in ``before`` (a clone being opened)."""
-    for link, fd in _sockets().items():
-        if link not in before and _peer_port(fd) == port:
-            _shut(fd, link)
-
-
 # ---- the watchdog -------------------------------------------------------------------------------
 
 class _Watch:
-    __slots__ = ("end", "action", "again", "fired")
+    __slots__ = ("end", "action", "again", "fired", "owner")
 
-    def __init__(self, end: float, action: Callable[[], None], again: bool) -> None:
-        self.end, self.action, self.again, self.fired = end, action, again, False
+    def __init__(self, end: float, action: Callable[[], None], again: bool, owner: object) -> None:
+        self.end, self.action, self.again, self.fired, self.owner = end, action, again, False, owner
 
 
 class _Watchdog:
@@ -144,8 +91,9 @@ class _Watchdog:
         self._thread: threading.Thread | None = None
 
     @contextlib.contextmanager
-    def watching(self, end: float, action: Callable[[], None], again: bool = False) -> Iterator[_Watch]:
-        w = _Watch(end, action, again)
+    def watching(self, end: float, action: Callable[[], None], again: bool = False,
+                 owner: object = None) -> Iterator[_Watch]:
+        w = _Watch(end, action, again, owner)
         with self._lock:
             self._watches[id(w)] = w
             if self._thread is None:
@@ -157,6 +105,13 @@ class _Watchdog:
         finally:
             with self._lock:
                 self._watches.pop(id(w), None)
+
+    def expire(self, owner: object) -> None:
+        """``owner``'s watches are due now: their actions run within ``TICK_S``."""
+        with self._lock:
+            for w in self._watches.values():
+                if w.owner is owner:
+                    w.end = 0.0
 
     def _run(self) -> None:
         while True:
@@ -215,18 +170,18 @@ class _Ours:
             self.sockets = (self.sockets & live) | sockets
             self.lines.add(line)
 
-    def shut(self, port: int) -> None:
+    def shut_all(self, port: int) -> None:
         with self._lock:
             lines = list(self.lines)
         for line in lines:
             line.killed = True
-        live = _sockets()
+        live = sockets()
         with self._lock:
             self.sockets &= set(live)          # (closed ones forgotten)
             ours = [(link, live[link]) for link in self.sockets]
         for link, fd in ours:
-            if _peer_port(fd) == port:
-                _shut(fd, link)
+            if peer_port(fd) == port:
+                shut(fd, link)
 
 
 class _Line:
@@ -268,24 +223,24 @@ class _Pool:
                 pool = cls._of[id(raw)] = cls(raw, port, bound)
             return pool
 
-    def take(self, end: float, gone: Callable[[str], StoreGone]) -> _Line:
+    def take(self, end: float, gone: Callable[[str], StoreGone], owner: object) -> _Line:
         with self.lock:
             while self.idle:
                 line = self.idle.pop()
                 if not line.killed:
                     return line
-        return self._open(end, gone)
+        return self._open(end, gone, owner)
 
     def give(self, line: _Line) -> None:
         if not line.killed:
             with self.lock:
                 self.idle.append(line)
 
-    def _open(self, end: float, gone: Callable[[str], StoreGone]) -> _Line:
+    def _open(self, end: float, gone: Callable[[str], StoreGone], owner: object) -> _Line:
         """A new connection (``gone(...)`` raised if the store did not answer it by ``end``)."""
         port, source = self.port, self.source
-        before = set(_sockets())
-        with _watchdog.watching(end, lambda: _shut_new(before, port), again=True) as w:
+        before = set(sockets())
+        with _watchdog.watching(end, lambda: shut_new(before, port), again=True, owner=owner) as w:
             try:
                 conn = (self.raw if source is None else source).clone()
             except Exception as e:
@@ -300,8 +255,8 @@ class _Pool:
             conn.set_timeout(timedelta(seconds=self.bound))
             with self.lock:
                 self.source = self.source or conn
-        line, live = _Line(conn), _sockets()
-        _Ours.of(port).add(line, {link for link, fd in live.items() if link not in before and _peer_port(fd) == port},
+        line, live = _Line(conn), sockets()
+        _Ours.of(port).add(line, {link for link, fd in live.items() if link not in before and peer_port(fd) == port},
                            set(live))
         return line
 
@@ -315,6 +270,7 @@ class GuardedStore:
         self.raw = store
         self.bound = bound
         self.where = describe(store)
+        self.abandoned = False
         inner = _tcp_store(store)
         self._pool = _Pool.of(store, int(inner.port), bound) \
             if inner is not None and os.path.isdir("/proc/self/fd") else None
@@ -325,6 +281,8 @@ class GuardedStore:
             end_at: float | None = getattr(_local, "end", None)
             within = self.bound if end_at is None else max(0.0, end_at - began) + GRACE_S
         pool = self._pool
+        if self.abandoned:
+            raise StoreGone(f"no more calls to the job's store ({self.where}): its caller closed")
         if pool is None:
             return getattr(self.raw, name)(*args)
         if pool.dead is not None:       # a connection of it was closed by its server: no clone of it to try
@@ -332,16 +290,18 @@ class GuardedStore:
         end, port = began + within, pool.port
 
         def gone(what: str) -> StoreGone:
+            if self.abandoned:
+                return StoreGone(f"{what} on the job's store ({self.where}) was cut short: its caller closed")
             return StoreGone(f"the job's store ({self.where}) did not answer {what} within "
                              f"{time.monotonic() - began:.1f}s: rank 0 stopped or its host unreachable")
         while True:
-            line = pool.take(end, gone)
-            with _watchdog.watching(end, lambda: _Ours.of(port).shut(port)) as w:
+            line = pool.take(end, gone, self)
+            with _watchdog.watching(end, lambda: _Ours.of(port).shut_all(port), owner=self) as w:
                 try:
                     value = getattr(line.conn, name)(*args)
                 except Exception as e:
                     if w.fired or line.killed:          # shut down by the watchdog
-                        if not w.fired and time.monotonic() < end:
+                        if not w.fired and time.monotonic() < end and not self.abandoned:
                             continue    # for another call's deadline: a new connection
                         raise gone(f"{'an' if name[0] in 'aeiou' else 'a'} {name}") from None
                     if type(e).__name__ == "DistStoreError":    # a wait's timeout: the connection is sound
@@ -351,6 +311,13 @@ class GuardedStore:
                     raise               # (else it is not given back: it may be broken)
             pool.give(line)
             return value
+
+    def abandon(self) -> None:
+        """No more calls through this object: new ones raise, and those in flight (on a thread that must
+        not outlive its owner's ``close()``) end within ``TICK_S``, their connections shut down. Calls
+        of other objects on those connections open new ones and go on."""
+        self.abandoned = True
+        _watchdog.expire(self)
 
     def set_soon(self, key: str, value: str | bytes) -> None:
         """``set`` on torch's connection, errors dropped: for a caller that must never wait behind

@@ -27,6 +27,14 @@ def guarded_store(store: Any, bound: float) -> Any:
     return GuardedStore(store, bound)
 
 
+def abandon(store: Any, thread: threading.Thread) -> None:
+    """Cut short the calls of a guarded ``store`` still in flight and refuse later ones (a store that
+    cannot be guarded: nothing to do), then give ``thread``, which was making them, 5 s to end."""
+    if isinstance(store, GuardedStore):
+        store.abandon()
+        thread.join(timeout=5.0)
+
+
 class CloneShelf:
     """Spare cloned connections to one store, shared by the waiters of one ``Checkpointer``: a
     waiter done with its clone (the run handshake's, once the run id is known) leaves it here

@@ -157,3 +157,27 @@ def test_a_forked_child_bounds_its_calls_with_a_watchdog_of_its_own(server: tupl
             os.waitpid(pid, 0)
         for fd in (to_child, from_parent, to_parent, from_child):
             os.close(fd)
+
+
+def test_abandon_cuts_short_the_calls_in_flight_and_refuses_later_ones(server: tuple[subprocess.Popen[str], Any]
+                                                                       ) -> None:
+    """A Checkpointer's close() abandons its store object: a call of it blocked on the stopped server
+    raises at once (not at its own bound, 60 s away), later calls raise without trying, and another
+    object on the same store is not abandoned: it serves again once the server resumes."""
+    proc, client = server
+    mine, other = GuardedStore(client, bound=60.0), GuardedStore(client, bound=60.0)
+    assert mine.get("k") == b"v" and other.get("k") == b"v"
+    os.kill(proc.pid, signal.SIGSTOP)
+    result: dict[str, Any] = {}
+    call = threading.Thread(target=lambda: result.update(zip("rt", _timed(lambda: mine.get("k")), strict=True)))
+    call.daemon = True
+    call.start()
+    time.sleep(1.0)                 # the call is in flight, on a connection the server does not answer
+    mine.abandon()
+    call.join(60)
+    assert "StoreGone" in result["r"] and "cut short: its caller closed" in result["r"], result
+    assert result["t"] <= 1.0 + store_guard.TICK_S + 2.0, result       # not its 60 s bound
+    later, took = _timed(lambda: mine.check(["k"]))
+    assert "StoreGone" in later and "its caller closed" in later and took < 1.0, (later, took)
+    os.kill(proc.pid, signal.SIGCONT)
+    assert other.get("k") == b"v"   # a new connection: the other object's calls go on

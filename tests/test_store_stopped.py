@@ -42,6 +42,14 @@ if rank == 0:
 while not os.path.exists(go):
     time.sleep(0.05)
 t0 = time.monotonic()
+if op == "close":           # a save not yet durable left to close(); then the interpreter's own exit
+    import threading
+    state["w"] += 1
+    ck.save(2, state)
+    report = ck.close(timeout=0.5)
+    print(f"CLOSED in {time.monotonic() - t0:.1f}s: {report}", flush=True)
+    print("THREADS", sorted(t.name for t in threading.enumerate() if t.name.startswith("ckptd-client-r")), flush=True)
+    sys.exit(0)
 try:
     if op == "save":
         state["w"] += 1
@@ -95,3 +103,38 @@ def test_a_stopped_rank_0_does_not_hold_the_other_ranks(tmp: Path, daemon: Any, 
     if op == "restore":
         assert "join_timeout" in raised[0], raised[0]
     assert "CLOSED in " in out and took <= bound + 10, (took, out[-4000:])
+
+
+def test_closing_while_rank_0_is_stopped_ends_its_threads_and_exits_cleanly(tmp: Path, daemon_factory: Any) -> None:
+    """Rank 1 closes its Checkpointer with a save not yet durable (its daemon writes slowly) while rank 0 is
+    stopped, then exits the normal way. The save's relay thread is inside a store call that ends only at
+    2 x commit_timeout + 10 s from the save: ``close()`` waits 15 s for it, then cuts the call short, so no
+    thread is left inside a C++ store call when the interpreter exits (before: the thread was left)."""
+    commit_timeout = 20.0
+    daemon = daemon_factory("--debug-write-delay", "3")
+    script, go = tmp / "stopped_worker.py", tmp / "go"
+    script.write_text(WORKER)
+    procs = st.launch(2, str(daemon.socket), str(go), "close", str(commit_timeout), str(JOIN_TIMEOUT), script=script)
+    bound = 0.5 + 15 + 5 + 10       # close's timeout, the relay's join, the abandoned call's end, slack
+    try:
+        assert procs[0].stdout is not None
+        seen = []
+        for line in procs[0].stdout:
+            seen.append(line)
+            if line.startswith("READY"):
+                break
+        assert seen and seen[-1].startswith("READY"), "".join(seen)
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        go.touch()
+        t0 = time.monotonic()
+        out, _ = procs[1].communicate(timeout=2 * commit_timeout + 40)
+        took = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+                p.wait(timeout=30)
+    assert "THREADS []" in out, out[-4000:]       # the relay's thread (and the run's) ended in close()
+    assert procs[1].returncode == 0, (procs[1].returncode, out[-4000:])
+    assert took <= bound, (took, out[-4000:])
