@@ -19,7 +19,7 @@ from . import store_keys
 from .errors import CheckpointError
 from .run_scope import RunScope
 from .store_guard import StoreGone, store_deadline
-from .store_io import CloneShelf, StoreWaiter, guarded_store, read_once, wait_all_read
+from .store_io import StoreWaiter, guarded_store, read_once, wait_all_read
 
 log = logging.getLogger("ckptd_client")
 
@@ -32,14 +32,12 @@ class RestoreAgreements:
     :meth:`settle` (``wait=False`` when the restore failed). Without a run (one rank, or no store)
     each returns this rank's own answer."""
 
-    def __init__(self, store: Any, run: RunScope | None, rank: int, world_size: int, vote_timeout: float,
-                 shelf: CloneShelf) -> None:
+    def __init__(self, store: Any, run: RunScope | None, rank: int, world_size: int, vote_timeout: float) -> None:
         store = guarded_store(store, vote_timeout if run is None else max(vote_timeout, run.timeout))
         self.store, self.run, self.rank, self.world_size = store, run, rank, world_size
         # The memory-level vote's bound: the commit timeout, or the join window where that is longer:
         # rank 0 votes as soon as its own part is planned, and the others may start that far behind it.
         self.vote_timeout = vote_timeout
-        self.shelf = shelf
         self._n = 0                         # the run's agreements so far: each one's keys are its own
         self._owed: list[str] = []          # rank 0: this restore's marks, set once every rank read them
 
@@ -65,7 +63,7 @@ class RestoreAgreements:
             self.store.set(key, str(-1 if step is None else step))
             self._owed.append(store_keys.all_read(key))
             return step
-        waiter = StoreWaiter(self.store, shelf=self.shelf)
+        waiter = StoreWaiter(self.store)
         try:
             chosen = waiter.wait([key], self.run.timeout)
         except StoreGone:                   # (it did not answer: said, with the time waited, by ``step``)
@@ -105,7 +103,7 @@ class RestoreAgreements:
             self.store.add(failed, 1)
         if self.store.add(arrived, 1) >= self.world_size:
             self.store.set(done, "1")
-        waiter = StoreWaiter(self.store, shelf=self.shelf)
+        waiter = StoreWaiter(self.store)
         ok_all = waiter.wait([done], timeout)
         waiter.forget()
         if not ok_all:
@@ -127,7 +125,7 @@ class RestoreAgreements:
         ``wait=False`` (the restore failed): forget them, so that the error is raised at once."""
         owed, self._owed = self._owed, []
         if wait and owed and self.run is not None and \
-                not wait_all_read(self.store, owed, self.run.timeout, self.shelf):
+                not wait_all_read(self.store, owed, self.run.timeout):
             log.warning("ckptd: not every rank read this restore's agreement within %gs (join_timeout); "
                         "a rank died or did not restore", self.run.timeout)
 

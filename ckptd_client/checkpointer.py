@@ -34,7 +34,7 @@ from .session import DaemonSession
 from .slots import ClientSlot
 from .sources import Reader, RestoreInfo, outranked, restore_chain, run_chain
 from .step_choice import latest_step, newest_readable
-from .store_io import CloneShelf, guarded_store
+from .store_io import guarded_store
 from .streamed import needs_stream, stream_save
 
 if TYPE_CHECKING:
@@ -77,8 +77,7 @@ class Checkpointer:
         self.store = guarded_store(c.store if c.store is not None else d_store, max(c.commit_timeout, join_window(c)))
         self.commit_mode = resolve_commit_mode(c.commit, self.world_size, self.store is not None)
         self.commit_timeout = c.commit_timeout
-        self._lines = CloneShelf()      # cloned store connections for blocking waits, shared (store_io.py)
-        self.run_scope = RunScope(self.store, self.job, self.rank, self.world_size, join_window(c), self._lines) \
+        self.run_scope = RunScope(self.store, self.job, self.rank, self.world_size, join_window(c)) \
             if self.store is not None and (self.world_size > 1 or self.commit_mode is CommitMode.RELAY) else None
         # Ranks per node (one daemon each, sharing its CPUs): the relay's fan-in groups (relay.py), 8 if unknown.
         known = c.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
@@ -99,7 +98,7 @@ class Checkpointer:
         self.plans = PlanCache()                      # the last save's plan, while the structure holds
         self._handles: dict[int, SaveHandle] = {}      # step → handle (one save per step in flight)
         self._agreements = RestoreAgreements(self.store, self.run_scope, self.rank, self.world_size,
-                                             self.commit_timeout, self._lines)
+                                             self.commit_timeout)
         self._relays: dict[SaveLevel, StoreRelay] = {}     # relay commit: one per level (its own keys)
         self._seq, self._closed = 0, False
         self.memory = c.memory                         # restore asks the daemon's memory tier first
@@ -283,7 +282,7 @@ class Checkpointer:
                 self.commit_timeout, lambda step, *a: s.commit(step, *a, memory=memory),
                 lambda step, why: s.abort(step, why, memory=memory),
                 lambda step: self._on_disk(step, self._handles.get(step)),
-                node_size=self.local_world_size, run=self.run_scope, shelf=self._lines)
+                node_size=self.local_world_size, run=self.run_scope)
         return self._relays[level]
 
     def wait(self, timeout: float | None = None) -> None:
@@ -380,7 +379,6 @@ class Checkpointer:
             relay.close()
         if self.run_scope is not None:
             self.run_scope.close()
-        self._lines.clear()
         for h in list(self._handles.values()):      # before the disconnect, which would say "lost"
             self._finish(h, f"checkpointer closed before step {h.step} committed (close timeout {timeout}s)")
         self._copies.shutdown()

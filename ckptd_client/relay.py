@@ -54,7 +54,7 @@ from . import store_keys
 from .api_guard import ProcessOwner
 from .errors import CheckpointError, NoReply
 from .store_guard import StoreGone, store_deadline
-from .store_io import CHUNK, WAIT_SLICE_S, CloneShelf, StoreWaiter, abandon, guarded_store, multi_get, read_once
+from .store_io import CHUNK, WAIT_SLICE_S, StoreWaiter, abandon, guarded_store, multi_get, read_once
 
 WAIT_NODES = 256          # node records rank 0 waits for, then fetches and decodes, at a time
 DISK_POLL_S = 0.2       # how often the disk is looked at while it decides
@@ -90,7 +90,7 @@ class StoreRelay:
                  commit: Callable[[int, dict[int, str], list[Any] | None, float, list[int]], None],
                  abort: Callable[[int, str], object],
                  on_disk: Callable[[int], bool] = lambda step: False, node_size: int = 8, *,
-                 run: RunSource, shelf: CloneShelf | None = None) -> None:
+                 run: RunSource) -> None:
         store = guarded_store(store, 2 * timeout + 5.0)
         self.store, self.job, self.rank, self.world_size = store, job, rank, world_size
         self._run_source = run
@@ -103,7 +103,7 @@ class StoreRelay:
         self._commit, self._abort, self._on_disk = commit, abort, on_disk
         self._own = store       # short requests; the blocking waits run on a cloned connection
         self._stop = threading.Event()
-        self._waiter = StoreWaiter(store, self._stop, shelf)
+        self._waiter = StoreWaiter(store, self._stop)
         self._saves: dict[int, RelayedSave] = {}
         self._claimed: set[int] = set()         # steps this run saved (or tried to)
         self._lock = threading.Lock()

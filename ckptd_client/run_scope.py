@@ -36,7 +36,7 @@ from ckptd.core.names import is_hex
 from . import store_keys
 from .errors import CheckpointError
 from .store_guard import store_deadline
-from .store_io import CHUNK, WAIT_SLICE_S, CloneShelf, StoreWaiter, abandon, guarded_store, multi_get, peek
+from .store_io import CHUNK, WAIT_SLICE_S, StoreWaiter, abandon, guarded_store, multi_get, peek
 
 log = logging.getLogger("ckptd_client")
 
@@ -58,8 +58,7 @@ class RunScope:
     ``timeout`` seconds of its start (the Checkpointer's join window, ``config.join_window``).
     ``current()`` never blocks; ``wait()`` does (bounded)."""
 
-    def __init__(self, store: Any, job: str, rank: int, world_size: int, timeout: float,
-                 shelf: CloneShelf | None = None) -> None:
+    def __init__(self, store: Any, job: str, rank: int, world_size: int, timeout: float) -> None:
         store = guarded_store(store, timeout)     # every call bounded (store_guard.py): by the join window's end
         self.store, self.job, self.rank, self.world_size = store, job, rank, world_size
         self.timeout = timeout
@@ -70,7 +69,7 @@ class RunScope:
         if self.run is not None:
             self._ready.set()
         self._stop = threading.Event()
-        self._waiter = StoreWaiter(store, self._stop, shelf)     # its clone goes to the relay afterwards
+        self._waiter = StoreWaiter(store, self._stop)
         self._thread = threading.Thread(target=self._bounded(self._serve if rank == 0 else self._join),
                                         name="ckptd-client-run", daemon=True)
         self._thread.start()

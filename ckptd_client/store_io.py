@@ -35,48 +35,19 @@ def abandon(store: Any, thread: threading.Thread) -> None:
         thread.join(timeout=5.0)
 
 
-class CloneShelf:
-    """Spare cloned connections to one store, shared by the waiters of one ``Checkpointer``: a
-    waiter done with its clone (the run handshake's, once the run id is known) leaves it here
-    and the next waiter (the relay's) takes it instead of opening another. Every connection
-    costs the store's server an accept on its one thread, and torch's server looks up each
-    peer's name there too: a lost DNS reply stalls every other connect behind it for 5 s, so a
-    job of thousands of ranks each opening one more connection at the same moment waited
-    minutes (benchmarks/results/scale.md). A guarded store (store_guard.py) pools its connections
-    itself: its clone is itself, so the shelf then holds nothing a waiter would not have."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._spare: list[Any] = []
-
-    def take(self) -> Any:
-        """A spare clone, or None."""
-        with self._lock:
-            return self._spare.pop() if self._spare else None
-
-    def put(self, clone: Any) -> None:
-        with self._lock:
-            self._spare.append(clone)
-
-    def clear(self) -> None:
-        """Close the spares (a clone's connection closes when it is dropped)."""
-        with self._lock:
-            self._spare.clear()
-
-
 class StoreWaiter:
-    """Blocking waits on store keys without polling: ``wait`` on a cloned connection, in slices
-    of at most ``WAIT_SLICE_S`` so that ``stop`` ends a wait soon (a thread still inside a C++
-    store call while the interpreter exits aborts the process). Stores that cannot be cloned are
+    """Blocking waits on store keys without polling: ``wait`` on a cloned connection (a guarded
+    store's clone is itself: its pool gives each call a connection), in slices of at most
+    ``WAIT_SLICE_S`` so that ``stop`` ends a wait soon (a thread still inside a C++ store call while
+    the interpreter exits aborts the process). Stores that cannot be cloned are
     polled slowly, with jitter. Once the store is found gone (its server, in rank 0's process,
     exited; or, a guarded store, it did not answer by the wait's end: store_guard.py) every wait
     raises at once: a clone() of a dead store would block for the store's whole timeout, and again
     on its retry."""
 
-    def __init__(self, store: Any, stop: threading.Event | None = None, shelf: CloneShelf | None = None) -> None:
+    def __init__(self, store: Any, stop: threading.Event | None = None) -> None:
         self.store = store
         self.stop = stop or threading.Event()
-        self.shelf = shelf
         self._clone: Any = None
         self.can_clone = True         # until a clone() fails
         self.gone: Exception | None = None
@@ -112,7 +83,7 @@ class StoreWaiter:
             if done or left <= 0 or self.stop.is_set():
                 return done
             if self._clone is None and self.can_clone:
-                self._clone = (self.shelf.take() if self.shelf is not None else None) or _clone(self.store)
+                self._clone = _clone(self.store)
                 self.can_clone = self._clone is not None
             if not self.can_clone:
                 time.sleep(min(left, 0.2 + 0.3 * random.random()))
@@ -130,10 +101,7 @@ class StoreWaiter:
                     time.sleep(min(left, 0.2 + 0.3 * random.random()))
 
     def forget(self) -> None:
-        """No more waits: the cloned connection goes to the shelf (or is dropped, without one, so as
-        not to hold a socket open). A clone whose wait failed was dropped already."""
-        if self._clone is not None and self.shelf is not None and self.gone is None:
-            self.shelf.put(self._clone)
+        """No more waits: the cloned connection is dropped, so as not to hold a socket open."""
         self._clone = None
 
 
@@ -159,12 +127,12 @@ def read_once(store: Any, key: str, readers: int, mark: str | None = None) -> No
         pass
 
 
-def wait_all_read(store: Any, marks: Sequence[str], timeout: float, shelf: CloneShelf | None = None) -> bool:
+def wait_all_read(store: Any, marks: Sequence[str], timeout: float) -> bool:
     """(The writer of broadcasts) Whether every reader of each broadcast set its mark within ``timeout``
     seconds; the marks are then deleted. Why wait: the store's server may live in this process (rank 0's,
     with ``init_method="tcp://..."`` and no launcher), and a reader still reading when it exits fails.
     False also when the store is gone."""
-    waiter = StoreWaiter(store, shelf=shelf)
+    waiter = StoreWaiter(store)
     try:
         with store_deadline(time.monotonic() + timeout):
             done = waiter.wait(marks, timeout)

@@ -256,7 +256,8 @@ SERVE_FLAGS = {"--root": "root", "--socket": "socket", "--socket-mode": "socket_
                "--debug-commit-delay": "debug.commit_delay",
                "--debug-frame-timeout": "debug.frame_timeout"}
 SERVE_FLAGS.update({f"--s3-{k.replace('_', '-')}": f"s3.{k}" for k in (
-    "url", "endpoint", "region", "concurrency", "part_size", "keep_last", "queue_depth", "retry_max_interval")})
+    "url", "endpoint", "region", "request_timeout", "concurrency", "part_size", "keep_last", "queue_depth",
+    "retry_max_interval")})
 SERVE_FLAGS["--debug-upload-delay"] = "debug.upload_delay"
 
 
@@ -264,7 +265,7 @@ def test_flags_come_from_the_definition():
     from ckptd.cli import GC_KEYS, SERVE_KEYS
     assert {f.name: k.name for k in SERVE_KEYS for f in k.flags} == SERVE_FLAGS
     assert [k.name for k in GC_KEYS] == ["retention.keep_last", "retention.keep_every", "retention.abandoned_after",
-                                        "s3.url", "s3.endpoint", "s3.region"]     # (--remove-above: the bucket too)
+                                        "s3.url", "s3.endpoint", "s3.region", "s3.request_timeout"]  # (--remove-above)
     assert all(k.spec.doc for k in SERVE_KEYS)
 
 

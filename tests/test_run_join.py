@@ -1,7 +1,7 @@
 """The run-id handshake at scale and on a store an earlier run left (ckptd_client/run_scope.py):
 rank 0 reads only the tickets taken since the last rank 0 looked, answers them in one batch,
 and each rank opens one store connection for its blocking waits, shared by the handshake and
-the relay (store_io.CloneShelf). Real TCPStore, real daemon, real Checkpointers."""
+the relay (the store guard's pool, store_guard.py). Real TCPStore, real daemon, real Checkpointers."""
 from __future__ import annotations
 
 import threading

@@ -2,8 +2,8 @@
 
 Every bucket request had one 300 s timeout, so such an endpoint held a restore of a step this node has
 (the daemon lists the bucket for the newest step first) and `ckptd ls ROOT` with [s3] configured for
-300 s each. Listings and HEADs now time out in seconds (bucket.py SHORT_TIMEOUT, retried for
-SHORT_RETRY_TIMEOUT_S); only data transfers keep the long one.
+300 s each. Listings and HEADs now time out in seconds (``s3.request_timeout`` in all, retries included;
+15 s by default, 3 s here); only data transfers keep the long one.
 """
 # mypy: disable-error-code="union-attr,index,operator"
 from __future__ import annotations
@@ -21,7 +21,8 @@ import pytest
 from test_s3_tier import JOB, assert_state, restore, save
 
 FAKE_KEYS = {"AWS_ACCESS_KEY_ID": "ckptd-test", "AWS_SECRET_ACCESS_KEY": "never-checked", "AWS_REGION": "us-east-1"}
-BOUND_S = 60.0          # well under the old 300 s, well over bucket.SHORT_RETRY_TIMEOUT_S (15 s) and a start-up
+REQUEST_TIMEOUT_S = 3.0     # s3.request_timeout (default 15 s)
+BOUND_S = 40.0          # well under the old 300 s, well over the request timeout and a start-up
 
 
 @pytest.fixture
@@ -57,7 +58,7 @@ def blackhole() -> Iterator[str]:
 
 
 def test_an_endpoint_that_never_answers_holds_a_local_restore_and_ls_for_seconds(daemon_factory, blackhole):
-    s3 = ("--s3-url", "s3://bk/ckpt", "--s3-endpoint", blackhole)
+    s3 = ("--s3-url", "s3://bk/ckpt", "--s3-endpoint", blackhole, "--s3-request-timeout", f"{REQUEST_TIMEOUT_S:g}s")
     d = daemon_factory(*s3, env=FAKE_KEYS)
     save(d.socket, 1, seed=1)                  # committed locally; its upload hangs on the endpoint
 
@@ -72,7 +73,8 @@ def test_an_endpoint_that_never_answers_holds_a_local_restore_and_ls_for_seconds
     t0 = time.monotonic()
     listing = subprocess.run([sys.executable, "-m", "ckptd", "ls", str(d.root)], capture_output=True, text=True,
                              timeout=BOUND_S, env={**os.environ, **FAKE_KEYS, "CKPTD_S3_URL": "s3://bk/ckpt",
-                                                   "CKPTD_S3_ENDPOINT": blackhole, "CKPTD_SOCKET": str(d.socket)})
+                                                   "CKPTD_S3_ENDPOINT": blackhole, "CKPTD_SOCKET": str(d.socket),
+                                                   "CKPTD_S3_REQUEST_TIMEOUT": f"{REQUEST_TIMEOUT_S:g}s"})
     assert time.monotonic() - t0 < BOUND_S
     assert listing.returncode == 0 and "cannot reach the endpoint" in listing.stderr, listing.stderr
     assert [ln.split()[:2] for ln in listing.stdout.splitlines()[1:]] == [[JOB, "1"]], listing.stdout

@@ -30,6 +30,26 @@ time.sleep(600)
 """
 
 
+def sigstop(pid: int) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped: a signal is delivered when its
+    target is next scheduled, and on a loaded machine the server's thread could answer one more call
+    first (a child's ``check`` "answered" 0.2 s after the kill in one run of the suite)."""
+    os.kill(pid, signal.SIGSTOP)
+    end = time.monotonic() + 10.0
+    while time.monotonic() < end:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:         # (a thread that exited meanwhile)
+                continue
+        if states and all(st in "Tt" for st in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} still running 10 s after SIGSTOP")
+
+
 @pytest.fixture
 def server() -> Iterator[tuple[subprocess.Popen[str], Any]]:
     """A TCPStore server in a process of its own, and torch's client connection to it."""
@@ -72,7 +92,7 @@ def test_calls_end_by_their_deadline_and_the_store_serves_again(server: tuple[su
     proc, client = server
     guarded = GuardedStore(client, bound=2.0)
     assert guarded.get("k") == b"v"     # its own connection, opened while the server answers
-    os.kill(proc.pid, signal.SIGSTOP)
+    sigstop(proc.pid)
 
     def bounded_get() -> bytes:
         with store_deadline(time.monotonic() + 1.0):
@@ -96,7 +116,7 @@ def test_opening_a_connection_to_a_stopped_store_is_bounded(server: tuple[subpro
     proc, client = server
     guarded = GuardedStore(client, bound=1.5)
     assert guarded.add("n", 1) == 1         # its first connection, opened while the server answers
-    os.kill(proc.pid, signal.SIGSTOP)
+    sigstop(proc.pid)
     result, took = _timed(lambda: guarded.check(["n"]))
     assert result.startswith("StoreGone: ") and "did not answer a check within" in result, result
     for _ in range(2):      # that connection was shut down: each call opens a new one, and gives up
@@ -142,7 +162,7 @@ def test_a_forked_child_bounds_its_calls_with_a_watchdog_of_its_own(server: tupl
     status: int | None = None
     try:
         assert os.read(to_parent, 1) == b"1"
-        os.kill(proc.pid, signal.SIGSTOP)
+        sigstop(proc.pid)
         os.write(from_parent, b"1")
         began = time.monotonic()
         while time.monotonic() - began < 30 and status is None:
@@ -167,7 +187,7 @@ def test_abandon_cuts_short_the_calls_in_flight_and_refuses_later_ones(server: t
     proc, client = server
     mine, other = GuardedStore(client, bound=60.0), GuardedStore(client, bound=60.0)
     assert mine.get("k") == b"v" and other.get("k") == b"v"
-    os.kill(proc.pid, signal.SIGSTOP)
+    sigstop(proc.pid)
     result: dict[str, Any] = {}
     call = threading.Thread(target=lambda: result.update(zip("rt", _timed(lambda: mine.get("k")), strict=True)))
     call.daemon = True

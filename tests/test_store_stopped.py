@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_store_guard import sigstop
 
 import sharded_trainer as st
 
@@ -79,7 +80,7 @@ def test_a_stopped_rank_0_does_not_hold_the_other_ranks(tmp: Path, daemon: Any, 
             if line.startswith("READY"):
                 break
         assert seen and seen[-1].startswith("READY"), "".join(seen)
-        os.kill(procs[0].pid, signal.SIGSTOP)
+        sigstop(procs[0].pid)
         go.touch()
         t0 = time.monotonic()
         try:
@@ -124,7 +125,7 @@ def test_closing_while_rank_0_is_stopped_ends_its_threads_and_exits_cleanly(tmp:
             if line.startswith("READY"):
                 break
         assert seen and seen[-1].startswith("READY"), "".join(seen)
-        os.kill(procs[0].pid, signal.SIGSTOP)
+        sigstop(procs[0].pid)
         go.touch()
         t0 = time.monotonic()
         out, _ = procs[1].communicate(timeout=2 * commit_timeout + 40)

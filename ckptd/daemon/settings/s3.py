@@ -43,6 +43,13 @@ def parse_region(v: object) -> str:
     return v
 
 
+def parse_request_timeout(v: object) -> float:
+    s = parse_duration(v)
+    if not 1.0 <= s <= 3600.0:
+        raise ValueError(f"must be between 1s and 1h, got {s:g}s")
+    return s
+
+
 def _show_opt(v: object) -> str:
     return '""' if v is None else f'"{v}"'
 
@@ -61,6 +68,12 @@ class S3Settings:
     region: str = setting(
         "us-east-1", parse=parse_region, flags=(Flag("--s3-region"),), gc=True,
         doc="Region of the bucket (signing region for other stores).")
+    request_timeout: float = setting(
+        15.0, parse=parse_request_timeout, show=show_duration, flags=(Flag("--s3-request-timeout"),), gc=True,
+        doc="How long a listing, HEAD, delete or GET of a small object (an index.json, a manifest) may take, "
+            "retries included, before it fails; each try gets a third of it. What an endpoint that accepts "
+            "connections and never answers costs a restore of a step this node has, or `ckptd ls`. Uploads and "
+            "data GETs have their own, longer bounds (5 min a request, retried for 2 min).")
     concurrency: int = setting(
         8, parse=integer(1, 256), flags=(Flag("--s3-concurrency"),),
         doc="Parallel requests per file: multipart upload parts and ranged GETs.")

@@ -58,12 +58,10 @@ class TooLarge(BucketError):
 
 
 CONNECT_TIMEOUT = "5s"
-# A request's whole time (response and body) on the client for listings, HEADs, deletes and GETs of small
-# objects (an index.json or manifest up to SMALL_OBJECT_BYTES: 200 KB/s suffices); obstore retries one that
-# times out until SHORT_RETRY_TIMEOUT_S has passed, so an endpoint that never answers fails such a call in
-# about 15 s (a restore of a step this node has, `ckptd ls ROOT`), not in DATA_TIMEOUT.
-SHORT_TIMEOUT = "5s"
-SHORT_RETRY_TIMEOUT_S = 15.0
+# Listings, HEADs, deletes and GETs of small objects (an index.json or manifest up to SMALL_OBJECT_BYTES:
+# 200 KB/s suffices) get ``s3.request_timeout`` in all: a third of it per try (the response and its body),
+# obstore retrying one that times out until the whole has passed. So an endpoint that never answers fails
+# such a call in about that time (a restore of a step this node has, `ckptd ls ROOT`), not in DATA_TIMEOUT.
 SMALL_OBJECT_BYTES = 1 << 20
 # Data: every upload (a background one may be slow), ranged GETs of ``part_size``, larger GETs.
 DATA_TIMEOUT = "300s"
@@ -146,7 +144,7 @@ class Bucket:
         # timeout (obstore retries a timed-out request within retry_timeout). Listings, HEADs, deletes and
         # GETs of small objects go through ``store``, bounded in seconds (a restore, `ckptd ls`); uploads and
         # data through ``data_store``, whose requests may take minutes.
-        self.store = store(SHORT_TIMEOUT, SHORT_RETRY_TIMEOUT_S)
+        self.store = store(f"{round(settings.request_timeout * 1000 / 3)}ms", settings.request_timeout)
         self.data_store = store(DATA_TIMEOUT, DATA_RETRY_TIMEOUT_S)
 
     def _store_for(self, size: int) -> Any:
