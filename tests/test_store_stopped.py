@@ -67,11 +67,14 @@ os._exit(0)
 '''
 
 
-@pytest.mark.parametrize("op, bound", [("save", 2 * COMMIT_TIMEOUT + 15), ("restore", JOIN_TIMEOUT + 15)])
-def test_a_stopped_rank_0_does_not_hold_the_other_ranks(tmp: Path, daemon: Any, op: str, bound: float) -> None:
+def _rank_1_with_rank_0_stopped(tmp: Path, socket: str, op: str, commit_timeout: float, within: float,
+                                ) -> tuple[str, int | None, float]:
+    """Two ranks run WORKER's ``op``: once step 1 committed on both, rank 0 is stopped and rank 1 goes
+    on. Rank 1's output, exit status and seconds from the stop to its exit (an AssertionError, with
+    its output, if it had not exited ``within`` seconds)."""
     script, go = tmp / "stopped_worker.py", tmp / "go"
     script.write_text(WORKER)
-    procs = st.launch(2, str(daemon.socket), str(go), op, str(COMMIT_TIMEOUT), str(JOIN_TIMEOUT), script=script)
+    procs = st.launch(2, socket, str(go), op, str(commit_timeout), str(JOIN_TIMEOUT), script=script)
     try:
         assert procs[0].stdout is not None
         seen = []
@@ -84,18 +87,23 @@ def test_a_stopped_rank_0_does_not_hold_the_other_ranks(tmp: Path, daemon: Any, 
         go.touch()
         t0 = time.monotonic()
         try:
-            out, _ = procs[1].communicate(timeout=bound + 30)
+            out, _ = procs[1].communicate(timeout=within)
         except Exception:
             procs[1].kill()
-            raise AssertionError(f"rank 1's {op} still blocked {bound + 30:.0f}s after rank 0 stopped: "
+            raise AssertionError(f"rank 1's {op} still blocked {within:.0f}s after rank 0 stopped: "
                                  f"{procs[1].communicate()[0][-4000:]}") from None
-        took = time.monotonic() - t0
+        return out, procs[1].returncode, time.monotonic() - t0
     finally:
         for p in procs:
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGCONT)
                 p.kill()
                 p.wait(timeout=30)
+
+
+@pytest.mark.parametrize("op, bound", [("save", 2 * COMMIT_TIMEOUT + 15), ("restore", JOIN_TIMEOUT + 15)])
+def test_a_stopped_rank_0_does_not_hold_the_other_ranks(tmp: Path, daemon: Any, op: str, bound: float) -> None:
+    out, _, took = _rank_1_with_rank_0_stopped(tmp, str(daemon.socket), op, COMMIT_TIMEOUT, bound + 30)
     raised = [line for line in out.splitlines() if line.startswith("RAISED in ")]
     assert raised, out[-4000:]
     assert float(raised[0].split()[2].rstrip("s:")) <= bound, (bound, raised[0])
@@ -113,29 +121,8 @@ def test_closing_while_rank_0_is_stopped_ends_its_threads_and_exits_cleanly(tmp:
     thread is left inside a C++ store call when the interpreter exits (before: the thread was left)."""
     commit_timeout = 20.0
     daemon = daemon_factory("--debug-write-delay", "3")
-    script, go = tmp / "stopped_worker.py", tmp / "go"
-    script.write_text(WORKER)
-    procs = st.launch(2, str(daemon.socket), str(go), "close", str(commit_timeout), str(JOIN_TIMEOUT), script=script)
     bound = 0.5 + 15 + 5 + 10       # close's timeout, the relay's join, the abandoned call's end, slack
-    try:
-        assert procs[0].stdout is not None
-        seen = []
-        for line in procs[0].stdout:
-            seen.append(line)
-            if line.startswith("READY"):
-                break
-        assert seen and seen[-1].startswith("READY"), "".join(seen)
-        sigstop(procs[0].pid)
-        go.touch()
-        t0 = time.monotonic()
-        out, _ = procs[1].communicate(timeout=2 * commit_timeout + 40)
-        took = time.monotonic() - t0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGCONT)
-                p.kill()
-                p.wait(timeout=30)
+    out, rc, took = _rank_1_with_rank_0_stopped(tmp, str(daemon.socket), "close", commit_timeout, 3 * bound)
     assert "THREADS []" in out, out[-4000:]       # the relay's thread (and the run's) ended in close()
-    assert procs[1].returncode == 0, (procs[1].returncode, out[-4000:])
+    assert rc == 0, (rc, out[-4000:])
     assert took <= bound, (took, out[-4000:])
