@@ -120,9 +120,9 @@ class RunScope:
             store.delete_key(answer)
             store.delete_key(store_keys.join_request(job, ticket))
             self.run = run
-            self._ready.set()
             if store.add(store_keys.joined(store_keys.scope(job, run)), 1) >= self.world_size - 1:
                 store.set(store_keys.join_bell(job), "1")        # the last one: rank 0 may stop
+            self._ready.set()   # counted first: a rank 0 closed once every rank has the id finds them all
         except Exception as e:
             self.error = self.error or f"rank {self.rank} could not learn the run id: {type(e).__name__}: {e}"
         finally:
