@@ -13,6 +13,7 @@ import pytest
 import torch
 import zygote
 from ports import free_port
+from procfd import sigstop
 
 import ckptd_client
 from ckptd.core.names import step_dir
@@ -285,7 +286,7 @@ def test_a_save_waiting_for_a_slot_of_a_stopped_daemon_fails_within_commit_timeo
     d = daemon_factory("--debug-write-delay", "0.5")
     ck = ckptd_client.Checkpointer("stopped", socket=str(d.socket), num_slots=1, commit_timeout=3, overlap=False)
     first = ck.save(1, {"w": torch.ones(1 << 18)})
-    os.kill(d.proc.pid, signal.SIGSTOP)
+    sigstop(d.proc.pid)
     raised: list[BaseException] = []
 
     def second() -> None:

@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from procfd import memfds_named
+from procfd import memfds_named, sigstop
 
 import ckptd_client
 
@@ -61,7 +61,7 @@ def test_stalled_peer_fails_its_copy_and_the_rest_go_on(daemon_factory, tmp):
         ck = ckptd_client.Checkpointer("stall", socket=str(b.socket))
         saving = ck.save(1, states[1])
         wait_for(lambda: has_memfd(a1.proc.pid, "ckptd-mem-stall-1-r0"), "A1 to start receiving step 1")
-        os.kill(a1.proc.pid, signal.SIGSTOP)
+        sigstop(a1.proc.pid)
         stopped = True
         assert "replica held job=stall step=1" not in a1.log_text()        # stopped mid-transfer
         saving.wait(60)

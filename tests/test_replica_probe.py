@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from procfd import sigstop
 
 import ckptd_client
 from ckptd.core import peer_protocol as pp
@@ -189,7 +190,7 @@ def test_a_peer_back_from_an_outage_counts_again(daemon_factory, tmp):
     a, b, _, _ = two_nodes(daemon_factory, tmp)
     save(a.socket, "blip", 1)
     wait_for(lambda: copies_of(a.socket, "blip", 1) == 2, "A's step 1 replicated on B", 30)
-    os.kill(b.proc.pid, signal.SIGSTOP)
+    sigstop(b.proc.pid)
     try:
         assert_degraded(a, "blip", 1)
     finally:

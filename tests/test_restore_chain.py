@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from procfd import sigstop
 
 import ckptd_client
 from ckptd.core import protocol
@@ -290,7 +291,7 @@ def test_a_stopped_daemon_does_not_hold_a_restore_for_the_bucket_timeout(daemon,
             "memory=False, prepare=False)\n"
             "live = {'w': torch.zeros(8)}\n"
             "print('RESTORED', ck.restore(live), live['w'].tolist(), flush=True)\n")
-    daemon.proc.send_signal(signal.SIGSTOP)
+    sigstop(daemon.proc.pid)
     try:
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     finally:

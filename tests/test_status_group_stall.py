@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ports import SPAN
+from procfd import sigstop
 
 from ckptd.s3_local import free_ports
 
@@ -31,7 +32,7 @@ def test_status_group_waits_the_peer_io_timeout_and_names_a_stopped_member(tmp: 
             args += ["--peer", p]
         nodes.append(daemon_factory(*args, name=f"n{i}", root=tmp / f"root{i}"))
     cmd = [sys.executable, "-m", "ckptd", "status", "--group", "--socket", str(nodes[0].socket)]
-    os.kill(nodes[2].proc.pid, signal.SIGSTOP)
+    sigstop(nodes[2].proc.pid)
     try:
         t0 = time.monotonic()
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=IO_TIMEOUT_S + 40)

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import torch
+from procfd import sigstop
 
 import ckptd_client
 from ckptd.core.names import INDEX_NAME, step_dir
@@ -40,7 +41,7 @@ def test_close_with_no_timeout_gives_up_a_stopped_daemon(daemon_factory: Any) ->
     ck = ckptd_client.Checkpointer("stopped", socket=str(d.socket), rank=0, world_size=2, commit_timeout=2)
     ck.save(1, {"w": torch.arange(1000, dtype=torch.float32)})
     bound = max(2, 3) + 5.0
-    os.kill(d.proc.pid, signal.SIGSTOP)
+    sigstop(d.proc.pid)
     try:
         stuck, took, report = _in_thread(ck.close, bound + 30)
     finally:
@@ -63,7 +64,7 @@ def test_a_save_that_must_grow_the_slots_of_a_stopped_daemon_fails_within_commit
     # 16 MiB in 1 MiB chunks, 0.25 s each: 4 s of reading the slot, frozen by the SIGSTOP a moment after
     # save() returns, then finished before close() below returns (1 s a chunk had close wait 16 s).
     ck.save(1, {"w": torch.ones(4 << 20)})
-    os.kill(d.proc.pid, signal.SIGSTOP)
+    sigstop(d.proc.pid)
     try:
         stuck, took, raised = _in_thread(lambda: ck.save(2, {"w": torch.ones(6 << 20)}), 40)   # 24 MiB
     finally:
@@ -83,7 +84,7 @@ def test_a_restore_with_root_given_skips_the_memory_of_a_daemon_that_did_not_ans
     d = daemon_factory()
     with ckptd_client.Checkpointer("quiet", socket=str(d.socket), commit_timeout=5) as ck:
         ck.save(1, {"w": torch.arange(1000.0)}).wait(30)
-    os.kill(d.proc.pid, signal.SIGSTOP)
+    sigstop(d.proc.pid)
     try:
         c2 = ckptd_client.Checkpointer("quiet", socket=str(d.socket), root=str(d.root), commit_timeout=5, prepare=False)
         state = {"w": torch.zeros(1000)}

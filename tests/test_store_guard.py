@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from procfd import sigstop
 
 from ckptd_client import store_guard
 from ckptd_client.store_guard import GuardedStore, store_deadline
@@ -28,26 +29,6 @@ st = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, True, timedelta(seconds=60)
 print("up", flush=True)
 time.sleep(600)
 """
-
-
-def sigstop(pid: int) -> None:
-    """SIGSTOP ``pid`` and return once every thread of it is stopped: a signal is delivered when its
-    target is next scheduled, and on a loaded machine the server's thread could answer one more call
-    first (a child's ``check`` "answered" 0.2 s after the kill in one run of the suite)."""
-    os.kill(pid, signal.SIGSTOP)
-    end = time.monotonic() + 10.0
-    while time.monotonic() < end:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except OSError:         # (a thread that exited meanwhile)
-                continue
-        if states and all(st in "Tt" for st in states):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"process {pid} still running 10 s after SIGSTOP")
 
 
 @pytest.fixture

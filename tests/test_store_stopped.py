@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_store_guard import sigstop
+from procfd import sigstop
 
 import sharded_trainer as st
 
