@@ -155,14 +155,18 @@ class _Ours:
     _lock = threading.Lock()
     _by_port: dict[int, _Ours] = {}
 
-    def __init__(self) -> None:
+    def __init__(self, port: int) -> None:
+        self.port = port
         self.sockets: set[str] = set()
         self.lines: weakref.WeakSet[_Line] = weakref.WeakSet()
 
     @classmethod
     def of(cls, port: int) -> _Ours:
         with cls._lock:
-            return cls._by_port.setdefault(port, cls())
+            ours = cls._by_port.get(port)
+            if ours is None:
+                ours = cls._by_port[port] = cls(port)
+            return ours
 
     def add(self, line: _Line, sockets: set[str], live: set[str]) -> None:
         """``line`` and its ``sockets``; those of ours no longer among this process's ``live`` are forgotten."""
@@ -170,7 +174,7 @@ class _Ours:
             self.sockets = (self.sockets & live) | sockets
             self.lines.add(line)
 
-    def shut_all(self, port: int) -> None:
+    def shut_all(self) -> None:
         with self._lock:
             lines = list(self.lines)
         for line in lines:
@@ -180,7 +184,7 @@ class _Ours:
             self.sockets &= set(live)          # (closed ones forgotten)
             ours = [(link, live[link]) for link in self.sockets]
         for link, fd in ours:
-            if peer_port(fd) == port:
+            if peer_port(fd) == self.port:
                 shut(fd, link)
 
 
@@ -296,7 +300,7 @@ class GuardedStore:
                              f"{time.monotonic() - began:.1f}s: rank 0 stopped or its host unreachable")
         while True:
             line = pool.take(end, gone, self)
-            with _watchdog.watching(end, lambda: _Ours.of(port).shut_all(port), owner=self) as w:
+            with _watchdog.watching(end, lambda: _Ours.of(port).shut_all(), owner=self) as w:
                 try:
                     value = getattr(line.conn, name)(*args)
                 except Exception as e:
