@@ -1,5 +1,6 @@
 """A node's count of its peers' copies follows the peers: a copy a target lost, or a target gone, stops
-counting within ``peers.probe_interval`` + ``peers.io_timeout``, so the step shows degraded."""
+counting within ``peers.probe_interval`` + ``peers.io_timeout``, so the step shows degraded; a lost copy
+of the newest step is sent again."""
 # mypy: disable-error-code="union-attr,index,operator"
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from ckptd.core.peer_channel import Channel
 
 from test_acceptance import free_port
 from test_metrics import scrape
-from test_peers import peer_args, secret_file, wait_for
+from test_peers import peer_args, remove_data_files, secret_file, wait_for
 
 PROBE = ("--peer-probe-interval", "0.5s", "--peer-io-timeout", "2s")
 
@@ -86,16 +87,31 @@ def test_a_dead_peers_copies_stop_counting(daemon_factory, tmp):
 
 
 @pytest.mark.timeout(120)
-def test_a_peer_restarted_empty_no_longer_counts_as_a_copy(daemon_factory, tmp):
-    """B is restarted on the same address with an empty memory: the replica of A's step is gone, and A
-    says so (degraded, 1 copy) rather than counting the copy it acknowledged before."""
+def test_a_peer_restarted_empty_gets_the_newest_steps_copy_again(daemon_factory, tmp):
+    """B is restarted on the same address with an empty memory: A's probe finds the replica of its
+    newest step gone, stops counting it and sends it again, so B holds it and A counts 2 copies
+    without another save (before, the step stayed degraded until the next one). The copy B now holds
+    is the shard itself: with A's daemon killed and its data files deleted, a rank of A's job restores
+    it, bit-exact, from B's memory."""
     a, b, addrs, secret = two_nodes(daemon_factory, tmp)
-    save(a.socket, "again", 4)
+    save(a.socket, "again", 3, 4)
     wait_for(lambda: copies_of(a.socket, "again", 4) == 2, "A's step 4 replicated on B", 30)
     b.kill()
     b2 = daemon_factory(*peer_args(addrs[1], addrs, secret, *PROBE), name="b2")
-    assert not [s for s in status(b2.socket)["memory"]["held"] if s["job"] == "again"]
-    assert_degraded(a, "again", 4)
+    wait_for(lambda: "replica gone from peer" in a.log_text(), "A's probe found its copy gone from B", 30)
+    wait_for(lambda: held_step(b2.socket, "again", 4) is not None, "B holds A's step 4 again", 30)
+    wait_for(lambda: copies_of(a.socket, "again", 4) == 2, "A counts 2 copies of step 4 again", 30)
+    assert held_step(a.socket, "again", 4)["replicated"] and status(a.socket)["memory"]["degraded_steps"] == 0
+    assert "replica sent again" in a.log_text()
+    assert held_step(b2.socket, "again", 3) is None      # only the newest step is sent again
+    a.kill()
+    assert remove_data_files(a.root, "again") >= 2
+    with ckptd_client.Checkpointer("again", socket=str(b2.socket)) as ck:
+        state = {"w": torch.zeros(200_000)}
+        assert ck.restore(state) == 4
+        info = ck.last_restore                  # (B's own memory: the copy it holds, A being gone)
+        assert (info.source, info.from_memory, info.from_storage) == ("memory", 800_000, 0), info
+    assert torch.equal(state["w"], torch.randn(200_000, generator=torch.Generator().manual_seed(4)))
 
 
 @pytest.mark.timeout(120)

@@ -107,7 +107,9 @@ class PeerSettings:
             "target lost (restarted, trimmed, evicted) or a target that cannot be reached stops counting, so "
             "`replicated` and `ckptd_memory_degraded_steps` say so within `probe_interval` + `io_timeout`; "
             "a target reachable again is asked about those and they count again once it confirms them. "
-            "Lost copies are not sent again (the next step is). `0` turns the probe off (copies mode only).")
+            "A lost copy of a job's newest held step is sent to its target again (at most 3 times per copy); "
+            "an older step's is not. `0` turns the probe off (copies mode only): lost copies are then "
+            "neither seen nor sent again.")
     redundancy: str = setting(
         "copies", choices=REDUNDANCY, flags=(Flag("--peer-redundancy"),),
         doc="How a lost node's held shards survive: `copies` (K full copies on peers, `replicas`) or `parity` "

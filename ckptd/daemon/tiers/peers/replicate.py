@@ -18,9 +18,14 @@ Acknowledged copies are checked again: every ``peers.probe_interval`` s each tar
 one connection, whether it still holds each copy it acknowledged (``has``, bounded by
 ``peers.io_timeout``). A copy it no longer holds (restarted, trimmed, evicted), or every copy of a
 target that cannot be reached, stops counting, so the step shows degraded within the interval
-plus the timeout. Lost copies are not sent again: the next held step is. A target of an older
-build that does not know ``has`` (it closes the connection) keeps its acknowledgements (logged
-once); it is then only checked for being reachable until it has been seen down.
+plus the timeout. A lost copy of the newest step held here for its job (a target restarted empty,
+or one that evicted it) is queued for that target again, up to ``RESENDS`` times per copy and
+target, so a replaced node gets its copies back within a probe round instead of at the next save;
+an older step's lost copy is not (its target trims it again under its own ``memory.steps``; the
+newest is what a restore takes). A copy of a target that cannot be reached stays unsent until it
+answers again. A target of an older build that does not know ``has`` (it closes the connection)
+keeps its acknowledgements (logged once); it is then only checked for being reachable until it has
+been seen down.
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ from ckptd.daemon.tiers.peers.link import NotAllocated, PeerLink
 
 log = logging.getLogger("ckptd")
 QUEUE_MAX = 1024                # shards waiting per target
+RESENDS = 3                     # a lost copy of a job's newest held step, sent again to its target at most
 
 
 class TokenBucket:
@@ -109,6 +115,7 @@ class Replicator:
         self.down: set[str] = set()          # targets the last probe round could not reach
         self.no_has: set[str] = set()        # targets (older builds) that do not answer ``has``
         self.unsure: dict[str, set[tuple[str, int, int]]] = {}   # per target: acks dropped as unreachable
+        self.resent: dict[tuple[str, tuple[str, int, int]], int] = {}   # (target, shard): times sent again
 
     @property
     def sent_bytes(self) -> int:
@@ -125,6 +132,8 @@ class Replicator:
             return
         for key in [k for k in self.acked if k not in self.store.entries]:
             del self.acked[key]        # evicted or dropped here: its count no longer matters
+        for pair in [p for p in self.resent if p[1] not in self.store.entries]:
+            del self.resent[pair]
         for target, queue in self.queues.items():
             try:
                 queue.put_nowait(held)
@@ -212,8 +221,30 @@ class Replicator:
                     self._unack(key, target)
                     log.warning("replica gone from peer; its copy no longer counts",
                                 extra={"ctx": {"job": key[0], "step": key[1], "rank": key[2], "peer": target}})
+                    self._send_again(held, target)
         finally:
             link.close()
+
+    def _send_again(self, held: Held, target: str) -> None:
+        """(Event loop) A copy ``target`` lost, queued for it again if ``held`` is of the newest step held
+        here for its job and has not been sent again ``RESENDS`` times (module docstring)."""
+        newest = max((h.step for h in self.store.entries.values()
+                      if h.job == held.job and h.origin == held.origin and h.meta is not None and not h.gone),
+                     default=None)
+        ctx = {"job": held.job, "step": held.step, "rank": held.rank, "peer": target}
+        if held.step != newest:
+            return
+        times = self.resent.get((target, held.key), 0)
+        if times >= RESENDS:
+            log.warning("replica lost again; not sent again", extra={"ctx": {**ctx, "times_sent_again": times}})
+            return
+        try:
+            self.queues[target].put_nowait(held)
+        except asyncio.QueueFull:
+            log.warning("replication queue full; lost replica not sent again", extra={"ctx": ctx})
+            return
+        self.resent[(target, held.key)] = times + 1
+        log.info("replica sent again", extra={"ctx": ctx})
 
     async def _sender(self, target: str) -> None:
         queue = self.queues[target]
