@@ -25,6 +25,7 @@ from test_peers import peer_args, secret_file, wait_for
 
 JOB, STEP, WORLD = "par", 3, 4
 PARITY = ("--peer-redundancy", "parity", "--peer-group", "4", "--peer-parity", "1")
+PROBE = ("--peer-probe-interval", "0.5s")
 
 # One rank per node: saves STEP of its state (sizes differ per rank) through the relay commit, then waits
 # for the others so rank 0's store outlives them.
@@ -104,8 +105,10 @@ def test_lost_node_rebuilt_from_parity_bit_exact(daemon_factory, tmp):
     """Acceptance 1: 4 daemons, G = 4, P = 1, 8 ranks (2 per daemon): after the commit every node's step
     is protected and each node holds parity for the group; node 1's daemon is SIGKILLed and every data
     file deleted; a survivor, then a fresh daemon for node 1, rebuilds ranks 2 and 3 from the other
-    three nodes (no byte from storage), bit-exact."""
-    nodes, addrs, secret = start_group(daemon_factory, tmp, per_node=2)
+    three nodes (no byte from storage), bit-exact. The survivors' probes then find the pieces node 1
+    held gone and send them to the fresh daemon again: the group is protected again, and its parity
+    is right: node 3 lost next, its ranks are rebuilt through the fresh node's parity, bit-exact."""
+    nodes, addrs, secret = start_group(daemon_factory, tmp, per_node=2, parity=PARITY + PROBE)
     st = status(nodes[0].socket)["memory"]
     assert st["redundancy"] == "parity" and st["parity_held_bytes"] > 0
     text = subprocess.run([sys.executable, "-m", "ckptd", "status", "--socket", str(nodes[0].socket)],
@@ -120,7 +123,7 @@ def test_lost_node_rebuilt_from_parity_bit_exact(daemon_factory, tmp):
     assert remove_data_files(nodes[0].root, JOB) == 2 * WORLD
     ck = restore_rank(nodes[2].socket, 2, world=2 * WORLD)       # any survivor of the group rebuilds it too
     assert ck.last_restore.source == "peer" and ck.last_restore.from_storage == 0, ck.last_restore
-    fresh = daemon_factory(*peer_args(addrs[1], addrs, secret, *PARITY), name="n1b")
+    fresh = daemon_factory(*peer_args(addrs[1], addrs, secret, *PARITY, *PROBE), name="n1b")
     for rank in (2, 3):
         ck = restore_rank(fresh.socket, rank, world=2 * WORLD)
         assert ck.last_restore.source == "peer" and ck.last_restore.from_storage == 0, ck.last_restore
@@ -133,11 +136,18 @@ def test_lost_node_rebuilt_from_parity_bit_exact(daemon_factory, tmp):
     shard3 = sum(t.numel() * t.element_size() for t in state_for(3).values())
     assert sorted(held["ranks"]) == ["2", "3"] and shard3 <= mem["rebuild_received_bytes"] < shard3 + 4096, mem
     assert sum(status(n.socket)["memory"]["reduce_fetched_bytes"] for n in (nodes[0], nodes[2], nodes[3])) > 0
-    # the replacement answers but holds none of the parity member 1 held: still degraded, and it says where
-    text = subprocess.run([sys.executable, "-m", "ckptd", "status", "--group", "--socket", str(nodes[0].socket)],
-                          capture_output=True, text=True, timeout=60).stdout
-    assert f"group 0 (4 nodes): job={JOB} step={STEP} degraded, 6 ranks held" in text, text
-    assert "is not in member 1's parity" in text and "unreachable" not in text, text
+    # The replacement started with none of the parity member 1 held; the other members' probes send
+    # their pieces to it again, and the group's step is protected again.
+    wait_for(lambda: [g["state"] for g in group_status(nodes[0].socket)] == ["protected"],
+             "the group protected again", 60)
+    for n in (nodes[0], nodes[2], nodes[3]):
+        assert "parity piece gone from its holder; sent again" in n.log_text()
+    assert fresh.log_text().count("parity piece folded") > 0
+    nodes[3].kill()                 # node 3 lost next: its stripes decode through the fresh node's parity too
+    fresh3 = daemon_factory(*peer_args(addrs[3], addrs, secret, *PARITY), name="n3b")
+    for rank in (6, 7):
+        ck = restore_rank(fresh3.socket, rank, world=2 * WORLD)
+        assert ck.last_restore.source == "peer" and ck.last_restore.from_storage == 0, ck.last_restore
 
 
 def test_memory_level_step_rebuilt_from_parity(daemon_factory, tmp):
@@ -321,6 +331,38 @@ def test_parity_piece_sends_and_failures_in_status_and_metrics(daemon_factory, t
     assert "piece failures=2 sent 1.0 MiB of pieces, 1 held step(s) degraded" in out, out
     assert f"  peer {addrs[1]}: sent 0.5 MiB, 1 failed pieces" in out, out
     ck.close()
+
+
+def test_a_stopped_parity_holders_pieces_stop_counting_and_count_again_when_it_answers(daemon_factory, tmp):
+    """The probe in parity mode: with a holder stopped (SIGSTOP), node 0's newest step is no longer
+    counted protected (its pieces there cannot be confirmed: degraded_steps 1); resumed, the holder
+    answers folding them, and the step counts as protected again without a piece sent twice."""
+    import signal
+
+    from procfd import sigstop
+    addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    secret = secret_file(tmp / "secret", "s3cret-shared-by-every-node-0123456789")
+    args = ("--peer-redundancy", "parity", "--peer-group", "3", "--peer-parity", "1", "--peer-io-timeout", "1",
+            *PROBE)
+    nodes = [daemon_factory(*peer_args(a, addrs, secret, *args), name=f"n{i}") for i, a in enumerate(addrs)]
+    with ckptd_client.Checkpointer(JOB, socket=str(nodes[0].socket)) as ck:
+        ck.save(1, {"w": torch.randn(1 << 18)}).wait(60)
+
+    def held() -> dict[str, Any]:
+        (one,) = [s for s in status(nodes[0].socket)["memory"]["held"] if s["step"] == 1]
+        return one
+    wait_for(lambda: held().get("protected") is True, "step 1 protected")
+    sigstop(nodes[1].proc.pid)
+    try:
+        wait_for(lambda: held().get("protected") is False, "step 1 no longer counted protected", 30)
+        assert status(nodes[0].socket)["memory"]["degraded_steps"] == 1
+    finally:
+        os.kill(nodes[1].proc.pid, signal.SIGCONT)
+    wait_for(lambda: held().get("protected") is True, "step 1 protected again", 30)
+    assert status(nodes[0].socket)["memory"]["degraded_steps"] == 0
+    log = nodes[0].log_text()
+    assert log.count("parity holder unreachable; its pieces no longer count") == 1   # (once, not per round)
+    assert "parity holder reachable again" in log and "sent again" not in log
 
 
 # Two ranks of a run whose third node is down: step 9 to storage, memory-level step 10 fails (its

@@ -108,8 +108,10 @@ class PeerSettings:
             "`replicated` and `ckptd_memory_degraded_steps` say so within `probe_interval` + `io_timeout`; "
             "a target reachable again is asked about those and they count again once it confirms them. "
             "A lost copy of a job's newest held step is sent to its target again (at most 3 times per copy); "
-            "an older step's is not. `0` turns the probe off (copies mode only): lost copies are then "
-            "neither seen nor sent again.")
+            "an older step's is not. In parity mode each parity holder of the newest step's acknowledged "
+            "pieces is asked for its records (`group_report`), and a piece it lost is sent again the same "
+            "way (docs/erasure-coding.md). `0` turns the probe off: lost copies and pieces are then neither "
+            "seen nor sent again.")
     redundancy: str = setting(
         "copies", choices=REDUNDANCY, flags=(Flag("--peer-redundancy"),),
         doc="How a lost node's held shards survive: `copies` (K full copies on peers, `replicas`) or `parity` "

@@ -118,7 +118,7 @@ class MemoryService:
         if self.secret is not None and p.peers and p.redundancy == "parity":
             layout = ParityLayout.of(list(p.peers), p.name or p.listen or "", p.group, p.parity, p.jump)
             self.parity = ParityNode(self.store, layout, self.secret, p.bandwidth, p.io_timeout, self._trim,
-                                     tls=client_tls)
+                                     tls=client_tls, probe_interval=p.probe_interval)
             self.rebuilder = Rebuilder(self.store, layout, self.secret, p.io_timeout, tls=client_tls)
             self.holder = ParityHolder(self.store, layout, self.rebuilder.reduce)
             # Shards their owners still hold are fetched whole (a restore at another world size reads other

@@ -59,7 +59,7 @@ async def ask(layout: ParityLayout, member: int, secret: bytes, timeout: float,
         link.close()
 
 
-def _entries(rep: dict[str, Any], key: str, n: int) -> list[tuple[Any, ...]]:
+def entries(rep: dict[str, Any], key: str, n: int) -> list[tuple[Any, ...]]:
     items = rep.get(key)
     if not isinstance(items, list) or len(items) > REPORT_MAX:
         raise ValueError(f"bad {key!r} list")
@@ -80,11 +80,11 @@ def judge(layout: ParityLayout, reports: dict[int, dict[str, Any] | str]) -> lis
         if isinstance(rep, str):
             continue
         try:
-            for job, step, rank, digest, nbytes in _entries(rep, "own", 5):
+            for job, step, rank, digest, nbytes in entries(rep, "own", 5):
                 own.setdefault((job, step), []).append((m, rank, digest, nbytes))
                 holds.add((m, job, step, rank, digest))
-            folded |= {(m, *f) for f in _entries(rep, "folded", 6)}
-            holds |= {(m, *c) for c in (_entries(rep, "copies", 4) if "copies" in rep else ())}
+            folded |= {(m, *f) for f in entries(rep, "folded", 6)}
+            holds |= {(m, *c) for c in (entries(rep, "copies", 4) if "copies" in rep else ())}
         except (ValueError, TypeError) as e:
             lost[m] = f"a malformed report: {e}"
     out = []

@@ -15,6 +15,14 @@ its pieces (``drop_piece``, bounded by ``peers.io_timeout``; the step's later se
 holder of a build older than drop_piece closes the connection on it and keeps the failed save's
 buffers: it is warned of once per holder (upgrade a parity group as a whole), and until it answers a
 piece with ``drops`` a memory-level save of that step number is not protected by it (the save fails).
+
+Probing (``peers.probe_interval`` > 0): a holder restarted or replaced empty has lost the parity its
+members' acknowledgements still count. Every interval the acknowledged pieces of the newest step held
+here of each job are looked for in their holders' records (``group_report``, one question per holder,
+bounded by ``peers.io_timeout``): a piece a holder no longer folds stops counting and is sent to it
+again (up to ``RESENDS`` times per piece), so the replacement's parity is whole again once every member
+of the group has sent its pieces; a holder that cannot be reached has its pieces stop counting, and
+they count again when it answers folding them. Older steps are not probed (nor sent again).
 """
 from __future__ import annotations
 
@@ -31,19 +39,22 @@ from ckptd.core.peer_channel import StalledError
 from ckptd.daemon.runtime import TaskSet, describe_error
 from ckptd.daemon.tiers.memory.memory_level import NotHeld
 from ckptd.daemon.tiers.memory.store import Held, MemoryStore
+from ckptd.daemon.tiers.peers import group_state
 from ckptd.daemon.tiers.peers.layout import ParityLayout
 from ckptd.daemon.tiers.peers.link import PeerLink
-from ckptd.daemon.tiers.peers.replicate import QUEUE_MAX, PeerCounts, TokenBucket
+from ckptd.daemon.tiers.peers.replicate import QUEUE_MAX, RESENDS, PeerCounts, TokenBucket
 
 log = logging.getLogger("ckptd")
+Piece = tuple[tuple[str, int, int], int, int]       # a shard's piece at one holder: (shard key, stripe, q)
 LANES_KEPT = 256                 # (job, step)s whose lane numbering this node remembers
 
 
 class ParityNode:
     def __init__(self, store: MemoryStore, layout: ParityLayout, secret: bytes, bandwidth: int, timeout: float,
-                 trim: Callable[[str], None], tls: ssl.SSLContext | None = None) -> None:
+                 trim: Callable[[str], None], tls: ssl.SSLContext | None = None,
+                 probe_interval: float = 0.0) -> None:
         self.store, self.layout, self.secret, self.timeout, self.trim = store, layout, secret, timeout, trim
-        self.tls = tls
+        self.tls, self.probe_interval = tls, probe_interval
         self.bucket = TokenBucket(bandwidth)
         self.queue: asyncio.Queue[tuple[Held, int]] = asyncio.Queue(QUEUE_MAX)
         self.lanes: dict[tuple[str, int], dict[int, int]] = {}       # (job, step) → rank → lane
@@ -57,6 +68,9 @@ class ParityNode:
         # holder → the (job, step)s whose failed save's pieces it kept (an older build: no drop_piece)
         self.kept_by_old: dict[str, set[tuple[str, int]]] = {}
         self.errors: dict[tuple[str, int, int], str] = {}     # a shard's last piece error (protect_now says it)
+        self.unsure: set[Piece] = set()       # acknowledged pieces whose holder could not be reached
+        self.resent: dict[Piece, int] = {}    # pieces sent again after their holder lost them: how often
+        self.down: set[int] = set()           # holders (members) the last probe of them could not reach
 
     # ---- sending -------------------------------------------------------------------------
 
@@ -84,6 +98,10 @@ class ParityNode:
                         extra={"ctx": {"job": held.job, "step": held.step, "rank": held.rank}})
 
     async def run(self) -> None:
+        """The sender, and the prober (``probe_interval`` > 0), for as long as the daemon runs."""
+        await asyncio.gather(self._sender(), *([self._prober()] if self.probe_interval > 0 else []))
+
+    async def _sender(self) -> None:
         while True:
             held, lane = await self.queue.get()
             if held.gone or held.meta is None:
@@ -233,10 +251,96 @@ class ParityNode:
             view.release()
             link.close()
         counts.sent_bytes += length
+        self._ack(held, s, q)
+
+    # ---- probing (module docstring) ------------------------------------------------------------
+
+    async def _prober(self) -> None:
+        while True:
+            await asyncio.sleep(self.probe_interval)
+            try:
+                await self.check()
+            except Exception as e:        # (a bug here must not end the probes, nor the sender)
+                log.error("parity probe failed", extra={"ctx": {"error": describe_error(e)}})
+
+    async def check(self) -> None:
+        """One probe round: the newest step's acknowledged (and unsure) pieces looked for at their holders."""
+        newest: dict[str, int] = {}
+        live = [h for h in self.store.entries.values() if h.origin == "local" and h.meta is not None and not h.gone]
+        for h in live:
+            newest[h.job] = max(newest.get(h.job, h.step), h.step)
+        for key in [k for k in self.resent if k[0] not in self.store.entries]:
+            del self.resent[key]
+        self.unsure = {k for k in self.unsure if k[0] in self.store.entries}
+        asked: dict[int, list[tuple[Held, int, int, int, int, int]]] = {}     # holder → (held, lane, s, q, at, n)
+        for h in live:
+            meta, got = h.meta, self.acked.get(h.key)
+            lane = self.lanes.get((h.job, h.step), {}).get(h.rank)
+            assert meta is not None
+            if h.step != newest[h.job] or lane is None or (h.job, h.step) in self.dropping:
+                continue
+            acks = got[1] if got is not None and got[0] == meta.digest else set()
+            for piece in self.layout.cut(meta.nbytes).pieces:
+                for q, m in enumerate(self.layout.stripe(piece.stripe).parity) if piece.length else ():
+                    if (piece.stripe, q) in acks or (h.key, piece.stripe, q) in self.unsure:
+                        asked.setdefault(m, []).append((h, lane, piece.stripe, q, piece.offset, piece.length))
+        await asyncio.gather(*(self._check_holder(m, items) for m, items in asked.items()))
+
+    async def _check_holder(self, member: int, items: list[tuple[Held, int, int, int, int, int]]) -> None:
+        addr = self.layout.address(member)
+        rep = await group_state.bounded_ask(self.layout, member, self.secret, self.timeout, self.tls)
+        try:
+            folded = set() if isinstance(rep, str) else set(group_state.entries(rep, "folded", 6))
+        except (ValueError, TypeError) as e:
+            rep = f"a malformed report: {e}"
+        if isinstance(rep, str):
+            for h, _, s, q, _, _ in items:
+                self._unack(h, s, q)
+                self.unsure.add((h.key, s, q))
+            if member not in self.down:
+                log.warning("parity holder unreachable; its pieces no longer count",
+                            extra={"ctx": {"peer": addr, "pieces": len(items), "error": rep}})
+            self.down.add(member)
+            return
+        if member in self.down:
+            self.down.discard(member)
+            log.info("parity holder reachable again", extra={"ctx": {"peer": addr}})
+        for h, lane, s, q, at, n in items:
+            meta = h.meta
+            if meta is None or h.gone:
+                continue
+            if (h.job, h.step, s, self.layout.member, h.rank, meta.digest) in folded:
+                if (h.key, s, q) in self.unsure:
+                    self.unsure.discard((h.key, s, q))
+                    self._ack(h, s, q)
+                continue
+            self.unsure.discard((h.key, s, q))
+            self._unack(h, s, q)
+            ctx = {"job": h.job, "step": h.step, "rank": h.rank, "stripe": s, "peer": addr}
+            times = self.resent.get((h.key, s, q), 0)
+            if times >= RESENDS:
+                log.warning("parity piece lost again; not sent again",
+                            extra={"ctx": {**ctx, "times_sent_again": times}})
+                continue
+            self.resent[(h.key, s, q)] = times + 1
+            log.warning("parity piece gone from its holder; sent again", extra={"ctx": ctx})
+            self.store.pin(h)
+            try:
+                await self._send(h, lane, s, at, n, q, addr)
+            finally:
+                self.store.unpin(h)
+
+    def _ack(self, held: Held, s: int, q: int) -> None:
+        assert held.meta is not None
         got = self.acked.get(held.key)
-        if got is None or got[0] != meta.digest:
-            got = self.acked[held.key] = (meta.digest, set())
+        if got is None or got[0] != held.meta.digest:
+            got = self.acked[held.key] = (held.meta.digest, set())
         got[1].add((s, q))
+
+    def _unack(self, held: Held, s: int, q: int) -> None:
+        got = self.acked.get(held.key)
+        if got is not None and held.meta is not None and got[0] == held.meta.digest:
+            got[1].discard((s, q))
 
     def protected(self, job: str, step: int, rank: int, nbytes: int, digest: str) -> bool:
         """Every piece of this node's shard (job, step, rank) with manifest ``digest`` is in its parity
