@@ -114,6 +114,27 @@ def test_a_peer_restarted_empty_gets_the_newest_steps_copy_again(daemon_factory,
     assert torch.equal(state["w"], torch.randn(200_000, generator=torch.Generator().manual_seed(4)))
 
 
+@pytest.mark.timeout(180)
+def test_a_copy_lost_again_and_again_is_sent_again_at_most_three_times(daemon_factory, tmp):
+    """B restarted empty four times: A sends its step's copy again after each of the first three
+    (A counts 2 copies again each time), and after the fourth logs that it is not sent again and
+    leaves the step degraded: a target that loses a copy over and over does not get it forever."""
+    a, b, addrs, secret = two_nodes(daemon_factory, tmp)
+    save(a.socket, "flap", 1)
+    wait_for(lambda: copies_of(a.socket, "flap", 1) == 2, "A's step 1 replicated on B", 30)
+    for n in range(1, 5):
+        b.kill()
+        b = daemon_factory(*peer_args(addrs[1], addrs, secret, *PROBE), name=f"b{n}")
+        if n <= 3:
+            wait_for(lambda: held_step(b.socket, "flap", 1) is not None,  # noqa: B023 (called at once)
+                     f"B holds A's step 1 again after restart {n}", 30)
+            wait_for(lambda: copies_of(a.socket, "flap", 1) == 2, f"2 copies again after restart {n}", 30)
+    wait_for(lambda: "replica lost again; not sent again" in a.log_text(), "A gives up on the fourth loss", 30)
+    assert a.log_text().count("replica sent again") == 3
+    assert_degraded(a, "flap", 1)
+    assert held_step(b.socket, "flap", 1) is None
+
+
 @pytest.mark.timeout(120)
 def test_a_replica_the_peer_trimmed_no_longer_counts(daemon_factory, tmp):
     """A keeps two steps in memory, B one: when A's step 6 reaches B, B trims its replica of step 5 while
