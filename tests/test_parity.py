@@ -365,6 +365,36 @@ def test_a_stopped_parity_holders_pieces_stop_counting_and_count_again_when_it_a
     assert "parity holder reachable again" in log and "sent again" not in log
 
 
+def test_a_holder_that_loses_its_parity_again_and_again_gets_the_pieces_at_most_three_times(daemon_factory, tmp):
+    """Holder node 1 restarted empty four times: node 0 sends its pieces there again after each of the
+    first three (the restarted holder holds parity, node 0's step counts protected again), and after
+    the fourth logs that they are not sent again and leaves the step degraded."""
+    addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    secret = secret_file(tmp / "secret", "s3cret-shared-by-every-node-0123456789")
+    args = ("--peer-redundancy", "parity", "--peer-group", "3", "--peer-parity", "1", "--peer-io-timeout", "1",
+            *PROBE)
+    nodes = [daemon_factory(*peer_args(a, addrs, secret, *args), name=f"n{i}") for i, a in enumerate(addrs)]
+    with ckptd_client.Checkpointer(JOB, socket=str(nodes[0].socket)) as ck:
+        ck.save(1, {"w": torch.randn(1 << 18)}).wait(60)
+
+    def counted() -> bool | None:
+        (one,) = [s for s in status(nodes[0].socket)["memory"]["held"] if s["step"] == 1]
+        return one.get("protected")
+    wait_for(lambda: counted() is True, "step 1 protected")
+    holder = nodes[1]
+    for n in range(1, 5):
+        holder.kill()
+        holder = daemon_factory(*peer_args(addrs[1], addrs, secret, *args), name=f"n1-{n}")
+        if n <= 3:
+            wait_for(lambda: status(holder.socket)["memory"]["parity_held_bytes"] > 0,  # noqa: B023
+                     f"the holder has parity again after restart {n}", 30)
+            wait_for(lambda: counted() is True, f"step 1 protected again after restart {n}", 30)
+    wait_for(lambda: "parity piece lost again; not sent again" in nodes[0].log_text(), "node 0 gives up", 30)
+    wait_for(lambda: counted() is False, "step 1 degraded", 30)
+    assert status(holder.socket)["memory"]["parity_held_bytes"] == 0
+    assert nodes[0].log_text().count("parity piece gone from its holder; sent again") == 3
+
+
 # Two ranks of a run whose third node is down: step 9 to storage, memory-level step 10 fails (its
 # pieces for the dead node's stripes have nowhere to go), after the other node folded some of them.
 FAILING = textwrap.dedent("""
