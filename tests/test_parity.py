@@ -333,6 +333,26 @@ def test_parity_piece_sends_and_failures_in_status_and_metrics(daemon_factory, t
     ck.close()
 
 
+PROBED_TRIO = ("--peer-redundancy", "parity", "--peer-group", "3", "--peer-parity", "1", "--peer-io-timeout", "1",
+               *PROBE)
+
+
+def probed_trio(daemon_factory: Any, tmp: Path) -> tuple[list[Any], list[str], Path, Any]:
+    """3 nodes (G = 3, P = 1, probe 0.5 s), node 0 having saved step 1 (one rank, 1 MiB); and a
+    function telling whether node 0 counts step 1 protected."""
+    addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    secret = secret_file(tmp / "secret", "s3cret-shared-by-every-node-0123456789")
+    nodes = [daemon_factory(*peer_args(a, addrs, secret, *PROBED_TRIO), name=f"n{i}") for i, a in enumerate(addrs)]
+    with ckptd_client.Checkpointer(JOB, socket=str(nodes[0].socket)) as ck:
+        ck.save(1, {"w": torch.randn(1 << 18)}).wait(60)
+
+    def counted() -> bool | None:
+        (one,) = [s for s in status(nodes[0].socket)["memory"]["held"] if s["step"] == 1]
+        return one.get("protected")
+    wait_for(lambda: counted() is True, "step 1 protected")
+    return nodes, addrs, secret, counted
+
+
 def test_a_stopped_parity_holders_pieces_stop_counting_and_count_again_when_it_answers(daemon_factory, tmp):
     """The probe in parity mode: with a holder stopped (SIGSTOP), node 0's newest step is no longer
     counted protected (its pieces there cannot be confirmed: degraded_steps 1); resumed, the holder
@@ -340,25 +360,14 @@ def test_a_stopped_parity_holders_pieces_stop_counting_and_count_again_when_it_a
     import signal
 
     from procfd import sigstop
-    addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]
-    secret = secret_file(tmp / "secret", "s3cret-shared-by-every-node-0123456789")
-    args = ("--peer-redundancy", "parity", "--peer-group", "3", "--peer-parity", "1", "--peer-io-timeout", "1",
-            *PROBE)
-    nodes = [daemon_factory(*peer_args(a, addrs, secret, *args), name=f"n{i}") for i, a in enumerate(addrs)]
-    with ckptd_client.Checkpointer(JOB, socket=str(nodes[0].socket)) as ck:
-        ck.save(1, {"w": torch.randn(1 << 18)}).wait(60)
-
-    def held() -> dict[str, Any]:
-        (one,) = [s for s in status(nodes[0].socket)["memory"]["held"] if s["step"] == 1]
-        return one
-    wait_for(lambda: held().get("protected") is True, "step 1 protected")
+    nodes, _, _, counted = probed_trio(daemon_factory, tmp)
     sigstop(nodes[1].proc.pid)
     try:
-        wait_for(lambda: held().get("protected") is False, "step 1 no longer counted protected", 30)
+        wait_for(lambda: counted() is False, "step 1 no longer counted protected", 30)
         assert status(nodes[0].socket)["memory"]["degraded_steps"] == 1
     finally:
         os.kill(nodes[1].proc.pid, signal.SIGCONT)
-    wait_for(lambda: held().get("protected") is True, "step 1 protected again", 30)
+    wait_for(lambda: counted() is True, "step 1 protected again", 30)
     assert status(nodes[0].socket)["memory"]["degraded_steps"] == 0
     log = nodes[0].log_text()
     assert log.count("parity holder unreachable; its pieces no longer count") == 1   # (once, not per round)
@@ -369,22 +378,11 @@ def test_a_holder_that_loses_its_parity_again_and_again_gets_the_pieces_at_most_
     """Holder node 1 restarted empty four times: node 0 sends its pieces there again after each of the
     first three (the restarted holder holds parity, node 0's step counts protected again), and after
     the fourth logs that they are not sent again and leaves the step degraded."""
-    addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]
-    secret = secret_file(tmp / "secret", "s3cret-shared-by-every-node-0123456789")
-    args = ("--peer-redundancy", "parity", "--peer-group", "3", "--peer-parity", "1", "--peer-io-timeout", "1",
-            *PROBE)
-    nodes = [daemon_factory(*peer_args(a, addrs, secret, *args), name=f"n{i}") for i, a in enumerate(addrs)]
-    with ckptd_client.Checkpointer(JOB, socket=str(nodes[0].socket)) as ck:
-        ck.save(1, {"w": torch.randn(1 << 18)}).wait(60)
-
-    def counted() -> bool | None:
-        (one,) = [s for s in status(nodes[0].socket)["memory"]["held"] if s["step"] == 1]
-        return one.get("protected")
-    wait_for(lambda: counted() is True, "step 1 protected")
+    nodes, addrs, secret, counted = probed_trio(daemon_factory, tmp)
     holder = nodes[1]
     for n in range(1, 5):
         holder.kill()
-        holder = daemon_factory(*peer_args(addrs[1], addrs, secret, *args), name=f"n1-{n}")
+        holder = daemon_factory(*peer_args(addrs[1], addrs, secret, *PROBED_TRIO), name=f"n1-{n}")
         if n <= 3:
             wait_for(lambda: status(holder.socket)["memory"]["parity_held_bytes"] > 0,  # noqa: B023
                      f"the holder has parity again after restart {n}", 30)
