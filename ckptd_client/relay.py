@@ -101,7 +101,6 @@ class StoreRelay:
         self.nodes = -(-world_size // self.node_size)
         self.node = rank // self.node_size
         self._commit, self._abort, self._on_disk = commit, abort, on_disk
-        self._own = store       # short requests; the blocking waits run on a cloned connection
         self._stop = threading.Event()
         self._waiter = StoreWaiter(store, self._stop)
         self._saves: dict[int, RelayedSave] = {}
@@ -220,7 +219,7 @@ class StoreRelay:
                 return self._by_disk(s, 0.0, f"this process closed before rank 0's commit of step {s.step} was known")
             return self._by_disk(s, 0.0, f"timed out after {time.monotonic() - s.start:.1f}s (2 x commit_timeout "
                                  f"{self.timeout:g}s from the save) waiting for rank 0's commit")
-        raw = self._own.get(key)
+        raw = self.store.get(key)
         self._read.append(key)      # counted off this path; the last reader deletes it
         try:
             result = StepResult.decode(raw, s.step)
@@ -233,16 +232,16 @@ class StoreRelay:
         members = self.members(self.node)
         keys = [store_keys.rank_outcome(scope, s.step, r) for r in members]
         if self._waiter.wait(keys, self._at(s, 0.7)):
-            values: list[bytes | None] = list(multi_get(self._own, keys))
+            values: list[bytes | None] = list(multi_get(self.store, keys))
         else:                   # someone is missing: which (one key at a time, on this failure path only)
-            values = [self._own.get(k) if self._own.check([k]) else None for k in keys]
+            values = [self.store.get(k) if self.store.check([k]) else None for k in keys]
         # Decoded here, once per node: rank 0 then decodes one document per node, not one per rank.
         why = f"its node leader (rank {self.rank}) closed before this rank reported" if self._stop.is_set() else None
         outcomes = tuple(_member(r, v, 0.7 * self.timeout, why) for r, v in zip(members, values, strict=True))
-        self._own.set(store_keys.node_record(scope, s.step, self.node), NodeRecord(members.start, outcomes).encode())
+        self.store.set(store_keys.node_record(scope, s.step, self.node), NodeRecord(members.start, outcomes).encode())
         with contextlib.suppress(Exception):     # the members' keys, now, while rank 0 commits (not on its path:
             for k in keys:                      # 4,096 ranks resolved sooner than with them deleted after, scale.md)
-                self._own.delete_key(k)
+                self.store.delete_key(k)
 
     def _lead(self, scope: str, s: RelayedSave) -> str | None:
         """Rank 0: wait for every node's record, then commit or abort, and publish the result."""
@@ -253,7 +252,7 @@ class StoreRelay:
             if self._stop.is_set():       # (rank 0's own close or exit, not a lost node)
                 return self._fail(scope, s, f"rank 0's process closed while step {s.step} was being committed")
             missing = [n for i in range(0, self.nodes, CHUNK) for n, k in enumerate(node_keys[i: i + CHUNK], i)
-                       if not self._own.check([k])]
+                       if not self.store.check([k])]
             reason = self._describe_missing(missing)
             return self._fail(scope, s, reason)
         # One record per rank (typed: not tracked by the collector): collection paused (ckptd.core.gc_pause)
@@ -288,7 +287,7 @@ class StoreRelay:
             part = node_keys[i: i + WAIT_NODES]
             if not self._waiter.wait(part, self._at(s, 0.85)):
                 return None
-            raws = multi_get(self._own, part)
+            raws = multi_get(self.store, part)
             with gc_paused():
                 for n, raw in enumerate(raws, i):
                     try:
@@ -344,7 +343,7 @@ class StoreRelay:
         hand this step's other keys to ``_delete_keys`` (the result is its readers' to delete)."""
         try:
             if self.world_size > 1:         # (alone, no rank reads it, so none would delete it)
-                self._own.set(store_keys.save_result(scope, s.step), result.encode())
+                self.store.set(store_keys.save_result(scope, s.step), result.encode())
         except Exception:
             return
         self._trash += [store_keys.node_record(scope, s.step, n) for n in range(self.nodes)]

@@ -356,6 +356,15 @@ class MemoryStore:
         if held.pins == 0 and held.meta is not None:
             held.close()          # (one still being copied into is closed by whoever copies: cancel/filled)
 
+    def newest_own(self) -> dict[str, int]:
+        """Each job's newest step of which this node holds its own (``local``) shards, filled and not
+        dropped: the step the peers' probes send again when a copy of it is lost (replicate, parity)."""
+        newest: dict[str, int] = {}
+        for h in self.entries.values():
+            if h.origin == "local" and h.meta is not None and not h.gone:
+                newest[h.job] = max(h.step, newest.get(h.job, h.step))
+        return newest
+
     def views(self) -> tuple[HeldView, ...]:
         return tuple(HeldView(h.job, h.step, h.rank, h.nbytes, h.origin, h.committed, h.pins, h.in_slot)
                      for h in sorted(list(self.entries.values()), key=lambda h: h.key) if h.meta is not None)

@@ -265,19 +265,16 @@ class ParityNode:
 
     async def check(self) -> None:
         """One probe round: the newest step's acknowledged (and unsure) pieces looked for at their holders."""
-        newest: dict[str, int] = {}
-        live = [h for h in self.store.entries.values() if h.origin == "local" and h.meta is not None and not h.gone]
-        for h in live:
-            newest[h.job] = max(newest.get(h.job, h.step), h.step)
+        newest = self.store.newest_own()
         for key in [k for k in self.resent if k[0] not in self.store.entries]:
             del self.resent[key]
         self.unsure = {k for k in self.unsure if k[0] in self.store.entries}
         asked: dict[int, list[tuple[Held, int, int, int, int, int]]] = {}     # holder → (held, lane, s, q, at, n)
-        for h in live:
+        for h in self.store.entries.values():      # (no await in this loop)
             meta, got = h.meta, self.acked.get(h.key)
             lane = self.lanes.get((h.job, h.step), {}).get(h.rank)
-            assert meta is not None
-            if h.step != newest[h.job] or lane is None or (h.job, h.step) in self.dropping:
+            if h.origin != "local" or meta is None or h.gone or h.step != newest.get(h.job) or lane is None \
+                    or (h.job, h.step) in self.dropping:
                 continue
             acks = got[1] if got is not None and got[0] == meta.digest else set()
             for piece in self.layout.cut(meta.nbytes).pieces:

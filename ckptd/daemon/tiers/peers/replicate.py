@@ -228,11 +228,8 @@ class Replicator:
     def _send_again(self, held: Held, target: str) -> None:
         """(Event loop) A copy ``target`` lost, queued for it again if ``held`` is of the newest step held
         here for its job and has not been sent again ``RESENDS`` times (module docstring)."""
-        newest = max((h.step for h in self.store.entries.values()
-                      if h.job == held.job and h.origin == held.origin and h.meta is not None and not h.gone),
-                     default=None)
         ctx = {"job": held.job, "step": held.step, "rank": held.rank, "peer": target}
-        if held.step != newest:
+        if held.step != self.store.newest_own().get(held.job):
             return
         times = self.resent.get((target, held.key), 0)
         if times >= RESENDS:
